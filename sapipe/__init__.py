@@ -1,0 +1,30 @@
+"""sapipe: staleness-aware pipelined data-parallel training for PyTorch (SAPipe, NeurIPS 2022).
+
+Wrap your optimizer; the first ``stale_layers`` layers take one-step-stale gradients so
+their all-reduce hides behind the next forward, every other layer stays exactly
+synchronous, and staleness compensation (``dc``, ``wp1``-``wp3``) keeps accuracy.
+"""
+from . import ops
+from .compensation import MODES as COMPENSATION_MODES
+from .errors import (
+    CommunicationError,
+    ConfigurationError,
+    SapipeError,
+    UnsupportedOptimizerError,
+    UsageError,
+)
+from .optimizer import DistributedOptimizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DistributedOptimizer",
+    "COMPENSATION_MODES",
+    "SapipeError",
+    "ConfigurationError",
+    "UnsupportedOptimizerError",
+    "CommunicationError",
+    "UsageError",
+    "ops",
+    "__version__",
+]

@@ -1,0 +1,175 @@
+"""Flat gradient buckets, the staleness buffer, and the weight history used by DC / wp3.
+
+DESIGN.md §5: gradients are packed into flat buckets in reverse forward order, and the S/N
+boundary is a bucket boundary. Inside a bucket, parameters are ordered by param group and
+then by layer, so each param group is one contiguous *segment* that an optimizer rule can
+update with a single flat call, whatever way the user interleaved groups across layers.
+A bucket's parameters become views into one flat weight buffer (done once, at the first
+``step()``), so updates and kernels run on whole segments without gathering.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .layers import Layer
+from .optim_math import SegmentState
+
+
+@dataclass
+class Segment:
+    """A contiguous slice [start, end) of a bucket whose parameters share one param group."""
+
+    group: int
+    start: int
+    end: int
+    lengths: List[int]  # numel of each parameter tensor in the slice, in order
+    state: Optional[SegmentState] = None
+
+    def of(self, flat: Tensor) -> Tensor:
+        return flat[self.start : self.end]
+
+
+class StalenessBuffer:
+    """``depth`` flat gradient buffers rotated by iteration (2 for staleness 1).
+
+    Backward writes iteration i's gradient into slot ``i % depth`` while the all-reduces
+    of the previous ``depth - 1`` iterations are still in flight in the other slots. Slots
+    are allocated once; nothing is allocated per step.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, depth: int):
+        self.slots = [torch.zeros(numel, dtype=dtype, device=device) for _ in range(depth)]
+        self.in_flight: List[Optional[object]] = [None] * depth  # comm handles per slot
+
+    @property
+    def depth(self) -> int:
+        return len(self.slots)
+
+    def index(self, iteration: int) -> int:
+        return iteration % self.depth
+
+
+class WeightHistory:
+    """The last ``length`` real weights of a bucket, oldest first (for Δx in DC and wp3)."""
+
+    def __init__(self, weights: Tensor, length: int):
+        self._ring = [weights.clone() for _ in range(length)]
+        self._oldest = 0
+
+    def oldest(self) -> Tensor:
+        return self._ring[self._oldest]
+
+    def newest(self) -> Tensor:
+        return self._ring[(self._oldest - 1) % len(self._ring)]
+
+    def push(self, weights: Tensor) -> None:
+        self._ring[self._oldest].copy_(weights)
+        self._oldest = (self._oldest + 1) % len(self._ring)
+
+
+class Bucket:
+    """One flat unit of communication and update: whole layers, contiguous in forward order."""
+
+    def __init__(self, index: int, layers: Sequence[Layer], stale: bool, group_of: Dict[int, int]):
+        self.index = index
+        self.layers = list(layers)
+        self.stale = stale
+        params = [p for layer in self.layers for p in layer.params]
+        # Stable sort by param group: each group becomes one contiguous segment.
+        params.sort(key=lambda p: group_of[id(p)])
+        self.params: List[nn.Parameter] = params
+        self.offsets: List[int] = []
+        self.segments: List[Segment] = []
+        offset = 0
+        for p in params:
+            group = group_of[id(p)]
+            if not self.segments or self.segments[-1].group != group:
+                self.segments.append(Segment(group, offset, offset, []))
+            self.offsets.append(offset)
+            offset += p.numel()
+            self.segments[-1].end = offset
+            self.segments[-1].lengths.append(p.numel())
+        self.numel = offset
+        self.lengths = [p.numel() for p in params]
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.position = {id(p): i for i, p in enumerate(params)}
+
+        # Runtime state, set up by the engine.
+        self.grads: Optional[StalenessBuffer] = None
+        self.local: Optional[Tensor] = None  # this rank's gradient of the current iteration
+        self.prev_local: Optional[Tensor] = None  # ... of the previous iteration (wp3)
+        self.weights: Optional[Tensor] = None  # flat view holder of the model's weights
+        self.real: Optional[Tensor] = None  # real weights x (differs from weights under WP)
+        self.history: Optional[WeightHistory] = None
+        self.ready = [False] * len(params)
+        self.num_ready = 0
+        self.launched = False
+        self.pending_update = None  # hyper-parameter snapshot of a deferred sync update
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.params[0].element_size()
+
+    def describe(self) -> str:
+        names = ", ".join(layer.name or "<root>" for layer in self.layers[:3])
+        more = f" (+{len(self.layers) - 3} more)" if len(self.layers) > 3 else ""
+        kind = "stale" if self.stale else "sync"
+        return f"{kind} bucket {self.index} [{names}{more}]"
+
+    def flatten_weights(self) -> None:
+        """Make every parameter a view into one flat buffer (values unchanged)."""
+        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for p, off in zip(self.params, self.offsets):
+                flat[off : off + p.numel()].copy_(p.reshape(-1))
+                p.data = flat[off : off + p.numel()].view_as(p)
+        self.weights = flat
+
+    def gather_grads(self, out: Tensor) -> None:
+        """Copy every parameter's ``.grad`` into ``out`` (zeros where there is none)."""
+        for p, off in zip(self.params, self.offsets):
+            dst = out[off : off + p.numel()]
+            if p.grad is None:
+                dst.zero_()
+            else:
+                dst.copy_(p.grad.reshape(-1))
+
+
+def build_buckets(
+    layers: Sequence[Layer], stale_layers: int, cap_bytes: int, group_of: Dict[int, int]
+) -> List[Bucket]:
+    """Pack layers into buckets in reverse forward order (the order backward produces them).
+
+    A bucket closes when adding the next layer would exceed ``cap_bytes`` (a single larger
+    layer gets a bucket of its own) and always at the boundary between layer k and k+1, so
+    that every bucket is wholly stale or wholly synchronous.
+    """
+    buckets: List[Bucket] = []
+    current: List[Layer] = []
+    current_bytes = 0
+
+    def close() -> None:
+        nonlocal current, current_bytes
+        if current:
+            stale = current[0].index < stale_layers
+            buckets.append(Bucket(len(buckets), current, stale, group_of))
+        current, current_bytes = [], 0
+
+    for layer in reversed(list(layers)):
+        if not layer.params:
+            continue
+        size = sum(p.numel() * p.element_size() for p in layer.params)
+        crosses_boundary = bool(current) and (current[-1].index < stale_layers) != (
+            layer.index < stale_layers
+        )
+        if current and (crosses_boundary or current_bytes + size > cap_bytes):
+            close()
+        current.append(layer)
+        current_bytes += size
+    close()
+    return buckets

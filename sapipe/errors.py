@@ -1,0 +1,25 @@
+"""Exceptions raised by sapipe.
+
+Every error names its cause, so a user reading one line of a failed job's log knows which
+argument, rank or peer to look at.
+"""
+
+
+class SapipeError(RuntimeError):
+    """Base class of every error sapipe raises on purpose."""
+
+
+class ConfigurationError(SapipeError, ValueError):
+    """An argument is invalid, or the ranks of one job were configured differently."""
+
+
+class UnsupportedOptimizerError(SapipeError, TypeError):
+    """The wrapped optimizer (or one of its options) has no exact staleness-aware rule."""
+
+
+class CommunicationError(SapipeError):
+    """A collective failed or timed out: a peer rank died, hung, or the link broke."""
+
+
+class UsageError(SapipeError):
+    """The training loop called sapipe in an order it cannot honour (e.g. step before backward)."""

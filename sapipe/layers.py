@@ -1,0 +1,86 @@
+"""Layers in forward-execution order, and which layer owns each parameter.
+
+DESIGN.md §2: a layer is a module that directly owns parameters; layers are numbered
+1..m in the order they first *execute* in forward, and a parameter registered in several
+modules (tied weights) belongs to the first of them that runs. The order is recorded by
+forward pre-hooks during the first forward pass after construction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Set
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Layer:
+    """One layer: its 0-based position in execution order and the parameters it owns."""
+
+    index: int
+    name: str
+    module: nn.Module
+    params: List[nn.Parameter] = field(default_factory=list)
+    executed: bool = True  # False: never ran in the recorded forward (ordered last)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
+def owning_modules(model: nn.Module, trainable: Set[int]) -> List[tuple]:
+    """(name, module) of every module that directly registers a trainable parameter."""
+    return [
+        (name, module)
+        for name, module in model.named_modules(remove_duplicate=True)
+        if any(id(p) in trainable for p in module.parameters(recurse=False))
+    ]
+
+
+class LayerRecorder:
+    """Records the order in which the owning modules first execute during one forward."""
+
+    def __init__(self, model: nn.Module, trainable_params: List[nn.Parameter]):
+        self._trainable = {id(p) for p in trainable_params}
+        self._owners = owning_modules(model, self._trainable)
+        self._seen: Dict[int, int] = {}  # id(module) -> execution rank
+        self._handles: list = []
+
+    @property
+    def max_layers(self) -> int:
+        """An upper bound of m known before any forward: modules owning trainable parameters.
+
+        The exact m can be smaller when a module owns only parameters tied to an earlier
+        layer; it is known once the first forward has run.
+        """
+        return len(self._owners)
+
+    def start(self) -> None:
+        for _, module in self._owners:
+            self._handles.append(module.register_forward_pre_hook(self._on_pre_forward))
+
+    def _on_pre_forward(self, module: nn.Module, args) -> None:
+        self._seen.setdefault(id(module), len(self._seen))
+
+    def finish(self) -> List[Layer]:
+        """Stop recording; layers in execution order (modules that never ran go last)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        executed = sorted(
+            (o for o in self._owners if id(o[1]) in self._seen), key=lambda o: self._seen[id(o[1])]
+        )
+        not_executed = [o for o in self._owners if id(o[1]) not in self._seen]
+        layers: List[Layer] = []
+        claimed: Set[int] = set()
+        for name, module in executed + not_executed:
+            layer = Layer(len(layers), name, module, executed=id(module) in self._seen)
+            for p in module.parameters(recurse=False):
+                if id(p) in self._trainable and id(p) not in claimed:
+                    claimed.add(id(p))
+                    layer.params.append(p)
+            # A module whose parameters all belong to an earlier layer (tied) is no layer.
+            if layer.params:
+                layers.append(layer)
+        return layers

@@ -1,0 +1,149 @@
+"""OPT and OPT_peek (DESIGN.md §2) for the optimizers sapipe supports, on flat buffers.
+
+sapipe applies updates itself, per bucket, at the moment the staleness rules demand
+(deferred to a layer's pre-forward, or with a stale gradient at ``step()``), so it needs
+the optimizer's arithmetic as a function rather than ``optimizer.step()``. A rule reads
+hyper-parameters from the wrapped optimizer's ``param_groups`` (snapshotted at each
+``step()`` so LR schedulers keep working) and keeps its state (momentum, moments, step
+count) in flat buffers owned by the bucket.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
+
+import torch
+from torch import Tensor
+
+from . import ops
+from .errors import UnsupportedOptimizerError
+
+HyperParams = Mapping[str, Any]
+
+
+@dataclass
+class SegmentState:
+    """Optimizer state of one segment (a slice of a bucket sharing one param group)."""
+
+    buffers: Dict[str, Tensor] = field(default_factory=dict)
+    steps: int = 0  # real updates applied so far (Adam's bias-correction count)
+    momentum_started: bool = False  # SGD: the momentum buffer holds data
+
+
+class OptimizerRule:
+    """The update arithmetic of one optimizer family."""
+
+    #: torch.optim classes this rule reproduces exactly.
+    classes: Tuple[Type[torch.optim.Optimizer], ...] = ()
+    #: names of the flat state buffers a segment needs.
+    buffer_names: Tuple[str, ...] = ()
+
+    def check_group(self, group: Mapping[str, Any]) -> None:
+        """Raise UnsupportedOptimizerError for options this rule cannot reproduce."""
+
+    def hyperparams(self, group: Mapping[str, Any]) -> Dict[str, Any]:
+        """The numbers this rule needs from one param group, copied at ``step()`` time."""
+        raise NotImplementedError
+
+    def new_state(self, like: Tensor) -> SegmentState:
+        return SegmentState({name: torch.zeros_like(like) for name in self.buffer_names})
+
+    def update(self, weights: Tensor, grad: Tensor, state: SegmentState, hp: HyperParams) -> None:
+        """OPT: apply one step in place to ``weights`` and ``state``."""
+        raise NotImplementedError
+
+    def peek(
+        self, weights: Tensor, grad: Tensor, state: SegmentState, hp: HyperParams, out: Tensor
+    ) -> None:
+        """OPT_peek: write the weights OPT would produce to ``out``; change nothing else."""
+        raise NotImplementedError
+
+
+def _reject(group: Mapping[str, Any], option: str, why: str) -> None:
+    if group.get(option):
+        raise UnsupportedOptimizerError(f"sapipe does not support {option}=True: {why}")
+
+
+class SGDRule(OptimizerRule):
+    classes = (torch.optim.SGD,)
+    buffer_names = ("momentum_buffer",)
+
+    def check_group(self, group):
+        _reject(group, "differentiable", "updates are applied outside autograd")
+
+    def hyperparams(self, group):
+        hp = {k: group[k] for k in ("momentum", "dampening", "nesterov", "weight_decay")}
+        hp.update(lr=float(group["lr"]), maximize=bool(group.get("maximize", False)))
+        return hp
+
+    def _run(self, weights, grad, state, hp, out=None):
+        ops.sgd(
+            weights, grad, state.buffers["momentum_buffer"],
+            lr=hp["lr"], momentum=hp["momentum"], dampening=hp["dampening"],
+            nesterov=hp["nesterov"], weight_decay=hp["weight_decay"], maximize=hp["maximize"],
+            first=not state.momentum_started, out=out,
+        )
+
+    def update(self, weights, grad, state, hp):
+        self._run(weights, grad, state, hp)
+        # torch seeds the momentum buffer with the first gradient seen while momentum != 0.
+        state.momentum_started = state.momentum_started or hp["momentum"] != 0
+        state.steps += 1
+
+    def peek(self, weights, grad, state, hp, out):
+        self._run(weights, grad, state, hp, out=out)
+
+
+class AdamRule(OptimizerRule):
+    classes = (torch.optim.Adam, torch.optim.AdamW)
+    buffer_names = ("exp_avg", "exp_avg_sq")
+
+    def check_group(self, group):
+        _reject(group, "amsgrad", "only Adam/AdamW without amsgrad have a staleness-aware rule")
+        _reject(group, "differentiable", "updates are applied outside autograd")
+
+    def hyperparams(self, group):
+        beta1, beta2 = group["betas"]
+        return {
+            "lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2),
+            "eps": group["eps"], "weight_decay": group["weight_decay"],
+            "decoupled": bool(group.get("decoupled_weight_decay", False)),
+            "maximize": bool(group.get("maximize", False)),
+        }
+
+    def _run(self, weights, grad, state, hp, step, out=None):
+        ops.adam(
+            weights, grad, state.buffers["exp_avg"], state.buffers["exp_avg_sq"], step=step,
+            lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
+            weight_decay=hp["weight_decay"], decoupled=hp["decoupled"], maximize=hp["maximize"],
+            out=out,
+        )
+
+    def update(self, weights, grad, state, hp):
+        state.steps += 1
+        self._run(weights, grad, state, hp, state.steps)
+
+    def peek(self, weights, grad, state, hp, out):
+        self._run(weights, grad, state, hp, state.steps + 1, out=out)
+
+
+_RULES: List[OptimizerRule] = [SGDRule(), AdamRule()]
+SUPPORTED = "torch.optim.SGD, torch.optim.Adam (amsgrad=False), torch.optim.AdamW (amsgrad=False)"
+
+
+def rule_for(optimizer: torch.optim.Optimizer) -> OptimizerRule:
+    """The rule that reproduces ``optimizer`` exactly, or a clear refusal.
+
+    Only the exact classes are accepted (not subclasses): a subclass may change ``step()``
+    in ways sapipe cannot see, which would be silent wrong math.
+    """
+    for rule in _RULES:
+        if type(optimizer) in rule.classes:
+            for group in optimizer.param_groups:
+                rule.check_group(group)
+            return rule
+    raise UnsupportedOptimizerError(
+        f"sapipe cannot wrap {type(optimizer).__module__}.{type(optimizer).__qualname__}: "
+        f"staleness-aware updates are implemented for {SUPPORTED}."
+    )

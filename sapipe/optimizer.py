@@ -1,0 +1,516 @@
+"""``DistributedOptimizer``: staleness-aware data-parallel training behind an optimizer.
+
+The user keeps their model and ``torch.optim`` optimizer, drops DDP, and wraps the
+optimizer. From then on (DESIGN.md §3, §5):
+
+* every trainable parameter's gradient is copied into a flat bucket as soon as backward
+  produces it, and a bucket's all-reduce starts as soon as it is full, in bucket order;
+* **sync layers** (k+1..m) get ``x_t = OPT(x_{t-1}, g_t)``, deferred to just before the
+  layer's next forward, so their all-reduce overlaps the rest of backward and the start
+  of the next forward. They equal ``DistributedDataParallel`` with the same optimizer;
+* **stale layers** (1..k) are updated at ``step()`` with the gradient of ``staleness``
+  iterations ago, whose all-reduce ran in the background meanwhile, optionally compensated
+  (``dc``) or with the model holding predicted weights (``wp1``-``wp3``).
+
+Lifecycle per user iteration: forward (pre-hooks apply deferred sync updates) →
+``loss.backward()`` (hooks fill buckets, collectives start) → ``step()`` (stale updates,
+sync updates recorded as deferred with this step's hyper-parameters) → ``zero_grad()``.
+"""
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any, Dict, Iterator, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import config
+from .buckets import Bucket, StalenessBuffer, WeightHistory, build_buckets
+from .comm import AllReduce
+from .comm.torch_backend import new_group_like
+from .compensation import MODES, Compensation, StaleStep
+from .errors import ConfigurationError, SapipeError, UnsupportedOptimizerError, UsageError
+from .layers import Layer, LayerRecorder
+from .optim_math import OptimizerRule, rule_for
+from .trace import Tracer
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer`` for partial-staleness data-parallel training of ``model``.
+
+    Args:
+        optimizer: a ``torch.optim.SGD``, ``Adam`` or ``AdamW`` over ``model``'s parameters.
+            Its ``param_groups`` are shared with this object: LR schedulers built on either
+            keep working, and every update uses the hyper-parameters of the step it
+            belongs to (also when applied later, before the layer's next forward).
+        model: the ``nn.Module`` that is trained; do not wrap it in DDP. Its forward order
+            defines the layers (recorded during the first forward after construction).
+        stale_layers: k, the number of leading layers (forward order) that take stale
+            gradients. 0 is fully synchronous (equal to DDP); m (all layers) is Pipe-SGD.
+        compensation: ``"none"``, ``"dc"``, ``"wp1"``, ``"wp2"`` or ``"wp3"`` for the stale
+            layers (see :mod:`sapipe.compensation`).
+        dc_lambda: λ ≥ 0 of delay compensation (``dc`` and ``wp3``).
+        dc_form: ``"outer"`` (the paper's rank-one form) or ``"diagonal"`` (DC-ASGD).
+        staleness: s ≥ 1, iterations of delay of stale gradients (> 1 with none/dc only).
+        warmup_steps: iterations run fully synchronously before the stale layers switch.
+        bucket_cap_mb: bucket size cap; a layer larger than the cap gets its own bucket.
+        process_group: the group to train over (default: the world).
+        timeout: seconds (or a ``timedelta``) after which a collective that a peer never
+            joins raises :class:`~sapipe.errors.CommunicationError`; default: the process
+            group's own timeout.
+        lr_ramp_steps: PipeMare's T1 for staleness > 1: the stale layers' learning rate is
+            divided by ``s ** (1 - min(t / K, 1))`` over the first K pipeline steps.
+        trace: record runtime events (see :class:`sapipe.trace.Tracer`).
+
+    Construction is collective: every rank of ``process_group`` must call it. It checks that
+    all ranks were configured identically (else raises on every rank, naming the
+    difference) and broadcasts rank 0's parameters and buffers, as DDP does.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        *,
+        stale_layers: int = 0,
+        compensation: str = "none",
+        dc_lambda: float = 0.2,
+        dc_form: str = "outer",
+        staleness: int = 1,
+        warmup_steps: int = 0,
+        bucket_cap_mb: float = 25,
+        process_group: Optional[dist.ProcessGroup] = None,
+        timeout: Union[None, float, timedelta] = None,
+        lr_ramp_steps: int = 0,
+        trace: bool = False,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigurationError(
+                "sapipe: torch.distributed is not initialised; call "
+                "torch.distributed.init_process_group() (e.g. under torchrun) first"
+            )
+        group = process_group if process_group is not None else dist.group.WORLD
+        args = dict(
+            stale_layers=stale_layers, compensation=compensation, dc_lambda=dc_lambda,
+            dc_form=dc_form, staleness=staleness, warmup_steps=warmup_steps,
+            bucket_cap_mb=bucket_cap_mb, lr_ramp_steps=lr_ramp_steps, timeout=timeout,
+        )
+        # Validate locally, but report only after comparing with the other ranks: a rank
+        # that raised here while the others went on into a collective would hang them.
+        local_error: Optional[SapipeError] = None
+        try:
+            rule, params, recorder, settings = _check_locally(optimizer, model, args)
+        except SapipeError as exc:
+            local_error = exc
+        fingerprint = config.describe(dict(args, **_describe_job(optimizer, model)))
+        gathered: List[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, fingerprint, group=group)
+        differences = config.mismatches(gathered)
+        if differences:
+            raise ConfigurationError(
+                "sapipe: ranks were configured differently: " + "; ".join(differences[:10])
+            )
+        if local_error is not None:
+            raise local_error
+
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups  # shared, so schedulers see one truth
+        self.optimizer = optimizer
+        self.model = model
+        self.settings: config.Settings = settings
+        self.tracer = Tracer(enabled=trace)
+        self._rule: OptimizerRule = rule
+        self._compensation: Compensation = MODES[settings.compensation](settings.staleness)
+        self._group = group
+        self._world_size = dist.get_world_size(group)
+        self._params = params
+        self._group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self._sync_comm = AllReduce(new_group_like(group, settings.timeout), "sync", settings.timeout, self.tracer)
+        self._stale_comm = (
+            AllReduce(new_group_like(group, settings.timeout), "stale", settings.timeout, self.tracer)
+            if settings.stale_layers > 0 else None
+        )
+        _broadcast_from_first_rank(model, group)
+
+        self._recorder: Optional[LayerRecorder] = recorder
+        self._layers: Optional[List[Layer]] = None
+        self._buckets: List[Bucket] = []
+        self._where: Dict[int, tuple] = {}  # id(param) -> (bucket, position in bucket)
+        self._eager: List[Bucket] = []  # buckets with a layer that never ran in forward
+        self._next_launch = 0
+        self._iteration = 0  # completed step() calls
+        self._hooks = [
+            model.register_forward_pre_hook(self._before_model_forward),
+            model.register_forward_hook(self._after_model_forward),
+        ]
+        self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
+        recorder.start()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def stale_layers(self) -> int:
+        """k: the number of leading layers (forward order) that take stale gradients."""
+        return self.settings.stale_layers
+
+    @property
+    def num_layers(self) -> int:
+        """m: layers (modules owning trainable parameters); exact after the first forward."""
+        if self._layers is not None:
+            return len(self._layers)
+        assert self._recorder is not None
+        return self._recorder.max_layers
+
+    @property
+    def layers(self) -> List[Layer]:
+        """The layers in forward-execution order (available after the first forward)."""
+        if self._layers is None:
+            raise UsageError("sapipe: the layer order is known only after the model's first forward")
+        return list(self._layers)
+
+    @property
+    def buckets(self) -> List[Bucket]:
+        """Communication buckets in launch order (reverse forward order)."""
+        return list(self._buckets)
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:  # type: ignore[override]
+        """End the iteration: stale layers update now, sync layers before their next forward."""
+        if closure is not None:
+            raise UsageError("sapipe: step(closure) is not supported; call loss.backward() before step()")
+        if self._layers is None:
+            raise UsageError("sapipe: step() was called before the model's first forward and backward")
+        iteration = self._iteration + 1
+        hyperparams = [self._rule.hyperparams(g) for g in self.param_groups]
+        if iteration == 1:
+            self._allocate_state()
+        self.tracer.record("step_start", iteration=iteration)
+        self._flush()
+        pipeline_step = iteration - self.settings.warmup_steps
+        for bucket in self._buckets:
+            if bucket.stale and pipeline_step >= 1:
+                self._stale_update(bucket, pipeline_step, hyperparams)
+            else:
+                bucket.pending_update = hyperparams
+            bucket.ready = [False] * len(bucket.params)
+            bucket.num_ready = 0
+        self._next_launch = 0
+        self._iteration = iteration
+        self.tracer.record("step_end", iteration=iteration)
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Apply every pending (deferred) synchronous update now.
+
+        Use before evaluating or saving the model outside the training loop. Stale
+        gradients still in flight stay pending: applying them is the next ``step()``'s job.
+        """
+        for bucket in self._buckets:
+            self._apply_deferred(bucket)
+
+    @contextlib.contextmanager
+    def real_weights(self) -> Iterator[nn.Module]:
+        """Within the block, the model holds the real weights x (not WP's predicted x̃).
+
+        Pending synchronous updates are applied first, so the model is exactly x_t.
+        """
+        self.synchronize()
+        predicted = [(b, b.weights.clone()) for b in self._buckets if b.real is not None and b.real is not b.weights]
+        with torch.no_grad():
+            for bucket, _ in predicted:
+                bucket.weights.copy_(bucket.real)
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                for bucket, saved in predicted:
+                    bucket.weights.copy_(saved)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if hasattr(self, "_rule"):  # construction done: buckets are laid out
+            raise UsageError("sapipe: add param groups to the optimizer before wrapping it")
+        super().add_param_group(param_group)
+
+    def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
+        raise NotImplementedError(
+            "sapipe: exact checkpointing of the staleness state is not implemented yet; "
+            "saving the wrapped optimizer's state would silently lose in-flight gradients"
+        )
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
+        raise NotImplementedError("sapipe: exact checkpointing of the staleness state is not implemented yet")
+
+    def __repr__(self) -> str:
+        s = self.settings
+        return (
+            f"sapipe.DistributedOptimizer({type(self.optimizer).__name__}, stale_layers={s.stale_layers}, "
+            f"compensation={s.compensation!r}, staleness={s.staleness}, world_size={self._world_size})"
+        )
+
+    # ------------------------------------------------------------------ layout
+
+    def _before_model_forward(self, module: nn.Module, args) -> None:
+        self.tracer.record("forward_start", iteration=self._iteration + 1)
+        for bucket in self._eager:
+            self._apply_deferred(bucket)
+
+    def _after_model_forward(self, module: nn.Module, args, output) -> None:
+        if self._layers is None:
+            self._build_layout()
+
+    def _build_layout(self) -> None:
+        assert self._recorder is not None
+        layers = self._recorder.finish()
+        k = self.settings.stale_layers
+        if k > len(layers):
+            raise ConfigurationError(
+                f"sapipe: stale_layers={k} exceeds the model's {len(layers)} layers "
+                "(modules owning trainable parameters not tied to an earlier layer)"
+            )
+        cap = int(self.settings.bucket_cap_mb * 1024 * 1024)
+        self._buckets = build_buckets(layers, k, cap, self._group_of)
+        comp = self._compensation
+        for bucket in self._buckets:
+            depth = self.settings.staleness + 1 if bucket.stale else 1
+            bucket.grads = StalenessBuffer(bucket.numel, bucket.dtype, bucket.device, depth)
+            if bucket.stale and comp.needs_local:
+                bucket.local = torch.zeros_like(bucket.grads.slots[0])
+            if bucket.stale and comp.needs_prev_local:
+                bucket.prev_local = torch.zeros_like(bucket.grads.slots[0])
+            for i, p in enumerate(bucket.params):
+                self._where[id(p)] = (bucket, i)
+            for layer in bucket.layers:
+                self._hooks.append(layer.module.register_forward_pre_hook(self._pre_layer_hook(bucket)))
+        self._eager = [b for b in self._buckets if not all(layer.executed for layer in b.layers)]
+        self._layers = layers
+        self._recorder = None
+
+    def _pre_layer_hook(self, bucket: Bucket):
+        def hook(module: nn.Module, args) -> None:
+            if bucket.pending_update is not None:
+                self._apply_deferred(bucket)
+        return hook
+
+    def _allocate_state(self) -> None:
+        """At the first step: flat weights (params become views) and optimizer state."""
+        for bucket in self._buckets:
+            bucket.flatten_weights()
+            bucket.real = bucket.weights
+            for segment in bucket.segments:
+                segment.state = self._rule.new_state(segment.of(bucket.weights))
+
+    # ------------------------------------------------------------------ backward
+
+    def _in_pipeline(self, bucket: Bucket, iteration: int) -> bool:
+        return bucket.stale and iteration > self.settings.warmup_steps
+
+    def _slot(self, bucket: Bucket, iteration: int) -> int:
+        if not self._in_pipeline(bucket, iteration):
+            return 0
+        assert bucket.grads is not None
+        return bucket.grads.index(iteration - self.settings.warmup_steps)
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        if self._layers is None:
+            raise UsageError(
+                "sapipe: backward ran before the wrapped model's forward; call model(...) "
+                "(the module given to DistributedOptimizer) for the forward pass"
+            )
+        bucket, i = self._where[id(param)]
+        if bucket.ready[i]:
+            raise UsageError(
+                "sapipe: a parameter received a second gradient before step(); gradient "
+                "accumulation over several backward passes per step is not supported yet"
+            )
+        if bucket.num_ready == 0 and bucket.pending_update is not None:
+            self._apply_deferred(bucket)  # its gradient buffer is about to be reused
+        iteration = self._iteration + 1
+        target = self._gradient_target(bucket, iteration)
+        offset, n = bucket.offsets[i], param.numel()
+        with torch.no_grad():
+            target[offset : offset + n].copy_(param.grad.reshape(-1))
+        bucket.ready[i] = True
+        bucket.num_ready += 1
+        if bucket.num_ready == len(bucket.params):
+            self._launch_ready(iteration)
+
+    def _gradient_target(self, bucket: Bucket, iteration: int) -> torch.Tensor:
+        assert bucket.grads is not None
+        if self._in_pipeline(bucket, iteration) and bucket.local is not None:
+            return bucket.local
+        return bucket.grads.slots[self._slot(bucket, iteration)]
+
+    def _launch_ready(self, iteration: int) -> None:
+        # Buckets start strictly in index order, so every rank issues the same sequence
+        # of collectives whatever order its hooks happen to fire in.
+        while self._next_launch < len(self._buckets):
+            bucket = self._buckets[self._next_launch]
+            if bucket.num_ready < len(bucket.params):
+                return
+            self._launch(bucket, iteration)
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket, iteration: int) -> None:
+        assert bucket.grads is not None
+        slot = self._slot(bucket, iteration)
+        buffer = bucket.grads.slots[slot]
+        pipelined = self._in_pipeline(bucket, iteration)
+        if pipelined and bucket.local is not None:
+            buffer.copy_(bucket.local)
+        comm = self._stale_comm if pipelined else self._sync_comm
+        assert comm is not None
+        bucket.grads.in_flight[slot] = comm.start(buffer, f"{bucket.describe()} of iteration {iteration}")
+
+    def _flush(self) -> None:
+        """Start the buckets backward did not complete (parameters without gradients).
+
+        Missing gradients count as zero. Starting them here, in index order, keeps the
+        collective sequence identical on every rank.
+        """
+        iteration = self._iteration + 1
+        for bucket in self._buckets[self._next_launch :]:
+            if bucket.num_ready == 0 and bucket.pending_update is not None:
+                self._apply_deferred(bucket)
+            target = self._gradient_target(bucket, iteration)
+            for i, p in enumerate(bucket.params):
+                if not bucket.ready[i]:
+                    target[bucket.offsets[i] : bucket.offsets[i] + p.numel()].zero_()
+                    bucket.ready[i] = True
+            bucket.num_ready = len(bucket.params)
+        self._launch_ready(iteration)
+
+    # ------------------------------------------------------------------ updates
+
+    @torch.no_grad()
+    def _apply_deferred(self, bucket: Bucket) -> None:
+        """x_t = OPT(x_{t-1}, g_t) for a synchronously-behaving bucket, if one is pending."""
+        hyperparams, bucket.pending_update = bucket.pending_update, None
+        if hyperparams is None:
+            return
+        assert bucket.grads is not None and bucket.weights is not None
+        handle, bucket.grads.in_flight[0] = bucket.grads.in_flight[0], None
+        grad = handle.wait().div_(self._world_size)
+        for segment in bucket.segments:
+            self._rule.update(segment.of(bucket.weights), segment.of(grad), segment.state, hyperparams[segment.group])
+
+    def _stale_hyperparams(self, hyperparams: List[Dict[str, Any]], pipeline_step: int) -> List[Dict[str, Any]]:
+        """PipeMare T1: lr / s^{p_t}, p_t = 1 − min(t/K, 1), for staleness s > 1."""
+        s, ramp = self.settings.staleness, self.settings.lr_ramp_steps
+        if s == 1 or ramp == 0:
+            return hyperparams
+        divisor = s ** (1.0 - min(pipeline_step / ramp, 1.0))
+        return [dict(hp, lr=hp["lr"] / divisor) for hp in hyperparams]
+
+    def _stale_update(self, bucket: Bucket, t: int, hyperparams: List[Dict[str, Any]]) -> None:
+        """``step()`` of pipeline iteration t for a stale bucket (DESIGN.md §3)."""
+        comp, s = self._compensation, self.settings.staleness
+        assert bucket.grads is not None and bucket.weights is not None
+        if t == 1:  # the pipeline starts: real weights and history begin at x_0
+            bucket.real = bucket.weights.clone() if comp.predicts else bucket.weights
+            if comp.history_length:
+                bucket.history = WeightHistory(bucket.real, comp.history_length)
+        grad = None
+        if t > s:
+            slot = bucket.grads.index(t - s)
+            handle, bucket.grads.in_flight[slot] = bucket.grads.in_flight[slot], None
+            grad = handle.wait().div_(self._world_size)
+        history = bucket.history
+        view = StaleStep(
+            g=grad, x=bucket.real, local=bucket.local, prev_local=bucket.prev_local,
+            x_oldest=history.oldest() if history else None, x_newest=None,
+            world_size=self._world_size, lam=self.settings.dc_lambda, form=self.settings.dc_form,
+            lengths=bucket.lengths,
+        )
+        hyperparams = self._stale_hyperparams(hyperparams, t)
+        corrected = comp.real_gradient(view) if grad is not None else None
+        if history is not None:
+            history.push(bucket.real)  # now holds x_{t-1} as its newest entry
+        if corrected is not None:
+            for segment in bucket.segments:
+                self._rule.update(segment.of(bucket.real), segment.of(corrected), segment.state, hyperparams[segment.group])
+        if comp.predicts:
+            view.x_newest = history.newest() if history else None
+            predictor = comp.prediction_gradient(view)
+            if predictor is None:
+                bucket.weights.copy_(bucket.real)
+            else:
+                for segment in bucket.segments:
+                    self._rule.peek(
+                        segment.of(bucket.real), segment.of(predictor), segment.state,
+                        hyperparams[segment.group], out=segment.of(bucket.weights),
+                    )
+        if comp.needs_prev_local:
+            bucket.local, bucket.prev_local = bucket.prev_local, bucket.local
+
+
+# ---------------------------------------------------------------------- construction helpers
+
+
+def _check_locally(optimizer, model, args):
+    """Everything that can be checked without the other ranks; raises SapipeError."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UnsupportedOptimizerError(
+            f"sapipe: optimizer must be a torch.optim.Optimizer instance; got {type(optimizer).__name__}"
+        )
+    if isinstance(optimizer, DistributedOptimizer):
+        raise ConfigurationError("sapipe: the optimizer is already a sapipe.DistributedOptimizer")
+    if not isinstance(model, nn.Module):
+        raise ConfigurationError(f"sapipe: model must be an nn.Module; got {type(model).__name__}")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ConfigurationError("sapipe: pass the plain model, not a DistributedDataParallel wrapper")
+    rule = rule_for(optimizer)
+    model_params = {id(p) for p in model.parameters()}
+    params: List[nn.Parameter] = []
+    seen = set()
+    for group_index, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in model_params:
+                raise ConfigurationError(
+                    f"sapipe: the optimizer's param group {group_index} holds a parameter of shape "
+                    f"{tuple(p.shape)} that is not a parameter of the model"
+                )
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    if not params:
+        raise ConfigurationError("sapipe: the optimizer holds no trainable parameters of the model")
+    kinds = {(p.dtype, p.device) for p in params}
+    if len(kinds) > 1:
+        raise ConfigurationError(
+            f"sapipe: all trainable parameters must share one dtype and device; found {sorted(map(str, kinds))}"
+        )
+    recorder = LayerRecorder(model, params)
+    settings = config.validate(num_layers=recorder.max_layers, **args)
+    return rule, params, recorder, settings
+
+
+def _describe_job(optimizer, model) -> Dict[str, Any]:
+    """What must agree across ranks besides the arguments: optimizer and model shapes."""
+    try:
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} | {"shapes": [tuple(p.shape) for p in g["params"]]}
+            for g in optimizer.param_groups
+        ]
+    except Exception:  # noqa: BLE001 - a broken optimizer is reported by local validation
+        groups = []
+    shapes = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()] if isinstance(model, nn.Module) else []
+    return {"optimizer": type(optimizer).__name__, "param_groups": groups, "model_parameters": shapes}
+
+
+@torch.no_grad()
+def _broadcast_from_first_rank(model: nn.Module, group) -> None:
+    """Copy rank 0's parameters and buffers to every rank (one collective per dtype)."""
+    src = dist.get_global_rank(group, 0)
+    tensors = [t for t in list(model.parameters()) + list(model.buffers())]
+    by_kind: Dict[tuple, List[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for same in by_kind.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()

@@ -1,0 +1,34 @@
+"""A cheap in-process event log of the runtime (forward starts, collectives, waits).
+
+Disabled by default; when enabled, every event is a tuple (time_ns, kind, fields). The
+tests use it to check ordering (a stale all-reduce outlives the next forward's start);
+the scheduler's Chrome-trace writer consumes the same events.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Dict, List, Tuple
+
+Event = Tuple[int, str, Dict[str, Any]]
+
+
+class Tracer:
+    def __init__(self, enabled: bool = False):
+        self.enabled = enabled
+        self._events: List[Event] = []
+        self._lock = threading.Lock()  # comm completions are recorded from comm threads
+
+    def record(self, kind: str, **fields: Any) -> None:
+        if self.enabled:
+            event = (time.perf_counter_ns(), kind, fields)
+            with self._lock:
+                self._events.append(event)
+
+    def events(self) -> List[Event]:
+        with self._lock:
+            return list(self._events)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._events.clear()

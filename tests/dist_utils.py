@@ -1,0 +1,126 @@
+"""Run a function on N real Gloo ranks (spawned processes) and collect what each returns.
+
+Each rank is a fresh interpreter (spawn start method: forking a process that already ran
+OpenMP regions can deadlock), initialises a real ``torch.distributed`` Gloo group on
+loopback, and sends back a picklable result (tensors are converted to numpy). A rank that
+raises sends its traceback, and the test fails with it; a rank that hangs is killed at
+the deadline, so no test can hang CI.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List, Optional
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def to_numpy(obj: Any) -> Any:
+    """Recursively turn tensors into numpy arrays (safe to send between processes)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy().copy()
+    if isinstance(obj, dict):
+        return {k: to_numpy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_numpy(v) for v in obj)
+    return obj
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+        out = fn(rank, world_size, *args)
+        results.put((rank, to_numpy(out), None))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, None, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_ranks(
+    fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 180.0,
+    allow_missing: Optional[List[int]] = None,
+) -> List[Any]:
+    """``fn(rank, world_size, *args)`` on each rank; the list of their return values.
+
+    ``allow_missing``: ranks that are expected to die without returning (failure tests);
+    their entry is None.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: List[Any] = [None] * world_size
+    expected = set(range(world_size)) - set(allow_missing or [])
+    pending = set(range(world_size))
+    errors = []
+    import time
+
+    deadline = time.monotonic() + timeout
+    while pending & expected:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            rank, value, err = results.get(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs):
+                try:  # a final result may still be in the pipe
+                    rank, value, err = results.get(timeout=2.0)
+                except queue.Empty:
+                    break
+            else:
+                continue
+        pending.discard(rank)
+        if err is not None:
+            errors.append(f"rank {rank} raised:\n{err}")
+        else:
+            out[rank] = value
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if errors:
+        raise RankFailed("\n".join(errors))
+    missing = sorted(pending & expected)
+    if missing:
+        raise RankFailed(f"ranks {missing} returned nothing within {timeout:.0f}s (hang or crash)")
+    return out
+
+
+def assert_close_dicts(actual: dict, expected: dict, rtol: float, atol: float, what: str = "") -> None:
+    assert set(actual) == set(expected), f"{what}: names differ: {set(actual) ^ set(expected)}"
+    for name in expected:
+        a, e = np.asarray(actual[name]), np.asarray(expected[name])
+        if not np.allclose(a, e, rtol=rtol, atol=atol):
+            err = np.max(np.abs(a - e))
+            raise AssertionError(f"{what}: {name} differs, max abs error {err:.3e} (rtol={rtol}, atol={atol})")

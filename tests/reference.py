@@ -1,0 +1,291 @@
+"""Independent float64 reference of sapipe's update rules (DESIGN.md §2–§3).
+
+A single process simulates ALL ranks of a data-parallel job. It deliberately shares no
+code with ``sapipe``: the optimizer math is done by the real ``torch.optim`` optimizers,
+layer ordering by its own forward pre-hooks, and every rule is written out literally.
+
+Notation (DESIGN.md): n ranks; user iteration ``it`` = 1, 2, ...; with ``W`` warm-up
+iterations the pipeline step is ``t = it - W``. l_t^r: rank r's local gradient, g_t: their
+mean. S: parameters of layers 1..k (stale), N: the rest (synchronous).
+
+Interpretations made here (kept explicit so a test failure can be judged):
+* Two optimizers are built with ``optimizer_factory``: one over S, one over N. All three
+  supported optimizers (SGD, Adam, AdamW) are per-parameter, so this equals one optimizer.
+  During warm-up both are stepped with g_t (S state advances during warm-up).
+* x_j for j <= 0 (pipeline numbering) is the pipeline's start weights x_0 (= weights after
+  warm-up). Hence Δ = x_{t-1} - x_{t-1-s} is zero at the first real update.
+* A parameter that gets no gradient (its module did not run) is given a zero gradient.
+* OPT_peek uses the optimizer's hyper-parameters as set for the current iteration.
+* A layer whose every parameter was already claimed by an earlier-executed layer (a module
+  holding only a tied weight) is not a layer (it owns nothing); it is not counted in k.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+__all__ = ["ReferenceResult", "run_reference", "layer_order", "opt_peek", "dc_correct"]
+
+Tensors = Dict[str, torch.Tensor]
+
+
+@dataclass
+class ReferenceResult:
+    real: List[Tensors]               # real[i]: real weights x after user iteration i+1
+    held: List[List[Tensors]]         # held[i][r]: weights rank r's model holds for iteration i+2
+    order: List[str]                  # layer module names in forward-execution order
+    stale_names: set                  # parameter names in S
+    layer_params: Dict[str, List[str]] = field(default_factory=dict)  # layer -> its param names
+    global_grads: List[Tensors] = field(default_factory=list)  # g for each iteration
+    local_grads: List[List[Tensors]] = field(default_factory=list)  # l per iteration per rank
+
+
+# ----------------------------------------------------------------------------------------
+# Layers in forward-execution order
+# ----------------------------------------------------------------------------------------
+
+def layer_order(model: nn.Module, example_input):
+    """Return ``(order, layer_params)``.
+
+    ``order``: names of modules that directly own parameters, in the order they first
+    execute in a forward pass on ``example_input`` (modules that never run go last, in
+    registration order). ``layer_params[layer]``: canonical parameter names (as in
+    ``model.named_parameters()``, tied params once under their first name) owned by the
+    layer; a tied parameter belongs to the first executed module that registers it.
+    Runs on a deep copy, so ``model`` is untouched.
+    """
+    m = copy.deepcopy(model)
+    canon = {id(p): name for name, p in m.named_parameters()}  # tied -> first name
+    owners = [(name, mod) for name, mod in m.named_modules()
+              if len(list(mod.parameters(recurse=False))) > 0]
+
+    executed: List[str] = []
+    handles = []
+    for name, mod in owners:
+        def hook(_mod, _args, _name=name):
+            if _name not in executed:
+                executed.append(_name)
+        handles.append(mod.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            m(example_input)
+    finally:
+        for h in handles:
+            h.remove()
+
+    by_name = dict(owners)
+    candidates = executed + [name for name, _ in owners if name not in executed]
+    order, layer_params, claimed = [], {}, set()
+    for name in candidates:
+        mine = []
+        for p in by_name[name].parameters(recurse=False):
+            if id(p) not in claimed:
+                claimed.add(id(p))
+                mine.append(canon[id(p)])
+        if mine:
+            order.append(name)
+            layer_params[name] = mine
+    return order, layer_params
+
+
+# ----------------------------------------------------------------------------------------
+# Small math helpers
+# ----------------------------------------------------------------------------------------
+
+def dc_correct(g: torch.Tensor, delta: torch.Tensor, lam: float, form: str) -> torch.Tensor:
+    """DC_λ(g, Δ) for ONE parameter tensor."""
+    if form == "outer":
+        return g + lam * torch.sum(g * delta) * g
+    if form == "diagonal":
+        return g + lam * g * g * delta
+    raise ValueError(f"dc_form must be 'outer' or 'diagonal', got {form!r}")
+
+
+def opt_peek(optimizer_factory, opt: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+             grads: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """OPT_peek: weights that ``opt.step()`` would give for ``grads`` at ``params``.
+
+    Works on copies: fresh parameter tensors, a fresh optimizer from the factory with a
+    DEEP copy of ``opt``'s state and hyper-parameters. ``opt`` and ``params`` are untouched.
+    """
+    tmp = [nn.Parameter(p.detach().clone()) for p in params]
+    tmp_opt = optimizer_factory(tmp)
+    tmp_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for p, g in zip(tmp, grads):
+        p.grad = g.detach().clone()
+    tmp_opt.step()
+    return [p.detach().clone() for p in tmp]
+
+
+def _step(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]):
+    """OPT: one real step of ``opt`` with the given gradients."""
+    for p, g in zip(params, grads):
+        p.grad = g.detach().clone()
+    opt.step()
+    for p in params:
+        p.grad = None
+
+
+def _to64(obj):
+    if torch.is_tensor(obj):
+        return obj.to(torch.float64) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to64(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to64(v) for k, v in obj.items()}
+    return obj
+
+
+# ----------------------------------------------------------------------------------------
+# The simulation
+# ----------------------------------------------------------------------------------------
+
+_MODES = ("none", "dc", "wp1", "wp2", "wp3")
+
+
+def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_fn, *,
+                  stale_layers: int, compensation: str = "none", dc_lambda: float = 0.2,
+                  dc_form: str = "outer", staleness: int = 1, warmup_steps: int = 0,
+                  lr_at: Optional[Callable[[int], float]] = None, lr_ramp_steps: int = 0,
+                  ) -> ReferenceResult:
+    if compensation not in _MODES:
+        raise ValueError(f"compensation must be one of {_MODES}, got {compensation!r}")
+    if dc_form not in ("outer", "diagonal"):
+        raise ValueError(f"dc_form must be 'outer' or 'diagonal', got {dc_form!r}")
+    if staleness < 1:
+        raise ValueError("staleness must be >= 1")
+    if staleness > 1 and compensation not in ("none", "dc"):
+        raise ValueError("staleness > 1 is only defined for 'none' and 'dc'")
+    s, W, K = staleness, warmup_steps, lr_ramp_steps
+    wp = compensation.startswith("wp")
+
+    # ---- float64 model copy; canonical parameter names -------------------------------
+    net = copy.deepcopy(model).to(torch.float64)
+    net.train()
+    model_params: Dict[str, nn.Parameter] = dict(net.named_parameters())  # tied: once
+    names = list(model_params)
+    batches = [[_to64(b) for b in step] for step in batches]
+    n = len(batches[0])
+
+    # ---- layers, S and N ---------------------------------------------------------------
+    order, layer_params = layer_order(net, batches[0][0][0])
+    if not 0 <= stale_layers <= len(order):
+        raise ValueError(f"stale_layers must be in [0, {len(order)}], got {stale_layers}")
+    stale_names = {p for layer in order[:stale_layers] for p in layer_params[layer]}
+    S = [nm for nm in names if nm in stale_names]
+    N = [nm for nm in names if nm not in stale_names]
+
+    # ---- real weights x (leaf tensors) and the two optimizers ---------------------------
+    x: Dict[str, nn.Parameter] = {nm: nn.Parameter(model_params[nm].detach().clone()) for nm in names}
+    opt_S = optimizer_factory([x[nm] for nm in S]) if S else None
+    opt_N = optimizer_factory([x[nm] for nm in N]) if N else None
+    base_lr = {id(o): [grp["lr"] for grp in o.param_groups] for o in (opt_S, opt_N) if o is not None}
+
+    def set_lr(opt, it, scale=1.0):
+        if opt is None:
+            return
+        for grp, lr0 in zip(opt.param_groups, base_lr[id(opt)]):
+            grp["lr"] = (lr_at(it) if lr_at is not None else lr0) * scale
+
+    def cur(nms):  # current real weights (clones)
+        return {nm: x[nm].detach().clone() for nm in nms}
+
+    # ---- pipeline history (pipeline step index t) --------------------------------------
+    X: List[Tensors] = []           # X[t]: real S weights after pipeline step t (X[0] = start)
+    G: Dict[int, Tensors] = {}      # G[t]: g_t of S params
+    L: Dict[int, List[Tensors]] = {}  # L[t][r]: l_t^r of S params
+    pred: Optional[List[Tensors]] = None  # x̃ for S, per rank (None = hold real weights)
+
+    res = ReferenceResult(real=[], held=[], order=order, stale_names=set(stale_names),
+                          layer_params=layer_params)
+
+    for it in range(1, len(batches) + 1):
+        # -- 1. every rank: forward/backward at the weights its model holds ---------------
+        local: List[Tensors] = []
+        for r in range(n):
+            with torch.no_grad():
+                for nm in names:
+                    src = pred[r][nm] if (pred is not None and nm in stale_names) else x[nm]
+                    model_params[nm].copy_(src)
+                    model_params[nm].grad = None
+            inputs, targets = batches[it - 1][r]
+            loss_fn(net(inputs), targets).backward()
+            local.append({nm: (model_params[nm].grad.detach().clone() if model_params[nm].grad is not None
+                               else torch.zeros_like(model_params[nm])) for nm in names})
+        g = {nm: sum(l[nm] for l in local) / n for nm in names}
+        res.local_grads.append(local)
+        res.global_grads.append(g)
+
+        if it <= W:
+            # -- warm-up: fully synchronous (k = 0) ---------------------------------------
+            for opt, nms in ((opt_S, S), (opt_N, N)):
+                if opt is not None:
+                    set_lr(opt, it)
+                    _step(opt, [x[nm] for nm in nms], [g[nm] for nm in nms])
+        else:
+            t = it - W  # pipeline step
+            if t == 1:
+                X.append(cur(S))  # x_0: pipeline start
+
+            # -- 2. sync set N: x_t = OPT(x_{t-1}, g_t) -----------------------------------
+            if opt_N is not None:
+                set_lr(opt_N, it)
+                _step(opt_N, [x[nm] for nm in N], [g[nm] for nm in N])
+
+            # -- 3. stale set S --------------------------------------------------------
+            G[t] = {nm: g[nm] for nm in S}
+            L[t] = [{nm: l[nm] for nm in S} for l in local]
+            scale = 1.0
+            if s > 1 and K > 0:  # PipeMare T1: lr / s^{p_t}, p_t = 1 - min(t/K, 1)
+                scale = 1.0 / (s ** (1.0 - min(t / K, 1.0)))
+            set_lr(opt_S, it, scale)
+            if opt_S is not None and t > s:
+                g_old = G[t - s]
+                if compensation == "dc":
+                    x_prev = X[t - 1]
+                    x_back = X[max(t - 1 - s, 0)]
+                    g_hat = {nm: dc_correct(g_old[nm], x_prev[nm] - x_back[nm], dc_lambda, dc_form)
+                             for nm in S}
+                else:  # none, wp1, wp2, wp3: the real update uses g_{t-1}
+                    g_hat = g_old
+                _step(opt_S, [x[nm] for nm in S], [g_hat[nm] for nm in S])
+            X.append(cur(S))  # X[t] = x_t (= x_{t-1} when no update)
+
+            # -- 4. weight prediction for the next iteration: x̃_{t+1} = OPT_peek(x_t, g̃) --
+            if wp and opt_S is not None:
+                pred = []
+                for r in range(n):
+                    if compensation == "wp1":
+                        g_tilde = L[t][r]
+                    elif t == 1:  # wp2 / wp3 without g_{t-1}: x̃_2 = x_1
+                        g_tilde = None
+                    elif compensation == "wp2":
+                        g_tilde = G[t - 1]
+                    else:  # wp3
+                        g_tilde = {nm: dc_correct(G[t - 1][nm] - L[t - 1][r][nm] / n,
+                                                  X[t][nm] - X[t - 1][nm], dc_lambda, dc_form)
+                                   + L[t][r][nm] / n for nm in S}
+                    if g_tilde is None:
+                        pred.append(cur(S))
+                    else:
+                        peeked = opt_peek(optimizer_factory, opt_S, [x[nm] for nm in S],
+                                          [g_tilde[nm] for nm in S])
+                        pred.append(dict(zip(S, peeked)))
+
+        # -- 5. record -------------------------------------------------------------------
+        real = cur(names)
+        res.real.append(real)
+        held = []
+        for r in range(n):
+            h = dict(real)
+            if pred is not None:
+                h.update({nm: pred[r][nm].clone() for nm in S})
+            held.append({nm: v.clone() for nm, v in h.items()})
+        res.held.append(held)
+
+    return res
