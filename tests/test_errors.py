@@ -1,0 +1,149 @@
+"""Bad input raises a clear error naming its cause, on every rank, never a hang."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import sapipe
+from dist_utils import run_ranks
+from models import loss_fn_for, make_batches, make_model
+
+# name -> (kwargs for DistributedOptimizer, expected exception class name, text in message)
+BAD_ARGUMENTS = {
+    "unknown mode": ({"compensation": "dcx"}, "ConfigurationError", "compensation must be one of"),
+    "negative lambda": ({"dc_lambda": -0.1}, "ConfigurationError", "dc_lambda"),
+    "nan lambda": ({"dc_lambda": float("nan")}, "ConfigurationError", "dc_lambda"),
+    "k < 0": ({"stale_layers": -1}, "ConfigurationError", "stale_layers"),
+    "k > m": ({"stale_layers": 4}, "ConfigurationError", "m=3"),
+    "k not int": ({"stale_layers": 1.5}, "ConfigurationError", "stale_layers"),
+    "staleness 0": ({"staleness": 0}, "ConfigurationError", "staleness must be an int >= 1"),
+    "wp with s > 1": ({"compensation": "wp2", "staleness": 2, "stale_layers": 1}, "ConfigurationError", "staleness 1 only"),
+    "bad dc form": ({"dc_form": "full"}, "ConfigurationError", "dc_form"),
+    "negative warmup": ({"warmup_steps": -1}, "ConfigurationError", "warmup_steps"),
+    "zero bucket": ({"bucket_cap_mb": 0}, "ConfigurationError", "bucket_cap_mb"),
+    "negative timeout": ({"timeout": -5}, "ConfigurationError", "timeout"),
+}
+
+
+def _optimizer(case, model):
+    if case == "foreign parameter":
+        return torch.optim.SGD(list(model.parameters()) + [torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    if case == "unsupported optimizer":
+        return torch.optim.RMSprop(model.parameters(), lr=0.1)
+    if case == "amsgrad":
+        return torch.optim.Adam(model.parameters(), amsgrad=True)
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _construct(rank, world_size, cases):
+    results = {}
+    for case, kwargs in cases.items():
+        model = make_model("mlp")
+        start = time.monotonic()
+        try:
+            sapipe.DistributedOptimizer(_optimizer(case, model), model, **({"timeout": 20} | kwargs[rank]))
+            results[case] = ("no error", "", 0.0)
+        except sapipe.SapipeError as exc:
+            results[case] = (type(exc).__name__, str(exc), time.monotonic() - start)
+    return results
+
+
+def _cases():
+    """case name -> [kwargs of rank 0, kwargs of rank 1]."""
+    cases = {name: [kw, kw] for name, (kw, _, _) in BAD_ARGUMENTS.items()}
+    cases["foreign parameter"] = [{}, {}]
+    cases["unsupported optimizer"] = [{}, {}]
+    cases["amsgrad"] = [{}, {}]
+    cases["ranks disagree on k"] = [{"stale_layers": 0}, {"stale_layers": 1}]
+    cases["ranks disagree on mode"] = [{"stale_layers": 1, "compensation": c} for c in ("dc", "wp1")]
+    return cases
+
+
+EXPECTED = {name: (cls, text) for name, (_, cls, text) in BAD_ARGUMENTS.items()} | {
+    "foreign parameter": ("ConfigurationError", "not a parameter of the model"),
+    "unsupported optimizer": ("UnsupportedOptimizerError", "torch.optim.SGD"),
+    "amsgrad": ("UnsupportedOptimizerError", "amsgrad"),
+    "ranks disagree on k": ("ConfigurationError", "rank 1 has stale_layers=1 but rank 0 has stale_layers=0"),
+    "ranks disagree on mode": ("ConfigurationError", "compensation="),
+}
+
+
+@pytest.fixture(scope="module")
+def construction_results():
+    return run_ranks(_construct, world_size=2, args=(_cases(),))
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_bad_configuration_is_refused_on_every_rank(construction_results, case):
+    cls, text = EXPECTED[case]
+    for rank, results in enumerate(construction_results):
+        got_cls, message, elapsed = results[case]
+        assert got_cls == cls, f"rank {rank}: expected {cls}, got {got_cls}: {message}"
+        assert text in message, f"rank {rank}: message does not name the cause: {message}"
+        assert message.startswith("sapipe"), message
+        assert elapsed < 10
+
+
+def test_requires_initialised_process_group():
+    model = make_model("mlp")
+    with pytest.raises(sapipe.ConfigurationError, match="init_process_group"):
+        sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+
+
+def _misuse(rank, world_size):
+    found = {}
+    model = make_model("mlp")
+    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, timeout=20)
+    try:
+        opt.step()
+    except sapipe.UsageError as exc:
+        found["step first"] = str(exc)
+    x, y = make_batches("mlp", 1, world_size)[0][rank]
+    loss = loss_fn_for("mlp")(model(x), y)
+    loss.backward(retain_graph=True)
+    try:
+        loss.backward()
+    except sapipe.UsageError as exc:
+        found["two backwards"] = str(exc)
+    return found
+
+
+def test_misuse_is_explained():
+    for found in run_ranks(_misuse, world_size=2):
+        assert "before the model's first forward" in found["step first"]
+        assert "accumulation" in found["two backwards"]
+
+
+def _peer_failure(rank, world_size, how):
+    model = make_model("mlp")
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, stale_layers=1, timeout=4
+    )
+    batches = make_batches("mlp", 10, world_size)
+    for t in range(10):
+        if rank == 1 and t == 3:
+            if how == "dies":
+                os._exit(1)
+            time.sleep(60)  # hangs: never joins another collective
+        start = time.monotonic()
+        try:
+            x, y = batches[t][rank]
+            opt.zero_grad()
+            loss_fn_for("mlp")(model(x), y).backward()
+            opt.step()
+            model(x)  # the next forward waits for this iteration's sync all-reduce
+        except sapipe.CommunicationError as exc:
+            return {"step": t, "error": str(exc), "elapsed": time.monotonic() - start}
+    return {"step": None}
+
+
+@pytest.mark.parametrize("how", ["dies", "hangs"])
+def test_surviving_rank_raises_when_a_peer_fails(how):
+    out = run_ranks(_peer_failure, world_size=2, args=(how,), allow_missing=[1], timeout=90)
+    survivor = out[0]
+    assert survivor["step"] == 3, survivor
+    assert "peer rank" in survivor["error"] and "all-reduce" in survivor["error"]
+    assert survivor["elapsed"] < 20, f"took {survivor['elapsed']:.1f}s (timeout=4s)"

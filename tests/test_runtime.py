@@ -1,0 +1,119 @@
+"""Runtime properties on real Gloo ranks: overlap, collective order, no per-step allocation."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dist_utils import run_ranks
+from models import loss_fn_for, make_batches, make_model
+
+STEPS = 6
+SLOW_ITERATION = 3
+
+
+def _overlap(rank, world_size):
+    """Rank 1 sleeps inside the stale layer's backward of iteration 3.
+
+    Rank 0 has already issued its stale all-reduce of iteration 3, so that collective
+    cannot complete until rank 1 wakes up. Rank 0 must meanwhile leave step() and start
+    the forward of iteration 4: the stale all-reduce overlaps the next forward. (Under
+    DDP, or with this layer synchronous, rank 0 would block before that forward.)
+    """
+    import sapipe
+
+    model = make_model("mlp", seed=0)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), model, stale_layers=1, trace=True, bucket_cap_mb=0.0001
+    )
+    first = model[0]
+    iteration = {"t": 0}
+
+    def slow_backward(module, args, output):
+        if rank == 1 and iteration["t"] == SLOW_ITERATION:
+            output.register_hook(lambda grad: time.sleep(0.6))
+
+    first.register_forward_hook(slow_backward)
+    batches = make_batches("mlp", STEPS, world_size)
+    for t in range(1, STEPS + 1):
+        iteration["t"] = t
+        x, y = batches[t - 1][rank]
+        opt.zero_grad()
+        loss_fn_for("mlp")(model(x), y).backward()
+        opt.step()
+    opt.synchronize()
+    return {
+        "events": [(ts, kind, dict(fields)) for ts, kind, fields in opt.tracer.events()],
+        "buckets": [b.describe() for b in opt.buckets],
+    }
+
+
+def test_stale_allreduce_overlaps_next_forward():
+    out = run_ranks(_overlap, world_size=2)
+    events = out[0]["events"]
+
+    def when(kind, **match):
+        hits = [ts for ts, k, f in events if k == kind and all(f.get(a) == b for a, b in match.items())]
+        assert len(hits) == 1, f"expected one {kind} {match}, found {len(hits)}"
+        return hits[0]
+
+    stale = [b for b in out[0]["buckets"] if b.startswith("stale")]
+    assert len(stale) == 1
+    what = f"{stale[0]} of iteration {SLOW_ITERATION}"
+    started = when("comm_start", what=what)
+    next_forward = when("forward_start", iteration=SLOW_ITERATION + 1)
+    done = when("comm_done", what=what)
+    assert started < next_forward < done, (
+        "the stale all-reduce of iteration 3 must still be running when the forward of "
+        f"iteration 4 starts: start={started}, forward={next_forward}, done={done}"
+    )
+    # ... and it is waited for in step() of iteration 4, not earlier.
+    waited = when("comm_wait", what=what)
+    step4 = when("step_start", iteration=SLOW_ITERATION + 1)
+    assert next_forward < step4 <= waited
+
+
+def test_collectives_issued_in_the_same_order_on_every_rank():
+    out = run_ranks(_overlap, world_size=2)
+    orders = [[(f["stream"], f["what"]) for _, kind, f in r["events"] if kind == "comm_start"] for r in out]
+    assert orders[0] == orders[1]
+    # Within an iteration, buckets start in index order (reverse forward order).
+    per_iteration = {}
+    for stream, what in orders[0]:
+        iteration = int(what.rsplit(" ", 1)[1])
+        per_iteration.setdefault(iteration, []).append(int(what.split(" ")[2]))
+    assert len(per_iteration) == STEPS
+    for indices in per_iteration.values():
+        assert indices == sorted(indices) and len(indices) == len(out[0]["buckets"])
+
+
+def _buffers(rank, world_size, mode):
+    import sapipe
+
+    model = make_model("tied", seed=0)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-3), model, stale_layers=4, compensation=mode, bucket_cap_mb=0.001
+    )
+    batches = make_batches("tied", 12, world_size)
+    seen = []
+    for t in range(12):
+        x, y = batches[t][rank]
+        opt.zero_grad()
+        loss_fn_for("tied")(model(x), y).backward()
+        opt.step()
+        ptrs = set()
+        for b in opt.buckets:
+            ptrs |= {s.data_ptr() for s in b.grads.slots}
+            ptrs |= {t.data_ptr() for t in (b.local, b.prev_local, b.weights, b.real) if t is not None}
+            ptrs |= {p.data_ptr() for p in b.params}
+        seen.append(ptrs)
+    stale = [b for b in opt.buckets if b.stale]
+    return {"ptr_sets": [sorted(s) for s in seen], "depths": [b.grads.depth for b in stale]}
+
+
+def test_staleness_buffer_allocated_once():
+    for mode in ("none", "wp3"):
+        out = run_ranks(_buffers, world_size=2, args=(mode,))
+        sets = out[0]["ptr_sets"]
+        assert all(s == sets[1] for s in sets[1:]), f"{mode}: buffers were reallocated after step 1"
+        assert out[0]["depths"] and all(d == 2 for d in out[0]["depths"]), "staleness 1 needs a double buffer"
