@@ -9,7 +9,7 @@ A bucket's parameters become views into one flat weight buffer (done once, at th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import torch

@@ -9,9 +9,8 @@ count) in flat buffers owned by the bucket.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
+from typing import Any, Dict, List, Mapping, Tuple, Type
 
 import torch
 from torch import Tensor

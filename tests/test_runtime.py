@@ -79,7 +79,7 @@ def test_collectives_issued_in_the_same_order_on_every_rank():
     assert orders[0] == orders[1]
     # Within an iteration, buckets start in index order (reverse forward order).
     per_iteration = {}
-    for stream, what in orders[0]:
+    for _stream, what in orders[0]:
         iteration = int(what.rsplit(" ", 1)[1])
         per_iteration.setdefault(iteration, []).append(int(what.split(" ")[2]))
     assert len(per_iteration) == STEPS

@@ -1,0 +1,31 @@
+"""The scheduler: how many layers to make stale (DESIGN.md §4), and traces to check it.
+
+* :func:`choose_k` simulates the runtime's pipeline for every k and picks the smallest k
+  with no predicted stall; :func:`closed_form_k` is the paper's program, kept as reference.
+* :func:`simulate` predicts the steady-state iteration of one k, with a timeline.
+* :func:`write_chrome_trace` writes simulated or recorded (:func:`events_from_tracer`)
+  timelines for Perfetto.
+
+Pure Python: nothing here needs torch or torch.distributed.
+"""
+from .chrome_trace import CATEGORIES, TraceEvent, chrome_trace_dict, events_from_tracer, write_chrome_trace
+from .simulator import BucketPlan, SimResult, build_bucket_layout, plan_buckets, simulate
+from .solver import Decision, LayerProfile, brute_force_k, choose_k, closed_form_k
+
+__all__ = [
+    "LayerProfile",
+    "Decision",
+    "closed_form_k",
+    "brute_force_k",
+    "choose_k",
+    "simulate",
+    "SimResult",
+    "BucketPlan",
+    "build_bucket_layout",
+    "plan_buckets",
+    "TraceEvent",
+    "CATEGORIES",
+    "chrome_trace_dict",
+    "write_chrome_trace",
+    "events_from_tracer",
+]

@@ -1,0 +1,361 @@
+"""Steady-state timeline of one training iteration for a given number of stale layers k.
+
+The paper's closed form (``solver.closed_form_k``) ignores bucketing, launch order, the
+latency term of the α–β model and stale traffic left over from the previous iteration.
+This module simulates what the runtime actually does (DESIGN.md §4–§5), so the solver can
+predict the iteration time of every k and pick the smallest one with no stall.
+
+Model (one rank; every rank is assumed identical):
+
+* **Compute** is one serial stream: forward of layers 1..m, then backward of m..1, then
+  ``step()``. Layer i takes ``u_i`` forward and ``b_i`` backward.
+* **Buckets** pack whole layers in reverse forward order exactly as
+  ``sapipe.buckets.build_buckets`` does: a bucket closes when the next layer would push it
+  over ``bucket_cap_bytes`` (a larger layer gets a bucket of its own) and always at the
+  S/N boundary between layers k and k+1. Layers 1..k (stale set S) are the last buckets.
+* **Launch**: bucket j's all-reduce is issued when the backward of all its layers is done
+  *and* bucket j-1 has been issued (collectives are issued in index order on every rank).
+* **Link**: one shared link runs one all-reduce at a time, never pre-empting a running one.
+  The next to run is the earliest issued (FIFO), or with ``priority=True`` the earliest
+  issued *sync* bucket if any is waiting, else the earliest stale one. A bucket takes
+  ``alpha + beta * bytes`` (or, with ``alpha = beta = None``, the sum of its layers'
+  profiled ``comm`` times).
+* **Sync bucket** of iteration t: the forward of its first layer (in forward order) in
+  iteration t+1 waits for its all-reduce (the deferred update is applied just before it).
+* **Stale bucket** of iteration t: its all-reduce may run through iteration t+1; the
+  ``step()`` at the end of iteration t+1 waits for it. While in flight it occupies the link.
+
+The simulation runs iteration after iteration, carrying in-flight stale traffic over,
+until the iteration time (time between consecutive iteration starts) is stable.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+
+from .chrome_trace import TraceEvent
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .solver import LayerProfile
+
+__all__ = ["BucketPlan", "SimResult", "build_bucket_layout", "plan_buckets", "simulate"]
+
+DEFAULT_ITERATIONS = 30
+
+
+# --------------------------------------------------------------------------- buckets
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """One gradient bucket: its layers (0-based forward indices, in backward order)."""
+
+    index: int
+    layers: Tuple[int, ...]
+    nbytes: int
+    stale: bool
+    comm_time: float
+
+    @property
+    def first_layer(self) -> int:
+        """The bucket's first layer in forward order: its deferred update happens before it."""
+        return min(self.layers)
+
+
+def build_bucket_layout(bytes_per_layer: Sequence[int], k: int, bucket_cap_bytes: float) -> List[List[int]]:
+    """Layers of each bucket, mirroring ``sapipe.buckets.build_buckets``.
+
+    Walk layers in reverse forward order; close the open bucket when adding the next layer
+    would exceed ``bucket_cap_bytes`` (so a single larger layer ends up alone) and always at
+    the S/N boundary (layer index ``k - 1`` | ``k``, 0-based). Returns 0-based layer indices,
+    each bucket listed in backward order.
+    """
+    buckets: List[List[int]] = []
+    current: List[int] = []
+    current_bytes = 0
+    for i in reversed(range(len(bytes_per_layer))):
+        size = bytes_per_layer[i]
+        crosses_boundary = bool(current) and ((current[-1] < k) != (i < k))
+        if current and (crosses_boundary or current_bytes + size > bucket_cap_bytes):
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(i)
+        current_bytes += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def plan_buckets(
+    profiles: Sequence["LayerProfile"],
+    k: int,
+    *,
+    bucket_cap_bytes: float,
+    alpha: Optional[float],
+    beta: Optional[float],
+    bytes_per_layer: Optional[Sequence[int]] = None,
+) -> List[BucketPlan]:
+    """Buckets for k stale layers with their all-reduce times.
+
+    ``bytes_per_layer`` defaults to 4 bytes per element (``profile.numel``). Communication
+    time is ``alpha + beta * bytes`` when both are given, or the sum of the layers' profiled
+    ``comm`` when both are None (the closed form's additive view).
+    """
+    nbytes = _bytes_per_layer(profiles, bytes_per_layer)
+    if (alpha is None) != (beta is None):
+        raise ValueError("sapipe.schedule: give both alpha and beta (α–β model) or neither (use profiled comm)")
+    plans = []
+    for index, layers in enumerate(build_bucket_layout(nbytes, k, bucket_cap_bytes)):
+        size = sum(nbytes[i] for i in layers)
+        if alpha is None:
+            comm = math.fsum(profiles[i].comm for i in layers)
+        else:
+            comm = alpha + beta * size  # type: ignore[operator]
+        plans.append(BucketPlan(index, tuple(layers), size, layers[0] < k, comm))
+    return plans
+
+
+def _bytes_per_layer(profiles: Sequence["LayerProfile"], bytes_per_layer: Optional[Sequence[int]]) -> List[int]:
+    if bytes_per_layer is None:
+        return [4 * p.numel for p in profiles]
+    if len(bytes_per_layer) != len(profiles):
+        raise ValueError(
+            f"sapipe.schedule: bytes_per_layer has {len(bytes_per_layer)} entries for {len(profiles)} layers"
+        )
+    return list(bytes_per_layer)
+
+
+# --------------------------------------------------------------------------- the link
+
+
+@dataclass
+class Transfer:
+    """One all-reduce of one bucket in one iteration, and where the link placed it."""
+
+    iteration: int
+    bucket: BucketPlan
+    issue: float
+    start: float = math.nan
+    end: float = math.nan
+
+    @property
+    def order(self) -> Tuple[int, int]:
+        """Launch order: iterations in turn, buckets by index within one."""
+        return (self.iteration, self.bucket.index)
+
+
+class Link:
+    """One shared network link: all-reduces run one at a time and are never pre-empted.
+
+    Transfers are submitted one iteration at a time, in launch order. A placement decision
+    made at time τ only depends on transfers issued by τ, so submitting transfers issued
+    from τ on keeps every transfer that started before τ and re-places the rest.
+    """
+
+    def __init__(self, priority: bool):
+        self.priority = priority
+        self.placed: List[Transfer] = []  # in start order (= end order: the link is serial)
+
+    def submit(self, transfers: Sequence[Transfer]) -> None:
+        if not transfers:
+            return
+        tau = min(t.issue for t in transfers)
+        redo: List[Transfer] = []
+        while self.placed and self.placed[-1].start >= tau:
+            redo.append(self.placed.pop())
+        free = self.placed[-1].end if self.placed else -math.inf
+        self._place(sorted(redo + list(transfers), key=lambda t: t.order), free)
+
+    def _place(self, waiting: List[Transfer], free: float) -> None:
+        now = free
+        while waiting:
+            issued = [t for t in waiting if t.issue <= now]
+            if not issued:
+                now = min(t.issue for t in waiting)
+                continue
+            if self.priority:
+                nxt = min(issued, key=lambda t: (t.bucket.stale, t.order))
+            else:
+                nxt = issued[0]  # waiting is in launch order
+            waiting.remove(nxt)
+            nxt.start = now
+            nxt.end = now + nxt.bucket.comm_time
+            now = nxt.end
+            self.placed.append(nxt)
+
+
+# --------------------------------------------------------------------------- simulation
+
+
+@dataclass
+class SimResult:
+    """Steady-state prediction for one k. Times in seconds."""
+
+    k: int
+    iteration_time: float  # between consecutive iteration starts, steady state
+    compute_time: float  # sum(u) + sum(b): the iteration time with no communication
+    stall: float  # iteration_time - compute_time
+    comm_time: float  # link busy time per iteration (sum of bucket all-reduce times)
+    forward_wait: float  # of the stall: waiting for sync all-reduces before forwards
+    step_wait: float  # of the stall: step() waiting for the previous iteration's stale all-reduces
+    converged: bool  # False: no repeat within `iterations`; iteration_time is an estimate
+    iterations: int  # iterations simulated
+    buckets: List[BucketPlan] = field(default_factory=list)
+    events: List[TraceEvent] = field(default_factory=list)  # one steady-state iteration, starting at 0
+
+
+@dataclass
+class _Iteration:
+    """Compute timeline of one simulated iteration."""
+
+    start: float
+    backward_end: float = 0.0
+    step_end: float = math.nan  # = next iteration's start
+    forward_wait: float = 0.0
+    events: List[TraceEvent] = field(default_factory=list)
+
+
+def _run_forward_backward(
+    t: int,
+    start: float,
+    profiles: Sequence["LayerProfile"],
+    buckets: Sequence[BucketPlan],
+    previous: Dict[int, Transfer],
+) -> Tuple[_Iteration, List[Transfer]]:
+    """Forward (waiting for last iteration's sync all-reduces) and backward of iteration t.
+
+    Returns the timeline and the all-reduces the backward issues.
+    """
+    it = _Iteration(start=start)
+    sync_bucket_at = {b.first_layer: b for b in buckets if not b.stale}
+    cursor = start
+    for i, prof in enumerate(profiles):
+        bucket = sync_bucket_at.get(i)
+        if bucket is not None and bucket.index in previous:
+            done = previous[bucket.index].end
+            if done > cursor:
+                it.events.append(TraceEvent(f"wait sync bucket {bucket.index}", "wait", cursor, done,
+                                            {"bucket": bucket.index, "before_layer": prof.name}))
+                it.forward_wait += done - cursor
+                cursor = done
+        it.events.append(TraceEvent(prof.name, "forward", cursor, cursor + prof.forward, {"layer": i}))
+        cursor += prof.forward
+    grad_ready = [0.0] * len(profiles)
+    for i in reversed(range(len(profiles))):
+        prof = profiles[i]
+        it.events.append(TraceEvent(prof.name, "backward", cursor, cursor + prof.backward, {"layer": i}))
+        cursor += prof.backward
+        grad_ready[i] = cursor
+    it.backward_end = cursor
+
+    transfers = []
+    issue = -math.inf
+    for bucket in buckets:  # index order = launch order
+        issue = max(issue, max(grad_ready[i] for i in bucket.layers))
+        transfers.append(Transfer(t, bucket, issue))
+    return it, transfers
+
+
+def _comm_events(link: Link, lo: float, hi: float, t: int) -> List[TraceEvent]:
+    """Iteration t's all-reduces (even those running on into t+1) and any others running in [lo, hi)."""
+    events = []
+    for tr in link.placed:
+        if tr.iteration == t or (tr.end > lo and tr.start < hi):
+            kind = "stale" if tr.bucket.stale else "sync"
+            events.append(TraceEvent(
+                f"{kind} bucket {tr.bucket.index}", "comm", tr.start, tr.end,
+                {"iteration": tr.iteration - t, "bucket": tr.bucket.index, "stale": tr.bucket.stale,
+                 "bytes": tr.bucket.nbytes, "layers": list(tr.bucket.layers), "queued": tr.start - tr.issue},
+            ))
+    return events
+
+
+def simulate(
+    profiles: Sequence["LayerProfile"],
+    k: int,
+    *,
+    bucket_cap_bytes: float,
+    alpha: Optional[float],
+    beta: Optional[float],
+    bytes_per_layer: Optional[Sequence[int]] = None,
+    priority: bool = False,
+    iterations: int = DEFAULT_ITERATIONS,
+    record_events: bool = True,
+) -> SimResult:
+    """Predict the steady-state iteration time with the first ``k`` layers stale.
+
+    ``profiles`` are in forward order. See the module docstring for the model; pass
+    ``alpha=None, beta=None`` to use each layer's profiled ``comm`` instead of the α–β model.
+    Iterations are simulated until the pipeline repeats itself -- the last iteration's
+    all-reduces sit at the same offsets from the next iteration's start as one iteration
+    before -- or for ``iterations`` at most. If it has not settled by then (typically a
+    backlog still growing on a saturated link), the iteration time is estimated as the mean
+    of the last two periods, but no less than the link's busy time per iteration. ``events`` (if ``record_events``) is the last
+    simulated iteration, shifted so that it starts at 0; all-reduces carried over from the
+    previous iteration have negative start times.
+    """
+    m = len(profiles)
+    if not 0 <= k <= m:
+        raise ValueError(f"sapipe.schedule: k={k} outside 0..{m}")
+    iterations = max(iterations, 2)
+    buckets = plan_buckets(profiles, k, bucket_cap_bytes=bucket_cap_bytes, alpha=alpha, beta=beta,
+                           bytes_per_layer=bytes_per_layer)
+    compute = math.fsum(p.forward for p in profiles) + math.fsum(p.backward for p in profiles)
+    comm = math.fsum(b.comm_time for b in buckets)
+    link = Link(priority)
+    history: List[_Iteration] = []
+    sent: List[Dict[int, Transfer]] = []  # per iteration: bucket index -> its all-reduce
+    states: List[Tuple[float, ...]] = []
+    start = 0.0
+    for t in range(iterations):
+        it, transfers = _run_forward_backward(t, start, profiles, buckets, sent[t - 1] if t else {})
+        link.submit(transfers)
+        sent.append({tr.bucket.index: tr for tr in transfers})
+        # step() of iteration t waits for iteration t-1's stale all-reduces
+        stale = [tr.end for tr in sent[t - 1].values() if tr.bucket.stale] if t else []
+        it.step_end = max([it.backward_end] + stale)
+        if it.step_end > it.backward_end:
+            it.events.append(TraceEvent("step: wait stale all-reduces", "wait", it.backward_end, it.step_end, {}))
+        history.append(it)
+        start = it.step_end
+        states.append(_state(transfers, start))
+        if len(states) >= 2 and _same_state(states[-1], states[-2], compute + comm):
+            break
+
+    periods = [it.step_end - it.start for it in history]
+    converged = len(states) >= 2 and _same_state(states[-1], states[-2], compute + comm)
+    if converged:
+        iteration_time = periods[-1]
+    else:  # e.g. a backlog still building up on a saturated link: the link sets a floor
+        iteration_time = max(sum(periods[-2:]) / len(periods[-2:]), comm)
+    last = history[-1]
+    events: List[TraceEvent] = []
+    if record_events:
+        raw = last.events + _comm_events(link, last.start, last.step_end, len(history) - 1)
+        events = sorted((TraceEvent(e.name, e.category, e.start - last.start, e.end - last.start, e.args)
+                         for e in raw), key=lambda e: (e.start, e.end))
+    return SimResult(
+        k=k,
+        iteration_time=iteration_time,
+        compute_time=compute,
+        stall=max(iteration_time - compute, 0.0),
+        comm_time=comm,
+        forward_wait=last.forward_wait,
+        step_wait=last.step_end - last.backward_end,
+        converged=converged,
+        iterations=len(history),
+        buckets=buckets,
+        events=events,
+    )
+
+
+def _state(transfers: Sequence[Transfer], next_start: float) -> Tuple[float, ...]:
+    """What the future depends on at an iteration start: the last iteration's all-reduces
+    (issue, start, end), relative to that start. A repeated state means a periodic pipeline."""
+    return tuple(x - next_start for tr in transfers for x in (tr.issue, tr.start, tr.end))
+
+
+def _same_state(a: Tuple[float, ...], b: Tuple[float, ...], scale: float) -> bool:
+    eps = 1e-9 * max(scale, 1e-30)
+    return len(a) == len(b) and all(abs(x - y) <= eps for x, y in zip(a, b))
