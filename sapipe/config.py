@@ -17,13 +17,14 @@ from .compensation import MODES
 from .errors import ConfigurationError
 
 DC_FORMS = ("outer", "diagonal")
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
 class Settings:
     """The validated keyword arguments of :class:`sapipe.DistributedOptimizer`."""
 
-    stale_layers: int
+    stale_layers: Union[int, str]  # an int k, or "auto" (the scheduler picks k)
     compensation: str
     dc_lambda: float
     dc_form: str
@@ -32,6 +33,21 @@ class Settings:
     bucket_cap_mb: float
     lr_ramp_steps: int
     timeout: Optional[timedelta]
+    profile_steps: int
+
+    @property
+    def auto(self) -> bool:
+        return self.stale_layers == AUTO
+
+    @property
+    def effective_warmup(self) -> int:
+        """Synchronous iterations before the pipeline starts.
+
+        With ``stale_layers="auto"`` the scheduler profiles the last ``profile_steps`` of
+        them and the first is never profiled (it pays one-off costs), so warm-up lasts at
+        least ``profile_steps + 1`` iterations.
+        """
+        return max(self.warmup_steps, self.profile_steps + 1) if self.auto else self.warmup_steps
 
 
 def _is_int(value: Any) -> bool:
@@ -55,12 +71,13 @@ def validate(
     lr_ramp_steps: Any,
     timeout: Any,
     num_layers: int,
+    profile_steps: Any = 5,
 ) -> Settings:
     """Check every argument against its documented range; return the typed settings."""
     _require(
-        _is_int(stale_layers) and 0 <= stale_layers <= num_layers,
-        f"stale_layers must be an int in [0, m] where m={num_layers} is the number of layers "
-        f"(modules that directly own trainable parameters); got {stale_layers!r}",
+        stale_layers == AUTO or (_is_int(stale_layers) and 0 <= stale_layers <= num_layers),
+        f"stale_layers must be 'auto' or an int in [0, m] where m={num_layers} is the number of "
+        f"layers (modules that directly own trainable parameters); got {stale_layers!r}",
     )
     _require(
         compensation in MODES,
@@ -86,6 +103,7 @@ def validate(
         f"bucket_cap_mb must be a number > 0; got {bucket_cap_mb!r}",
     )
     _require(_is_int(lr_ramp_steps) and lr_ramp_steps >= 0, f"lr_ramp_steps must be an int >= 0; got {lr_ramp_steps!r}")
+    _require(_is_int(profile_steps) and profile_steps >= 1, f"profile_steps must be an int >= 1; got {profile_steps!r}")
     return Settings(
         stale_layers=stale_layers,
         compensation=compensation,
@@ -96,6 +114,7 @@ def validate(
         bucket_cap_mb=float(bucket_cap_mb),
         lr_ramp_steps=lr_ramp_steps,
         timeout=parse_timeout(timeout),
+        profile_steps=profile_steps,
     )
 
 

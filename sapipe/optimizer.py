@@ -19,6 +19,8 @@ sync updates recorded as deferred with this step's hyper-parameters) → ``zero_
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional, Union
 
@@ -34,7 +36,15 @@ from .compensation import MODES, Compensation, StaleStep
 from .errors import ConfigurationError, SapipeError, UnsupportedOptimizerError, UsageError
 from .layers import Layer, LayerRecorder
 from .optim_math import OptimizerRule, rule_for
+from .schedule import profiler, solver
 from .trace import Tracer
+
+log = logging.getLogger("sapipe")
+
+#: A predicted stall below this fraction of compute counts as none. Profiles taken on a
+#: live job carry a few percent of noise, and staling a layer costs some accuracy, so
+#: "auto" only makes layers stale for a gain larger than that.
+STALL_TOLERANCE = 0.03
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -49,6 +59,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             defines the layers (recorded during the first forward after construction).
         stale_layers: k, the number of leading layers (forward order) that take stale
             gradients. 0 is fully synchronous (equal to DDP); m (all layers) is Pipe-SGD.
+            ``"auto"``: the scheduler profiles the warm-up iterations and picks the smallest
+            k that hides all communication (:mod:`sapipe.schedule`).
         compensation: ``"none"``, ``"dc"``, ``"wp1"``, ``"wp2"`` or ``"wp3"`` for the stale
             layers (see :mod:`sapipe.compensation`).
         dc_lambda: λ ≥ 0 of delay compensation (``dc`` and ``wp3``).
@@ -62,6 +74,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             group's own timeout.
         lr_ramp_steps: PipeMare's T1 for staleness > 1: the stale layers' learning rate is
             divided by ``s ** (1 - min(t / K, 1))`` over the first K pipeline steps.
+        profile_steps: with ``"auto"``, how many warm-up iterations are profiled; warm-up
+            then lasts ``max(warmup_steps, profile_steps + 1)`` iterations.
         trace: record runtime events (see :class:`sapipe.trace.Tracer`).
 
     Construction is collective: every rank of ``process_group`` must call it. It checks that
@@ -84,6 +98,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         process_group: Optional[dist.ProcessGroup] = None,
         timeout: Union[None, float, timedelta] = None,
         lr_ramp_steps: int = 0,
+        profile_steps: int = 5,
         trace: bool = False,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -96,6 +111,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             stale_layers=stale_layers, compensation=compensation, dc_lambda=dc_lambda,
             dc_form=dc_form, staleness=staleness, warmup_steps=warmup_steps,
             bucket_cap_mb=bucket_cap_mb, lr_ramp_steps=lr_ramp_steps, timeout=timeout,
+            profile_steps=profile_steps,
         )
         # Validate locally, but report only after comparing with the other ranks: a rank
         # that raised here while the others went on into a collective would hang them.
@@ -128,9 +144,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._params = params
         self._group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._sync_comm = AllReduce(new_group_like(group, settings.timeout), "sync", settings.timeout, self.tracer)
+        self._k: int = 0 if settings.auto else settings.stale_layers
+        self._warmup = settings.effective_warmup
         self._stale_comm = (
             AllReduce(new_group_like(group, settings.timeout), "stale", settings.timeout, self.tracer)
-            if settings.stale_layers > 0 else None
+            if settings.auto or self._k > 0 else None
         )
         _broadcast_from_first_rank(model, group)
 
@@ -138,7 +156,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._layers: Optional[List[Layer]] = None
         self._buckets: List[Bucket] = []
         self._where: Dict[int, tuple] = {}  # id(param) -> (bucket, position in bucket)
+        self._bucket_of_layer: Dict[int, Bucket] = {}
+        self._layer_of: Dict[int, int] = {}  # id(param) -> layer index
         self._eager: List[Bucket] = []  # buckets with a layer that never ran in forward
+        self._timer: Optional[profiler.LayerTimer] = None
+        self.decision: Optional[solver.Decision] = None  # the scheduler's, with "auto"
         self._next_launch = 0
         self._iteration = 0  # completed step() calls
         self._hooks = [
@@ -151,9 +173,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ public API
 
     @property
-    def stale_layers(self) -> int:
-        """k: the number of leading layers (forward order) that take stale gradients."""
-        return self.settings.stale_layers
+    def stale_layers(self) -> Union[int, str]:
+        """k: the leading layers (forward order) on stale gradients; "auto" until decided."""
+        if self.settings.auto and self.decision is None:
+            return config.AUTO
+        return self._k
 
     @property
     def num_layers(self) -> int:
@@ -188,7 +212,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._allocate_state()
         self.tracer.record("step_start", iteration=iteration)
         self._flush()
-        pipeline_step = iteration - self.settings.warmup_steps
+        pipeline_step = iteration - self._warmup
         for bucket in self._buckets:
             if bucket.stale and pipeline_step >= 1:
                 self._stale_update(bucket, pipeline_step, hyperparams)
@@ -198,6 +222,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             bucket.num_ready = 0
         self._next_launch = 0
         self._iteration = iteration
+        if self._timer is not None:
+            self._timer.end_iteration()
+            if iteration == self._warmup:
+                self._decide()
         self.tracer.record("step_end", iteration=iteration)
 
     @torch.no_grad()
@@ -245,33 +273,51 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         s = self.settings
         return (
-            f"sapipe.DistributedOptimizer({type(self.optimizer).__name__}, stale_layers={s.stale_layers}, "
+            f"sapipe.DistributedOptimizer({type(self.optimizer).__name__}, stale_layers={self.stale_layers!r}, "
             f"compensation={s.compensation!r}, staleness={s.staleness}, world_size={self._world_size})"
         )
 
     # ------------------------------------------------------------------ layout
 
     def _before_model_forward(self, module: nn.Module, args) -> None:
-        self.tracer.record("forward_start", iteration=self._iteration + 1)
+        iteration = self._iteration + 1
+        self.tracer.record("forward_start", iteration=iteration)
+        if self._timer is not None and self._warmup - self.settings.profile_steps < iteration <= self._warmup:
+            self._timer.begin_iteration()
         for bucket in self._eager:
             self._apply_deferred(bucket)
 
     def _after_model_forward(self, module: nn.Module, args, output) -> None:
         if self._layers is None:
             self._build_layout()
+        if self._timer is not None:
+            self._timer.forward_end()
 
     def _build_layout(self) -> None:
+        """After the first forward: fix the layer order, hook the layers, lay out buckets."""
         assert self._recorder is not None
         layers = self._recorder.finish()
-        k = self.settings.stale_layers
-        if k > len(layers):
+        if self._k > len(layers):
             raise ConfigurationError(
-                f"sapipe: stale_layers={k} exceeds the model's {len(layers)} layers "
+                f"sapipe: stale_layers={self._k} exceeds the model's {len(layers)} layers "
                 "(modules owning trainable parameters not tied to an earlier layer)"
             )
+        self._layers = layers
+        self._recorder = None
+        self._layer_of = {id(p): layer.index for layer in layers for p in layer.params}
+        for layer in layers:
+            self._hooks.append(layer.module.register_forward_pre_hook(self._pre_layer_hook(layer.index)))
+        if self.settings.auto:
+            self._timer = profiler.LayerTimer(len(layers))
+        self._lay_out_buckets()
+
+    def _lay_out_buckets(self) -> None:
+        """Buckets for the current k, with their gradient buffers (no weights moved yet)."""
+        assert self._layers is not None
         cap = int(self.settings.bucket_cap_mb * 1024 * 1024)
-        self._buckets = build_buckets(layers, k, cap, self._group_of)
+        self._buckets = build_buckets(self._layers, self._k, cap, self._group_of)
         comp = self._compensation
+        self._where, self._bucket_of_layer = {}, {}
         for bucket in self._buckets:
             depth = self.settings.staleness + 1 if bucket.stale else 1
             bucket.grads = StalenessBuffer(bucket.numel, bucket.dtype, bucket.device, depth)
@@ -282,35 +328,86 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for i, p in enumerate(bucket.params):
                 self._where[id(p)] = (bucket, i)
             for layer in bucket.layers:
-                self._hooks.append(layer.module.register_forward_pre_hook(self._pre_layer_hook(bucket)))
+                self._bucket_of_layer[layer.index] = bucket
         self._eager = [b for b in self._buckets if not all(layer.executed for layer in b.layers)]
-        self._layers = layers
-        self._recorder = None
 
-    def _pre_layer_hook(self, bucket: Bucket):
+    def _pre_layer_hook(self, index: int):
         def hook(module: nn.Module, args) -> None:
-            if bucket.pending_update is not None:
-                self._apply_deferred(bucket)
+            bucket = self._bucket_of_layer.get(index)
+            waited = 0.0
+            if bucket is not None and bucket.pending_update is not None:
+                waited = self._apply_deferred(bucket)
+            if self._timer is not None:
+                self._timer.layer_forward(index, waited)
         return hook
 
-    def _allocate_state(self) -> None:
-        """At the first step: flat weights (params become views) and optimizer state."""
+    def _allocate_state(self, previous: Optional[List[Bucket]] = None) -> None:
+        """Flatten weights (params become views) and create the optimizer state.
+
+        Runs at the first step, and again when the scheduler re-lays the buckets out for
+        the chosen k; then every parameter's state moves from its ``previous`` bucket.
+        """
+        moved: Dict[int, tuple] = {}  # id(param) -> (old segment, offset in that segment)
+        for bucket in previous or []:
+            for segment in bucket.segments:
+                for p, offset in zip(bucket.params, bucket.offsets):
+                    if segment.start <= offset < segment.end:
+                        moved[id(p)] = (segment, offset - segment.start)
         for bucket in self._buckets:
             bucket.flatten_weights()
             bucket.real = bucket.weights
             for segment in bucket.segments:
                 segment.state = self._rule.new_state(segment.of(bucket.weights))
+                for p, offset in zip(bucket.params, bucket.offsets):
+                    if id(p) in moved and segment.start <= offset < segment.end:
+                        old, old_offset = moved[id(p)]
+                        segment.state.steps = old.state.steps
+                        segment.state.momentum_started = old.state.momentum_started
+                        for name, buffer in segment.state.buffers.items():
+                            start = offset - segment.start
+                            buffer[start : start + p.numel()].copy_(
+                                old.state.buffers[name][old_offset : old_offset + p.numel()]
+                            )
+
+    def _decide(self) -> None:
+        """End of warm-up with "auto": profile, choose k, re-lay the buckets out for it."""
+        assert self._timer is not None and self._layers is not None
+        bucket = self._buckets[0]
+        profile = profiler.measure(
+            self._timer, self._sync_comm.group, [b.nbytes for b in self._buckets], bucket.dtype, bucket.device
+        )
+        self._timer = None
+        element = self._buckets[0].params[0].element_size()
+        layer_bytes = [layer.numel * element for layer in self._layers]
+        self.decision = solver.choose_k(
+            [
+                solver.LayerProfile(layer.name, u, b, profile.alpha + profile.beta * nbytes, layer.numel)
+                for layer, u, b, nbytes in zip(self._layers, profile.forward, profile.backward, layer_bytes)
+            ],
+            bucket_cap_bytes=int(self.settings.bucket_cap_mb * 1024 * 1024),
+            alpha=profile.alpha,
+            beta=profile.beta,
+            bytes_per_layer=layer_bytes,
+            tolerance=STALL_TOLERANCE,
+        )
+        self.synchronize()  # every pending update uses the old layout's buffers
+        previous = self._buckets
+        self._k = self.decision.k
+        self._lay_out_buckets()
+        self._allocate_state(previous)
+        if dist.get_rank(self._group) == 0:
+            log.info("sapipe: %s", self.decision.summary())
 
     # ------------------------------------------------------------------ backward
 
     def _in_pipeline(self, bucket: Bucket, iteration: int) -> bool:
-        return bucket.stale and iteration > self.settings.warmup_steps
+        return bucket.stale and iteration > self._warmup
 
     def _slot(self, bucket: Bucket, iteration: int) -> int:
         if not self._in_pipeline(bucket, iteration):
             return 0
         assert bucket.grads is not None
-        return bucket.grads.index(iteration - self.settings.warmup_steps)
+        return bucket.grads.index(iteration - self._warmup)
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         if self._layers is None:
@@ -333,6 +430,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             target[offset : offset + n].copy_(param.grad.reshape(-1))
         bucket.ready[i] = True
         bucket.num_ready += 1
+        if self._timer is not None:
+            self._timer.gradient_released(self._layer_of[id(param)])
         if bucket.num_ready == len(bucket.params):
             self._launch_ready(iteration)
 
@@ -384,16 +483,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ updates
 
     @torch.no_grad()
-    def _apply_deferred(self, bucket: Bucket) -> None:
-        """x_t = OPT(x_{t-1}, g_t) for a synchronously-behaving bucket, if one is pending."""
+    def _apply_deferred(self, bucket: Bucket) -> float:
+        """x_t = OPT(x_{t-1}, g_t) for a synchronously-behaving bucket, if one is pending.
+
+        Returns the seconds spent waiting for its all-reduce (a stall, for the profiler).
+        """
         hyperparams, bucket.pending_update = bucket.pending_update, None
         if hyperparams is None:
-            return
+            return 0.0
         assert bucket.grads is not None and bucket.weights is not None
         handle, bucket.grads.in_flight[0] = bucket.grads.in_flight[0], None
+        start = time.perf_counter()
         grad = handle.wait().div_(self._world_size)
+        waited = time.perf_counter() - start
         for segment in bucket.segments:
             self._rule.update(segment.of(bucket.weights), segment.of(grad), segment.state, hyperparams[segment.group])
+        return waited
 
     def _stale_hyperparams(self, hyperparams: List[Dict[str, Any]], pipeline_step: int) -> List[Dict[str, Any]]:
         """PipeMare T1: lr / s^{p_t}, p_t = 1 − min(t/K, 1), for staleness s > 1."""

@@ -84,7 +84,7 @@ def test_bad_configuration_is_refused_on_every_rank(construction_results, case):
         assert got_cls == cls, f"rank {rank}: expected {cls}, got {got_cls}: {message}"
         assert text in message, f"rank {rank}: message does not name the cause: {message}"
         assert message.startswith("sapipe"), message
-        assert elapsed < 10
+        assert elapsed < 30, f"rank {rank}: took {elapsed:.1f}s"
 
 
 def test_requires_initialised_process_group():

@@ -26,7 +26,17 @@ Model (one rank; every rank is assumed identical):
   ``step()`` at the end of iteration t+1 waits for it. While in flight it occupies the link.
 
 The simulation runs iteration after iteration, carrying in-flight stale traffic over,
-until the iteration time (time between consecutive iteration starts) is stable.
+until the pipeline repeats itself; the iteration time is the time between consecutive
+iteration starts in that steady state.
+
+Not modelled: the time of ``step()`` itself and of deferred updates (taken as 0), hook
+overhead, two all-reduces sharing the link concurrently (e.g. on two process groups), and
+communication slowing computation down (it does on a CPU host, DESIGN.md §6).
+
+A consequence worth knowing: sync-before-stale ``priority`` never shortens the iteration
+here. The only stale all-reduce a sync one can overtake is from the previous iteration, and
+its deadline (this iteration's ``step()``) comes before the sync one's (a forward of the
+next iteration), so FIFO is already earliest-deadline-first.
 """
 from __future__ import annotations
 
@@ -42,6 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["BucketPlan", "SimResult", "build_bucket_layout", "plan_buckets", "simulate"]
 
 DEFAULT_ITERATIONS = 30
+_LONGEST_CYCLE = 4  # periodic patterns up to this many iterations are detected
 
 
 # --------------------------------------------------------------------------- buckets
@@ -69,7 +80,8 @@ def build_bucket_layout(bytes_per_layer: Sequence[int], k: int, bucket_cap_bytes
     Walk layers in reverse forward order; close the open bucket when adding the next layer
     would exceed ``bucket_cap_bytes`` (so a single larger layer ends up alone) and always at
     the S/N boundary (layer index ``k - 1`` | ``k``, 0-based). Returns 0-based layer indices,
-    each bucket listed in backward order.
+    each bucket listed in backward order. A cap of 0 gives one layer per bucket as long as
+    every layer has a positive size (zero-size layers join their neighbour's bucket).
     """
     buckets: List[List[int]] = []
     current: List[int] = []
@@ -168,16 +180,18 @@ class Link:
         self._place(sorted(redo + list(transfers), key=lambda t: t.order), free)
 
     def _place(self, waiting: List[Transfer], free: float) -> None:
+        """List-schedule ``waiting`` (in launch order, hence in issue order) from time ``free``."""
         now = free
         while waiting:
-            issued = [t for t in waiting if t.issue <= now]
-            if not issued:
-                now = min(t.issue for t in waiting)
-                continue
-            if self.priority:
-                nxt = min(issued, key=lambda t: (t.bucket.stale, t.order))
-            else:
-                nxt = issued[0]  # waiting is in launch order
+            now = max(now, waiting[0].issue)
+            nxt = waiting[0]  # FIFO: the earliest launched
+            if self.priority and nxt.bucket.stale:  # the earliest launched sync one, if any is waiting
+                for tr in waiting:
+                    if tr.issue > now:
+                        break
+                    if not tr.bucket.stale:
+                        nxt = tr
+                        break
             waiting.remove(nxt)
             nxt.start = now
             nxt.end = now + nxt.bucket.comm_time
@@ -200,6 +214,7 @@ class SimResult:
     forward_wait: float  # of the stall: waiting for sync all-reduces before forwards
     step_wait: float  # of the stall: step() waiting for the previous iteration's stale all-reduces
     converged: bool  # False: no repeat within `iterations`; iteration_time is an estimate
+    cycle: int  # the steady state repeats every `cycle` iterations (0: not converged)
     iterations: int  # iterations simulated
     buckets: List[BucketPlan] = field(default_factory=list)
     events: List[TraceEvent] = field(default_factory=list)  # one steady-state iteration, starting at 0
@@ -288,12 +303,16 @@ def simulate(
     ``profiles`` are in forward order. See the module docstring for the model; pass
     ``alpha=None, beta=None`` to use each layer's profiled ``comm`` instead of the α–β model.
     Iterations are simulated until the pipeline repeats itself -- the last iteration's
-    all-reduces sit at the same offsets from the next iteration's start as one iteration
-    before -- or for ``iterations`` at most. If it has not settled by then (typically a
-    backlog still growing on a saturated link), the iteration time is estimated as the mean
-    of the last two periods, but no less than the link's busy time per iteration. ``events`` (if ``record_events``) is the last
-    simulated iteration, shifted so that it starts at 0; all-reduces carried over from the
-    previous iteration have negative start times.
+    all-reduces sit at the same offsets from the next iteration's start as c = 1..4
+    iterations before; the iteration time is then the mean period over that cycle -- or
+    for ``iterations`` at most. If it has not settled by then (a backlog still growing on a
+    saturated link, or a saturated link whose order of transfers never settles under
+    ``priority``), the iteration time is estimated as the mean period of the second half
+    of the run, but no less than the link's busy time per iteration.
+
+    ``events`` (if ``record_events``) is the last simulated iteration, shifted to start at
+    0: its compute, waits, its own all-reduces (some run on into the next iteration) and
+    those carried over from the previous one (negative start times).
     """
     m = len(profiles)
     if not 0 <= k <= m:
@@ -307,6 +326,7 @@ def simulate(
     history: List[_Iteration] = []
     sent: List[Dict[int, Transfer]] = []  # per iteration: bucket index -> its all-reduce
     states: List[Tuple[float, ...]] = []
+    cycle = 0
     start = 0.0
     for t in range(iterations):
         it, transfers = _run_forward_backward(t, start, profiles, buckets, sent[t - 1] if t else {})
@@ -320,15 +340,16 @@ def simulate(
         history.append(it)
         start = it.step_end
         states.append(_state(transfers, start))
-        if len(states) >= 2 and _same_state(states[-1], states[-2], compute + comm):
+        cycle = _cycle(states, compute + comm)
+        if cycle:
             break
 
-    periods = [it.step_end - it.start for it in history]
-    converged = len(states) >= 2 and _same_state(states[-1], states[-2], compute + comm)
-    if converged:
-        iteration_time = periods[-1]
-    else:  # e.g. a backlog still building up on a saturated link: the link sets a floor
-        iteration_time = max(sum(periods[-2:]) / len(periods[-2:]), comm)
+    starts = [history[0].start] + [it.step_end for it in history]
+    if cycle:  # periodic: the mean period over one cycle (cycles longer than 1 are rare, priority only)
+        iteration_time = (starts[-1] - starts[-1 - cycle]) / cycle
+    else:  # e.g. a saturated link whose order of transfers never settles: average the second half,
+        half = len(history) // 2  # and the link's busy time per iteration is a floor
+        iteration_time = max((starts[-1] - starts[half]) / (len(history) - half), comm)
     last = history[-1]
     events: List[TraceEvent] = []
     if record_events:
@@ -343,7 +364,8 @@ def simulate(
         comm_time=comm,
         forward_wait=last.forward_wait,
         step_wait=last.step_end - last.backward_end,
-        converged=converged,
+        converged=bool(cycle),
+        cycle=cycle,
         iterations=len(history),
         buckets=buckets,
         events=events,
@@ -359,3 +381,11 @@ def _state(transfers: Sequence[Transfer], next_start: float) -> Tuple[float, ...
 def _same_state(a: Tuple[float, ...], b: Tuple[float, ...], scale: float) -> bool:
     eps = 1e-9 * max(scale, 1e-30)
     return len(a) == len(b) and all(abs(x - y) <= eps for x, y in zip(a, b))
+
+
+def _cycle(states: Sequence[Tuple[float, ...]], scale: float, longest: int = _LONGEST_CYCLE) -> int:
+    """Length c of the cycle the pipeline has entered (last state == state c iterations ago), else 0."""
+    for c in range(1, min(longest, len(states) - 1) + 1):
+        if _same_state(states[-1], states[-1 - c], scale):
+            return c
+    return 0

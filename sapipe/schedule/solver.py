@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Optional, Sequence
 
 from .simulator import DEFAULT_ITERATIONS, SimResult, simulate
@@ -112,7 +112,7 @@ class Decision:
     comm_time: float  # link busy time per iteration at k
     comm_bound: bool  # even k = m stalls: throughput is set by the link
     tolerance: float  # stall accepted as "no stall", seconds
-    closed_form_k: Optional[int]  # the paper's program, for reference
+    closed_form_k: Optional[int]  # the paper's program (per-layer v_i from the same comm model), for reference
     stalls: Dict[int, float] = field(default_factory=dict)  # every simulated k -> its stall
 
     @property
@@ -146,6 +146,17 @@ def _kappa(profiles: Sequence[LayerProfile], k: int, bytes_per_layer: Optional[S
         if total > 0:
             return sum(sizes[:k]) / total
     return k / len(profiles) if profiles else 0.0
+
+
+def _with_model_comm(
+    profiles: Sequence[LayerProfile], alpha: Optional[float], beta: Optional[float],
+    bytes_per_layer: Optional[Sequence[int]],
+) -> Sequence[LayerProfile]:
+    """Profiles whose ``comm`` is the α–β time of each layer alone, when α and β are given."""
+    if alpha is None or beta is None:
+        return profiles
+    nbytes = bytes_per_layer if bytes_per_layer is not None else [4 * p.numel for p in profiles]
+    return [replace(p, comm=alpha + beta * n) for p, n in zip(profiles, nbytes)]
 
 
 def choose_k(
@@ -201,6 +212,6 @@ def choose_k(
         comm_time=result.comm_time,
         comm_bound=comm_bound,
         tolerance=tol,
-        closed_form_k=closed_form_k(profiles),
+        closed_form_k=closed_form_k(_with_model_comm(profiles, alpha, beta, bytes_per_layer)),
         stalls={k: r.stall for k, r in sorted(cache.items())},
     )

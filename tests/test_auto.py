@@ -1,0 +1,138 @@
+"""stale_layers="auto": the switch after profiling is exact, and k follows the network.
+
+1. Exactness: the solver's answer is pinned to a given k (its input is timing, so a test
+   of the *switch* must not depend on timing), and the run must equal the float64
+   reference with that k and the effective warm-up: the re-layout of buckets and the
+   migration of optimizer state (momentum, Adam moments, step counts) lose nothing.
+2. Decisions on real networks: with ample bandwidth (plain loopback) the scheduler keeps
+   the job synchronous (k = 0); on a slow link — all ranks inside a fresh network
+   namespace whose loopback is rate-limited with ``tc`` (DESIGN.md §6) — it stales layers.
+   Skipped, with the reason, where namespaces or ``tc`` are unavailable.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dist_utils import assert_close_dicts, run_ranks
+from models import loss_fn_for, make_batches, make_model
+from reference import run_reference
+
+STEPS = 9
+PROFILE_STEPS = 2  # warm-up lasts PROFILE_STEPS + 1 = 3 iterations
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def make_optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def _pinned(rank, world_size, kind, mode, k):
+    import sapipe
+    from sapipe.schedule import solver
+
+    real_choose = solver.choose_k
+    solver.choose_k = lambda *a, **kw: dataclasses.replace(real_choose(*a, **kw), k=k)
+    model = make_model("tied", seed=rank, dtype=torch.float64)
+    opt = sapipe.DistributedOptimizer(
+        make_optimizer(kind, model.parameters()), model, stale_layers="auto", compensation=mode,
+        profile_steps=PROFILE_STEPS, bucket_cap_mb=0.0008, timeout=60,
+    )
+    batches = make_batches("tied", STEPS, world_size, dtype=torch.float64)
+    seen = []
+    for t in range(STEPS):
+        x, y = batches[t][rank]
+        opt.zero_grad()
+        loss_fn_for("tied")(model(x), y).backward()
+        opt.step()
+        seen.append(opt.stale_layers)
+    opt.synchronize()
+    held = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with opt.real_weights():
+        real = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"seen": seen, "held": held, "real": real}
+
+
+@pytest.mark.parametrize("kind,mode,k", [("sgd", "dc", 3), ("adam", "wp3", 5), ("sgd", "none", 7)])
+def test_switch_after_profiling_is_exact(kind, mode, k):
+    out = run_ranks(_pinned, world_size=2, args=(kind, mode, k))
+    warmup = PROFILE_STEPS + 1
+    assert out[0]["seen"] == ["auto"] * (warmup - 1) + [k] * (STEPS - warmup + 1)
+    ref = run_reference(
+        make_model("tied", seed=0, dtype=torch.float64), functools.partial(make_optimizer, kind),
+        make_batches("tied", STEPS, 2, dtype=torch.float64), loss_fn_for("tied"),
+        stale_layers=k, compensation=mode, warmup_steps=warmup,
+    )
+    for rank in range(2):
+        assert_close_dicts(out[rank]["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real")
+        assert_close_dicts(out[rank]["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
+
+
+def _network_job():
+    """Run by ``python tests/test_auto.py``, possibly inside a rate-limited namespace."""
+    print(json.dumps(run_ranks(_decide, world_size=2, timeout=240)[0]))
+
+
+def _decide(rank, world_size):
+    """A compute-heavy, parameter-light job (MLP on a large batch) under "auto"."""
+    import sapipe
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(),
+        torch.nn.Linear(256, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8),
+    )
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), model, stale_layers="auto", profile_steps=4, timeout=120
+    )
+    x, y = torch.randn(4096, 64), torch.randn(4096, 8)
+    for _ in range(7):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    d = opt.decision
+    return {"k": opt.stale_layers, "m": opt.num_layers, "summary": d.summary(), "comm_bound": d.comm_bound}
+
+
+def _run_job(prefix):
+    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = prefix + [sys.executable, os.path.join(HERE, "test_auto.py")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_auto_stays_synchronous_with_ample_bandwidth():
+    result = _run_job([])
+    assert result["k"] == 0, result["summary"]
+
+
+def _slow_network_prefix():
+    if not (shutil.which("unshare") and shutil.which("tc") and shutil.which("ip")):
+        pytest.skip("needs unshare, ip and tc (iproute2) to emulate a slow network")
+    # MTU 1500: tbf drops any packet larger than its burst, and loopback segments are 64 KB.
+    shape = "ip link set lo mtu 1500 up && tc qdisc add dev lo root tbf rate 40mbit burst 64kbit latency 400ms && exec \"$@\""
+    for flags in (["-n"], ["-rn"]):  # as root, else as an unprivileged user namespace
+        probe = subprocess.run(["unshare", *flags, "bash", "-c", shape, "_", "true"], capture_output=True)
+        if probe.returncode == 0:
+            return ["unshare", *flags, "bash", "-c", shape, "_"]
+    pytest.skip("network namespaces with tc are not permitted here: " + probe.stderr.decode()[-200:])
+
+
+def test_auto_stales_layers_on_a_slow_link():
+    result = _run_job(_slow_network_prefix())
+    assert result["k"] > 0, result["summary"]
+
+
+if __name__ == "__main__":
+    _network_job()
