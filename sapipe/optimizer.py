@@ -18,8 +18,10 @@ sync updates recorded as deferred with this step's hyper-parameters) → ``zero_
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import os
 import time
 from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional, Union
@@ -36,7 +38,7 @@ from .compensation import MODES, Compensation, StaleStep
 from .errors import ConfigurationError, SapipeError, UnsupportedOptimizerError, UsageError
 from .layers import Layer, LayerRecorder
 from .optim_math import OptimizerRule, rule_for
-from .schedule import profiler, solver
+from .schedule import chrome_trace, profiler, simulator, solver
 from .trace import Tracer
 
 log = logging.getLogger("sapipe")
@@ -76,7 +78,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             divided by ``s ** (1 - min(t / K, 1))`` over the first K pipeline steps.
         profile_steps: with ``"auto"``, how many warm-up iterations are profiled; warm-up
             then lasts ``max(warmup_steps, profile_steps + 1)`` iterations.
-        trace: record runtime events (see :class:`sapipe.trace.Tracer`).
+        trace: ``True`` records runtime events in ``opt.tracer``; a path also writes them
+            at exit as a Chrome trace (Perfetto) — per layer forward/backward, per bucket
+            communication, waits — with ``{rank}`` in the path replaced by the rank (else
+            ``.rank<r>`` is added when there are several ranks). Default: the
+            ``SAPIPE_TRACE`` environment variable. With ``"auto"``, the scheduler's predicted
+            iteration is written beside it (``.predicted.json``) for comparison.
 
     Construction is collective: every rank of ``process_group`` must call it. It checks that
     all ranks were configured identically (else raises on every rank, naming the
@@ -99,7 +106,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         timeout: Union[None, float, timedelta] = None,
         lr_ramp_steps: int = 0,
         profile_steps: int = 5,
-        trace: bool = False,
+        trace: Union[None, bool, str] = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigurationError(
@@ -136,11 +143,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.model = model
         self.settings: config.Settings = settings
-        self.tracer = Tracer(enabled=trace)
+        if trace is None:
+            trace = os.environ.get("SAPIPE_TRACE") or False
+        self.tracer = Tracer(enabled=bool(trace))
+        self._trace_path = trace if isinstance(trace, str) else None
+        self._profiles: Optional[List[solver.LayerProfile]] = None
         self._rule: OptimizerRule = rule
         self._compensation: Compensation = MODES[settings.compensation](settings.staleness)
         self._group = group
         self._world_size = dist.get_world_size(group)
+        self._rank = dist.get_rank(group)
         self._params = params
         self._group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._sync_comm = AllReduce(new_group_like(group, settings.timeout), "sync", settings.timeout, self.tracer)
@@ -160,6 +172,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._layer_of: Dict[int, int] = {}  # id(param) -> layer index
         self._eager: List[Bucket] = []  # buckets with a layer that never ran in forward
         self._timer: Optional[profiler.LayerTimer] = None
+        self._trace_pending: Dict[tuple, int] = {}  # (iteration, layer) -> gradients to come
+        self._trace_forward_end = self._trace_last_release = 0
         self.decision: Optional[solver.Decision] = None  # the scheduler's, with "auto"
         self._next_launch = 0
         self._iteration = 0  # completed step() calls
@@ -169,6 +183,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ]
         self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
         recorder.start()
+        if self._trace_path:
+            atexit.register(self._write_trace_at_exit)
 
     # ------------------------------------------------------------------ public API
 
@@ -256,6 +272,36 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for bucket, saved in predicted:
                     bucket.weights.copy_(saved)
 
+    def write_trace(self, path: str, predicted: bool = False) -> None:
+        """Write the recorded events (or, ``predicted=True``, the scheduler's simulated
+        iteration at the chosen k) as a Chrome trace JSON, viewable in Perfetto."""
+        rank = self._rank
+        if predicted:
+            if self._profiles is None or self.decision is None:
+                raise UsageError("sapipe: a predicted trace needs stale_layers='auto' after its decision")
+            alpha, beta, layer_bytes, step_time = self._link
+            events = simulator.simulate(
+                self._profiles, self.decision.k, alpha=alpha, beta=beta, bytes_per_layer=layer_bytes,
+                bucket_cap_bytes=int(self.settings.bucket_cap_mb * 1024 * 1024), step_time=step_time,
+            ).events
+            name = f"rank {rank} predicted (k={self.decision.k})"
+        else:
+            events = chrome_trace.events_from_tracer(self.tracer.events())
+            name = f"rank {rank}"
+        chrome_trace.write_chrome_trace(path, events, process_name=name, pid=rank)
+
+    def _write_trace_at_exit(self) -> None:
+        assert self._trace_path is not None
+        path = self._trace_path
+        if "{rank}" in path:
+            path = path.replace("{rank}", str(self._rank))
+        elif self._world_size > 1:
+            root, ext = os.path.splitext(path)
+            path = f"{root}.rank{self._rank}{ext or '.json'}"
+        self.write_trace(path)
+        if self.decision is not None:
+            self.write_trace(os.path.splitext(path)[0] + ".predicted.json", predicted=True)
+
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if hasattr(self, "_rule"):  # construction done: buckets are laid out
             raise UsageError("sapipe: add param groups to the optimizer before wrapping it")
@@ -292,6 +338,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._build_layout()
         if self._timer is not None:
             self._timer.forward_end()
+        if self.tracer.enabled:
+            self._trace_forward_end = time.perf_counter_ns()
+            self._trace_pending.clear()
 
     def _build_layout(self) -> None:
         """After the first forward: fix the layer order, hook the layers, lay out buckets."""
@@ -306,7 +355,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._recorder = None
         self._layer_of = {id(p): layer.index for layer in layers for p in layer.params}
         for layer in layers:
-            self._hooks.append(layer.module.register_forward_pre_hook(self._pre_layer_hook(layer.index)))
+            self._hooks.append(layer.module.register_forward_pre_hook(self._pre_layer_hook(layer)))
+            if self.tracer.enabled:
+                self._hooks.append(layer.module.register_forward_hook(self._post_layer_hook(layer)))
         if self.settings.auto:
             self._timer = profiler.LayerTimer(len(layers))
         self._lay_out_buckets()
@@ -331,7 +382,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._bucket_of_layer[layer.index] = bucket
         self._eager = [b for b in self._buckets if not all(layer.executed for layer in b.layers)]
 
-    def _pre_layer_hook(self, index: int):
+    def _pre_layer_hook(self, layer: Layer):
+        index = layer.index
+
         def hook(module: nn.Module, args) -> None:
             bucket = self._bucket_of_layer.get(index)
             waited = 0.0
@@ -339,6 +392,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 waited = self._apply_deferred(bucket)
             if self._timer is not None:
                 self._timer.layer_forward(index, waited)
+            self.tracer.record("layer_forward_start", layer=layer.name, iteration=self._iteration + 1)
+        return hook
+
+    def _post_layer_hook(self, layer: Layer):
+        def hook(module: nn.Module, args, output) -> None:
+            self.tracer.record("layer_forward_end", layer=layer.name, iteration=self._iteration + 1)
         return hook
 
     def _allocate_state(self, previous: Optional[List[Bucket]] = None) -> None:
@@ -379,23 +438,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._timer = None
         element = self._buckets[0].params[0].element_size()
         layer_bytes = [layer.numel * element for layer in self._layers]
+        self._profiles = [
+            solver.LayerProfile(layer.name, u, b, profile.alpha + profile.beta * nbytes, layer.numel)
+            for layer, u, b, nbytes in zip(self._layers, profile.forward, profile.backward, layer_bytes)
+        ]
+        self._link = (profile.alpha, profile.beta, layer_bytes, profile.step_time)
         self.decision = solver.choose_k(
-            [
-                solver.LayerProfile(layer.name, u, b, profile.alpha + profile.beta * nbytes, layer.numel)
-                for layer, u, b, nbytes in zip(self._layers, profile.forward, profile.backward, layer_bytes)
-            ],
+            self._profiles,
             bucket_cap_bytes=int(self.settings.bucket_cap_mb * 1024 * 1024),
             alpha=profile.alpha,
             beta=profile.beta,
             bytes_per_layer=layer_bytes,
             tolerance=STALL_TOLERANCE,
+            step_time=profile.step_time,
         )
         self.synchronize()  # every pending update uses the old layout's buffers
         previous = self._buckets
         self._k = self.decision.k
         self._lay_out_buckets()
         self._allocate_state(previous)
-        if dist.get_rank(self._group) == 0:
+        if self._rank == 0:
             log.info("sapipe: %s", self.decision.summary())
 
     # ------------------------------------------------------------------ backward
@@ -432,8 +494,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket.num_ready += 1
         if self._timer is not None:
             self._timer.gradient_released(self._layer_of[id(param)])
+        if self.tracer.enabled:
+            self._trace_gradient(param, iteration)
         if bucket.num_ready == len(bucket.params):
             self._launch_ready(iteration)
+
+    def _trace_gradient(self, param: torch.Tensor, iteration: int) -> None:
+        """A layer's backward span: from the previous release (or forward end) to its last gradient."""
+        assert self._layers is not None
+        layer = self._layers[self._layer_of[id(param)]]
+        pending = self._trace_pending.setdefault((iteration, layer.index), len(layer.params))
+        self._trace_pending[(iteration, layer.index)] = pending - 1
+        if pending == 1:
+            now = time.perf_counter_ns()
+            start = max(self._trace_last_release, self._trace_forward_end)
+            self.tracer.record("layer_backward_start", at_ns=start, layer=layer.name, iteration=iteration)
+            self.tracer.record("layer_backward_end", at_ns=now, layer=layer.name, iteration=iteration)
+            self._trace_last_release = now
 
     def _gradient_target(self, bucket: Bucket, iteration: int) -> torch.Tensor:
         assert bucket.grads is not None

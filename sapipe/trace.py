@@ -6,22 +6,26 @@ the scheduler's Chrome-trace writer consumes the same events.
 """
 from __future__ import annotations
 
+import collections
 import threading
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 Event = Tuple[int, str, Dict[str, Any]]
 
 
 class Tracer:
-    def __init__(self, enabled: bool = False):
+    """Bounded event log: keeps the most recent ``capacity`` events."""
+
+    def __init__(self, enabled: bool = False, capacity: int = 200_000):
         self.enabled = enabled
-        self._events: List[Event] = []
+        self._events: Deque[Event] = collections.deque(maxlen=capacity)
         self._lock = threading.Lock()  # comm completions are recorded from comm threads
 
-    def record(self, kind: str, **fields: Any) -> None:
+    def record(self, kind: str, at_ns: Optional[int] = None, **fields: Any) -> None:
+        """Log ``kind`` now (or at ``at_ns``, a ``time.perf_counter_ns()`` reading)."""
         if self.enabled:
-            event = (time.perf_counter_ns(), kind, fields)
+            event = (time.perf_counter_ns() if at_ns is None else at_ns, kind, fields)
             with self._lock:
                 self._events.append(event)
 

@@ -78,6 +78,37 @@ def test_switch_after_profiling_is_exact(kind, mode, k):
         assert_close_dicts(out[rank]["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
 
 
+def _traced(rank, world_size, path):
+    import sapipe
+
+    model = make_model("tied", seed=0)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), model, stale_layers="auto", profile_steps=2,
+        bucket_cap_mb=0.001, trace=path,
+    )
+    batches = make_batches("tied", 6, world_size)
+    for t in range(6):
+        x, y = batches[t][rank]
+        opt.zero_grad()
+        loss_fn_for("tied")(model(x), y).backward()
+        opt.step()
+    opt._write_trace_at_exit()  # what atexit does; called here to inspect the files now
+    return [layer.name for layer in opt.layers]
+
+
+def test_trace_files_hold_measured_and_predicted_timelines(tmp_path):
+    layers = run_ranks(_traced, world_size=2, args=(str(tmp_path / "job-{rank}.json"),))[0]
+    for rank in range(2):
+        measured = json.loads((tmp_path / f"job-{rank}.json").read_text())["traceEvents"]
+        predicted = json.loads((tmp_path / f"job-{rank}.predicted.json").read_text())["traceEvents"]
+        for events, kinds in ((measured, {"forward", "backward", "comm", "wait", "step"}), (predicted, {"forward", "backward", "comm"})):
+            spans = [e for e in events if e.get("ph") == "X"]
+            assert kinds <= {e["cat"] for e in spans}
+            assert all(e["dur"] >= 0 for e in spans)
+        forward_layers = {e["name"] for e in measured if e.get("cat") == "forward"}
+        assert set(layers) <= forward_layers  # every layer's forward is on the timeline
+
+
 def _network_job():
     """Run by ``python tests/test_auto.py``, possibly inside a rate-limited namespace."""
     print(json.dumps(run_ranks(_decide, world_size=2, timeout=240)[0]))

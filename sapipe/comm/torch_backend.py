@@ -69,6 +69,7 @@ class AllReduce:
         return Handle(work, tensor, what, self)
 
     def wait(self, handle: Handle) -> torch.Tensor:
+        self.tracer.record("comm_wait_start", what=handle.what, stream=self.name)
         try:
             handle.work.wait()
         except Exception as exc:  # noqa: BLE001 - re-raised with context

@@ -8,6 +8,9 @@
   is accumulated. Releases are made monotone in reverse layer order (a bucket can only be
   sent once all later layers' gradients are in), and b_i is the gap between consecutive
   releases, so Σb is the whole backward up to the last gradient.
+* **Step time**: from an iteration's last gradient release to the next iteration's first
+  layer (``step()``, ``zero_grad()``, the next batch), minus communication waits: serial
+  compute the simulator places between backward and the next forward.
 * **Communication**: an α–β model (t = α + β·bytes) fitted by least squares to timed
   all-reduces of a few sizes on the job's own process group.
 
@@ -32,6 +35,7 @@ class Profile:
 
     forward: List[float]
     backward: List[float]
+    step_time: float  # serial compute between backward and the next forward
     alpha: float  # seconds per all-reduce
     beta: float  # seconds per byte
 
@@ -47,6 +51,8 @@ class LayerTimer:
         self._waits: Dict[int, float] = {}  # communication waited for before layer i ran
         self._releases: Dict[int, float] = {}
         self._forward_end: Optional[float] = None
+        self._step_times: List[float] = []
+        self._last_release: Optional[float] = None  # of the previous profiled iteration
         self.active = False
 
     def begin_iteration(self) -> None:
@@ -62,8 +68,12 @@ class LayerTimer:
         The wait is a stall, not compute: it is taken out of the previous layer's u.
         """
         if self.active and layer not in self._starts:
-            self._starts[layer] = time.perf_counter()
+            now = time.perf_counter()
+            self._starts[layer] = now
             self._waits[layer] = waited
+            if layer == 0 and self._last_release is not None:
+                self._step_times.append(max(0.0, now - self._last_release - waited))
+                self._last_release = None
 
     def forward_end(self) -> None:
         if self.active and self._forward_end is None:
@@ -79,6 +89,7 @@ class LayerTimer:
         m = self.num_layers
         if self._forward_end is None or len(self._starts) < m or len(self._releases) < m:
             return  # a layer never ran or released: not a representative iteration
+        self._last_release = max(self._releases.values())
         starts = [self._starts[i] for i in range(m)] + [self._forward_end]
         waits = [self._waits.get(i + 1, 0.0) for i in range(m)]
         self._forward.append([max(0.0, starts[i + 1] - starts[i] - waits[i]) for i in range(m)])
@@ -93,12 +104,14 @@ class LayerTimer:
     def samples(self) -> int:
         return len(self._forward)
 
-    def medians(self) -> Tuple[List[float], List[float]]:
+    def medians(self) -> Tuple[List[float], List[float], float]:
+        """Median u_i, b_i and step time over the profiled iterations."""
         if not self._forward:
             raise RuntimeError("sapipe: no complete iteration was profiled")
         u = [statistics.median(col) for col in zip(*self._forward)]
         b = [statistics.median(col) for col in zip(*self._backward)]
-        return u, b
+        step = statistics.median(self._step_times) if self._step_times else 0.0
+        return u, b, step
 
 
 def fit_alpha_beta(sizes_bytes: Sequence[int], seconds: Sequence[float]) -> Tuple[float, float]:
@@ -141,14 +154,16 @@ def measure(
     timer: LayerTimer, group, bucket_bytes: Sequence[int], dtype: torch.dtype, device: torch.device
 ) -> Profile:
     """The job's profile, identical on every rank (MAX over ranks)."""
-    u, b = timer.medians()
+    u, b, step = timer.medians()
     sizes = probe_sizes(bucket_bytes)
     comm = [time_allreduce(group, s, dtype, device) for s in sizes]
-    local = torch.tensor(u + b + comm, dtype=torch.float64)
+    local = torch.tensor(u + b + [step] + comm, dtype=torch.float64)
     if device.type == "cuda":
         local = local.to(device)
     dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
     values = local.cpu().tolist()
     m = len(u)
-    alpha, beta = fit_alpha_beta(sizes, values[2 * m :])
-    return Profile(forward=values[:m], backward=values[m : 2 * m], alpha=alpha, beta=beta)
+    alpha, beta = fit_alpha_beta(sizes, values[2 * m + 1 :])
+    return Profile(
+        forward=values[:m], backward=values[m : 2 * m], step_time=values[2 * m], alpha=alpha, beta=beta
+    )

@@ -297,6 +297,7 @@ def simulate(
     priority: bool = False,
     iterations: int = DEFAULT_ITERATIONS,
     record_events: bool = True,
+    step_time: float = 0.0,
 ) -> SimResult:
     """Predict the steady-state iteration time with the first ``k`` layers stale.
 
@@ -310,6 +311,10 @@ def simulate(
     ``priority``), the iteration time is estimated as the mean period of the second half
     of the run, but no less than the link's busy time per iteration.
 
+    ``step_time`` is serial compute between the end of backward (and of ``step()``'s wait
+    for stale all-reduces) and the next forward: the optimizer step, ``zero_grad``, loading
+    the next batch. It counts as compute.
+
     ``events`` (if ``record_events``) is the last simulated iteration, shifted to start at
     0: its compute, waits, its own all-reduces (some run on into the next iteration) and
     those carried over from the previous one (negative start times).
@@ -320,7 +325,7 @@ def simulate(
     iterations = max(iterations, 2)
     buckets = plan_buckets(profiles, k, bucket_cap_bytes=bucket_cap_bytes, alpha=alpha, beta=beta,
                            bytes_per_layer=bytes_per_layer)
-    compute = math.fsum(p.forward for p in profiles) + math.fsum(p.backward for p in profiles)
+    compute = math.fsum(p.forward for p in profiles) + math.fsum(p.backward for p in profiles) + step_time
     comm = math.fsum(b.comm_time for b in buckets)
     link = Link(priority)
     history: List[_Iteration] = []
@@ -334,9 +339,12 @@ def simulate(
         sent.append({tr.bucket.index: tr for tr in transfers})
         # step() of iteration t waits for iteration t-1's stale all-reduces
         stale = [tr.end for tr in sent[t - 1].values() if tr.bucket.stale] if t else []
-        it.step_end = max([it.backward_end] + stale)
-        if it.step_end > it.backward_end:
-            it.events.append(TraceEvent("step: wait stale all-reduces", "wait", it.backward_end, it.step_end, {}))
+        waited_until = max([it.backward_end] + stale)
+        if waited_until > it.backward_end:
+            it.events.append(TraceEvent("step: wait stale all-reduces", "wait", it.backward_end, waited_until, {}))
+        if step_time > 0:
+            it.events.append(TraceEvent("step", "step", waited_until, waited_until + step_time, {}))
+        it.step_end = waited_until + step_time
         history.append(it)
         start = it.step_end
         states.append(_state(transfers, start))
@@ -363,7 +371,7 @@ def simulate(
         stall=max(iteration_time - compute, 0.0),
         comm_time=comm,
         forward_wait=last.forward_wait,
-        step_wait=last.step_end - last.backward_end,
+        step_wait=last.step_end - step_time - last.backward_end,
         converged=bool(cycle),
         cycle=cycle,
         iterations=len(history),

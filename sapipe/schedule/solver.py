@@ -169,6 +169,7 @@ def choose_k(
     priority: bool = False,
     tolerance: float = 0.01,
     iterations: int = DEFAULT_ITERATIONS,
+    step_time: float = 0.0,
 ) -> Decision:
     """Smallest k whose simulated steady-state stall is at most ``tolerance`` × compute time.
 
@@ -182,7 +183,7 @@ def choose_k(
     chosen k is the smallest whose iteration time is within the tolerance of the best k's.
     """
     m = len(profiles)
-    compute = math.fsum(p.forward for p in profiles) + math.fsum(p.backward for p in profiles)
+    compute = math.fsum(p.forward for p in profiles) + math.fsum(p.backward for p in profiles) + step_time
     tol = tolerance * compute
     cache: Dict[int, SimResult] = {}
 
@@ -190,7 +191,7 @@ def choose_k(
         if k not in cache:
             cache[k] = simulate(profiles, k, bucket_cap_bytes=bucket_cap_bytes, alpha=alpha, beta=beta,
                                 bytes_per_layer=bytes_per_layer, priority=priority, iterations=iterations,
-                                record_events=False)
+                                record_events=False, step_time=step_time)
         return cache[k]
 
     comm_bound = sim(m).stall > tol
