@@ -13,12 +13,16 @@ from .errors import (
     UnsupportedOptimizerError,
     UsageError,
 )
+from .checkpoint import checkpoint_exists, load_checkpoint, save_checkpoint
 from .optimizer import DistributedOptimizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DistributedOptimizer",
+    "save_checkpoint",
+    "load_checkpoint",
+    "checkpoint_exists",
     "COMPENSATION_MODES",
     "SapipeError",
     "ConfigurationError",

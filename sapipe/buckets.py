@@ -53,12 +53,31 @@ class StalenessBuffer:
         return iteration % self.depth
 
 
+class Arrived:
+    """A collective that has already completed (restored from a checkpoint)."""
+
+    def __init__(self, tensor: Tensor, what: str):
+        self.tensor = tensor
+        self.what = what
+
+    def wait(self) -> Tensor:
+        return self.tensor
+
+
 class WeightHistory:
     """The last ``length`` real weights of a bucket, oldest first (for Δx in DC and wp3)."""
 
     def __init__(self, weights: Tensor, length: int):
         self._ring = [weights.clone() for _ in range(length)]
         self._oldest = 0
+
+    def state_dict(self) -> dict:
+        return {"ring": [w.clone() for w in self._ring], "oldest": self._oldest}
+
+    def load_state_dict(self, state: dict) -> None:
+        for mine, saved in zip(self._ring, state["ring"]):
+            mine.copy_(saved)
+        self._oldest = state["oldest"]
 
     def oldest(self) -> Tensor:
         return self._ring[self._oldest]
@@ -130,15 +149,56 @@ class Bucket:
                 p.data = flat[off : off + p.numel()].view_as(p)
         self.weights = flat
 
-    def gather_grads(self, out: Tensor) -> None:
-        """Copy every parameter's ``.grad`` into ``out`` (zeros where there is none)."""
-        for p, off in zip(self.params, self.offsets):
-            dst = out[off : off + p.numel()]
-            if p.grad is None:
-                dst.zero_()
-            else:
-                dst.copy_(p.grad.reshape(-1))
+    def state_dict(self) -> dict:
+        """Everything of this bucket a bit-exact resume needs (waits for in-flight collectives).
 
+        An all-reduce still in flight is waited for and stored as its (summed) result, so
+        the resumed run consumes exactly what the uninterrupted one would have.
+        """
+        assert self.grads is not None and self.weights is not None
+        for handle in self.grads.in_flight:
+            if handle is not None:
+                handle.wait()
+        slots = [slot.clone() for slot in self.grads.slots]
+        arrived = [handle is not None for handle in self.grads.in_flight]
+        return {
+            "layers": [layer.name for layer in self.layers],
+            "stale": self.stale,
+            "segments": [
+                {"steps": seg.state.steps, "momentum_started": seg.state.momentum_started,
+                 "buffers": {k: v.clone() for k, v in seg.state.buffers.items()}}
+                for seg in self.segments if seg.state is not None
+            ],
+            "slots": slots,
+            "arrived": arrived,
+            "real": None if self.real is None or self.real is self.weights else self.real.clone(),
+            "local": None if self.local is None else self.local.clone(),
+            "prev_local": None if self.prev_local is None else self.prev_local.clone(),
+            "history": None if self.history is None else self.history.state_dict(),
+            "pending_update": self.pending_update,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s content into this (identically laid out) bucket."""
+        assert self.grads is not None and self.weights is not None
+        for seg, saved in zip(self.segments, state["segments"]):
+            assert seg.state is not None
+            seg.state.steps = saved["steps"]
+            seg.state.momentum_started = saved["momentum_started"]
+            for name, buffer in seg.state.buffers.items():
+                buffer.copy_(saved["buffers"][name])
+        for i, (slot, arrived) in enumerate(zip(state["slots"], state["arrived"])):
+            self.grads.slots[i].copy_(slot)
+            self.grads.in_flight[i] = Arrived(self.grads.slots[i], f"{self.describe()} (restored)") if arrived else None
+        if state["real"] is not None:
+            self.real = state["real"].clone()
+        for name in ("local", "prev_local"):
+            if state[name] is not None:
+                getattr(self, name).copy_(state[name])
+        if state["history"] is not None:
+            self.history = WeightHistory(self.real, len(state["history"]["ring"]))
+            self.history.load_state_dict(state["history"])
+        self.pending_update = state["pending_update"]
 
 def build_buckets(
     layers: Sequence[Layer], stale_layers: int, cap_bytes: int, group_of: Dict[int, int]

@@ -8,7 +8,7 @@ forward pre-hooks during the first forward pass after construction.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Set
+from typing import Dict, List, Optional, Sequence, Set
 
 from torch import nn
 
@@ -62,11 +62,21 @@ class LayerRecorder:
     def _on_pre_forward(self, module: nn.Module, args) -> None:
         self._seen.setdefault(id(module), len(self._seen))
 
-    def finish(self) -> List[Layer]:
-        """Stop recording; layers in execution order (modules that never ran go last)."""
+    def finish(self, order: Optional[Sequence[str]] = None) -> List[Layer]:
+        """Stop recording; layers in execution order (modules that never ran go last).
+
+        ``order``: names of the modules that executed, in order, to use instead of what was
+        recorded (restoring a checkpoint's layout before any forward has run).
+        """
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if order is not None:
+            known = {name for name, _ in self._owners}
+            unknown = [name for name in order if name not in known]
+            if unknown:
+                raise ValueError(f"modules {unknown} of the saved layer order are not layers of this model")
+            self._seen = {id(dict(self._owners)[name]): i for i, name in enumerate(order)}
         executed = sorted(
             (o for o in self._owners if id(o[1]) in self._seen), key=lambda o: self._seen[id(o[1])]
         )

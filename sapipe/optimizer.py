@@ -43,6 +43,8 @@ from .trace import Tracer
 
 log = logging.getLogger("sapipe")
 
+CHECKPOINT_FORMAT = "sapipe-checkpoint/1"
+
 #: A predicted stall below this fraction of compute counts as none. Profiles taken on a
 #: live job carry a few percent of noise, and staling a layer costs some accuracy, so
 #: "auto" only makes layers stale for a gain larger than that.
@@ -175,6 +177,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._trace_pending: Dict[tuple, int] = {}  # (iteration, layer) -> gradients to come
         self._trace_forward_end = self._trace_last_release = 0
         self.decision: Optional[solver.Decision] = None  # the scheduler's, with "auto"
+        self._decided = False  # k is final (decided now, or restored from a checkpoint)
         self._next_launch = 0
         self._iteration = 0  # completed step() calls
         self._hooks = [
@@ -191,7 +194,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def stale_layers(self) -> Union[int, str]:
         """k: the leading layers (forward order) on stale gradients; "auto" until decided."""
-        if self.settings.auto and self.decision is None:
+        if self.settings.auto and not self._decided:
             return config.AUTO
         return self._k
 
@@ -292,12 +295,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _write_trace_at_exit(self) -> None:
         assert self._trace_path is not None
-        path = self._trace_path
-        if "{rank}" in path:
-            path = path.replace("{rank}", str(self._rank))
-        elif self._world_size > 1:
-            root, ext = os.path.splitext(path)
-            path = f"{root}.rank{self._rank}{ext or '.json'}"
+        path = per_rank_path(self._trace_path, self._rank, self._world_size)
         self.write_trace(path)
         if self.decision is not None:
             self.write_trace(os.path.splitext(path)[0] + ".predicted.json", predicted=True)
@@ -308,13 +306,76 @@ class DistributedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
-        raise NotImplementedError(
-            "sapipe: exact checkpointing of the staleness state is not implemented yet; "
-            "saving the wrapped optimizer's state would silently lose in-flight gradients"
-        )
+        """Everything needed to continue bit-exactly: in-flight and pending gradients (their
+        all-reduces are waited for), optimizer state, real vs predicted weights, Δx history,
+        step counters and the scheduler's k. Save it with ``model.state_dict()``, per rank
+        (see :func:`sapipe.save_checkpoint`), between ``step()`` and the next forward.
+        """
+        if self._iteration == 0:
+            raise UsageError("sapipe: nothing to checkpoint before the first step()")
+        if any(b.num_ready for b in self._buckets):
+            raise UsageError("sapipe: checkpoint between step() and the next forward, not during backward")
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "rank": self._rank,
+            "world_size": self._world_size,
+            "settings": self._settings_fingerprint(),
+            "iteration": self._iteration,
+            "k": self._k,
+            "decided": self._decided,
+            "order": [layer.name for layer in self.layers if layer.executed],
+            "layers": [layer.name for layer in self.layers],
+            "buckets": [bucket.state_dict() for bucket in self._buckets],
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+        }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
-        raise NotImplementedError("sapipe: exact checkpointing of the staleness state is not implemented yet")
+        """Restore :meth:`state_dict` (this rank's) into a freshly constructed optimizer.
+
+        Refuses, naming the difference, a checkpoint of another world size, rank or
+        configuration. Load before the first forward of the resumed job (or any time
+        between ``step()`` and the next forward).
+        """
+        state = state_dict
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+            raise ConfigurationError(f"sapipe: not a sapipe checkpoint (expected format {CHECKPOINT_FORMAT!r})")
+        if state["world_size"] != self._world_size:
+            raise ConfigurationError(
+                f"sapipe: the checkpoint was written by a job of {state['world_size']} ranks; this job has "
+                f"{self._world_size}. Stale gradients and per-rank predictions cannot be re-partitioned"
+            )
+        if state["rank"] != self._rank:
+            raise ConfigurationError(f"sapipe: rank {self._rank} was given rank {state['rank']}'s checkpoint")
+        differences = config.mismatches([state["settings"], self._settings_fingerprint()])
+        if differences:
+            raise ConfigurationError(
+                "sapipe: the checkpoint's configuration differs from this optimizer's: "
+                + "; ".join(d.replace("rank 1", "this job").replace("rank 0", "the checkpoint") for d in differences)
+            )
+        if any(b.num_ready for b in self._buckets):
+            raise UsageError("sapipe: load a checkpoint between step() and the next forward, not during backward")
+        self._decided = state["decided"]
+        self._k = state["k"]
+        if self._layers is None:
+            self._build_layout(state["order"])
+        if [layer.name for layer in self._layers] != state["layers"]:
+            raise ConfigurationError("sapipe: the checkpoint's layer order differs from this model's")
+        self._timer = None if self._decided or not self.settings.auto else self._timer
+        previous = self._buckets if self._iteration > 0 else None
+        self._lay_out_buckets()
+        self._allocate_state(previous)
+        if [[layer.name for layer in b.layers] for b in self._buckets] != [b["layers"] for b in state["buckets"]]:
+            raise ConfigurationError("sapipe: the checkpoint's bucket layout differs (bucket_cap_mb or model changed)")
+        for bucket, saved in zip(self._buckets, state["buckets"]):
+            bucket.load_state_dict(saved)
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            group.update(saved)
+        self._iteration = state["iteration"]
+        self._next_launch = 0
+
+    def _settings_fingerprint(self) -> Dict[str, str]:
+        fields = {k: v for k, v in vars(self.settings).items() if k != "timeout"}
+        return config.describe(dict(fields, optimizer=type(self.optimizer).__name__))
 
     def __repr__(self) -> str:
         s = self.settings
@@ -342,10 +403,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._trace_forward_end = time.perf_counter_ns()
             self._trace_pending.clear()
 
-    def _build_layout(self) -> None:
-        """After the first forward: fix the layer order, hook the layers, lay out buckets."""
+    def _build_layout(self, order: Optional[List[str]] = None) -> None:
+        """After the first forward (or from a checkpoint's ``order``): fix the layer order,
+        hook the layers, lay out buckets."""
         assert self._recorder is not None
-        layers = self._recorder.finish()
+        layers = self._recorder.finish(order)
         if self._k > len(layers):
             raise ConfigurationError(
                 f"sapipe: stale_layers={self._k} exceeds the model's {len(layers)} layers "
@@ -358,7 +420,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._hooks.append(layer.module.register_forward_pre_hook(self._pre_layer_hook(layer)))
             if self.tracer.enabled:
                 self._hooks.append(layer.module.register_forward_hook(self._post_layer_hook(layer)))
-        if self.settings.auto:
+        if self.settings.auto and not self._decided:
             self._timer = profiler.LayerTimer(len(layers))
         self._lay_out_buckets()
 
@@ -455,6 +517,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.synchronize()  # every pending update uses the old layout's buffers
         previous = self._buckets
         self._k = self.decision.k
+        self._decided = True
         self._lay_out_buckets()
         self._allocate_state(previous)
         if self._rank == 0:
@@ -627,7 +690,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             bucket.local, bucket.prev_local = bucket.prev_local, bucket.local
 
 
-# ---------------------------------------------------------------------- construction helpers
+# ---------------------------------------------------------------------- helpers
+
+
+def per_rank_path(path: str, rank: int, world_size: int) -> str:
+    """``{rank}`` in ``path`` replaced by the rank; else ``.rank<r>`` added when world_size > 1."""
+    if "{rank}" in path:
+        return path.replace("{rank}", str(rank))
+    if world_size == 1:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.rank{rank}{ext}"
 
 
 def _check_locally(optimizer, model, args):

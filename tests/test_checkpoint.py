@@ -1,0 +1,132 @@
+"""Checkpoint mid-training, resume in fresh processes: bit-identical to never stopping."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import sapipe
+from dist_utils import run_ranks
+from models import loss_fn_for, make_batches, make_model
+
+STEPS, SPLIT = 10, 6
+# (optimizer, stale_layers, compensation, staleness, warmup)
+CASES = [
+    ("sgd", 3, "none", 1, 0),
+    ("sgd", 7, "dc", 2, 1),
+    ("adam", 3, "wp1", 1, 2),
+    ("adam", 4, "wp3", 1, 0),
+    ("sgd", 0, "none", 1, 0),
+]
+
+
+def _setup(kind, k, mode, s, warmup, seed):
+    model = make_model("tied", seed=seed)
+    base = (
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+        if kind == "sgd" else torch.optim.Adam(model.parameters(), lr=0.01)
+    )
+    opt = sapipe.DistributedOptimizer(
+        base, model, stale_layers=k, compensation=mode, staleness=s, warmup_steps=warmup,
+        bucket_cap_mb=0.001, timeout=60,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.9**e)
+    return model, opt, sched
+
+
+def _train(model, opt, sched, rank, world_size, steps):
+    batches = make_batches("tied", STEPS, world_size)
+    for t in steps:
+        x, y = batches[t][rank]
+        opt.zero_grad()
+        loss_fn_for("tied")(model(x), y).backward()
+        opt.step()
+        sched.step()
+
+
+def _weights(model, opt):
+    held = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.synchronize()
+    synced = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with opt.real_weights():
+        real = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"held": held, "synced": synced, "real": real}
+
+
+def _uninterrupted(rank, world_size, cases):
+    results = []
+    for case in cases:
+        model, opt, sched = _setup(*case, seed=0)
+        _train(model, opt, sched, rank, world_size, range(STEPS))
+        results.append(_weights(model, opt))
+    return results
+
+
+def _first_half(rank, world_size, cases, paths):
+    files = []
+    for case, path in zip(cases, paths):
+        model, opt, sched = _setup(*case, seed=0)
+        _train(model, opt, sched, rank, world_size, range(SPLIT))
+        files.append(sapipe.save_checkpoint(path, model, opt, scheduler=sched.state_dict()))
+    return files
+
+
+def _second_half(rank, world_size, cases, paths):
+    results = []
+    for case, path in zip(cases, paths):
+        model, opt, sched = _setup(*case, seed=rank + 7)  # fresh, different weights before loading
+        extra = sapipe.load_checkpoint(path, model, opt)
+        sched.load_state_dict(extra["scheduler"])
+        _train(model, opt, sched, rank, world_size, range(SPLIT, STEPS))
+        results.append(_weights(model, opt))
+    return results
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(tmp_path_factory):
+    """Each phase is one 2-rank job looping over every case (process start-up is the cost)."""
+    tmp = tmp_path_factory.mktemp("checkpoints")
+    paths = [str(tmp / f"case{i}-{{rank}}.pt") for i in range(len(CASES))]
+    expected = run_ranks(_uninterrupted, world_size=2, args=(CASES,))
+    files = run_ranks(_first_half, world_size=2, args=(CASES, paths))
+    resumed = run_ranks(_second_half, world_size=2, args=(CASES, paths))
+    return expected, files, resumed, tmp
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=["{}-k{}-{}-s{}-w{}".format(*c) for c in CASES])
+def test_resume_is_bit_identical(resumed_runs, index):
+    expected, files, resumed, tmp = resumed_runs
+    assert files[0][index] == str(tmp / f"case{index}-0.pt")
+    for rank in range(2):
+        for view in ("held", "synced", "real"):
+            for name, value in expected[rank][index][view].items():
+                got = resumed[rank][index][view][name]
+                assert np.array_equal(got, value), f"rank {rank} {view} {name} differs"
+
+
+def _wrong_world(rank, world_size, path):
+    model, opt, sched = _setup("sgd", 3, "none", 1, 0, seed=0)
+    try:
+        sapipe.load_checkpoint(path, model, opt)
+    except sapipe.ConfigurationError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def _other_config(rank, world_size, path):
+    model, opt, sched = _setup("sgd", 4, "dc", 1, 0, seed=0)
+    try:
+        sapipe.load_checkpoint(path, model, opt)
+    except sapipe.ConfigurationError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_mismatched_checkpoint_is_refused(resumed_runs):
+    tmp = resumed_runs[3]
+    path = str(tmp / "case0-{rank}.pt")  # written with CASES[0] = sgd, k=3, none
+    messages = run_ranks(_other_config, world_size=2, args=(path,))
+    assert all("stale_layers" in m and "compensation" in m for m in messages), messages
+    # A 1-rank job finds rank 0's file but the world size differs.
+    message = run_ranks(_wrong_world, world_size=1, args=(str(tmp / "case0-0.pt"),))[0]
+    assert "2 ranks" in message and "has 1" in message, message
