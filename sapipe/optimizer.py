@@ -180,6 +180,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._decided = False  # k is final (decided now, or restored from a checkpoint)
         self._next_launch = 0
         self._iteration = 0  # completed step() calls
+        self._accumulating = False  # inside no_sync()
         self._hooks = [
             model.register_forward_pre_hook(self._before_model_forward),
             model.register_forward_hook(self._after_model_forward),
@@ -256,6 +257,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         for bucket in self._buckets:
             self._apply_deferred(bucket)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation, as with DDP: backward passes inside the block only
+        accumulate into ``p.grad``; the first backward outside it communicates the sum.
+
+        ``for micro in batches[:-1]: with opt.no_sync(): loss(micro).backward()`` then
+        ``loss(batches[-1]).backward(); opt.step()``.
+        """
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
 
     @contextlib.contextmanager
     def real_weights(self) -> Iterator[nn.Module]:
@@ -535,6 +550,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return bucket.grads.index(iteration - self._warmup)
 
     def _on_gradient(self, param: torch.Tensor) -> None:
+        if self._accumulating:
+            return  # gradient accumulation: p.grad keeps the running sum
         if self._layers is None:
             raise UsageError(
                 "sapipe: backward ran before the wrapped model's forward; call model(...) "
@@ -543,8 +560,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket, i = self._where[id(param)]
         if bucket.ready[i]:
             raise UsageError(
-                "sapipe: a parameter received a second gradient before step(); gradient "
-                "accumulation over several backward passes per step is not supported yet"
+                "sapipe: a parameter received a second gradient before step(). For gradient "
+                "accumulation, run every backward but the last inside `with opt.no_sync():`"
             )
         if bucket.num_ready == 0 and bucket.pending_update is not None:
             self._apply_deferred(bucket)  # its gradient buffer is about to be reused

@@ -114,7 +114,7 @@ def _misuse(rank, world_size):
 def test_misuse_is_explained():
     for found in run_ranks(_misuse, world_size=2):
         assert "before the model's first forward" in found["step first"]
-        assert "accumulation" in found["two backwards"]
+        assert "no_sync" in found["two backwards"]
 
 
 def _peer_failure(rank, world_size, how):
