@@ -28,9 +28,10 @@ from . import ops
 class StaleStep:
     """What a strategy may read for one stale bucket at one ``step()``.
 
-    ``g`` is the averaged stale gradient (None while the pipeline fills); the strategy may
-    overwrite it in place. ``x_prev_s`` is x_{t-1-s}, ``x_prev`` is x_{t-1} once the real
-    update has run (for wp3), ``local`` / ``prev_local`` this rank's l_t / l_{t-1}.
+    ``g`` is the averaged stale gradient (None while the pipeline fills, or when GradScaler
+    skipped its iteration); the strategy may overwrite it in place. ``x_oldest`` is
+    x_{t-1-s}, ``x_newest`` is x_{t-1} once the real update has run (for wp3), ``local`` /
+    ``prev_local`` this rank's l_t / l_{t-1} (None when their iteration was skipped).
     """
 
     g: Optional[Tensor]
@@ -109,9 +110,9 @@ class PredictMixed(Compensation):
     max_staleness = 1
 
     def prediction_gradient(self, step):
-        if step.g is None:
-            return None
-        assert step.local is not None and step.prev_local is not None and step.x_newest is not None
+        if step.g is None or step.local is None or step.prev_local is None:
+            return None  # pipeline filling, or a term from a step GradScaler skipped
+        assert step.x_newest is not None
         n = step.world_size
         others = step.g - step.prev_local / n  # others' part of g_{t-1}
         ops.delay_compensate(others, step.x - step.x_newest, step.lam, step.form, step.lengths, out=others)

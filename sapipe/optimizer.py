@@ -35,7 +35,7 @@ from .buckets import Bucket, StalenessBuffer, WeightHistory, build_buckets
 from .comm import AllReduce
 from .comm.torch_backend import new_group_like
 from .compensation import MODES, Compensation, StaleStep
-from .errors import ConfigurationError, SapipeError, UnsupportedOptimizerError, UsageError
+from .errors import CommunicationError, ConfigurationError, SapipeError, UnsupportedOptimizerError, UsageError
 from .layers import Layer, LayerRecorder
 from .optim_math import OptimizerRule, rule_for
 from .schedule import chrome_trace, profiler, simulator, solver
@@ -181,6 +181,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._next_launch = 0
         self._iteration = 0  # completed step() calls
         self._accumulating = False  # inside no_sync()
+        # iteration -> (gradients finite on every rank, 1 / loss scale); only with a GradScaler
+        self._scaling: Dict[int, tuple] = {}
+        self._control = new_group_like(group, settings.timeout)  # small control collectives
         self._hooks = [
             model.register_forward_pre_hook(self._before_model_forward),
             model.register_forward_hook(self._after_model_forward),
@@ -219,9 +222,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Communication buckets in launch order (reverse forward order)."""
         return list(self._buckets)
 
+    # GradScaler hands itself to step() (see step's docstring) instead of unscaling p.grad.
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
-    def step(self, closure=None) -> None:  # type: ignore[override]
-        """End the iteration: stale layers update now, sync layers before their next forward."""
+    def step(self, closure=None, grad_scaler=None) -> None:  # type: ignore[override]
+        """End the iteration: stale layers update now, sync layers before their next forward.
+
+        With ``torch.amp.GradScaler``, call ``scaler.step(opt)`` as usual: the scaler passes
+        itself here. Whether this iteration's gradients are finite is decided over *all*
+        ranks (and written back into the scaler, so every rank's scale evolves alike); the
+        iteration's gradients are later unscaled with its own scale, or, if not finite,
+        dropped wherever they would be used — now, at a deferred update, or one
+        ``staleness`` later — without disturbing the staleness pipeline.
+        """
         if closure is not None:
             raise UsageError("sapipe: step(closure) is not supported; call loss.backward() before step()")
         if self._layers is None:
@@ -232,12 +246,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._allocate_state()
         self.tracer.record("step_start", iteration=iteration)
         self._flush()
+        if grad_scaler is not None:
+            self._scaling[iteration] = self._agree_on_scaling(grad_scaler)
+            self._scaling.pop(iteration - self.settings.staleness - 2, None)
         pipeline_step = iteration - self._warmup
         for bucket in self._buckets:
             if bucket.stale and pipeline_step >= 1:
-                self._stale_update(bucket, pipeline_step, hyperparams)
+                self._stale_update(bucket, pipeline_step, hyperparams, iteration)
             else:
-                bucket.pending_update = hyperparams
+                bucket.pending_update = (hyperparams, iteration)
             bucket.ready = [False] * len(bucket.params)
             bucket.num_ready = 0
         self._next_launch = 0
@@ -342,6 +359,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "layers": [layer.name for layer in self.layers],
             "buckets": [bucket.state_dict() for bucket in self._buckets],
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "scaling": dict(self._scaling),
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
@@ -386,6 +404,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
         self._iteration = state["iteration"]
+        self._scaling = dict(state["scaling"])
         self._next_launch = 0
 
     def _settings_fingerprint(self) -> Dict[str, str]:
@@ -639,20 +658,45 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ updates
 
+    def _agree_on_scaling(self, grad_scaler) -> tuple:
+        """(finite on every rank, 1 / scale) for this iteration; tells the scaler the verdict."""
+        # The private method is the one GradScaler itself uses for optimizers that handle
+        # scaling: it records, per device, whether this rank's p.grad holds inf/NaN.
+        found = grad_scaler._check_inf_per_device(self)  # noqa: SLF001
+        flag = torch.tensor([max((float(t.item()) for t in found.values()), default=0.0)], dtype=torch.float64)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control)
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise CommunicationError(f"sapipe: agreeing on non-finite gradients failed: {exc}") from exc
+        for tensor in found.values():
+            tensor.fill_(flag.item())  # scaler.update() backs off on every rank or on none
+        return flag.item() == 0.0, 1.0 / grad_scaler.get_scale()
+
+    def _unscale(self, grad: torch.Tensor, iteration: int) -> Optional[torch.Tensor]:
+        """The summed gradient of ``iteration`` as a mean, unscaled; None if it was not finite."""
+        finite, inverse_scale = self._scaling.get(iteration, (True, 1.0))
+        if not finite:
+            return None
+        grad.div_(self._world_size)
+        return grad if inverse_scale == 1.0 else grad.mul_(inverse_scale)
+
     @torch.no_grad()
     def _apply_deferred(self, bucket: Bucket) -> float:
         """x_t = OPT(x_{t-1}, g_t) for a synchronously-behaving bucket, if one is pending.
 
         Returns the seconds spent waiting for its all-reduce (a stall, for the profiler).
         """
-        hyperparams, bucket.pending_update = bucket.pending_update, None
-        if hyperparams is None:
+        pending, bucket.pending_update = bucket.pending_update, None
+        if pending is None:
             return 0.0
+        hyperparams, iteration = pending
         assert bucket.grads is not None and bucket.weights is not None
         handle, bucket.grads.in_flight[0] = bucket.grads.in_flight[0], None
         start = time.perf_counter()
-        grad = handle.wait().div_(self._world_size)
+        grad = self._unscale(handle.wait(), iteration)
         waited = time.perf_counter() - start
+        if grad is None:  # a step GradScaler skipped
+            return waited
         for segment in bucket.segments:
             self._rule.update(segment.of(bucket.weights), segment.of(grad), segment.state, hyperparams[segment.group])
         return waited
@@ -665,8 +709,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         divisor = s ** (1.0 - min(pipeline_step / ramp, 1.0))
         return [dict(hp, lr=hp["lr"] / divisor) for hp in hyperparams]
 
-    def _stale_update(self, bucket: Bucket, t: int, hyperparams: List[Dict[str, Any]]) -> None:
-        """``step()`` of pipeline iteration t for a stale bucket (DESIGN.md §3)."""
+    def _stale_update(self, bucket: Bucket, t: int, hyperparams: List[Dict[str, Any]], iteration: int) -> None:
+        """``step()`` of pipeline iteration t (user iteration ``iteration``) for a stale bucket."""
         comp, s = self._compensation, self.settings.staleness
         assert bucket.grads is not None and bucket.weights is not None
         if t == 1:  # the pipeline starts: real weights and history begin at x_0
@@ -677,10 +721,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if t > s:
             slot = bucket.grads.index(t - s)
             handle, bucket.grads.in_flight[slot] = bucket.grads.in_flight[slot], None
-            grad = handle.wait().div_(self._world_size)
+            grad = self._unscale(handle.wait(), iteration - s)
+        local, prev_local = bucket.local, bucket.prev_local
+        if local is not None and self._scaling:
+            finite, inverse_scale = self._scaling.get(iteration, (True, 1.0))
+            local = local.mul_(inverse_scale) if finite else None
+            if prev_local is not None and not self._scaling.get(iteration - 1, (True, 1.0))[0]:
+                prev_local = None
         history = bucket.history
         view = StaleStep(
-            g=grad, x=bucket.real, local=bucket.local, prev_local=bucket.prev_local,
+            g=grad, x=bucket.real, local=local, prev_local=prev_local,
             x_oldest=history.oldest() if history else None, x_newest=None,
             world_size=self._world_size, lam=self.settings.dc_lambda, form=self.settings.dc_form,
             lengths=bucket.lengths,

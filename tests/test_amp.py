@@ -1,0 +1,115 @@
+"""torch.amp.GradScaler in every mode: unscaling, skipped steps, agreement across ranks."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+import sapipe
+from dist_utils import assert_close_dicts, run_ranks
+from models import loss_fn_for, make_batches, make_model
+from reference import run_reference
+
+STEPS = 8
+POISONED = 4  # rank 1's loss is inf in this iteration: GradScaler must skip it everywhere
+
+
+def _loss(model, x, y, rank, t, poison):
+    loss = loss_fn_for("tied")(model(x), y)
+    if poison and rank == 1 and t == POISONED:
+        loss = loss * float("inf")
+    return loss
+
+
+def _with_ddp(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    batches = make_batches("tied", STEPS, world_size)
+    ddp_model = make_model("tied")
+    ddp = DDP(ddp_model)
+    ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.05, momentum=0.9)
+    ddp_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
+    model = make_model("tied")
+    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
+    scales = []
+    for t in range(1, STEPS + 1):
+        x, y = batches[t - 1][rank]
+        for m, o, s in ((ddp, ddp_opt, ddp_scaler), (model, opt, scaler)):
+            o.zero_grad()
+            s.scale(_loss(m, x, y, rank, t, poison=True)).backward()
+            s.step(o)
+            s.update()
+        scales.append((ddp_scaler.get_scale(), scaler.get_scale()))
+    opt.synchronize()
+    diff = max((a - b).abs().max().item() for a, b in zip(ddp_model.parameters(), model.parameters()))
+    return {"diff": diff, "scales": scales}
+
+
+def test_sync_with_grad_scaler_equals_ddp_including_skipped_steps():
+    out = run_ranks(_with_ddp, world_size=2)
+    for rank, r in enumerate(out):
+        assert r["diff"] <= 1e-6, f"rank {rank}: |sapipe - DDP| = {r['diff']:.3e}"
+        assert all(a == b for a, b in r["scales"]), r["scales"]
+    ddp_scales = [a for a, _ in out[0]["scales"]]
+    assert ddp_scales[POISONED - 1] < ddp_scales[POISONED - 2], "the poisoned step must have been skipped"
+
+
+MODES = [(3, "none"), (7, "dc"), (3, "wp1"), (3, "wp2"), (4, "wp3")]
+
+
+def _optimizer(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+
+
+def _scaled(rank, world_size, poison):
+    results = []
+    batches = make_batches("tied", STEPS, world_size, dtype=torch.float64)
+    for k, mode in MODES:
+        model = make_model("tied", seed=rank, dtype=torch.float64)
+        opt = sapipe.DistributedOptimizer(_optimizer(model.parameters()), model, stale_layers=k, compensation=mode)
+        # A power-of-two scale that never changes unscales exactly.
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6)
+        for t in range(1, STEPS + 1):
+            x, y = batches[t - 1][rank]
+            opt.zero_grad()
+            scaler.scale(_loss(model, x, y, rank, t, poison)).backward()
+            scaler.step(opt)
+            scaler.update()
+        opt.synchronize()
+        held = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with opt.real_weights():
+            real = {n: p.detach().clone() for n, p in model.named_parameters()}
+        results.append({"real": real, "held": held, "scale": scaler.get_scale()})
+    return results
+
+
+@pytest.fixture(scope="module")
+def scaled_runs():
+    return run_ranks(_scaled, world_size=2, args=(False,))
+
+
+@pytest.mark.parametrize("index", range(len(MODES)), ids=[f"k{k}-{m}" for k, m in MODES])
+def test_scaled_gradients_are_unscaled_exactly(scaled_runs, index):
+    k, mode = MODES[index]
+    ref = run_reference(
+        make_model("tied", seed=0, dtype=torch.float64), _optimizer,
+        make_batches("tied", STEPS, 2, dtype=torch.float64), loss_fn_for("tied"),
+        stale_layers=k, compensation=mode,
+    )
+    for rank in range(2):
+        got = scaled_runs[rank][index]
+        assert_close_dicts(got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real")
+        assert_close_dicts(got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
+
+
+def test_skipped_step_keeps_ranks_in_agreement():
+    out = run_ranks(_scaled, world_size=2, args=(True,))
+    for index, (k, mode) in enumerate(MODES):
+        a, b = out[0][index], out[1][index]
+        assert a["scale"] == b["scale"] == 2.0**9, f"{mode}: both ranks back off once"
+        for name, value in a["real"].items():
+            assert np.isfinite(value).all(), f"{mode}: {name} not finite"
+            assert np.array_equal(value, b["real"][name]), f"{mode}: ranks disagree on real {name}"
