@@ -1,0 +1,14 @@
+"""``sapipe-launch``: a thin layer over ``torchrun`` for sapipe jobs.
+
+* passes every torchrun option and the training script through unchanged;
+* ``--emulate-net RATE[,LATENCY]`` runs a single-node job inside a network namespace whose
+  loopback is rate-limited (DESIGN.md §6; :mod:`launcher.netns`);
+* maps BytePS-style job specs (``DMLC_*``, ``BYTEPS_LOCAL_SIZE``) to torchrun flags;
+* ``--dry-run`` prints the command instead of running it.
+
+Run ``sapipe-launch --help`` (or ``python -m launcher --help``) for all options.
+"""
+from . import netns
+from .main import LaunchError, Plan, byteps_flags, main, plan
+
+__all__ = ["LaunchError", "Plan", "byteps_flags", "main", "netns", "plan"]
