@@ -455,7 +455,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self.tracer.enabled:
                 self._hooks.append(layer.module.register_forward_hook(self._post_layer_hook(layer)))
         if self.settings.auto and not self._decided:
-            self._timer = profiler.LayerTimer(len(layers))
+            self._timer = profiler.LayerTimer(len(layers), [layer.executed for layer in layers])
         self._lay_out_buckets()
 
     def _lay_out_buckets(self) -> None:

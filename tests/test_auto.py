@@ -109,6 +109,29 @@ def test_trace_files_hold_measured_and_predicted_timelines(tmp_path):
         assert set(layers) <= forward_layers  # every layer's forward is on the timeline
 
 
+def _attention(rank, world_size):
+    import sapipe
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), torch.nn.Linear(16, 1)
+    )
+    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stale_layers="auto", profile_steps=3)
+    for _ in range(6):
+        opt.zero_grad()
+        model(torch.randn(4, 5, 8)).sum().backward()
+        opt.step()
+    never_ran = [layer.name for layer in opt.layers if not layer.executed]
+    return {"k": opt.stale_layers, "never_ran": never_ran}
+
+
+def test_auto_profiles_layers_that_never_run_their_own_forward():
+    """nn.MultiheadAttention uses out_proj's parameters without calling out_proj."""
+    out = run_ranks(_attention, world_size=2)
+    assert out[0]["never_ran"] == ["1.self_attn.out_proj"]
+    assert isinstance(out[0]["k"], int) and out[0]["k"] == out[1]["k"]
+
+
 def _network_job():
     """Run by ``python tests/test_auto.py``, possibly inside a rate-limited namespace."""
     print(json.dumps(run_ranks(_decide, world_size=2, timeout=240)[0]))

@@ -41,10 +41,16 @@ class Profile:
 
 
 class LayerTimer:
-    """Collects forward-start and gradient-release timestamps of profiled iterations."""
+    """Collects forward-start and gradient-release timestamps of profiled iterations.
 
-    def __init__(self, num_layers: int):
+    ``executed[i]`` says whether layer i runs its own forward (a module whose parameters
+    its parent uses directly, like ``nn.MultiheadAttention.out_proj``, never does: its
+    forward time is part of the layer before it, and its u is 0).
+    """
+
+    def __init__(self, num_layers: int, executed: Optional[Sequence[bool]] = None):
         self.num_layers = num_layers
+        self.executed = list(executed) if executed is not None else [True] * num_layers
         self._forward: List[List[float]] = []
         self._backward: List[List[float]] = []
         self._starts: Dict[int, float] = {}
@@ -87,15 +93,22 @@ class LayerTimer:
         """Turn this iteration's timestamps into u_i and b_i (skipped if incomplete)."""
         self.active = False
         m = self.num_layers
-        if self._forward_end is None or len(self._starts) < m or len(self._releases) < m:
-            return  # a layer never ran or released: not a representative iteration
+        ran = [i for i in range(m) if self.executed[i]]
+        if self._forward_end is None or not self._releases or any(i not in self._starts for i in ran):
+            return  # a layer did not run: not a representative iteration
         self._last_release = max(self._releases.values())
-        starts = [self._starts[i] for i in range(m)] + [self._forward_end]
-        waits = [self._waits.get(i + 1, 0.0) for i in range(m)]
-        self._forward.append([max(0.0, starts[i + 1] - starts[i] - waits[i]) for i in range(m)])
-        release = [self._releases[i] for i in range(m)]
-        for i in range(m - 2, -1, -1):  # monotone: layer i is usable once i+1..m are
-            release[i] = max(release[i], release[i + 1])
+        forward = [0.0] * m
+        for j, i in enumerate(ran):
+            nxt = ran[j + 1] if j + 1 < len(ran) else None
+            end = self._starts[nxt] - self._waits.get(nxt, 0.0) if nxt is not None else self._forward_end
+            forward[i] = max(0.0, end - self._starts[i])
+        self._forward.append(forward)
+        # Monotone releases: layer i's bucket can go once layers i+1..m are in. A layer that
+        # got no gradient this iteration counts as released with the layer after it.
+        release: List[float] = [0.0] * m
+        for i in range(m - 1, -1, -1):
+            after = release[i + 1] if i + 1 < m else self._forward_end
+            release[i] = max(self._releases.get(i, after), after)
         previous = [self._forward_end] + release[::-1][:-1]
         gaps_reversed = [max(0.0, r - p) for r, p in zip(release[::-1], previous)]
         self._backward.append(gaps_reversed[::-1])
@@ -105,13 +118,25 @@ class LayerTimer:
         return len(self._forward)
 
     def medians(self) -> Tuple[List[float], List[float], float]:
-        """Median u_i, b_i and step time over the profiled iterations."""
+        """Median u_i, b_i and step time over the profiled iterations.
+
+        Per-layer medians are rescaled so that they add up to the median per-iteration
+        total: under bursty noise a sum of medians underestimates the whole pass, and the
+        total is what sets the iteration time.
+        """
         if not self._forward:
             raise RuntimeError("sapipe: no complete iteration was profiled")
-        u = [statistics.median(col) for col in zip(*self._forward)]
-        b = [statistics.median(col) for col in zip(*self._backward)]
+        u = _median_shares(self._forward)
+        b = _median_shares(self._backward)
         step = statistics.median(self._step_times) if self._step_times else 0.0
         return u, b, step
+
+
+def _median_shares(samples: List[List[float]]) -> List[float]:
+    per_layer = [statistics.median(col) for col in zip(*samples)]
+    total = statistics.median(sum(row) for row in samples)
+    scale = total / sum(per_layer) if sum(per_layer) > 0 else 1.0
+    return [value * scale for value in per_layer]
 
 
 def fit_alpha_beta(sizes_bytes: Sequence[int], seconds: Sequence[float]) -> Tuple[float, float]:
