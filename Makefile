@@ -4,6 +4,10 @@
 #                 sapipe (editable). Idempotent: a stamp file makes re-runs instant.
 #   make test     venv + pytest over tests/
 #   make demo     venv + examples/demo.py under torchrun, 2 ranks, Gloo
+#   make bench    venv + benchmarks/throughput.py: the default throughput sweep under an
+#                 emulated network (needs root or user namespaces; installs iproute2 if tc
+#                 is missing). Options: BENCH_ARGS="--quick"
+#   make peers    opt-in: build Horovod $(HOROVOD_VERSION) (CPU, Gloo) into the venv as a baseline
 #   make clean    remove build artefacts and caches (keeps the venv)
 #   make distclean  clean + remove the venv
 
@@ -13,6 +17,8 @@ TORCH_VERSION ?= 2.13.0
 NPROC  ?= 2
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+BENCH_ARGS ?=
+HOROVOD_VERSION ?= 0.28.1
 
 VPY   := $(VENV)/bin/python
 VPIP  := $(VPY) -m pip --disable-pip-version-check
@@ -24,7 +30,7 @@ STAMP := $(VENV)/.sapipe-installed
 STAMP_DEPS := setup.py pyproject.toml requirements-dev.txt \
               $(wildcard sapipe/__init__.py) $(wildcard csrc/*)
 
-.PHONY: venv test demo clean distclean
+.PHONY: venv test demo clean distclean bench peers convergence
 
 venv: $(STAMP)
 
@@ -45,6 +51,38 @@ test: venv
 
 demo: venv
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples/demo.py $(DEMO_ARGS)
+
+# Throughput sweep (DESIGN.md §6). tc/ip come from iproute2; install it when missing.
+bench: venv
+	@command -v tc >/dev/null && command -v unshare >/dev/null || \
+	  { echo "installing iproute2 (tc) and util-linux (unshare)"; \
+	    apt-get update -qq && apt-get install -y -qq iproute2 util-linux; }
+	@$(VPY) -c "import matplotlib" 2>/dev/null || $(VPIP) install -q -r benchmarks/requirements.txt
+	$(VPY) benchmarks/throughput.py $(BENCH_ARGS)
+
+# Convergence benchmark: 3 tasks x (sync, pipesgd, dc, wp1-3) x 3 seeds, 4 ranks (Gloo),
+# plus a dc/wp3 lambda sweep; writes benchmarks/results/convergence.md and PNGs (~15-30 min
+# on 2 cores). Options: CONVERGENCE_ARGS="--quick" (smoke run, < 2 min), "--k auto".
+convergence: venv
+	$(VPIP) install -q -r benchmarks/requirements.txt
+	OMP_NUM_THREADS=1 $(VPY) benchmarks/convergence.py $(CONVERGENCE_ARGS)
+
+# Horovod from the PyPI sdist, CPU-only with Gloo. Its CMake pins C++14 but torch 2.x
+# headers need C++17 (and its CMakeLists strips -std= from CXXFLAGS), so the sdist is
+# unpacked in a temp dir and its CMAKE_CXX_STANDARD raised to 17 before building.
+peers: venv
+	@if $(VPY) -c "import horovod.torch" 2>/dev/null; then echo "horovod already installed"; else \
+	  set -e; tmp=$$(mktemp -d); trap "rm -rf $$tmp" EXIT; \
+	  $(VPIP) install -q cloudpickle psutil pyyaml packaging; \
+	  $(VPIP) download -q --no-deps --no-binary :all: "horovod==$(HOROVOD_VERSION)" -d $$tmp; \
+	  tar -xzf $$tmp/horovod-$(HOROVOD_VERSION).tar.gz -C $$tmp; \
+	  src=$$tmp/horovod-$(HOROVOD_VERSION); \
+	  sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' $$src/CMakeLists.txt $$src/horovod/torch/CMakeLists.txt; \
+	  HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
+	  HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo MAKEFLAGS=-j$$(nproc) \
+	    $(VPIP) install --no-build-isolation --no-deps $$src; \
+	  $(VPY) -c "import horovod, horovod.torch as hvd; print('horovod', horovod.__version__, 'gloo built:', hvd.gloo_built())"; \
+	fi
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache

@@ -1,0 +1,658 @@
+"""Convergence benchmark: does partial staleness + compensation train as well as sync?
+
+Trains each task of ``convergence_tasks.py`` with 4 ranks (Gloo, CPU) in these modes:
+
+* ``sync``     k = 0: fully synchronous (sapipe equals DDP there)
+* ``pipesgd``  k = m, compensation ``none``: every layer one step stale (Pipe-SGD)
+* ``none``     sapipe's partial staleness alone (the fixed k below, no compensation), a
+  reference column: how much of the gap the compensation closes
+* ``dc``, ``wp1``, ``wp2``, ``wp3``: sapipe with the fixed k (default ``--k half``:
+  k = m // 2, the first half of the layers in forward order) and that compensation,
+  λ = 0.2 (the library default) for ``dc`` and ``wp3``
+
+plus a λ sweep of ``dc`` and ``wp3`` on the task where staleness hurts (``--sweep-task``).
+
+Structure: one ``torchrun --standalone --nproc_per_node=4`` launch per (task, seed) runs
+every mode inside the same process group (re-seeding and rebuilding model and optimizer,
+with a fresh ``sapipe.DistributedOptimizer`` per mode); rank 0 writes one JSON file per
+(task, seed). The ``report`` step (plain Python) aggregates those files into a markdown
+table, plots and a λ-sweep table.
+
+    python benchmarks/convergence.py                 # everything (make convergence)
+    python benchmarks/convergence.py --quick         # smoke run, < 2 minutes
+    python benchmarks/convergence.py report --out build/convergence
+    python benchmarks/convergence.py --k auto        # pass stale_layers="auto" to sapipe
+
+``--k`` takes ``half`` (m // 2), an int, or ``auto`` (handed to sapipe unchanged, for its
+scheduler; the k sapipe actually used is read back from ``opt.stale_layers`` and recorded).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+MAIN_MODES = ["sync", "pipesgd", "none", "dc", "wp1", "wp2", "wp3"]
+SAPIPE_MODES = ["dc", "wp1", "wp2", "wp3"]
+DEFAULT_LAMBDA = 0.2
+DEFAULT_LAMBDAS = [0.0, 0.1, 0.2, 0.5, 1.0]
+DEFAULT_OUT = REPO / "build" / "convergence"
+QUICK_OUT = REPO / "build" / "convergence-quick"
+RESULTS = HERE / "results"
+
+
+# ============================================================================ modes
+
+def mode_specs(k_arg: str, sweep: bool, lambdas: List[float]) -> List[Dict[str, Any]]:
+    """The list of runs inside one (task, seed) launch. ``k`` is resolved per task."""
+    specs = [
+        dict(name="sync", k="zero", compensation="none", dc_lambda=DEFAULT_LAMBDA),
+        dict(name="pipesgd", k="all", compensation="none", dc_lambda=DEFAULT_LAMBDA),
+        dict(name="none", k=k_arg, compensation="none", dc_lambda=DEFAULT_LAMBDA),
+    ]
+    for comp in SAPIPE_MODES:
+        specs.append(dict(name=comp, k=k_arg, compensation=comp, dc_lambda=DEFAULT_LAMBDA))
+    if sweep:
+        for comp in ("dc", "wp3"):
+            for lam in lambdas:
+                if lam == DEFAULT_LAMBDA:
+                    continue  # the main run already is this point
+                specs.append(dict(name=f"{comp}@{lam:g}", k=k_arg, compensation=comp, dc_lambda=lam))
+    return specs
+
+
+def resolve_k(k: str, m: int):
+    if k == "zero":
+        return 0
+    if k == "all":
+        return m
+    if k == "half":
+        return m // 2
+    if k == "auto":
+        return "auto"
+    return int(k)
+
+
+# ============================================================================ worker
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import sapipe
+    from convergence_tasks import count_layers, get_tasks
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    task = get_tasks()[args.task]
+    task.load()
+    steps = args.steps or (task.quick_steps if args.quick else task.steps)
+    eval_every = max(1, min(task.eval_every, steps // 4 if args.quick else task.eval_every))
+    lambdas = [float(x) for x in args.lambdas.split(",")] if args.lambdas else DEFAULT_LAMBDAS
+    specs = mode_specs(args.k, args.sweep, lambdas)
+    if args.modes:
+        wanted = args.modes.split(",")
+        specs = [s for s in specs if s["name"] in wanted]
+
+    record: Dict[str, Any] = dict(
+        task=task.name, title=task.title, metric=task.metric,
+        higher_is_better=task.higher_is_better, optimizer=task.optimizer, notes=task.notes,
+        seed=args.seed, world_size=world, threads=args.threads, steps=steps,
+        eval_every=eval_every, batch_per_rank=task.batch, k_arg=args.k, quick=args.quick,
+        host=platform.node(), cpus=os.cpu_count(), torch=torch.__version__,
+        started=_dt.datetime.now().isoformat(timespec="seconds"), runs=[],
+    )
+    t_launch = time.perf_counter()
+    for spec in specs:
+        torch.manual_seed(args.seed)
+        model = task.build_model()
+        m = count_layers(model)
+        k = resolve_k(spec["k"], m)
+        # Step 0 is scored before sapipe wraps the model, so the layer order sapipe records
+        # comes from a training forward on every rank (identical weights on every rank).
+        evals: List[Dict[str, float]] = []
+        if rank == 0:
+            evals.append(dict(step=0, time=0.0, **task.evaluate(model)))
+        base = task.build_optimizer(model)
+        opt = sapipe.DistributedOptimizer(
+            base, model, stale_layers=k, compensation=spec["compensation"],
+            dc_lambda=spec["dc_lambda"],
+        )
+        gen = torch.Generator().manual_seed(1000 * args.seed + rank)
+        losses: List[float] = []
+        step_time: List[float] = []
+        load0 = os.getloadavg()[0]
+        wall0 = time.perf_counter()
+        train_time = 0.0
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            x, y = task.sample(gen)
+            opt.zero_grad()
+            loss = task.loss(model, x, y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            train_time += time.perf_counter() - t0
+            step_time.append(train_time)
+            if step % eval_every == 0 or step == steps:
+                # Real weights, after the pending synchronous updates; rank 0 scores, the
+                # barrier keeps the others from running ahead into the timed steps.
+                opt.synchronize()
+                if rank == 0:
+                    with opt.real_weights():
+                        evals.append(dict(step=step, time=train_time, **task.evaluate(model)))
+                dist.barrier()
+        if opt.num_layers != m:
+            raise RuntimeError(f"layer count mismatch: sapipe found {opt.num_layers}, benchmark counted {m}")
+        k_used = opt.stale_layers
+        # Training loss averaged over ranks, per step (one collective, after training).
+        gathered: List[Any] = [None] * world
+        dist.all_gather_object(gathered, losses)
+        mean_loss = [sum(col) / world for col in zip(*gathered, strict=True)]
+        if rank == 0:
+            final = evals[-1]
+            run = dict(
+                mode=spec["name"], compensation=spec["compensation"], dc_lambda=spec["dc_lambda"],
+                k=k_used, m=m, steps=steps, train_loss=mean_loss, step_time=step_time,
+                evals=evals, final_metric=final["metric"], final_test_loss=final["loss"],
+                diverged=not all(math.isfinite(v) for v in mean_loss[-10:]),
+                train_s=train_time, wall_s=time.perf_counter() - wall0,
+                loadavg=[load0, os.getloadavg()[0]],
+            )
+            record["runs"].append(run)
+            print(
+                f"[{task.name} seed={args.seed}] {spec['name']:<9} k={k_used}/{m} "
+                f"{steps} steps  final {task.metric} {final['metric']:.3f}  "
+                f"train loss {sum(mean_loss[-10:]) / 10:.4f}  train {train_time:.1f}s  "
+                f"load {load0:.1f}",
+                flush=True,
+            )
+        del opt, base, model
+    if rank == 0:
+        record["launch_s"] = time.perf_counter() - t_launch
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{task.name}_seed{args.seed}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(path)
+    dist.barrier()
+    # Exit without tearing the process groups down: every DistributedOptimizer above left
+    # its last stale all-reduce in flight on its own groups, and a full-run teardown once
+    # aborted a rank ("terminate called without an active exception") after the results
+    # were written. The results are on disk; nothing else needs a clean shutdown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# ============================================================================ driver
+
+def run_all(args) -> None:
+    from convergence_tasks import get_tasks
+
+    tasks = args.tasks.split(",") if args.tasks else list(get_tasks())
+    seeds = list(range(args.seeds if args.seeds else (1 if args.quick else 3)))
+    out = Path(args.out) if args.out else (QUICK_OUT if args.quick else DEFAULT_OUT)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = dict(
+        command=" ".join(shlex.quote(a) for a in [_rel(Path(sys.executable)), "benchmarks/convergence.py", *sys.argv[1:]]),
+        tasks=tasks, seeds=seeds, nproc=args.nproc, k=args.k, quick=args.quick,
+        sweep_task=args.sweep_task, lambdas=args.lambdas or ",".join(f"{x:g}" for x in DEFAULT_LAMBDAS),
+        started=_dt.datetime.now().isoformat(timespec="seconds"),
+        loadavg_start=os.getloadavg(), cpus=os.cpu_count(),
+    )
+    t0 = time.perf_counter()
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
+    failures: List[str] = []
+    for task in tasks:
+        for seed in seeds:
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={args.nproc}", str(Path(__file__).resolve()), "worker",
+                "--task", task, "--seed", str(seed), "--out", str(out), "--k", args.k,
+                "--threads", str(args.threads),
+            ]
+            if args.quick:
+                cmd.append("--quick")
+            if task == args.sweep_task and not args.no_sweep:
+                cmd.append("--sweep")
+            if args.lambdas:
+                cmd += ["--lambdas", args.lambdas]
+            if args.steps:
+                cmd += ["--steps", str(args.steps)]
+            if args.modes:
+                cmd += ["--modes", args.modes]
+            result = out / f"{task}_seed{seed}.json"
+            for attempt in (1, 2):
+                print(f"== {task} seed {seed} ({time.perf_counter() - t0:.0f}s elapsed)"
+                      + (" -- retry" if attempt > 1 else ""), flush=True)
+                started = time.time()
+                rc = subprocess.run(cmd, env=env, cwd=REPO).returncode
+                fresh = result.exists() and result.stat().st_mtime >= started
+                if rc == 0 and fresh:
+                    break
+                failures.append(f"{task} seed {seed} attempt {attempt}: exit status {rc}, "
+                                f"results {'written' if fresh else 'missing'}")
+                print(f"!! {failures[-1]}", flush=True)
+                if fresh:
+                    break  # the launch failed after rank 0 wrote its results: keep them
+            else:
+                raise SystemExit(f"{task} seed {seed} failed twice; see the output above")
+    manifest.update(total_s=time.perf_counter() - t0, loadavg_end=os.getloadavg(), failures=failures,
+                    finished=_dt.datetime.now().isoformat(timespec="seconds"))
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    print(f"== all launches done in {manifest['total_s']:.0f}s", flush=True)
+    results = Path(args.results) if args.results else (out if args.quick else RESULTS)
+    report(out, results)
+
+
+# ============================================================================ report
+
+def _rel(path: Path) -> str:
+    """``path`` relative to the repository when inside it (not resolving venv symlinks)."""
+    path = Path(os.path.abspath(path))
+    try:
+        return str(path.relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def _mean_std(xs: List[float]):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return float("nan"), float("nan")
+    if len(xs) == 1:
+        return xs[0], 0.0
+    return statistics.fmean(xs), statistics.stdev(xs)
+
+
+def _fmt(mean: float, std: float, n: int, digits: int = 2) -> str:
+    if not math.isfinite(mean):
+        return "diverged"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _load(out: Path):
+    records = [json.loads(p.read_text()) for p in sorted(out.glob("*_seed*.json"))]
+    if not records:
+        raise SystemExit(f"no results in {out}")
+    by_task: Dict[str, List[dict]] = {}
+    for r in records:
+        by_task.setdefault(r["task"], []).append(r)
+    manifest_path = out / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    return by_task, manifest
+
+
+def _runs(recs: List[dict], mode: str) -> List[dict]:
+    return [run for r in recs for run in r["runs"] if run["mode"] == mode]
+
+
+def _metric_stats(recs, mode):
+    runs = _runs(recs, mode)
+    vals = [run["final_metric"] if not run["diverged"] else float("nan") for run in runs]
+    finite = [v for v in vals if math.isfinite(v)]
+    if len(finite) < len(vals):
+        return float("nan"), float("nan"), len(vals)
+    mean, std = _mean_std(finite)
+    return mean, std, len(vals)
+
+
+def _plot_task(task: str, recs: List[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    meta = recs[0]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    colors = dict(sync="black", pipesgd="tab:red", none="tab:orange", dc="tab:blue", wp1="tab:green",
+                  wp2="tab:olive", wp3="tab:purple")
+    for mode in MAIN_MODES:
+        runs = _runs(recs, mode)
+        if not runs:
+            continue
+        loss = np.array([run["train_loss"] for run in runs], dtype=float).mean(0)
+        t_step = np.array([run["step_time"] for run in runs], dtype=float).mean(0)
+        w = max(1, len(loss) // 30)
+        smooth = np.convolve(loss, np.ones(w) / w, mode="valid")
+        steps = np.arange(1, len(loss) + 1)[w - 1:]
+        ev_step = np.array([e["step"] for e in runs[0]["evals"]])
+        ev_metric = np.array([[e["metric"] for e in run["evals"]] for run in runs], dtype=float).mean(0)
+        ev_time = np.array([[e["time"] for e in run["evals"]] for run in runs], dtype=float).mean(0)
+        k, m = runs[0]["k"], runs[0]["m"]
+        label = f"{mode} (k={k}/{m})"
+        c = colors.get(mode)
+        axes[0, 0].plot(steps, smooth, color=c, label=label)
+        axes[0, 1].plot(ev_step, ev_metric, color=c, marker=".", label=label)
+        axes[1, 0].plot(t_step[w - 1:], smooth, color=c, label=label)
+        axes[1, 1].plot(ev_time, ev_metric, color=c, marker=".", label=label)
+    axes[0, 0].set(xlabel="step", ylabel=f"train loss (mean of ranks, {w}-step avg)")
+    axes[0, 1].set(xlabel="step", ylabel=meta["metric"])
+    axes[1, 0].set(xlabel="training wall-clock time on rank 0 (s)", ylabel="train loss")
+    axes[1, 1].set(xlabel="training wall-clock time on rank 0 (s)", ylabel=meta["metric"])
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    if not meta["higher_is_better"]:
+        for ax in (axes[0, 1], axes[1, 1]):
+            ax.set_yscale("log")
+    for ax in (axes[0, 0], axes[1, 0]):
+        ax.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter, NullFormatter
+    for ax in axes.flat:
+        if ax.get_yscale() == "log":
+            ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+    axes[0, 1].legend(fontsize=8)
+    fig.suptitle(f"{meta['title']} — {meta['optimizer']}, {meta['world_size']} ranks, "
+                 f"mean of {len(recs)} seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _sweep_points(recs: List[dict], comp: str):
+    """λ -> (mean, std, n) of the final metric for ``comp`` (the λ = 0.2 point is the main run)."""
+    points = {}
+    for r in recs:
+        for run in r["runs"]:
+            if run["compensation"] == comp and (run["mode"] == comp or run["mode"].startswith(comp + "@")):
+                points.setdefault(run["dc_lambda"], []).append(
+                    float("nan") if run["diverged"] else run["final_metric"])
+    out = {}
+    for lam, vals in sorted(points.items()):
+        if all(math.isfinite(v) for v in vals):
+            out[lam] = (*_mean_std(vals), len(vals))
+        else:
+            out[lam] = (float("nan"), float("nan"), len(vals))
+    return out
+
+
+def _plot_sweep(task: str, recs: List[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    meta = recs[0]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for comp, c in (("dc", "tab:blue"), ("wp3", "tab:purple")):
+        pts = _sweep_points(recs, comp)
+        lams = list(pts)
+        ax.errorbar(lams, [pts[x][0] for x in lams], yerr=[pts[x][1] for x in lams],
+                    marker="o", capsize=3, color=c, label=f"{comp} (k={_runs(recs, comp)[0]['k']})")
+    for mode, c in (("sync", "black"), ("pipesgd", "tab:red")):
+        mean, std, _ = _metric_stats(recs, mode)
+        if math.isfinite(mean):
+            ax.axhline(mean, color=c, ls="--", label=f"{mode}")
+            ax.axhspan(mean - std, mean + std, color=c, alpha=0.08)
+    ax.set(xlabel="λ (dc_lambda)", ylabel=meta["metric"],
+           title=f"λ sensitivity on {meta['title']} ({len(recs)} seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def report(out: Path, results: Path) -> None:
+    by_task, manifest = _load(out)
+    results.mkdir(parents=True, exist_ok=True)
+    order = [t for t in ("digits", "lm", "deepmlp") if t in by_task] + \
+            [t for t in by_task if t not in ("digits", "lm", "deepmlp")]
+    lines: List[str] = []
+    k_arg = manifest.get("k") or next(iter(by_task.values()))[0].get("k_arg", "half")
+    k_text = {"half": ": k = m // 2, the layers that run in the first half of the forward pass",
+              "auto": ": k chosen by sapipe's scheduler"}.get(k_arg, "")
+    cmd = manifest.get("command", "python benchmarks/convergence.py")
+    quick = any(r["quick"] for recs in by_task.values() for r in recs)
+    lines += [
+        "# Convergence benchmark",
+        "",
+        "Generated by `benchmarks/convergence.py` (`make convergence`). "
+        + ("**This is a --quick smoke run: too few steps and seeds to mean anything.**" if quick else ""),
+        "",
+        f"Exact command (from the repository root): `{cmd}`. `make convergence` runs "
+        "`.venv/bin/python benchmarks/convergence.py $(CONVERGENCE_ARGS)` after installing "
+        "`benchmarks/requirements.txt` into the venv.",
+        "",
+        "Setup: 4 ranks, `torchrun --standalone --nproc_per_node=4`, Gloo on CPU, "
+        "`torch.set_num_threads(1)` per rank; one launch per (task, seed) runs every mode in the "
+        "same process group, re-seeding and rebuilding model, optimizer and "
+        "`sapipe.DistributedOptimizer` per mode. Same initial weights and per-rank batch "
+        "sequence in every mode of a seed. The test metric is measured after "
+        "`opt.synchronize()` inside `opt.real_weights()` (so WP modes are scored on the real, "
+        "not the predicted, weights).",
+        "",
+        "Modes: `sync` = k 0 (equal to DDP); `pipesgd` = k = m, no compensation (every layer "
+        "one step stale); `none` = sapipe's partial staleness with the fixed k below and no "
+        "compensation (a reference column, not one of the compared options); `dc`, `wp1`, "
+        "`wp2`, `wp3` = sapipe with the same k "
+        f"(`--k {k_arg}`{k_text}), "
+        f"λ = {DEFAULT_LAMBDA} for `dc` and `wp3`.",
+        "",
+        "## Results (final test metric, mean ± sample std over seeds)",
+        "",
+    ]
+    header = "| task | metric | k / m | " + " | ".join(f"`{m}`" for m in MAIN_MODES) + " |"
+    lines += [header, "|" + " --- |" * (3 + len(MAIN_MODES))]
+    verdicts = []
+    for task in order:
+        recs = by_task[task]
+        meta = recs[0]
+        stats = {mode: _metric_stats(recs, mode) for mode in MAIN_MODES}
+        runs_k = _runs(recs, "dc") or _runs(recs, "wp1")
+        km = f"{runs_k[0]['k']} / {runs_k[0]['m']}" if runs_k else "?"
+        arrow = "↑" if meta["higher_is_better"] else "↓"
+        better = (lambda a, b: a > b) if meta["higher_is_better"] else (lambda a, b: a < b)
+        cells = []
+        present = [m for m in SAPIPE_MODES if _runs(recs, m)]
+        best = None
+        if present:
+            sign = 1 if meta["higher_is_better"] else -1
+            finite = [mm for mm in present if math.isfinite(stats[mm][0])]
+            best = max(finite, key=lambda mm, st=stats: sign * st[mm][0]) if finite else None
+        for mode in MAIN_MODES:
+            mean, std, n = stats[mode]
+            cell = _fmt(mean, std, n) if _runs(recs, mode) else "–"
+            if mode == best:
+                cell = f"**{cell}**"
+            cells.append(cell)
+        lines.append(f"| {meta['title']} | {meta['metric']} {arrow} | {km} | " + " | ".join(cells) + " |")
+        # verdicts
+        s_mean, s_std, _ = stats["sync"]
+        p_mean, p_std, _ = stats["pipesgd"]
+        hurt = (not math.isfinite(p_mean)) or (
+            better(s_mean, p_mean) and abs(s_mean - p_mean) > s_std + p_std)
+        v = dict(task=meta["title"], sync=(s_mean, s_std), pipe=(p_mean, p_std), hurt=hurt, best=best)
+        if best is not None:
+            b_mean, b_std, _ = stats[best]
+            v["best_stats"] = (b_mean, b_std)
+            v["within"] = better(b_mean, s_mean) or abs(b_mean - s_mean) <= s_std
+            v["beats_pipe"] = (not math.isfinite(p_mean)) or better(b_mean, p_mean)
+        verdicts.append(v)
+    n_seeds = sorted({len(recs) for recs in by_task.values()})
+    lines += [
+        "",
+        f"Seeds per cell: {', '.join(map(str, n_seeds))}. Bold: the best sapipe option per task. "
+        "↑ higher is better, ↓ lower is better. \"diverged\": a seed's training loss was not finite.",
+        "",
+        "### Tasks",
+        "",
+        "| task | model / data | optimizer | steps | batch per rank |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for task in order:
+        meta = by_task[task][0]
+        lines.append(f"| {meta['title']} | {meta['notes']} | `{meta['optimizer']}` | "
+                     f"{meta['steps']} (eval every {meta['eval_every']}) | {meta['batch_per_rank']} |")
+    lines += [
+        "",
+        "Data: `digits` = scikit-learn's bundled 8x8 digits, fixed stratified 1437/360 "
+        "train/test split (`random_state=0`); `lm` = the source of these standard-library "
+        "modules, read from `sysconfig.get_paths()[\"stdlib\"]` and concatenated in this order: "
+        "`os.py random.py functools.py argparse.py textwrap.py string.py heapq.py bisect.py "
+        "json/encoder.py json/decoder.py collections/__init__.py pathlib.py shutil.py "
+        "tempfile.py` (first 90 % train, last 10 % held out). Each rank samples its own "
+        "mini-batches (generator seeded by seed and rank).",
+        "",
+        "## Targets",
+        "",
+        "Criteria: Pipe-SGD is *measurably worse* than sync when its mean is worse by more than "
+        "std(sync) + std(pipesgd) (the mean ± std intervals do not overlap) or it diverged. "
+        "The best sapipe option is *within one std of sync* when it is better than sync or "
+        "|best − sync| ≤ std(sync).",
+        "",
+    ]
+    any_hurt = any(v["hurt"] for v in verdicts)
+    for v in verdicts:
+        s, p = v["sync"], v["pipe"]
+        line = (f"* **{v['task']}**: sync {_fmt(*s, 0)}, pipesgd {_fmt(*p, 0)} → Pipe-SGD "
+                f"{'**measurably worse**' if v['hurt'] else 'not measurably worse'}")
+        if v.get("best"):
+            b = v["best_stats"]
+            line += (f"; best sapipe `{v['best']}` {_fmt(*b, 0)}: "
+                     f"{'within' if v['within'] else '**NOT within**'} one std of sync")
+            if v["hurt"]:
+                line += f", {'better' if v['beats_pipe'] else '**not better**'} than Pipe-SGD"
+        lines.append(line + ".")
+    met = any_hurt and all(v.get("within", False) and (v.get("beats_pipe", True) or not v["hurt"])
+                           for v in verdicts)
+    lines += ["", f"Overall: targets {'**met**' if met else '**not met**'} "
+              f"(Pipe-SGD measurably worse on {sum(v['hurt'] for v in verdicts)} of "
+              f"{len(verdicts)} tasks).", ""]
+    lines += ["Compensation against partial staleness alone (`none`, same k), mean difference "
+              "in the metric (positive = compensation helps):", ""]
+    for task in order:
+        recs = by_task[task]
+        meta = recs[0]
+        base_mean = _metric_stats(recs, "none")[0]
+        if not _runs(recs, "none") or not math.isfinite(base_mean):
+            continue
+        sign = 1 if meta["higher_is_better"] else -1
+        parts = []
+        for mode in SAPIPE_MODES:
+            mean = _metric_stats(recs, mode)[0]
+            if _runs(recs, mode):
+                parts.append(f"`{mode}` {sign * (mean - base_mean):+.2f}")
+        lines.append(f"* {meta['title']} (`none` = {base_mean:.2f}): " + ", ".join(parts))
+    if any(by_task[t][0]["optimizer"].startswith("Adam") for t in order):
+        lines += ["", "Note: with `dc_form=\"outer\"`, DC turns each tensor's gradient g into "
+                  "(1 + λ·g·Δ)·g, a per-tensor rescaling. Adam's update is nearly invariant to "
+                  "rescaling its gradient, so `dc` ≈ `none` is expected on the Adam task."]
+    lines.append("")
+    # curves
+    lines += ["## Curves", ""]
+    for task in order:
+        png = results / f"convergence_{task}.png"
+        _plot_task(task, by_task[task], png)
+        lines += [f"![{task}]({png.name})", ""]
+    lines += ["Each figure: training loss (mean over ranks and seeds, moving average) and the "
+              "test metric, against step and against rank 0's training wall-clock time "
+              "(evaluation time excluded). Wall-clock time on this shared 2-core host is noisy; "
+              "see the load column below.", ""]
+    # sweep
+    sweep_tasks = [t for t in order if any("@" in run["mode"] for r in by_task[t] for run in r["runs"])]
+    for task in sweep_tasks:
+        recs = by_task[task]
+        meta = recs[0]
+        lines += [f"## λ sensitivity ({meta['title']}; paper Fig. 5d)", "",
+                  f"Final {meta['metric']}, mean ± std over {len(recs)} seeds, k = "
+                  f"{_runs(recs, 'dc')[0]['k']} / {_runs(recs, 'dc')[0]['m']}. λ = 0 makes `dc` "
+                  "plain partial staleness without compensation (vanilla SAPipe); `wp3` at λ = 0 "
+                  "predicts with the others' stale part of the gradient plus its own fresh part.", ""]
+        pts = {c: _sweep_points(recs, c) for c in ("dc", "wp3")}
+        lams = sorted(set(pts["dc"]) | set(pts["wp3"]))
+        lines += ["| λ | " + " | ".join(f"{x:g}" for x in lams) + " |",
+                  "| --- |" + " --- |" * len(lams)]
+        for c in ("dc", "wp3"):
+            lines.append(f"| `{c}` | " + " | ".join(
+                _fmt(*pts[c][x][:2], 0) if x in pts[c] else "–" for x in lams) + " |")
+        s, p = _metric_stats(recs, "sync"), _metric_stats(recs, "pipesgd")
+        lines += ["", f"Reference: sync {_fmt(s[0], s[1], 0)}, pipesgd {_fmt(p[0], p[1], 0)}.", ""]
+        png = results / f"convergence_lambda_{task}.png"
+        _plot_sweep(task, recs, png)
+        lines += [f"![lambda sweep]({png.name})", ""]
+    # timing and noise
+    lines += ["## Time and machine load", "",
+              "| task | seeds | launch time per seed (s) | per mode: train s (mean) | 1-min load avg during runs |",
+              "| --- | --- | --- | --- | --- |"]
+    for task in order:
+        recs = by_task[task]
+        launch = [r.get("launch_s", float("nan")) for r in recs]
+        train = [run["train_s"] for r in recs for run in r["runs"]]
+        loads = [x for r in recs for run in r["runs"] for x in run["loadavg"]]
+        lines.append(f"| {recs[0]['title']} | {len(recs)} | {statistics.fmean(launch):.0f} | "
+                     f"{statistics.fmean(train):.1f} | {min(loads):.1f} – {max(loads):.1f} |")
+    if manifest.get("total_s"):
+        lines += ["", f"Whole run: {manifest['total_s'] / 60:.1f} min on {manifest.get('cpus')} CPU "
+                  f"cores, started {manifest.get('started')}; load average at start "
+                  f"{manifest['loadavg_start'][0]:.1f}, at end {manifest['loadavg_end'][0]:.1f} "
+                  "(other jobs shared the machine; wall-clock numbers are indicative only)."]
+    if manifest.get("failures"):
+        lines += ["", "Launch failures during this run (the driver retries a launch whose results "
+                  "are missing and keeps results written before a failure):", ""]
+        lines += [f"* {f}" for f in manifest["failures"]]
+    lines += ["", f"Raw per-(task, seed) JSON: `{_rel(out)}/`.", ""]
+    md = results / "convergence.md"
+    md.write_text("\n".join(lines))
+    print(f"wrote {md}")
+
+
+# ============================================================================ CLI
+
+def main() -> None:
+    argv = sys.argv[1:]
+    sub = argv[0] if argv and argv[0] in ("run", "worker", "report") else "run"
+    if argv and argv[0] == sub:
+        argv = argv[1:]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--out", default=None, help=f"raw JSON directory (default {DEFAULT_OUT.relative_to(REPO)}, "
+                   f"--quick: {QUICK_OUT.relative_to(REPO)})")
+    p.add_argument("--results", default=None,
+                   help="where convergence.md and the PNGs go (default benchmarks/results; --quick: the --out dir)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 seed, few steps")
+    p.add_argument("--k", default="half", help="stale layers for the sapipe modes: half (m//2), an int, or auto")
+    p.add_argument("--tasks", default=None, help="comma-separated tasks (default: all)")
+    p.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3; --quick: 1)")
+    p.add_argument("--steps", type=int, default=None, help="override every task's step count")
+    p.add_argument("--modes", default=None, help="comma-separated subset of modes (debugging)")
+    p.add_argument("--lambdas", default=None, help="λ values of the sweep (default 0,0.1,0.2,0.5,1)")
+    p.add_argument("--sweep-task", default="deepmlp", help="task that gets the λ sweep")
+    p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1)
+    # worker-only
+    p.add_argument("--task", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--sweep", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if sub == "worker":
+        worker(args)
+    elif sub == "report":
+        out = Path(args.out) if args.out else (QUICK_OUT if args.quick else DEFAULT_OUT)
+        report(out, Path(args.results) if args.results else (out if args.quick else RESULTS))
+    else:
+        run_all(args)
+
+
+if __name__ == "__main__":
+    main()

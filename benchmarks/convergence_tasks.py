@@ -1,0 +1,286 @@
+"""The convergence benchmark's tasks: data, model, optimizer, loss and test metric.
+
+Every task's data is already on the machine (scikit-learn ships ``digits``; the Python
+standard library ships its own source) or generated from a fixed seed, and its train/test
+split is fixed. Each rank draws its own training mini-batches from a generator seeded by
+(seed, rank), so a given seed sees the same batch sequence in every mode.
+
+Tasks
+-----
+``digits``  CNN on scikit-learn's 8x8 handwritten digits (1797 images; a fixed stratified
+            1437/360 train/test split, ``random_state=0``), SGD with momentum 0.9.
+            Metric: test accuracy (%).
+``lm``      byte-level Transformer language model (2 pre-LN blocks, width 64, context 64)
+            on the source of the standard-library modules in ``STDLIB_FILES`` (read from
+            ``sysconfig.get_paths()["stdlib"]``, concatenated in that order, first 90 % for
+            training, last 10 % held out). Adam. Metric: held-out perplexity per byte.
+``deepmlp`` the "staleness hurts" task: an 8-layer ReLU MLP (width 128) on the same digits
+            split (flattened pixels), SGD with momentum 0.9 at a high learning rate, so a
+            one-step-stale gradient sits near the edge of momentum SGD's stability region.
+            Metric: test accuracy (%).
+
+A task's "usual" hyper-parameters are the ones a synchronous run would use; they are not
+tuned per mode.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def count_layers(model: nn.Module) -> int:
+    """m as sapipe counts it: modules that directly own trainable parameters (no tied weights
+    in these models, so this equals ``DistributedOptimizer.num_layers``)."""
+    seen, m = set(), 0
+    for mod in model.modules():
+        own = [p for p in mod.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+        if own:
+            m += 1
+            seen.update(id(p) for p in own)
+    return m
+
+
+# --------------------------------------------------------------------------- data
+
+_DIGITS_CACHE: Dict[str, torch.Tensor] = {}
+
+
+def load_digits_split() -> Dict[str, torch.Tensor]:
+    """scikit-learn digits, pixels scaled to [0, 1], fixed stratified 80/20 split."""
+    if not _DIGITS_CACHE:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        d = load_digits()
+        x = torch.tensor(d.images, dtype=torch.float32) / 16.0  # (N, 8, 8)
+        y = torch.tensor(d.target, dtype=torch.long)
+        idx = torch.arange(len(y)).numpy()
+        tr, te = train_test_split(idx, test_size=0.2, random_state=0, stratify=d.target)
+        tr, te = torch.as_tensor(tr), torch.as_tensor(te)
+        mean, std = x[tr].mean(), x[tr].std()
+        x = (x - mean) / std
+        _DIGITS_CACHE.update(x_train=x[tr], y_train=y[tr], x_test=x[te], y_test=y[te])
+    return _DIGITS_CACHE
+
+
+# Fixed, documented training text: these standard-library modules' source, in this order.
+STDLIB_FILES = [
+    "os.py", "random.py", "functools.py", "argparse.py", "textwrap.py",
+    "string.py", "heapq.py", "bisect.py", "json/encoder.py", "json/decoder.py",
+    "collections/__init__.py", "pathlib.py", "shutil.py", "tempfile.py",
+]
+VOCAB = 256
+
+
+def load_stdlib_text() -> Tuple[torch.Tensor, torch.Tensor]:
+    root = sysconfig.get_paths()["stdlib"]
+    chunks = []
+    for name in STDLIB_FILES:
+        with open(os.path.join(root, name), "rb") as f:
+            chunks.append(f.read())
+    data = torch.frombuffer(bytearray(b"\n\n".join(chunks)), dtype=torch.uint8).long()
+    split = int(0.9 * data.numel())
+    return data[:split], data[split:]
+
+
+# --------------------------------------------------------------------------- models
+
+class DigitsCNN(nn.Module):
+    """conv(1->16) -> conv(16->32) -> pool -> fc(512->64) -> fc(64->10); m = 4 layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc1 = nn.Linear(32 * 4 * 4, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x.unsqueeze(1)))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+class DeepMLP(nn.Module):
+    """``depth`` Linear layers (ReLU between), 64 -> width -> ... -> 10; m = depth.
+
+    He (Kaiming-normal) initialisation, zero biases: with PyTorch's default init an
+    8-layer ReLU MLP barely trains (the signal shrinks layer by layer).
+    """
+
+    def __init__(self, depth=8, width=128):
+        super().__init__()
+        dims = [64] + [width] * (depth - 1) + [10]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True))
+        for layer in self.layers:
+            nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x):
+        x = x.flatten(1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = F.relu(x)
+        return x
+
+
+# Plain Linear/LayerNorm/Embedding modules that are all *called* in forward, so every
+# parameter-owning module is a layer in forward-execution order.
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class CharLM(nn.Module):
+    """tok, pos, 2 x (ln1, qkv, proj, ln2, fc1, fc2), ln_f, head: m = 16 layers."""
+
+    def __init__(self, context=64, d=64, layers=2, heads=4):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, d)
+        self.pos = nn.Embedding(context, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+# --------------------------------------------------------------------------- tasks
+
+@dataclass
+class Task:
+    name: str
+    title: str
+    metric: str                 # name of the test metric
+    higher_is_better: bool
+    steps: int                  # training steps per mode (default run)
+    quick_steps: int            # training steps per mode (--quick)
+    eval_every: int
+    batch: int                  # per rank
+    lr: float
+    optimizer: str              # human-readable description for the report
+    build_model: Callable[[], nn.Module]
+    build_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    load: Callable[[], None]
+    sample: Callable[[torch.Generator], Tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    evaluate: Callable[[nn.Module], Dict[str, float]]   # {"metric": ..., "loss": ...}
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _classifier_task(name, title, build_model, *, lr, momentum, steps, quick_steps,
+                     eval_every, batch, notes):
+    def sample(gen):
+        d = load_digits_split()
+        i = torch.randint(0, d["y_train"].numel(), (batch,), generator=gen)
+        return d["x_train"][i], d["y_train"][i]
+
+    def loss(model, x, y):
+        return F.cross_entropy(model(x), y)
+
+    @torch.no_grad()
+    def evaluate(model):
+        d = load_digits_split()
+        logits = model(d["x_test"])
+        return {
+            "metric": 100.0 * (logits.argmax(1) == d["y_test"]).float().mean().item(),
+            "loss": F.cross_entropy(logits, d["y_test"]).item(),
+        }
+
+    return Task(
+        name=name, title=title, metric="test accuracy (%)", higher_is_better=True,
+        steps=steps, quick_steps=quick_steps, eval_every=eval_every, batch=batch, lr=lr,
+        optimizer=f"SGD(lr={lr}, momentum={momentum})",
+        build_model=build_model,
+        build_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum),
+        load=load_digits_split, sample=sample, loss=loss, evaluate=evaluate, notes=notes,
+    )
+
+
+def _lm_task(*, lr=3e-3, steps=300, quick_steps=20, eval_every=25, batch=16, context=64,
+             eval_windows=128):
+    text: Dict[str, torch.Tensor] = {}
+
+    def load():
+        if not text:
+            train, test = load_stdlib_text()
+            # Fixed held-out set: eval_windows evenly spaced windows of the held-out text.
+            starts = torch.linspace(0, test.numel() - context - 2, eval_windows).long()
+            text.update(
+                train=train,
+                x_test=torch.stack([test[s:s + context] for s in starts.tolist()]),
+                y_test=torch.stack([test[s + 1:s + context + 1] for s in starts.tolist()]),
+            )
+
+    def sample(gen):
+        load()
+        data = text["train"]
+        starts = torch.randint(0, data.numel() - context - 1, (batch,), generator=gen).tolist()
+        return (torch.stack([data[s:s + context] for s in starts]),
+                torch.stack([data[s + 1:s + context + 1] for s in starts]))
+
+    def loss(model, x, y):
+        return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+
+    @torch.no_grad()
+    def evaluate(model):
+        load()
+        ce = loss(model, text["x_test"], text["y_test"]).item()
+        return {"metric": math.exp(ce) if ce < 50 else float("inf"), "loss": ce}
+
+    return Task(
+        name="lm", title="Transformer LM (stdlib source, bytes)", metric="test perplexity",
+        higher_is_better=False, steps=steps, quick_steps=quick_steps, eval_every=eval_every,
+        batch=batch, lr=lr, optimizer=f"Adam(lr={lr})",
+        build_model=lambda: CharLM(context=context),
+        build_optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=lr),
+        load=load, sample=sample, loss=loss, evaluate=evaluate,
+        notes=(f"byte-level, context {context}, 2 blocks, width 64; held-out set = "
+               f"{eval_windows} fixed windows of the last 10 % of the text"),
+    )
+
+
+def get_tasks() -> Dict[str, Task]:
+    tasks = [
+        _classifier_task(
+            "digits", "CNN on digits", DigitsCNN, lr=0.05, momentum=0.9,
+            steps=300, quick_steps=20, eval_every=25, batch=32,
+            notes="2 conv + 2 fc, 1437/360 split",
+        ),
+        _lm_task(),
+        _classifier_task(
+            "deepmlp", "8-layer MLP on digits, high LR", lambda: DeepMLP(depth=8, width=128),
+            lr=0.05, momentum=0.9, steps=300, quick_steps=20, eval_every=25, batch=32,
+            notes=("8 Linear layers of width 128, ReLU, He init, same split as digits; "
+                   "LR 0.05 = the largest of {0.02, 0.05, 0.1} at which sync trains stably"),
+        ),
+    ]
+    return {t.name: t for t in tasks}
