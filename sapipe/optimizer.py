@@ -181,6 +181,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._next_launch = 0
         self._iteration = 0  # completed step() calls
         self._accumulating = False  # inside no_sync()
+        self._closed = False
         # iteration -> (gradients finite on every rank, 1 / loss scale); only with a GradScaler
         self._scaling: Dict[int, tuple] = {}
         self._control = new_group_like(group, settings.timeout)  # small control collectives
@@ -306,6 +307,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 for bucket, saved in predicted:
                     bucket.weights.copy_(saved)
+
+    def close(self) -> None:
+        """Finish cleanly: wait for every collective still in flight (the last stale
+        all-reduce is never consumed), remove sapipe's hooks from the model, and destroy
+        the process groups sapipe created. The model keeps its current weights; under
+        weight prediction call this outside ``real_weights()`` after copying what you need.
+        Collective: every rank calls it. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for bucket in self._buckets:
+            if bucket.grads is not None:
+                for i, handle in enumerate(bucket.grads.in_flight):
+                    if handle is not None:
+                        handle.wait()
+                        bucket.grads.in_flight[i] = None
+            bucket.pending_update = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if self._recorder is not None:
+            self._recorder.finish()
+            self._recorder = None
+        for comm in (self._sync_comm, self._stale_comm):
+            if comm is not None:
+                dist.destroy_process_group(comm.group)
+        dist.destroy_process_group(self._control)
 
     def write_trace(self, path: str, predicted: bool = False) -> None:
         """Write the recorded events (or, ``predicted=True``, the scheduler's simulated

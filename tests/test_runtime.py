@@ -117,3 +117,31 @@ def test_staleness_buffer_allocated_once():
         sets = out[0]["ptr_sets"]
         assert all(s == sets[1] for s in sets[1:]), f"{mode}: buffers were reallocated after step 1"
         assert out[0]["depths"] and all(d == 2 for d in out[0]["depths"]), "staleness 1 needs a double buffer"
+
+
+def _close(rank, world_size):
+    import sapipe
+
+    model = make_model("tied", seed=0)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), model, stale_layers=3, compensation="wp3", bucket_cap_mb=0.001
+    )
+    batches = make_batches("tied", 4, world_size)
+    for t in range(4):
+        x, y = batches[t][rank]
+        opt.zero_grad()
+        loss_fn_for("tied")(model(x), y).backward()
+        opt.step()
+    in_flight = sum(h is not None for b in opt.buckets for h in b.grads.in_flight)
+    opt.close()
+    opt.close()  # idempotent
+    after = sum(h is not None for b in opt.buckets for h in b.grads.in_flight)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_fn_for("tied")(model(x), y).backward()  # hooks are gone: no sapipe work, no error
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return {"in_flight": in_flight, "after": after, "unchanged": unchanged}
+
+
+def test_close_drains_collectives_and_detaches():
+    for r in run_ranks(_close, world_size=2):
+        assert r["in_flight"] > 0 and r["after"] == 0 and r["unchanged"]

@@ -1,0 +1,20 @@
+// sapipe._C: the CPU kernels (vectorised loops, OpenMP across cores via at::parallel_for).
+#include "bindings.h"
+#include "cpu_tile_types.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "sapipe fused CPU kernels: delay compensation, WP peek, SGD / Adam(W) updates";
+  sapipe::define_module<at::kCPU>(m, &sapipe::cpu::dc_dots, &sapipe::cpu::compose,
+                                  &sapipe::cpu::sgd, &sapipe::cpu::adam);
+  m.attr("device_type") = "cpu";
+  m.def("cpu_isa", &sapipe::cpu::isa_name,
+        "Instruction set of the CPU tile kernels in use: \"avx2\" or \"base\".");
+  m.def(
+      "set_cpu_isa", [](const std::string& name) { return sapipe::cpu::set_isa(name.c_str()); },
+      "Select the tile kernels' instruction set (\"base\" / \"avx2\"); False if unavailable.");
+#if defined(_OPENMP)
+  m.attr("openmp") = true;
+#else
+  m.attr("openmp") = false;
+#endif
+}

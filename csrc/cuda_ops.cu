@@ -1,0 +1,134 @@
+// CUDA entry points for ATen tensors: dtype dispatch, device guard, current stream, and the
+// outer-form dots pass, around the raw kernels of csrc/kernels.cuh.
+#include "common.h"
+#include "kernels.cuh"
+
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+// (ATen/cuda/CUDAContext.h is avoided on purpose: it needs the cuBLAS / cuSPARSE headers,
+// which a minimal CUDA toolkit lacks; these kernels need only the runtime.)
+
+namespace sapipe {
+namespace cuda {
+namespace {
+
+template <typename T>
+T* ptr(const OptTensor& t) {
+  return t.has_value() ? t->data_ptr<T>() : nullptr;
+}
+
+template <typename T>
+sapipe_cuda::GradSrc<T> make_src(const GradSpec& s) {
+  sapipe_cuda::GradSrc<T> r;
+  r.g = s.grad.data_ptr<T>();
+  r.prev = ptr<T>(s.prev_local);
+  r.local = ptr<T>(s.local);
+  r.delta = ptr<T>(s.delta);
+  r.delta_ref = ptr<T>(s.delta_ref);
+  r.offsets = s.offsets ? s.offsets->data_ptr<int64_t>() : nullptr;
+  r.dots = s.dots ? s.dots->data_ptr<double>() : nullptr;
+  r.nseg = s.offsets ? s.offsets->numel() - 1 : 0;
+  r.n = s.n;
+  r.inv_n = s.inv_n;
+  r.lam = s.lam;
+  r.form = static_cast<int>(s.form);
+  return r;
+}
+
+int max_blocks(const at::Device& device) {
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device.index()) != cudaSuccess ||
+      sms <= 0) {
+    (void)cudaGetLastError();
+    sms = 132;
+  }
+  return sms * 16;
+}
+
+void check(cudaError_t err) {
+  TORCH_CHECK(err == cudaSuccess, "sapipe CUDA kernel failed: ", cudaGetErrorString(err));
+}
+
+// Fills src.dots for the outer form when the caller gave none; `keep` owns the storage.
+template <typename T>
+void ensure_dots(const GradSpec& s, sapipe_cuda::GradSrc<T>& src, at::Tensor& keep,
+                 cudaStream_t stream) {
+  if (src.form != sapipe_cuda::kOuter || src.dots != nullptr) return;
+  const int64_t N = s.grad.numel();
+  at::Tensor ws = at::empty({sapipe_cuda::dots_workspace(N, src.nseg) + src.nseg},
+                            s.grad.options().dtype(at::kDouble));
+  double* partials = ws.data_ptr<double>();
+  double* dots = partials + sapipe_cuda::dots_workspace(N, src.nseg);
+  check(sapipe_cuda::launch_dots<T>(src, N, partials, dots, stream));
+  src.dots = dots;
+  keep = ws;
+}
+
+}  // namespace
+
+#define SAPIPE_DISPATCH(TYPE, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
+
+at::Tensor dc_dots(const GradSpec& s) {
+  c10::cuda::CUDAGuard guard(s.grad.device());
+  const int64_t N = s.grad.numel();
+  const int64_t S = s.offsets->numel() - 1;
+  at::Tensor dots = at::empty({S}, s.grad.options().dtype(at::kDouble));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  SAPIPE_DISPATCH(s.grad.scalar_type(), "sapipe_dc_dots_cuda", [&] {
+    auto src = make_src<scalar_t>(s);
+    at::Tensor partials = at::empty({sapipe_cuda::dots_workspace(N, S)}, dots.options());
+    check(sapipe_cuda::launch_dots<scalar_t>(src, N, partials.data_ptr<double>(),
+                                             dots.data_ptr<double>(), stream));
+  });
+  return dots;
+}
+
+void compose(const GradSpec& s, const at::Tensor& out) {
+  c10::cuda::CUDAGuard guard(s.grad.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  SAPIPE_DISPATCH(s.grad.scalar_type(), "sapipe_compose_cuda", [&] {
+    auto src = make_src<scalar_t>(s);
+    at::Tensor keep;
+    ensure_dots(s, src, keep, stream);
+    check(sapipe_cuda::launch_compose<scalar_t>(src, s.grad.numel(), out.data_ptr<scalar_t>(),
+                                                max_blocks(s.grad.device()), stream));
+  });
+}
+
+void sgd(const GradSpec& s, const SgdArgs& a) {
+  c10::cuda::CUDAGuard guard(s.grad.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  sapipe_cuda::SgdParams p{a.lr, a.momentum, a.damp1, a.weight_decay,
+                           a.momentum != 0, a.nesterov, a.maximize, a.first};
+  SAPIPE_DISPATCH(s.grad.scalar_type(), "sapipe_sgd_cuda", [&] {
+    auto src = make_src<scalar_t>(s);
+    at::Tensor keep;
+    ensure_dots(s, src, keep, stream);
+    check(sapipe_cuda::launch_sgd<scalar_t>(src, s.grad.numel(), a.param.data_ptr<scalar_t>(),
+                                            ptr<scalar_t>(a.momentum_buffer),
+                                            ptr<scalar_t>(a.out), p, max_blocks(s.grad.device()), stream));
+  });
+}
+
+void adam(const GradSpec& s, const AdamArgs& a) {
+  c10::cuda::CUDAGuard guard(s.grad.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  sapipe_cuda::AdamParams p{a.neg_step_size, a.bc2_sqrt, a.lerp_weight, a.beta2,
+                            a.one_minus_beta2, a.eps, a.weight_decay, a.decay,
+                            a.decoupled, a.maximize};
+  SAPIPE_DISPATCH(s.grad.scalar_type(), "sapipe_adam_cuda", [&] {
+    auto src = make_src<scalar_t>(s);
+    at::Tensor keep;
+    ensure_dots(s, src, keep, stream);
+    check(sapipe_cuda::launch_adam<scalar_t>(
+        src, s.grad.numel(), a.param.data_ptr<scalar_t>(), a.exp_avg.data_ptr<scalar_t>(),
+        a.exp_avg_sq.data_ptr<scalar_t>(), ptr<scalar_t>(a.out), p, max_blocks(s.grad.device()), stream));
+  });
+}
+
+}  // namespace cuda
+}  // namespace sapipe

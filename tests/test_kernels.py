@@ -1,0 +1,679 @@
+"""Fused kernels (csrc/, via sapipe.ops) against their pure-PyTorch references.
+
+Every public kernel entry point of sapipe.ops is run on random inputs of awkward sizes (0, 1,
+not a multiple of any vector width, larger than one tile / parallel grain / reduction chunk)
+and compared with the matching ``ops.reference_*`` function: outputs are poisoned (NaN) first
+so an element the kernel fails to write shows up, in-place calls compare weights and optimizer
+state, peek calls check that weights and state are untouched. While a kernel test runs, the
+reference functions inside sapipe.ops are replaced by stubs that raise, so a silent fallback
+to the pure-PyTorch path cannot pass for a kernel.
+
+CPU tests need the C++ extension (``pip install --no-build-isolation -e .``); CUDA tests need
+a GPU and the CUDA extension and skip cleanly otherwise. The nvcc test compiles the CUDA
+sources wherever nvcc exists, GPU or not. No timings here (see benchmarks/kernels.py).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import shutil
+import subprocess
+import sys
+import sysconfig
+import warnings
+
+import pytest
+import torch
+
+from sapipe import _ext, ops
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+
+# the references, captured before any test stubs them out inside sapipe.ops
+REF = {
+    name: getattr(ops, name)
+    for name in (
+        "reference_delay_compensate", "reference_dc_dots", "reference_compose_gradient",
+        "reference_sgd", "reference_adam", "reference_sgd_fused", "reference_adam_fused",
+    )
+}
+
+CUDA_OK = torch.cuda.is_available()
+CASES = [("cpu", F32), ("cpu", F64)] + [
+    pytest.param("cuda", dt, marks=pytest.mark.skipif(not CUDA_OK, reason="no CUDA device"))
+    for dt in (F32, F64, F16, BF16)
+]
+# 0, 1, odd sizes around the vector widths, > one CPU tile (512), > one parallel grain and
+# one dot-product chunk (32768 on CPU) and > one CUDA dot tile (16384)
+BIG = 70001
+SIZES = [0, 1, 3, 17, 1000, BIG]
+
+
+def thin(grid, n, keep=3):
+    """The full option grid for small sizes, a spread of it for the big one (time)."""
+    return grid if n < BIG else grid[:: max(1, len(grid) // keep)]
+
+
+def _require(device):
+    if device == "cpu" and _ext.cpu is None:
+        pytest.skip(f"CPU extension not built: {_ext.errors.get('_C')}")
+    if device == "cuda" and _ext.cuda is None:
+        pytest.skip(f"CUDA extension not built: {_ext.errors.get('_C_cuda')}")
+
+
+@pytest.fixture
+def no_fallback(monkeypatch):
+    """Make every pure-PyTorch fallback inside sapipe.ops raise."""
+
+    def stub(name):
+        def guarded(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_name
+            if caller.startswith("reference_") or caller == "_composed":  # reference internals
+                return REF[name](*args, **kwargs)
+            raise AssertionError(f"sapipe.ops fell back to {name} instead of the kernel")
+
+        return guarded
+
+    for name in REF:
+        monkeypatch.setattr(ops, name, stub(name))
+
+
+def tol(dtype):
+    return {
+        F64: dict(rtol=1e-12, atol=1e-12),
+        F32: dict(rtol=1e-6, atol=1e-6),
+        F16: dict(rtol=4e-3, atol=4e-3),
+        BF16: dict(rtol=3e-2, atol=3e-2),
+    }[dtype]
+
+
+def ref_dtype(dtype):
+    """The reference runs in float32 for 16-bit kernels (which compute in float32)."""
+    return F32 if dtype in (F16, BF16) else dtype
+
+
+def close(actual, expected, dtype, what):
+    torch.testing.assert_close(
+        actual.to(expected.dtype), expected, **tol(dtype), equal_nan=False, msg=lambda m: f"{what}: {m}"
+    )
+
+
+def rand(n, device, dtype, gen, positive=False):
+    x = torch.randn(n, generator=gen, dtype=F64)
+    if positive:
+        x = x.abs() + 0.05
+    return x.to(dtype).to(device)
+
+
+def poisoned(n, device, dtype):
+    return torch.full((n,), float("nan"), device=device, dtype=dtype)
+
+
+def up(t):
+    """The reference's copy of an input (float32 for 16-bit inputs)."""
+    return None if t is None else t.to(ref_dtype(t.dtype)).clone()
+
+
+def partitions(n, seed=0):
+    """Tensor-length lists covering n elements, with empty tensors."""
+    rng = random.Random(seed + n)
+    parts = [[n], [0, n, 0]]
+    if n >= 2:
+        cuts = sorted(rng.sample(range(1, n), k=min(6, n - 1)))
+        bounds = [0] + cuts + [n]
+        lens = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        lens.insert(rng.randrange(len(lens) + 1), 0)
+        lens.insert(rng.randrange(len(lens) + 1), 0)
+        parts.append(lens)
+    if 0 < n <= 17:
+        parts.append([1] * n)
+    if n > 40000:  # tensor boundaries just around the CPU chunk / CUDA tile boundaries
+        parts.append([16383, 2, 16382, 1, 32768, 0, n - 65536])
+    return parts
+
+
+# ---------------------------------------------------------------------------------------
+# build / load / dispatch
+# ---------------------------------------------------------------------------------------
+
+
+def test_cpu_extension_loaded():
+    if os.environ.get("SAPIPE_DISABLE_EXT", "") not in ("", "0") or os.environ.get(
+        "SAPIPE_NO_EXT", ""
+    ) not in ("", "0"):
+        pytest.skip("extension disabled by the environment")
+    assert _ext.cpu is not None, (
+        f"sapipe._C did not load ({_ext.errors.get('_C')}); build it with "
+        "`pip install --no-build-isolation -e .`"
+    )
+    assert ops.backend("cpu") == "cpu-ext"
+    assert _ext.cpu.openmp, "the CPU extension was built without OpenMP"
+
+
+def test_backend_names():
+    assert ops.backend() in ("cpu-ext", "cuda-ext", "torch")
+    assert ops.backend("cpu") == ("cpu-ext" if _ext.cpu is not None else "torch")
+    assert ops.backend("cuda") == ("cuda-ext" if _ext.cuda is not None else "torch")
+    assert ops.backend(torch.device("meta")) == "torch"
+
+
+def test_one_warning_when_extension_missing(monkeypatch):
+    monkeypatch.setattr(_ext, "cpu", None)
+    monkeypatch.setattr(_ext, "DISABLED", False)
+    monkeypatch.setattr(_ext, "_warned", {})
+    gen = torch.Generator().manual_seed(0)
+    p, g, b = (rand(33, "cpu", F32, gen) for _ in range(3))
+    p2, b2 = p.clone(), b.clone()
+    kw = dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=1e-2,
+              maximize=False, first=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            ops.sgd(p, g, b, **kw)
+            ops.delay_compensate(g, p, 0.1, "diagonal", [33], out=torch.empty(33))
+    ours = [w for w in caught if "sapipe" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    assert ops.backend("cpu") == "torch"
+    for _ in range(3):
+        REF["reference_sgd"](p2, g, b2, **kw)
+    assert torch.equal(p, p2) and torch.equal(b, b2)
+
+
+def test_unsupported_inputs_fall_back_to_reference():
+    """Non-contiguous / mixed-dtype / CPU-half tensors still get the reference result."""
+    gen = torch.Generator().manual_seed(1)
+    g = rand(64, "cpu", F32, gen)
+    d = rand(64, "cpu", F32, gen)
+    strided = torch.full((64, 2), float("nan"))[:, 0]
+    ops.delay_compensate(g, d, 0.5, "diagonal", [64], out=strided)
+    expected = REF["reference_delay_compensate"](g, d, 0.5, "diagonal", [64], out=torch.empty(64))
+    assert torch.equal(strided, expected)
+    gh, dh = g.half(), d.half()
+    outh = ops.delay_compensate(gh, dh, 0.5, "outer", [60, 4], out=torch.empty(64, dtype=F16))
+    refh = REF["reference_delay_compensate"](gh, dh, 0.5, "outer", [60, 4], out=torch.empty(64, dtype=F16))
+    assert torch.equal(outh, refh)
+
+
+def test_bad_arguments_raise():
+    g = torch.zeros(10)
+    with pytest.raises(ValueError):
+        ops.delay_compensate(g, g, 0.1, "bogus", [10], out=torch.empty(10))
+    with pytest.raises((ValueError, RuntimeError)):
+        ops.delay_compensate(g, g, 0.1, "outer", [4, 5], out=torch.empty(10))
+
+
+# ---------------------------------------------------------------------------------------
+# delay compensation, dots, gradient composition
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("n", SIZES)
+def test_delay_compensate_diagonal(device, dtype, n, no_fallback):
+    _require(device)
+    gen = torch.Generator().manual_seed(n)
+    g, d = rand(n, device, dtype, gen), rand(n, device, dtype, gen)
+    expected = REF["reference_delay_compensate"](up(g), up(d), 0.5, "diagonal", [n], out=up(g))
+    out = poisoned(n, device, dtype)
+    assert ops.delay_compensate(g, d, 0.5, "diagonal", [n], out=out) is out
+    close(out, expected, dtype, "diagonal DC")
+    # out aliasing grad
+    g2 = g.clone()
+    ops.delay_compensate(g2, d, 0.5, "diagonal", [n], out=g2)
+    close(g2, expected, dtype, "diagonal DC in place")
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("n", SIZES)
+def test_delay_compensate_outer(device, dtype, n, no_fallback):
+    _require(device)
+    gen = torch.Generator().manual_seed(100 + n)
+    g, d = rand(n, device, dtype, gen), rand(n, device, dtype, gen)
+    for lengths in partitions(n):
+        lam = 0.5
+        # exact comparison: the reference given the (float64) per-tensor dots
+        dots = REF["reference_dc_dots"](up(g), up(d), lengths)
+        expected = REF["reference_compose_gradient"](
+            up(g), out=up(g), delta=up(d), lam=lam, form="outer", lengths=lengths, dots=dots
+        )
+        out = poisoned(n, device, dtype)
+        ops.delay_compensate(g, d, lam, "outer", lengths, out=out)
+        close(out, expected, dtype, f"outer DC, lengths {lengths}")
+        g2 = g.clone()
+        ops.delay_compensate(g2, d, lam, "outer", lengths, out=g2)
+        close(g2, expected, dtype, f"outer DC in place, lengths {lengths}")
+        if dtype == F64:
+            # the reference's own (segment_reduce) dots agree in float64
+            plain = REF["reference_delay_compensate"](g, d, lam, "outer", lengths, out=g.clone())
+            close(out, plain, dtype, "outer DC vs reference_delay_compensate")
+        elif dtype == F32:  # float32-summed reference dots: looser
+            plain = REF["reference_delay_compensate"](g, d, lam, "outer", lengths, out=g.clone())
+            scale = float(plain.abs().max()) if n else 1.0
+            torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("n", SIZES)
+def test_dc_dots(device, dtype, n, no_fallback):
+    _require(device)
+    gen = torch.Generator().manual_seed(200 + n)
+    g, d, r, p = (rand(n, device, dtype, gen) for _ in range(4))
+    for lengths, (use_ref, use_prev) in itertools.product(
+        partitions(n), itertools.product((False, True), repeat=2)
+    ):
+        kw = dict(delta_ref=r if use_ref else None, prev_local=p if use_prev else None, world_size=3)
+        got = ops.dc_dots(g, d, lengths, **kw)
+        assert got.dtype == F64 and got.shape == (len(lengths),)
+        # reference on the same h = g - p/n and D = d - r, rounded as the kernel rounds them
+        # (to the dtype; float32 for the 16-bit dtypes, which the kernels compute in)
+        h = up(g) - up(p) / 3 if use_prev else up(g)
+        dd = up(d) - up(r) if use_ref else up(d)
+        expected = REF["reference_dc_dots"](h.to(F64), dd.to(F64), lengths)
+        bound = REF["reference_dc_dots"](h.to(F64).abs(), dd.to(F64).abs(), lengths)
+        err = (got - expected).abs()
+        assert bool((err <= 1e-13 * bound + 1e-300).all()), (lengths, use_ref, use_prev, err.max())
+        empty = torch.tensor([x == 0 for x in lengths], device=device)
+        assert bool((got[empty] == 0).all())
+
+
+def _threads(n):
+    class Ctx:
+        def __enter__(self):
+            self.old = torch.get_num_threads()
+            torch.set_num_threads(n)
+
+        def __exit__(self, *exc):
+            torch.set_num_threads(self.old)
+
+    return Ctx()
+
+
+def test_dots_do_not_depend_on_thread_count(no_fallback):
+    _require("cpu")
+    gen = torch.Generator().manual_seed(7)
+    n = 300001
+    g, d = rand(n, "cpu", F32, gen), rand(n, "cpu", F32, gen)
+    lengths = [100000, 0, 150001, 50000]
+    with _threads(1):
+        one = ops.dc_dots(g, d, lengths)
+        out1 = ops.compose_gradient(g, out=torch.empty(n), delta=d, lam=0.5, lengths=lengths)
+    with _threads(max(2, torch.get_num_threads())):
+        many = ops.dc_dots(g, d, lengths)
+        out2 = ops.compose_gradient(g, out=torch.empty(n), delta=d, lam=0.5, lengths=lengths)
+    assert torch.equal(one, many)
+    assert torch.equal(out1, out2)
+
+
+SPECS = [  # (name, uses delta, delta_ref, prev_local, local, form)
+    ("plain", False, False, False, False, None),
+    ("local only", False, False, True, True, None),
+    ("dc diagonal", True, False, False, False, "diagonal"),
+    ("dc outer", True, False, False, False, "outer"),
+    ("dc outer, delta - ref", True, True, False, False, "outer"),
+    ("dc diagonal, delta - ref", True, True, False, False, "diagonal"),
+    ("wp3 outer", True, True, True, True, "outer"),
+    ("wp3 diagonal", True, True, True, True, "diagonal"),
+    ("wp3 outer, prev only", True, False, True, False, "outer"),
+]
+
+
+def _spec_inputs(spec, n, device, dtype, gen, lengths, world_size=3, lam=0.5):
+    _, use_delta, use_ref, use_prev, use_local, form = spec
+    kw = dict(world_size=world_size)
+    if use_delta:
+        kw.update(delta=rand(n, device, dtype, gen), lam=lam, form=form, lengths=lengths)
+        if use_ref:
+            kw["delta_ref"] = rand(n, device, dtype, gen)
+    if use_prev:
+        kw["prev_local"] = rand(n, device, dtype, gen)
+    if use_local:
+        kw["local"] = rand(n, device, dtype, gen)
+    return kw
+
+
+def _ref_kw(grad, kw):
+    """The reference's copy of a spec, with the float64 dots of the outer form made explicit.
+
+    The kernels accumulate the dots in double; the float32 reference sums in float32. Handing
+    the reference the exact dots makes the comparison tight (dots are tested on their own).
+    """
+    r = {k: (up(v) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    if r.get("form") == "outer" and "delta" in r:
+        r["dots"] = REF["reference_dc_dots"](
+            up(grad), r["delta"], r["lengths"], delta_ref=r.get("delta_ref"),
+            prev_local=r.get("prev_local"), world_size=r["world_size"],
+        )
+    return r
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("n", SIZES)
+def test_compose_gradient(device, dtype, n, no_fallback):
+    _require(device)
+    gen = torch.Generator().manual_seed(300 + n)
+    g = rand(n, device, dtype, gen)
+    for spec, lengths in itertools.product(SPECS, partitions(n)[-2:]):
+        kw = _spec_inputs(spec, n, device, dtype, gen, lengths)
+        r = _ref_kw(g, kw)
+        expected = REF["reference_compose_gradient"](up(g), out=poisoned(n, device, ref_dtype(dtype)), **r)
+        out = poisoned(n, device, dtype)
+        assert ops.compose_gradient(g, out=out, **kw) is out
+        close(out, expected, dtype, f"compose {spec[0]} lengths {lengths}")
+        # out aliasing grad, and caller-supplied dots
+        g2 = g.clone()
+        ops.compose_gradient(g2, out=g2, **kw)
+        close(g2, expected, dtype, f"compose {spec[0]} in place")
+        if kw.get("form") == "outer":
+            dots = ops.dc_dots(g, kw["delta"], lengths, delta_ref=kw.get("delta_ref"),
+                               prev_local=kw.get("prev_local"), world_size=kw["world_size"])
+            out3 = poisoned(n, device, dtype)
+            ops.compose_gradient(g, out=out3, dots=dots, **kw)
+            assert torch.equal(out3, out)
+
+
+# ---------------------------------------------------------------------------------------
+# SGD / Adam / AdamW, plain and fused
+# ---------------------------------------------------------------------------------------
+
+SGD_GRID = [
+    dict(momentum=m, nesterov=nest, dampening=damp, weight_decay=wd, maximize=mx, first=first)
+    for m, nest, damp, wd, mx, first in itertools.product(
+        (0.0, 0.9), (False, True), (0.0, 0.25), (0.0, 1e-2), (False, True), (False, True)
+    )
+    if not (nest and (m == 0 or damp != 0))  # torch.optim's own constraint on Nesterov
+    and not (m == 0 and (damp != 0 or first))
+]
+ADAM_GRID = [
+    dict(weight_decay=wd, decoupled=dec, maximize=mx, step=step, beta1=b1)
+    for wd, dec, mx, step, b1 in itertools.product(
+        (0.0, 1e-2), (False, True), (False, True), (1, 7), (0.9, 0.3)
+    )
+]
+
+
+def _run_sgd(fn, param, grad, buf, hp, out, extra):
+    fn(param, grad, buf, lr=0.1, out=out, **hp, **extra)
+
+
+def _check_sgd(device, dtype, n, hp, spec_kw, gen, peek, fused):
+    p, g, b = (rand(n, device, dtype, gen) for _ in range(3))
+    rp, rg, rb = up(p), up(g), up(b)
+    p0, b0 = p.clone(), b.clone()
+    out = poisoned(n, device, dtype) if peek else None
+    rout = poisoned(n, device, ref_dtype(dtype)) if peek else None
+    if fused:
+        r = _ref_kw(g, spec_kw)
+        REF["reference_sgd_fused"](rp, rg, rb, lr=0.1, out=rout, **hp, **r)
+        ops.sgd_fused(p, g, b, lr=0.1, out=out, **hp, **spec_kw)
+    else:
+        REF["reference_sgd"](rp, rg, rb, lr=0.1, out=rout, **hp)
+        ops.sgd(p, g, b, lr=0.1, out=out, **hp)
+    what = f"sgd {hp} peek={peek} fused={fused}"
+    if peek:
+        close(out, rout, dtype, what + " out")
+        assert torch.equal(p, p0) and torch.equal(b, b0), what + ": peek touched state"
+    else:
+        close(p, rp, dtype, what + " param")
+        if hp["momentum"] != 0:
+            close(b, rb, dtype, what + " momentum buffer")
+        else:
+            assert torch.equal(b, b0)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("n", SIZES)
+def test_sgd(device, dtype, n, no_fallback):
+    _require(device)
+    gen = torch.Generator().manual_seed(400 + n)
+    for hp, peek in itertools.product(thin(SGD_GRID, n, 6), (False, True)):
+        _check_sgd(device, dtype, n, hp, {}, gen, peek, fused=False)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("n", [0, 1, 17, 1000, BIG])
+def test_sgd_fused(device, dtype, n, no_fallback):
+    _require(device)
+    gen = torch.Generator().manual_seed(500 + n)
+    lengths = partitions(n)[-1]
+    grid = thin([hp for hp in SGD_GRID if hp["maximize"] == hp["first"]], n, 2)
+    for spec, hp, peek in itertools.product(SPECS, grid, (False, True)):
+        kw = _spec_inputs(spec, n, device, dtype, gen, lengths)
+        _check_sgd(device, dtype, n, hp, kw, gen, peek, fused=True)
+
+
+def _check_adam(device, dtype, n, hp, spec_kw, gen, peek, fused):
+    p, g, m = (rand(n, device, dtype, gen) for _ in range(3))
+    v = rand(n, device, dtype, gen, positive=True)
+    rp, rg, rm, rv = up(p), up(g), up(m), up(v)
+    p0, m0, v0 = p.clone(), m.clone(), v.clone()
+    out = poisoned(n, device, dtype) if peek else None
+    rout = poisoned(n, device, ref_dtype(dtype)) if peek else None
+    common = dict(lr=1e-2, beta2=0.999, eps=1e-8, out=None)
+    hp = dict(hp)
+    if fused:
+        r = _ref_kw(g, spec_kw)
+        REF["reference_adam_fused"](rp, rg, rm, rv, **{**common, "out": rout}, **hp, **r)
+        ops.adam_fused(p, g, m, v, **{**common, "out": out}, **hp, **spec_kw)
+    else:
+        REF["reference_adam"](rp, rg, rm, rv, **{**common, "out": rout}, **hp)
+        ops.adam(p, g, m, v, **{**common, "out": out}, **hp)
+    what = f"adam {hp} peek={peek} fused={fused}"
+    if peek:
+        close(out, rout, dtype, what + " out")
+        assert torch.equal(p, p0) and torch.equal(m, m0) and torch.equal(v, v0), what
+    else:
+        close(p, rp, dtype, what + " param")
+        close(m, rm, dtype, what + " exp_avg")
+        close(v, rv, dtype, what + " exp_avg_sq")
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("n", SIZES)
+def test_adam(device, dtype, n, no_fallback):
+    _require(device)
+    gen = torch.Generator().manual_seed(600 + n)
+    for hp, peek in itertools.product(thin(ADAM_GRID, n, 6), (False, True)):
+        _check_adam(device, dtype, n, hp, {}, gen, peek, fused=False)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("n", [0, 1, 17, 1000, BIG])
+def test_adam_fused(device, dtype, n, no_fallback):
+    _require(device)
+    gen = torch.Generator().manual_seed(700 + n)
+    lengths = partitions(n)[-1]
+    grid = [hp for hp in ADAM_GRID if hp["maximize"] == (hp["step"] == 7) and hp["beta1"] == 0.9]
+    grid = thin(grid, n, 2)
+    for spec, hp, peek in itertools.product(SPECS, grid, (False, True)):
+        kw = _spec_inputs(spec, n, device, dtype, gen, lengths)
+        _check_adam(device, dtype, n, hp, kw, gen, peek, fused=True)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("rule", ["sgd", "adam"])
+def test_fused_dc_update_with_delta_aliasing_param(device, dtype, rule, no_fallback):
+    """SAPipe-DC in one call: Δ = param − x_old read from the very param being updated."""
+    _require(device)
+    gen = torch.Generator().manual_seed(800)
+    n, lengths = 4099, [1000, 0, 3000, 99]
+    p, g, s1, x_old = (rand(n, device, dtype, gen) for _ in range(4))
+    s2 = rand(n, device, dtype, gen, positive=True)
+    rp, rs1, rs2 = up(p), up(s1), up(s2)
+    dc = dict(lam=0.5, form="outer", lengths=lengths)
+    dots = REF["reference_dc_dots"](up(g), rp, lengths, delta_ref=up(x_old))
+    if rule == "sgd":
+        hp = dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=1e-2,
+                  maximize=False, first=False)
+        REF["reference_sgd_fused"](rp, up(g), rs1, delta=rp, delta_ref=up(x_old), dots=dots, **hp, **dc)
+        ops.sgd_fused(p, g, s1, delta=p, delta_ref=x_old, **hp, **dc)
+    else:
+        hp = dict(step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
+                  decoupled=True, maximize=False)
+        REF["reference_adam_fused"](rp, up(g), rs1, rs2, delta=rp, delta_ref=up(x_old), dots=dots, **hp, **dc)
+        ops.adam_fused(p, g, s1, s2, delta=p, delta_ref=x_old, **hp, **dc)
+        close(s2, rs2, dtype, "exp_avg_sq")
+    close(p, rp, dtype, "param")
+    close(s1, rs1, dtype, "state")
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA_OK, reason="no CUDA device"))]
+)
+@pytest.mark.parametrize("name", ["sgd", "nesterov", "adam", "adamw"])
+def test_kernels_follow_torch_optim(device, name, no_fallback):
+    """Several steps of the kernels on a flat tensor track torch.optim to 1e-6 (float32)."""
+    _require(device)
+    gen = torch.Generator().manual_seed(900)
+    n = 1031
+    x = torch.nn.Parameter(rand(n, device, F32, gen))
+    flat = x.detach().clone()
+    if name in ("sgd", "nesterov"):
+        hp = dict(lr=0.05, momentum=0.9, dampening=0.0 if name == "nesterov" else 0.1,
+                  nesterov=name == "nesterov", weight_decay=1e-3, maximize=False)
+        opt = torch.optim.SGD([x], **hp)
+        buf = torch.zeros_like(flat)
+    else:
+        hp = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=1e-2)
+        opt = (torch.optim.AdamW if name == "adamw" else torch.optim.Adam)([x], foreach=False, **hp)
+        m, v = torch.zeros_like(flat), torch.zeros_like(flat)
+    for step in range(1, 6):
+        grad = rand(n, device, F32, gen)
+        x.grad = grad.clone()
+        opt.step()
+        if name in ("sgd", "nesterov"):
+            ops.sgd(flat, grad, buf, first=step == 1, **hp)
+        else:
+            ops.adam(flat, grad, m, v, step=step, lr=hp["lr"], beta1=0.9, beta2=0.99, eps=1e-8,
+                     weight_decay=hp["weight_decay"], decoupled=name == "adamw", maximize=False)
+        torch.testing.assert_close(flat, x.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_cpu_isa_variants_agree_bitwise(no_fallback):
+    """The AVX2 and baseline builds of the CPU tile kernels give identical bits."""
+    _require("cpu")
+    if not _ext.cpu.set_cpu_isa("avx2"):
+        pytest.skip("this CPU has no AVX2")
+    gen = torch.Generator().manual_seed(11)
+    n, lengths = 20011, [5000, 0, 15000, 11]
+    results = {}
+    try:
+        for isa in ("base", "avx2"):
+            assert _ext.cpu.set_cpu_isa(isa) and _ext.cpu.cpu_isa() == isa
+            gen.manual_seed(11)
+            for dtype in (F32, F64):
+                p, g, b, m, x_old, prev, local = (rand(n, "cpu", dtype, gen) for _ in range(7))
+                v = rand(n, "cpu", dtype, gen, positive=True)
+                wp3 = dict(delta=p, delta_ref=x_old, lam=0.3, lengths=lengths, prev_local=prev,
+                           local=local, world_size=3)
+                outs = [ops.dc_dots(g, p, lengths, delta_ref=x_old, prev_local=prev, world_size=3),
+                        ops.dc_dots(g, p, lengths)]
+                for form in ("outer", "diagonal"):
+                    outs.append(ops.compose_gradient(g, out=torch.empty(n, dtype=dtype), form=form, **wp3))
+                    out = torch.empty(n, dtype=dtype)
+                    ops.sgd_fused(p, g, b, lr=0.1, momentum=0.9, dampening=0.1, nesterov=False,
+                                  weight_decay=1e-2, maximize=False, first=False, out=out,
+                                  form=form, **wp3)
+                    outs.append(out)
+                    out = torch.empty(n, dtype=dtype)
+                    ops.adam_fused(p, g, m, v, step=3, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8,
+                                   weight_decay=1e-2, decoupled=form == "outer", maximize=False,
+                                   out=out, form=form, **wp3)
+                    outs.append(out)
+                ops.sgd(p, g, b, lr=0.1, momentum=0.9, dampening=0.0, nesterov=True,
+                        weight_decay=1e-2, maximize=True, first=False)
+                ops.adam(p, g, m, v, step=2, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8,
+                         weight_decay=1e-2, decoupled=False, maximize=False)
+                results[(isa, dtype)] = outs + [p, b, m, v]
+    finally:
+        _ext.cpu.set_cpu_isa("avx2")
+    for dtype in (F32, F64):
+        for a, b in zip(results[("base", dtype)], results[("avx2", dtype)], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_in_place_kernels_bump_version_counters(no_fallback):
+    _require("cpu")
+    p, g, b, m, v = (torch.rand(100) for _ in range(5))
+    before = (p._version, b._version)
+    ops.sgd(p, g, b, lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0,
+            maximize=False, first=False)
+    assert p._version > before[0] and b._version > before[1]
+    before = (p._version, m._version, v._version)
+    ops.adam(p, g, m, v, step=1, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0,
+             decoupled=False, maximize=False)
+    assert p._version > before[0] and m._version > before[1] and v._version > before[2]
+
+
+# ---------------------------------------------------------------------------------------
+# nvcc: the CUDA sources compile (no GPU needed)
+# ---------------------------------------------------------------------------------------
+
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+
+STANDALONE = r"""
+#include "kernels.cuh"
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+namespace sc = sapipe_cuda;
+#define INST(T)                                                                               \
+  template cudaError_t sc::launch_dots<T>(const sc::GradSrc<T>&, int64_t, double*, double*,    \
+                                          cudaStream_t);                                      \
+  template cudaError_t sc::launch_compose<T>(const sc::GradSrc<T>&, int64_t, T*, int,          \
+                                             cudaStream_t);                                   \
+  template cudaError_t sc::launch_sgd<T>(const sc::GradSrc<T>&, int64_t, T*, T*, T*,           \
+                                         const sc::SgdParams&, int, cudaStream_t);            \
+  template cudaError_t sc::launch_adam<T>(const sc::GradSrc<T>&, int64_t, T*, T*, T*, T*,     \
+                                          const sc::AdamParams&, int, cudaStream_t);
+INST(float)
+INST(double)
+INST(__half)
+INST(__nv_bfloat16)
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_nvcc_compiles_cuda_sources(tmp_path):
+    """csrc/kernels.cuh standalone (all four dtypes), csrc/cuda_ops.cu against torch's headers,
+    and the CUDA module's bindings with the host compiler, run side by side.
+
+    A CPU-only torch wheel ships c10/cuda headers but not the build-generated
+    c10/cuda/impl/cuda_cmake_macros.h; a one-line stand-in is supplied for it then.
+    """
+    from torch.utils import cpp_extension
+
+    nvcc = shutil.which("nvcc")
+    (tmp_path / "standalone.cu").write_text(STANDALONE)
+    arch = ["-gencode=arch=compute_80,code=sm_80"]
+    torch_inc = cpp_extension.include_paths()
+    stub = tmp_path / "stub"
+    torch_root = torch_inc[0]
+    if not os.path.exists(os.path.join(torch_root, "c10", "cuda", "impl", "cuda_cmake_macros.h")):
+        (stub / "c10" / "cuda" / "impl").mkdir(parents=True)
+        (stub / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    incs = [f"-I{p}" for p in torch_inc] + [f"-I{stub}", f"-I{CSRC}"]
+    torch_defs = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+                  "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
+                  "--expt-relaxed-constexpr"]
+    cxx = os.environ.get("CXX", "c++")
+    jobs = {
+        "kernels.cuh standalone": [nvcc, "-c", "-std=c++17", "-O3", *arch, f"-I{CSRC}",
+                                   str(tmp_path / "standalone.cu"), "-o", str(tmp_path / "k.o")],
+        "cuda_ops.cu with torch headers": [nvcc, "-c", "-std=c++20", "-O3", *arch, *torch_defs,
+                                           *incs, os.path.join(CSRC, "cuda_ops.cu"), "-o",
+                                           str(tmp_path / "cuda_ops.o")],
+        "cuda_bindings.cpp (host)": [cxx, "-fsyntax-only", "-std=c++20", *incs,
+                                     f"-I{sysconfig.get_paths()['include']}",
+                                     "-DTORCH_EXTENSION_NAME=_C_cuda",
+                                     os.path.join(CSRC, "cuda_bindings.cpp")],
+    }
+    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name, cmd in jobs.items()}
+    failures = {}
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+            failures[name] = out[-3000:]
+    assert not failures, "\n\n".join(f"{k}:\n{v}" for k, v in failures.items())
+    assert (tmp_path / "k.o").stat().st_size > 0
+    assert (tmp_path / "cuda_ops.o").stat().st_size > 0
