@@ -1,0 +1,123 @@
+"""What does staleness compensation cost per step? Each mode vs ``none``, fused vs pure PyTorch.
+
+One process (a Gloo group of 1: communication is the same for every mode and drops out),
+k = m (every layer stale, the most compensation work), one model copy per mode. Modes are
+timed in interleaved rounds so that machine-load drift hits them alike; the overhead of a
+mode is (median step time − median step time of ``none``) / that of ``none``. The whole
+run is done twice, in separate processes: with the compiled kernels (``cpu-ext``) and with
+``SAPIPE_DISABLE_EXT=1`` (the pure-PyTorch path).
+
+    python benchmarks/compensation_overhead.py --models gpt2,resnet50,vgg16 --size small
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+MODES = [("none", "outer"), ("dc", "outer"), ("dc", "diagonal"), ("wp1", "outer"), ("wp2", "outer"), ("wp3", "outer")]
+
+
+def worker(args) -> None:
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    import bench_models
+    import sapipe
+
+    torch.set_num_threads(args.threads)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    out = {"backend": sapipe.ops.backend("cpu"), "models": {}}
+    for name in args.models.split(","):
+        spec = bench_models.build(name, args.size)
+        batch = spec.make_batch(spec.batch_size, torch.device("cpu"), torch.Generator().manual_seed(0))
+        probe = spec.make_model()  # m (layers) is known after one forward
+        probe_opt = sapipe.DistributedOptimizer(spec.make_optimizer(probe.parameters()), probe)
+        probe(batch[0])
+        m = probe_opt.num_layers
+        probe_opt.close()
+        runs = []
+        for mode, form in MODES:
+            model = spec.make_model()
+            opt = sapipe.DistributedOptimizer(
+                spec.make_optimizer(model.parameters()), model, stale_layers=m, compensation=mode, dc_form=form
+            )
+            runs.append((f"{mode}/{form}" if mode == "dc" else mode, model, opt, []))
+        for round_ in range(args.rounds + 1):
+            for label, model, opt, times in runs:
+                for _ in range(args.steps):
+                    start = time.perf_counter()
+                    opt.zero_grad()
+                    spec.loss_fn(model(batch[0]), batch[1]).backward()
+                    opt.step()
+                    if round_ > 0:  # round 0 warms up
+                        times.append(time.perf_counter() - start)
+        base = statistics.median(runs[0][3])
+        out["models"][name] = {
+            label: {"median_ms": statistics.median(t) * 1e3, "overhead": statistics.median(t) / base - 1}
+            for label, _, _, t in runs
+        }
+        out["models"][name]["m"] = m
+        for _, _, opt, _ in runs:
+            opt.close()
+    print(json.dumps(out))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="gpt2,resnet50,vgg16")
+    p.add_argument("--size", default="small")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--output", default=os.path.join(HERE, "results", "compensation_overhead.md"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    results = {}
+    for label, env in (("fused kernels", {}), ("pure PyTorch", {"SAPIPE_DISABLE_EXT": "1"})):
+        print(f"[compensation_overhead] {label} ...", file=sys.stderr, flush=True)
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker"] + sys.argv[1:]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **env))
+        if proc.returncode != 0:
+            sys.exit(proc.stderr[-3000:])
+        results[label] = json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [
+        "| model (m) | mode | fused: ms/step | fused: overhead vs none | pure PyTorch: ms/step | pure PyTorch: overhead vs none |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    fused, plain = results["fused kernels"], results["pure PyTorch"]
+    for name, per_mode in fused["models"].items():
+        for label, f in per_mode.items():
+            if label == "m":
+                continue
+            t = plain["models"][name][label]
+            lines.append(
+                f"| {name} ({per_mode['m']}) | {label} | {f['median_ms']:.1f} | {f['overhead']:+.1%} | "
+                f"{t['median_ms']:.1f} | {t['overhead']:+.1%} |"
+            )
+    table = "\n".join(lines)
+    print(f"backends: {fused['backend']} vs {plain['backend']}\n{table}")
+    command = "python benchmarks/compensation_overhead.py " + " ".join(sys.argv[1:])
+    os.makedirs(os.path.dirname(args.output), exist_ok=True)
+    with open(args.output, "a") as f:
+        f.write(f"\n## {time.strftime('%Y-%m-%d %H:%M')} — `{command}`\n\nbackends: `{fused['backend']}` vs "
+                f"`{plain['backend']}`; k = m, one process, median of {args.rounds}x{args.steps} steps per mode "
+                f"(interleaved rounds)\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
