@@ -113,7 +113,6 @@ class Bucket:
             self.segments[-1].end = offset
             self.segments[-1].lengths.append(p.numel())
         self.numel = offset
-        self.lengths = [p.numel() for p in params]
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.position = {id(p): i for i, p in enumerate(params)}

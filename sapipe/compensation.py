@@ -17,11 +17,39 @@ the buffers and the optimizer rule.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Type
+from typing import Any, Dict, Optional, Sequence, Type
 
 from torch import Tensor
 
-from . import ops
+
+@dataclass
+class GradientRecipe:
+    """g̃ = DC_λ(grad − prev_local/n, delta − delta_ref) + local/n; unset terms drop out.
+
+    Strategies describe the gradient instead of materialising it, so the optimizer rule
+    evaluates it inside its fused kernel, one pass over memory per segment, with no
+    temporaries (DESIGN.md §5).
+    """
+
+    grad: Tensor
+    delta: Optional[Tensor] = None
+    delta_ref: Optional[Tensor] = None
+    prev_local: Optional[Tensor] = None
+    local: Optional[Tensor] = None
+    lam: float = 0.0
+    form: str = "outer"
+    world_size: int = 1
+
+    def terms(self, start: int, end: int, lengths: Sequence[int]) -> Dict[str, Any]:
+        """Keyword arguments for ``ops.*_fused`` on the slice [start, end) of the bucket."""
+        def part(t: Optional[Tensor]) -> Optional[Tensor]:
+            return None if t is None else t[start:end]
+
+        return dict(
+            grad=part(self.grad), delta=part(self.delta), delta_ref=part(self.delta_ref),
+            prev_local=part(self.prev_local), local=part(self.local), lam=self.lam, form=self.form,
+            lengths=lengths, world_size=self.world_size,
+        )
 
 
 @dataclass
@@ -29,9 +57,10 @@ class StaleStep:
     """What a strategy may read for one stale bucket at one ``step()``.
 
     ``g`` is the averaged stale gradient (None while the pipeline fills, or when GradScaler
-    skipped its iteration); the strategy may overwrite it in place. ``x_oldest`` is
-    x_{t-1-s}, ``x_newest`` is x_{t-1} once the real update has run (for wp3), ``local`` /
-    ``prev_local`` this rank's l_t / l_{t-1} (None when their iteration was skipped).
+    skipped its iteration). ``x`` is the real weights: x_{t-1} when the real gradient is
+    described, x_t (updated) when the prediction is. ``x_oldest`` is x_{t-1-s} and
+    ``x_newest`` x_{t-1} (the weight history). ``local`` / ``prev_local``: this rank's l_t /
+    l_{t-1} (None when their iteration was skipped).
     """
 
     g: Optional[Tensor]
@@ -43,7 +72,6 @@ class StaleStep:
     world_size: int
     lam: float
     form: str
-    lengths: Sequence[int]
 
 
 class Compensation:
@@ -53,18 +81,18 @@ class Compensation:
     predicts = False  # the model holds predicted weights x̃ for the stale layers
     needs_local = False  # keeps this rank's own gradient l_t in a flat buffer
     needs_prev_local = False  # ... and l_{t-1}
-    history_length = 0  # how many past real weights the strategy reads (0, 1 or s)
+    history_length = 0  # past real weights kept (the newest is x_{t-1} during step t)
     max_staleness: Optional[int] = None  # None: any staleness
 
     def __init__(self, staleness: int):
         self.staleness = staleness
 
-    def real_gradient(self, step: StaleStep) -> Tensor:
+    def real_gradient(self, step: StaleStep) -> GradientRecipe:
         """ĝ for the real update; ``step.g`` is not None here."""
         assert step.g is not None
-        return step.g
+        return GradientRecipe(step.g)
 
-    def prediction_gradient(self, step: StaleStep) -> Optional[Tensor]:
+    def prediction_gradient(self, step: StaleStep) -> Optional[GradientRecipe]:
         """g̃ for x̃_{t+1} = OPT_peek(x_t, g̃), or None for x̃_{t+1} = x_t."""
         return None
 
@@ -74,12 +102,12 @@ class DelayCompensation(Compensation):
 
     @property
     def history_length(self) -> int:  # type: ignore[override]
-        return self.staleness
+        return self.staleness + 1  # x_{t-1-s} .. x_{t-1}
 
     def real_gradient(self, step):
         assert step.g is not None and step.x_oldest is not None
-        delta = step.x - step.x_oldest  # x_{t-1} − x_{t-1-s}
-        return ops.delay_compensate(step.g, delta, step.lam, step.form, step.lengths, out=step.g)
+        # DC_λ(g, x_{t-1} − x_{t-1-s})
+        return GradientRecipe(step.g, delta=step.x, delta_ref=step.x_oldest, lam=step.lam, form=step.form)
 
 
 class PredictFromLocal(Compensation):
@@ -89,7 +117,7 @@ class PredictFromLocal(Compensation):
     max_staleness = 1
 
     def prediction_gradient(self, step):
-        return step.local
+        return None if step.local is None else GradientRecipe(step.local)
 
 
 class PredictFromSynchronised(Compensation):
@@ -98,7 +126,7 @@ class PredictFromSynchronised(Compensation):
     max_staleness = 1
 
     def prediction_gradient(self, step):
-        return step.g
+        return None if step.g is None else GradientRecipe(step.g)
 
 
 class PredictMixed(Compensation):
@@ -106,17 +134,18 @@ class PredictMixed(Compensation):
     predicts = True
     needs_local = True
     needs_prev_local = True
-    history_length = 1
+    history_length = 2  # x_{t-1} (and the slot x_t is pushed into)
     max_staleness = 1
 
     def prediction_gradient(self, step):
         if step.g is None or step.local is None or step.prev_local is None:
             return None  # pipeline filling, or a term from a step GradScaler skipped
         assert step.x_newest is not None
-        n = step.world_size
-        others = step.g - step.prev_local / n  # others' part of g_{t-1}
-        ops.delay_compensate(others, step.x - step.x_newest, step.lam, step.form, step.lengths, out=others)
-        return others.add_(step.local, alpha=1.0 / n)
+        # DC_λ(g_{t-1} − l_{t-1}/n, x_t − x_{t-1}) + l_t/n
+        return GradientRecipe(
+            step.g, delta=step.x, delta_ref=step.x_newest, prev_local=step.prev_local, local=step.local,
+            lam=step.lam, form=step.form, world_size=step.world_size,
+        )
 
 
 MODES: Dict[str, Type[Compensation]] = {

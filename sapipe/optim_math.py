@@ -48,12 +48,16 @@ class OptimizerRule:
     def new_state(self, like: Tensor) -> SegmentState:
         return SegmentState({name: torch.zeros_like(like) for name in self.buffer_names})
 
-    def update(self, weights: Tensor, grad: Tensor, state: SegmentState, hp: HyperParams) -> None:
-        """OPT: apply one step in place to ``weights`` and ``state``."""
+    def update(self, weights: Tensor, state: SegmentState, hp: HyperParams, terms: Mapping[str, Any]) -> None:
+        """OPT: apply one step in place to ``weights`` and ``state``.
+
+        ``terms``: the gradient, ``grad`` plus optional composition terms (see
+        :class:`sapipe.compensation.GradientRecipe`), evaluated inside the fused kernel.
+        """
         raise NotImplementedError
 
     def peek(
-        self, weights: Tensor, grad: Tensor, state: SegmentState, hp: HyperParams, out: Tensor
+        self, weights: Tensor, state: SegmentState, hp: HyperParams, terms: Mapping[str, Any], out: Tensor
     ) -> None:
         """OPT_peek: write the weights OPT would produce to ``out``; change nothing else."""
         raise NotImplementedError
@@ -76,22 +80,22 @@ class SGDRule(OptimizerRule):
         hp.update(lr=float(group["lr"]), maximize=bool(group.get("maximize", False)))
         return hp
 
-    def _run(self, weights, grad, state, hp, out=None):
-        ops.sgd(
-            weights, grad, state.buffers["momentum_buffer"],
+    def _run(self, weights, state, hp, terms, out=None):
+        ops.sgd_fused(
+            weights, terms["grad"], state.buffers["momentum_buffer"],
             lr=hp["lr"], momentum=hp["momentum"], dampening=hp["dampening"],
             nesterov=hp["nesterov"], weight_decay=hp["weight_decay"], maximize=hp["maximize"],
-            first=not state.momentum_started, out=out,
+            first=not state.momentum_started, out=out, **{k: v for k, v in terms.items() if k != "grad"},
         )
 
-    def update(self, weights, grad, state, hp):
-        self._run(weights, grad, state, hp)
+    def update(self, weights, state, hp, terms):
+        self._run(weights, state, hp, terms)
         # torch seeds the momentum buffer with the first gradient seen while momentum != 0.
         state.momentum_started = state.momentum_started or hp["momentum"] != 0
         state.steps += 1
 
-    def peek(self, weights, grad, state, hp, out):
-        self._run(weights, grad, state, hp, out=out)
+    def peek(self, weights, state, hp, terms, out):
+        self._run(weights, state, hp, terms, out=out)
 
 
 class AdamRule(OptimizerRule):
@@ -111,20 +115,20 @@ class AdamRule(OptimizerRule):
             "maximize": bool(group.get("maximize", False)),
         }
 
-    def _run(self, weights, grad, state, hp, step, out=None):
-        ops.adam(
-            weights, grad, state.buffers["exp_avg"], state.buffers["exp_avg_sq"], step=step,
+    def _run(self, weights, state, hp, terms, step, out=None):
+        ops.adam_fused(
+            weights, terms["grad"], state.buffers["exp_avg"], state.buffers["exp_avg_sq"], step=step,
             lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
             weight_decay=hp["weight_decay"], decoupled=hp["decoupled"], maximize=hp["maximize"],
-            out=out,
+            out=out, **{k: v for k, v in terms.items() if k != "grad"},
         )
 
-    def update(self, weights, grad, state, hp):
+    def update(self, weights, state, hp, terms):
         state.steps += 1
-        self._run(weights, grad, state, hp, state.steps)
+        self._run(weights, state, hp, terms, state.steps)
 
-    def peek(self, weights, grad, state, hp, out):
-        self._run(weights, grad, state, hp, state.steps + 1, out=out)
+    def peek(self, weights, state, hp, terms, out):
+        self._run(weights, state, hp, terms, state.steps + 1, out=out)
 
 
 _RULES: List[OptimizerRule] = [SGDRule(), AdamRule()]

@@ -727,7 +727,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if grad is None:  # a step GradScaler skipped
             return waited
         for segment in bucket.segments:
-            self._rule.update(segment.of(bucket.weights), segment.of(grad), segment.state, hyperparams[segment.group])
+            self._rule.update(segment.of(bucket.weights), segment.state, hyperparams[segment.group], {"grad": segment.of(grad)})
         return waited
 
     def _stale_hyperparams(self, hyperparams: List[Dict[str, Any]], pipeline_step: int) -> List[Dict[str, Any]]:
@@ -760,28 +760,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
         history = bucket.history
         view = StaleStep(
             g=grad, x=bucket.real, local=local, prev_local=prev_local,
-            x_oldest=history.oldest() if history else None, x_newest=None,
+            x_oldest=history.oldest() if history else None, x_newest=history.newest() if history else None,
             world_size=self._world_size, lam=self.settings.dc_lambda, form=self.settings.dc_form,
-            lengths=bucket.lengths,
         )
         hyperparams = self._stale_hyperparams(hyperparams, t)
-        corrected = comp.real_gradient(view) if grad is not None else None
-        if history is not None:
-            history.push(bucket.real)  # now holds x_{t-1} as its newest entry
-        if corrected is not None:
+        if grad is not None:  # the real update x_t = OPT(x_{t-1}, ĝ)
+            recipe = comp.real_gradient(view)
             for segment in bucket.segments:
-                self._rule.update(segment.of(bucket.real), segment.of(corrected), segment.state, hyperparams[segment.group])
-        if comp.predicts:
-            view.x_newest = history.newest() if history else None
+                self._rule.update(
+                    segment.of(bucket.real), segment.state, hyperparams[segment.group],
+                    recipe.terms(segment.start, segment.end, segment.lengths),
+                )
+        if comp.predicts:  # x̃_{t+1} = OPT_peek(x_t, g̃)
             predictor = comp.prediction_gradient(view)
             if predictor is None:
                 bucket.weights.copy_(bucket.real)
             else:
                 for segment in bucket.segments:
                     self._rule.peek(
-                        segment.of(bucket.real), segment.of(predictor), segment.state,
-                        hyperparams[segment.group], out=segment.of(bucket.weights),
+                        segment.of(bucket.real), segment.state, hyperparams[segment.group],
+                        predictor.terms(segment.start, segment.end, segment.lengths), out=segment.of(bucket.weights),
                     )
+        if history is not None:
+            history.push(bucket.real)  # x_t joins; the oldest is no longer needed
         if comp.needs_prev_local:
             bucket.local, bucket.prev_local = bucket.prev_local, bucket.local
 
