@@ -21,7 +21,8 @@ class Layer:
     name: str
     module: nn.Module
     params: List[nn.Parameter] = field(default_factory=list)
-    executed: bool = True  # False: never ran in the recorded forward (ordered last)
+    executed: bool = True  # False: never ran its own forward (its parent uses its parameters)
+    host: Optional[nn.Module] = None  # for those: the executed ancestor whose forward uses them
 
     @property
     def numel(self) -> int:
@@ -80,11 +81,30 @@ class LayerRecorder:
         executed = sorted(
             (o for o in self._owners if id(o[1]) in self._seen), key=lambda o: self._seen[id(o[1])]
         )
-        not_executed = [o for o in self._owners if id(o[1]) not in self._seen]
+        # A module that never ran (e.g. nn.MultiheadAttention.out_proj, whose parent calls
+        # F.linear on its weight) is used during its nearest executed ancestor's forward:
+        # it goes just before that ancestor, so it is updated (and, in the scheduler's
+        # model, needed) when the ancestor starts. Without such an ancestor it goes last.
+        by_name = dict(executed)
+        hosted: Dict[str, List[tuple]] = {}
+        orphans = []
+        for name, module in self._owners:
+            if id(module) in self._seen:
+                continue
+            parts = name.split(".")
+            host = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in by_name), None)
+            if host is None:
+                orphans.append((name, module, None))
+            else:
+                hosted.setdefault(host, []).append((name, module, by_name[host]))
+        ordered = []
+        for name, module in executed:
+            ordered += hosted.get(name, [])
+            ordered.append((name, module, None))
         layers: List[Layer] = []
         claimed: Set[int] = set()
-        for name, module in executed + not_executed:
-            layer = Layer(len(layers), name, module, executed=id(module) in self._seen)
+        for name, module, host in ordered + orphans:
+            layer = Layer(len(layers), name, module, executed=id(module) in self._seen, host=host)
             for p in module.parameters(recurse=False):
                 if id(p) in self._trainable and id(p) not in claimed:
                     claimed.add(id(p))

@@ -181,6 +181,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._next_launch = 0
         self._iteration = 0  # completed step() calls
         self._accumulating = False  # inside no_sync()
+        self._root_wait = 0.0
         self._closed = False
         # iteration -> (gradients finite on every rank, 1 / loss scale); only with a GradScaler
         self._scaling: Dict[int, tuple] = {}
@@ -454,8 +455,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.tracer.record("forward_start", iteration=iteration)
         if self._timer is not None and self._warmup - self.settings.profile_steps < iteration <= self._warmup:
             self._timer.begin_iteration()
-        for bucket in self._eager:
-            self._apply_deferred(bucket)
+        waited = sum(self._apply_deferred(bucket) for bucket in self._eager)
+        self._root_wait = waited  # a stall before the first layer, for the profiler
 
     def _after_model_forward(self, module: nn.Module, args, output) -> None:
         if self._layers is None:
@@ -480,8 +481,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._recorder = None
         self._layer_of = {id(p): layer.index for layer in layers for p in layer.params}
         for layer in layers:
-            self._hooks.append(layer.module.register_forward_pre_hook(self._pre_layer_hook(layer)))
-            if self.tracer.enabled:
+            # A layer that never runs its own forward is updated when its host starts.
+            target = layer.module if layer.executed else layer.host
+            if target is not None:
+                self._hooks.append(target.register_forward_pre_hook(self._pre_layer_hook(layer)))
+            if self.tracer.enabled and layer.executed:
                 self._hooks.append(layer.module.register_forward_hook(self._post_layer_hook(layer)))
         if self.settings.auto and not self._decided:
             self._timer = profiler.LayerTimer(len(layers), [layer.executed for layer in layers])
@@ -505,7 +509,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._where[id(p)] = (bucket, i)
             for layer in bucket.layers:
                 self._bucket_of_layer[layer.index] = bucket
-        self._eager = [b for b in self._buckets if not all(layer.executed for layer in b.layers)]
+        # Buckets with a layer nobody's pre-forward covers are updated when the model starts.
+        self._eager = [b for b in self._buckets if any(not l.executed and l.host is None for l in b.layers)]
 
     def _pre_layer_hook(self, layer: Layer):
         index = layer.index
@@ -516,6 +521,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if bucket is not None and bucket.pending_update is not None:
                 waited = self._apply_deferred(bucket)
             if self._timer is not None:
+                if index == 0:
+                    waited += self._root_wait
                 self._timer.layer_forward(index, waited)
             self.tracer.record("layer_forward_start", layer=layer.name, iteration=self._iteration + 1)
         return hook

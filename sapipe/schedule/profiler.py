@@ -100,8 +100,10 @@ class LayerTimer:
         forward = [0.0] * m
         for j, i in enumerate(ran):
             nxt = ran[j + 1] if j + 1 < len(ran) else None
-            end = self._starts[nxt] - self._waits.get(nxt, 0.0) if nxt is not None else self._forward_end
-            forward[i] = max(0.0, end - self._starts[i])
+            # Waits between two executed starts (layers hosted by the next one included) are stalls.
+            stalled = sum(self._waits.get(x, 0.0) for x in range(i + 1, (nxt if nxt is not None else m - 1) + 1))
+            end = self._starts[nxt] if nxt is not None else self._forward_end
+            forward[i] = max(0.0, end - self._starts[i] - stalled)
         self._forward.append(forward)
         # Monotone releases: layer i's bucket can go once layers i+1..m are in. A layer that
         # got no gradient this iteration counts as released with the layer after it.
