@@ -55,9 +55,10 @@ def parse_args():
     p.add_argument("--context", type=int, default=64, help="sequence length (bytes)")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stale-layers", type=int, default=2,
-                   help="sapipe: number of leading layers updated with stale gradients")
-    p.add_argument("--compensation", default="dc",
+    p.add_argument("--stale-layers", type=lambda v: v if v == "auto" else int(v), default="auto",
+                   help="sapipe: number of leading layers updated with stale gradients, or "
+                        "'auto' (default): the scheduler profiles the warm-up and picks k")
+    p.add_argument("--compensation", default="wp1",
                    choices=["none", "dc", "wp1", "wp2", "wp3"],
                    help="sapipe: staleness compensation for the stale layers")
     p.add_argument("--modes", default="sapipe,ddp",
@@ -165,7 +166,8 @@ def setup_sapipe(model, args):
     base = torch.optim.Adam(model.parameters(), lr=args.lr)
     opt = DistributedOptimizer(base, model, stale_layers=args.stale_layers,
                                compensation=args.compensation)
-    info = f"{opt.stale_layers}/{opt.num_layers} stale, {args.compensation}"
+    # A callable: with "auto", k is known only after the warm-up.
+    info = lambda: f"{opt.stale_layers}/{opt.num_layers} stale, {args.compensation}"  # noqa: E731
     return model, opt, info
 
 
@@ -217,7 +219,7 @@ def run_mode(mode, args, train, held_out, rank, world):
         "samples/s": (args.steps - skip) * args.batch * world / elapsed.item(),
         "train loss": train_loss.item() / world,
         "held-out loss": final,
-        "stale layers": info or "-",
+        "stale layers": info() if callable(info) else (info or "-"),
     }
 
 
