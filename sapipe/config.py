@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from numbers import Real
 from typing import Any, Dict, List, Optional, Union
@@ -152,4 +152,4 @@ def mismatches(fingerprints: List[Dict[str, str]]) -> List[str]:
     return lines
 
 
-__all__ = ["Settings", "validate", "parse_timeout", "describe", "mismatches", "asdict"]
+__all__ = ["Settings", "validate", "parse_timeout", "describe", "mismatches"]

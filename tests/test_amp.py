@@ -1,7 +1,6 @@
 """torch.amp.GradScaler in every mode: unscaling, skipped steps, agreement across ranks."""
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 import pytest

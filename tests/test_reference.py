@@ -1,7 +1,6 @@
 """Sanity checks of the independent reference (tests/reference.py) itself."""
 
 import copy
-import math
 
 import pytest
 import torch
