@@ -3,7 +3,8 @@
 One process (a Gloo group of 1: communication is the same for every mode and drops out),
 k = m (every layer stale, the most compensation work), one model copy per mode. Modes are
 timed in interleaved rounds so that machine-load drift hits them alike; the overhead of a
-mode is (median step time − median step time of ``none``) / that of ``none``. The whole
+mode is the median over rounds of (its median step time in the round / that of ``none`` in
+the same round) − 1, so a burst of load from elsewhere spoils a round, not the result. The whole
 run is done twice, in separate processes: with the compiled kernels (``cpu-ext``) and with
 ``SAPIPE_DISABLE_EXT=1`` (the pure-PyTorch path).
 
@@ -56,18 +57,23 @@ def worker(args) -> None:
             )
             runs.append((f"{mode}/{form}" if mode == "dc" else mode, model, opt, []))
         for round_ in range(args.rounds + 1):
-            for label, model, opt, times in runs:
+            for label, model, opt, rounds in runs:
+                times = []
                 for _ in range(args.steps):
                     start = time.perf_counter()
                     opt.zero_grad()
                     spec.loss_fn(model(batch[0]), batch[1]).backward()
                     opt.step()
-                    if round_ > 0:  # round 0 warms up
-                        times.append(time.perf_counter() - start)
-        base = statistics.median(runs[0][3])
+                    times.append(time.perf_counter() - start)
+                if round_ > 0:  # round 0 warms up
+                    rounds.append(statistics.median(times))
+        base = runs[0][3]  # none, per round
         out["models"][name] = {
-            label: {"median_ms": statistics.median(t) * 1e3, "overhead": statistics.median(t) / base - 1}
-            for label, _, _, t in runs
+            label: {
+                "median_ms": statistics.median(r) * 1e3,
+                "overhead": statistics.median(t / b for t, b in zip(r, base)) - 1,
+            }
+            for label, _, _, r in runs
         }
         out["models"][name]["m"] = m
         for _, _, opt, _ in runs:
@@ -79,7 +85,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="gpt2,resnet50,vgg16")
     p.add_argument("--size", default="small")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--output", default=os.path.join(HERE, "results", "compensation_overhead.md"))
@@ -87,6 +93,7 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    load_before = f"{os.getloadavg()[0]:.1f}"
     results = {}
     for label, env in (("fused kernels", {}), ("pure PyTorch", {"SAPIPE_DISABLE_EXT": "1"})):
         print(f"[compensation_overhead] {label} ...", file=sys.stderr, flush=True)
@@ -115,8 +122,10 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "a") as f:
         f.write(f"\n## {time.strftime('%Y-%m-%d %H:%M')} — `{command}`\n\nbackends: `{fused['backend']}` vs "
-                f"`{plain['backend']}`; k = m, one process, median of {args.rounds}x{args.steps} steps per mode "
-                f"(interleaved rounds)\n\n{table}\n")
+                f"`{plain['backend']}`; k = m, one process, {args.rounds} interleaved rounds of {args.steps} steps "
+                f"per mode (ms/step: median of the rounds' medians; overhead: median over rounds of the "
+                f"ratio to `none` in the same round); load average before / after: {load_before} / "
+                f"{os.getloadavg()[0]:.1f}\n\n{table}\n")
 
 
 if __name__ == "__main__":

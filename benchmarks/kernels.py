@@ -76,6 +76,13 @@ def main() -> None:
     dc_diag = dict(dc_out, form="diagonal")
     wp3 = dict(dc_out, prev_local=prev, local=local, world_size=4)
     wp3_diag = dict(wp3, form="diagonal")
+    hist = x_old.clone()  # a history slot (overwritten by the dc-with-history case)
+    step_dots = torch.empty(len(lengths), dtype=torch.float64)
+    wp3_terms = ops.FusedPeek(None, g, prev_local=prev, world_size=4)
+    wp3_second = dict(prev_local=prev, local=local, world_size=4, lam=0.04, form="outer",
+                      lengths=lengths, dots=ops.dc_dots(g, delta, lengths))
+    wp3_diag_peek = ops.FusedPeek(out, g, prev_local=prev, local=local, form="diagonal", lam=0.04,
+                                  world_size=4)
 
     # name -> (bytes per element, ext call, torch call)
     # In-place kernels run repeatedly on the same buffers (values drift; the timing does not).
@@ -144,6 +151,38 @@ def main() -> None:
             (4 + 7) * F,
             lambda: ops.adam_fused(p, g, m, v, out=out, **adam_hp, **wp3),
             lambda: ops.reference_adam_fused(p, g, m, v, out=out, **adam_hp, **wp3),
+        ),
+        # An update's extras (sapipe.ops module doc), as the engine runs them per step:
+        "dc: SGD + DC outer, x_t also into the history slot": (
+            (3 + 5 + 1) * F,
+            lambda: ops.sgd_fused(p, g, mom, **sgd_hp, **dict(dc_out, delta_ref=hist), hist=hist),
+            lambda: ops.reference_sgd_fused(p, g, mom, **sgd_hp, **dict(dc_out, delta_ref=hist), hist=hist),
+        ),
+        "wp2: SGD update + fused peek (same g)": (
+            (5 + 1) * F,
+            lambda: ops.sgd_fused(p, g, mom, **sgd_hp, peek=ops.FusedPeek(out, g)),
+            lambda: ops.reference_sgd_fused(p, g, mom, **sgd_hp, peek=ops.FusedPeek(out, g)),
+        ),
+        "wp1: SGD update + fused peek from l_t": (
+            (5 + 2) * F,
+            lambda: ops.sgd_fused(p, g, mom, **sgd_hp, peek=ops.FusedPeek(out, local)),
+            lambda: ops.reference_sgd_fused(p, g, mom, **sgd_hp, peek=ops.FusedPeek(out, local)),
+        ),
+        "wp3 outer, pass 1: SGD update + the step's dots": (
+            (5 + 1) * F,
+            lambda: ops.sgd_fused(p, g, mom, **sgd_hp, lengths=lengths, peek=wp3_terms, step_dots=step_dots),
+            lambda: ops.reference_sgd_fused(p, g, mom, **sgd_hp, lengths=lengths, peek=wp3_terms,
+                                            step_dots=step_dots),
+        ),
+        "wp3 outer, pass 2: SGD peek with those dots": (
+            (5 + 1) * F,
+            lambda: ops.sgd_fused(p, g, mom, out=out, **sgd_hp, **wp3_second),
+            lambda: ops.reference_sgd_fused(p, g, mom, out=out, **sgd_hp, **wp3_second),
+        ),
+        "wp3 diagonal: Adam update + fused peek": (
+            (7 + 3) * F,
+            lambda: ops.adam_fused(p, g, m, v, **adam_hp, peek=wp3_diag_peek),
+            lambda: ops.reference_adam_fused(p, g, m, v, **adam_hp, peek=wp3_diag_peek),
         ),
     }
 

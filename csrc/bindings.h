@@ -28,6 +28,20 @@ inline void check_like(const OptTensor& t, const at::Tensor& ref, const char* na
   if (t) check_like(*t, ref, name);
 }
 
+// Tensor boundaries [0, ..., N] of a segment: int64, 1-D, on g's device (values checked on CPU).
+inline void check_offsets(const at::Tensor& o, const at::Tensor& g, bool on_cpu) {
+  TORCH_CHECK(o.device() == g.device() && o.scalar_type() == at::kLong && o.dim() == 1 &&
+                  o.is_contiguous() && o.numel() >= 1,
+              "sapipe: offsets must be a contiguous 1-D int64 tensor on the grad's device");
+  if (on_cpu) {
+    const int64_t* p = o.data_ptr<int64_t>();
+    const int64_t S = o.numel() - 1;
+    TORCH_CHECK(p[0] == 0 && p[S] == g.numel(), "sapipe: offsets must run from 0 to ", g.numel());
+    for (int64_t i = 0; i < S; ++i)
+      TORCH_CHECK(p[i] <= p[i + 1], "sapipe: offsets must be non-decreasing");
+  }
+}
+
 inline void check_spec(const GradSpec& s, bool on_cpu) {
   const at::Tensor& g = s.grad;
   TORCH_CHECK(g.is_contiguous(), "sapipe: grad must be contiguous");
@@ -37,22 +51,13 @@ inline void check_spec(const GradSpec& s, bool on_cpu) {
   check_like(s.delta, g, "delta");
   check_like(s.delta_ref, g, "delta_ref");
   TORCH_CHECK(s.form >= kNoDc && s.form <= kOuter, "sapipe: bad DC form ", s.form);
-  TORCH_CHECK(s.form == kNoDc || s.delta, "sapipe: delay compensation needs delta");
+  TORCH_CHECK(s.form == kNoDc || s.delta || (s.form == kOuter && s.dots),
+              "sapipe: delay compensation needs delta (or, outer form, precomputed dots)");
   TORCH_CHECK(!s.delta_ref || s.delta, "sapipe: delta_ref without delta");
   if (s.form == kOuter) {
     TORCH_CHECK(s.offsets, "sapipe: the outer DC form needs tensor offsets");
     const at::Tensor& o = *s.offsets;
-    TORCH_CHECK(o.device() == g.device() && o.scalar_type() == at::kLong && o.dim() == 1 &&
-                    o.is_contiguous() && o.numel() >= 1,
-                "sapipe: offsets must be a contiguous 1-D int64 tensor on the grad's device");
-    if (on_cpu) {
-      const int64_t* p = o.data_ptr<int64_t>();
-      const int64_t S = o.numel() - 1;
-      TORCH_CHECK(p[0] == 0 && p[S] == g.numel(), "sapipe: offsets must run from 0 to ",
-                  g.numel());
-      for (int64_t i = 0; i < S; ++i)
-        TORCH_CHECK(p[i] <= p[i + 1], "sapipe: offsets must be non-decreasing");
-    }
+    check_offsets(o, g, on_cpu);
     if (s.dots) {
       const at::Tensor& d = *s.dots;
       TORCH_CHECK(d.device() == g.device() && d.scalar_type() == at::kDouble &&
@@ -66,6 +71,12 @@ inline void check_spec(const GradSpec& s, bool on_cpu) {
 // equivalent torch in-place op would.
 inline void bump(const at::Tensor& t) {
   if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+}
+
+inline void bump_extras(const UpdateExtras& e) {
+  if (e.hist) bump(*e.hist);
+  if (e.peek_out) bump(*e.peek_out);
+  if (e.step_dots) bump(*e.step_dots);
 }
 
 inline GradSpec make_spec(const at::Tensor& grad, const OptTensor& prev_local, double n,
@@ -87,6 +98,63 @@ inline GradSpec make_spec(const at::Tensor& grad, const OptTensor& prev_local, d
   check_spec(s, on_cpu);
   return s;
 }
+
+// The UpdateExtras (common.h) of an in-place update whose gradient is `s`, from the entry
+// points' trailing arguments; `out` must be absent (extras belong to OPT, not OPT_peek).
+inline UpdateExtras make_extras(const GradSpec& s, const OptTensor& out, const OptTensor& hist,
+                                const OptTensor& peek_out, const OptTensor& peek_grad,
+                                const OptTensor& peek_prev_local, double peek_n,
+                                const OptTensor& peek_local, double peek_inv_n,
+                                int64_t peek_form, double peek_lam,
+                                const OptTensor& peek_offsets, const OptTensor& step_dots,
+                                bool on_cpu) {
+  UpdateExtras e;
+  e.hist = hist;
+  e.peek_out = peek_out;
+  e.step_dots = step_dots;
+  TORCH_CHECK(!out || !e.any(), "sapipe: hist / peek_out / step_dots need an in-place update (out=None)");
+  check_like(hist, s.grad, "hist");
+  check_like(peek_out, s.grad, "peek_out");
+  if (!peek_out && !step_dots) {
+    TORCH_CHECK(!peek_grad && !peek_prev_local && !peek_local && !peek_offsets,
+                "sapipe: peek gradient terms given without peek_out or step_dots");
+    return e;
+  }
+  TORCH_CHECK(peek_grad, "sapipe: peek_out / step_dots need peek_grad");
+  check_like(*peek_grad, s.grad, "peek_grad");
+  check_like(peek_prev_local, s.grad, "peek_prev_local");
+  check_like(peek_local, s.grad, "peek_local");
+  TORCH_CHECK(peek_form == kNoDc || peek_form == kDiagonal,
+              "sapipe: the fused peek takes DC form none or diagonal (the outer form needs a "
+              "second call with step_dots), got ", peek_form);
+  GradSpec p;
+  p.grad = *peek_grad;
+  p.prev_local = peek_prev_local;
+  p.n = peek_n;
+  p.local = peek_local;
+  p.inv_n = peek_inv_n;
+  p.form = peek_form;
+  p.lam = peek_lam;
+  if (step_dots) {
+    TORCH_CHECK(s.form != kOuter, "sapipe: step_dots with an outer-form update is not supported");
+    TORCH_CHECK(peek_offsets, "sapipe: step_dots needs peek_offsets");
+    check_offsets(*peek_offsets, s.grad, on_cpu);
+    const at::Tensor& d = *step_dots;
+    TORCH_CHECK(d.device() == s.grad.device() && d.scalar_type() == at::kDouble &&
+                    d.is_contiguous() && d.numel() == peek_offsets->numel() - 1,
+                "sapipe: step_dots must be a contiguous float64 tensor with one entry per tensor");
+    p.offsets = peek_offsets;
+  }
+  e.peek = p;
+  return e;
+}
+
+#define SAPIPE_EXTRA_ARGS                                                                   \
+  py::arg("hist") = py::none(), py::arg("peek_out") = py::none(),                           \
+      py::arg("peek_grad") = py::none(), py::arg("peek_prev_local") = py::none(),           \
+      py::arg("peek_n") = 1.0, py::arg("peek_local") = py::none(), py::arg("peek_inv_n") = 1.0, \
+      py::arg("peek_form") = 0, py::arg("peek_lam") = 0.0, py::arg("peek_offsets") = py::none(), \
+      py::arg("step_dots") = py::none()
 
 #define SAPIPE_SPEC_ARGS                                                                  \
   py::arg("grad"), py::arg("prev_local"), py::arg("n"), py::arg("local"), py::arg("inv_n"), \
@@ -143,30 +211,39 @@ void define_module(py::module_& m, at::Tensor (*dc_dots)(const GradSpec&),
           bool maximize, bool first, const at::Tensor& grad, const OptTensor& prev_local,
           double n, const OptTensor& local, double inv_n, int64_t form, const OptTensor& delta,
           const OptTensor& delta_ref, double lam, const OptTensor& offsets,
-          const OptTensor& dots) {
+          const OptTensor& dots, const OptTensor& hist, const OptTensor& peek_out,
+          const OptTensor& peek_grad, const OptTensor& peek_prev_local, double peek_n,
+          const OptTensor& peek_local, double peek_inv_n, int64_t peek_form, double peek_lam,
+          const OptTensor& peek_offsets, const OptTensor& step_dots) {
         check_device(grad);
         GradSpec s = make_spec(grad, prev_local, n, local, inv_n, form, delta, delta_ref, lam,
                                offsets, dots, on_cpu);
         check_like(param, grad, "param");
         check_like(out, grad, "out");
+        UpdateExtras extra = make_extras(s, out, hist, peek_out, peek_grad, peek_prev_local,
+                                         peek_n, peek_local, peek_inv_n, peek_form, peek_lam,
+                                         peek_offsets, step_dots, on_cpu);
         if (momentum != 0) {
           TORCH_CHECK(momentum_buffer, "sapipe: momentum != 0 needs a momentum buffer");
           check_like(*momentum_buffer, grad, "momentum_buffer");
         }
         SgdArgs a{param, momentum != 0 ? momentum_buffer : std::nullopt, out, lr, momentum,
-                  damp1, weight_decay, nesterov, maximize, first};
+                  damp1, weight_decay, nesterov, maximize, first, extra};
         sgd(s, a);
         if (out) {
           bump(*out);
         } else {
           bump(param);
           if (a.momentum_buffer) bump(*a.momentum_buffer);
+          bump_extras(extra);
         }
       },
-      "One fused SGD step on a flat segment (in place, or OPT_peek into out).", py::arg("param"),
-      py::arg("momentum_buffer"), py::arg("out"), py::arg("lr"), py::arg("momentum"),
-      py::arg("damp1"), py::arg("weight_decay"), py::arg("nesterov"), py::arg("maximize"),
-      py::arg("first"), SAPIPE_SPEC_ARGS, py::call_guard<py::gil_scoped_release>());
+      "One fused SGD step on a flat segment (in place, with optional history write, fused "
+      "OPT_peek into peek_out and step dot products; or OPT_peek into out).",
+      py::arg("param"), py::arg("momentum_buffer"), py::arg("out"), py::arg("lr"),
+      py::arg("momentum"), py::arg("damp1"), py::arg("weight_decay"), py::arg("nesterov"),
+      py::arg("maximize"), py::arg("first"), SAPIPE_SPEC_ARGS, SAPIPE_EXTRA_ARGS,
+      py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "adam",
@@ -176,7 +253,11 @@ void define_module(py::module_& m, at::Tensor (*dc_dots)(const GradSpec&),
           bool decoupled, bool maximize, const at::Tensor& grad, const OptTensor& prev_local,
           double n, const OptTensor& local, double inv_n, int64_t form, const OptTensor& delta,
           const OptTensor& delta_ref, double lam, const OptTensor& offsets,
-          const OptTensor& dots) {
+          const OptTensor& dots, const OptTensor& hist, const OptTensor& peek_out,
+          const OptTensor& peek_grad, const OptTensor& peek_prev_local, double peek_n,
+          const OptTensor& peek_local, double peek_inv_n, int64_t peek_form, double peek_lam,
+          const OptTensor& peek_offsets, const OptTensor& step_dots,
+          double peek_neg_step_size, double peek_bc2_sqrt) {
         check_device(grad);
         GradSpec s = make_spec(grad, prev_local, n, local, inv_n, form, delta, delta_ref, lam,
                                offsets, dots, on_cpu);
@@ -184,8 +265,13 @@ void define_module(py::module_& m, at::Tensor (*dc_dots)(const GradSpec&),
         check_like(exp_avg, grad, "exp_avg");
         check_like(exp_avg_sq, grad, "exp_avg_sq");
         check_like(out, grad, "out");
+        UpdateExtras extra = make_extras(s, out, hist, peek_out, peek_grad, peek_prev_local,
+                                         peek_n, peek_local, peek_inv_n, peek_form, peek_lam,
+                                         peek_offsets, step_dots, on_cpu);
+        extra.peek_neg_step_size = peek_neg_step_size;
+        extra.peek_bc2_sqrt = peek_bc2_sqrt;
         AdamArgs a{param, exp_avg, exp_avg_sq, out, neg_step_size, bc2_sqrt, lerp_weight, beta2,
-                   one_minus_beta2, eps, weight_decay, decay, decoupled, maximize};
+                   one_minus_beta2, eps, weight_decay, decay, decoupled, maximize, extra};
         adam(s, a);
         if (out) {
           bump(*out);
@@ -193,13 +279,17 @@ void define_module(py::module_& m, at::Tensor (*dc_dots)(const GradSpec&),
           bump(param);
           bump(exp_avg);
           bump(exp_avg_sq);
+          bump_extras(extra);
         }
       },
-      "One fused Adam/AdamW step on a flat segment (in place, or OPT_peek into out).",
+      "One fused Adam/AdamW step on a flat segment (in place, with optional history write, "
+      "fused OPT_peek into peek_out (bias correction of step + 1: peek_neg_step_size, "
+      "peek_bc2_sqrt) and step dot products; or OPT_peek into out).",
       py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("out"),
       py::arg("neg_step_size"), py::arg("bc2_sqrt"), py::arg("lerp_weight"), py::arg("beta2"),
       py::arg("one_minus_beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("decay"),
-      py::arg("decoupled"), py::arg("maximize"), SAPIPE_SPEC_ARGS,
+      py::arg("decoupled"), py::arg("maximize"), SAPIPE_SPEC_ARGS, SAPIPE_EXTRA_ARGS,
+      py::arg("peek_neg_step_size") = 0.0, py::arg("peek_bc2_sqrt") = 1.0,
       py::call_guard<py::gil_scoped_release>());
 }
 

@@ -44,12 +44,34 @@ struct GradSpec {
   OptTensor dots;        // outer form: optional precomputed float64 [S] dot products
 };
 
+// Extras of an in-place update (OPT), done in the same pass over memory, so that staleness
+// compensation costs no extra pass for them (each optional; only without `out`):
+//   hist       x_t is written here too: a weight-history slot (DC). It may alias a source of
+//              the update, e.g. delta_ref: every element is read before it is written.
+//   peek_out   x~ = OPT_peek(x_t, g~), computed from the just-updated weights and optimizer
+//              state (WP's prediction), with g~ = `peek`: its own grad / prev_local / local and
+//              form kNoDc or kDiagonal, whose Delta is x_t - x_{t-1}, the update's own step
+//              (wp3: no weight history needed).
+//   step_dots  float64 [S]: <peek.grad - peek.prev_local/n, x_t - x_{t-1}> per tensor
+//              (tensors: peek.offsets), the outer DC form's dot products for a peek that runs
+//              as a second call (its coefficient needs every element's step first).
+struct UpdateExtras {
+  OptTensor hist;
+  OptTensor peek_out;
+  std::optional<GradSpec> peek;  // g~ of peek_out, and the first factor of step_dots
+  OptTensor step_dots;
+  double peek_neg_step_size = 0.0;  // Adam: the peek's -(lr / (1 - beta1**(step + 1)))
+  double peek_bc2_sqrt = 1.0;       // Adam: (1 - beta2**(step + 1)) ** 0.5
+  bool any() const { return hist || peek_out || step_dots; }
+};
+
 struct SgdArgs {
   at::Tensor param;
   OptTensor momentum_buffer;
   OptTensor out;  // OPT_peek target; nullopt = update param / buffer in place
   double lr, momentum, damp1 /* 1 - dampening */, weight_decay;
   bool nesterov, maximize, first;
+  UpdateExtras extra;
 };
 
 struct AdamArgs {
@@ -61,6 +83,7 @@ struct AdamArgs {
   double beta2, one_minus_beta2, eps, weight_decay;
   double decay;          // 1 - lr * weight_decay (AdamW)
   bool decoupled, maximize;
+  UpdateExtras extra;
 };
 
 namespace cpu {

@@ -1,5 +1,6 @@
-// CPU: Adam / AdamW (amsgrad=False) fused with the gradient composition, in place (OPT) or
-// into `out` (OPT_peek: moments and weights untouched).
+// CPU: Adam / AdamW (amsgrad=False) fused with the gradient composition, in place (OPT, with
+// its UpdateExtras: history write, fused peek, step dots) or into `out` (OPT_peek: moments and
+// weights untouched).
 #include "cpu_common.h"
 
 #include <ATen/Dispatch.h>
@@ -37,9 +38,12 @@ void adam(const GradSpec& gs, const AdamArgs& a) {
     t.eps = static_cast<T>(a.eps);
     t.neg_ss = static_cast<T>(a.neg_step_size);
     t.decay = static_cast<T>(a.decay);
+    t.peek_bc2s = static_cast<T>(a.extra.peek_bc2_sqrt);
+    t.peek_neg_ss = static_cast<T>(a.extra.peek_neg_step_size);
+    if (!peek) t.extra = step_extras<T>(a.extra);
     const auto kernel = tiles<T>().adam;
-    for_each_tile<T>(s, N, dots, [&](int64_t off, int64_t len, T coeff) {
-      kernel(s.t, t, off, len, coeff);
+    run_update<T>(s, N, dots, a.extra, [&](int64_t off, int64_t len, T coeff, double* lanes) {
+      kernel(s.t, t, off, len, coeff, lanes);
     });
   });
 }

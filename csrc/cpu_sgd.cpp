@@ -1,5 +1,6 @@
 // CPU: SGD (momentum, dampening, Nesterov, weight decay, maximize) fused with the gradient
-// composition, in place (OPT) or into `out` (OPT_peek, no state touched).
+// composition, in place (OPT, with its UpdateExtras: history write, fused peek, step dots) or
+// into `out` (OPT_peek, no state touched).
 #include "cpu_common.h"
 
 #include <ATen/Dispatch.h>
@@ -29,9 +30,10 @@ void sgd(const GradSpec& gs, const SgdArgs& a) {
     t.mom = static_cast<T>(a.momentum);
     t.damp1 = static_cast<T>(a.damp1);
     t.neg_lr = static_cast<T>(-a.lr);
+    if (!peek) t.extra = step_extras<T>(a.extra);
     const auto kernel = tiles<T>().sgd;
-    for_each_tile<T>(s, N, dots, [&](int64_t off, int64_t len, T coeff) {
-      kernel(s.t, t, off, len, coeff);
+    run_update<T>(s, N, dots, a.extra, [&](int64_t off, int64_t len, T coeff, double* lanes) {
+      kernel(s.t, t, off, len, coeff, lanes);
     });
   });
 }

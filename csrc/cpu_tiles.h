@@ -9,6 +9,12 @@
 // then the optimizer arithmetic consumes it and writes the outputs. Reads of an element always
 // precede the write of that element, so outputs may alias inputs element-wise.
 //
+// An in-place update's extras (StepExtras: history write, fused peek, the step's dots) reuse
+// the tile: x_t and the step x_t - x_{t-1} stay on the stack, so the prediction costs its own
+// gradient terms and its output, not another pass over weights and optimizer state. (Tried and
+// measured slower: one loop per tile with the options as selects - GCC then does not
+// vectorise it; non-temporal stores for x~ / the history slot - no gain measurable here.)
+//
 // Include cpu_tile_types.h (and <cmath>) before this file, then define SAPIPE_CPU_ISA.
 #ifndef SAPIPE_CPU_ISA
 #error "define SAPIPE_CPU_ISA (the namespace of this instruction-set variant) first"
@@ -77,13 +83,12 @@ void compose_store(const TileSrc<T>& s, T* out, int64_t off, int64_t len, T coef
   for (int64_t i = 0; i < len; ++i) dst[i] = h[i];
 }
 
-// torch.optim.SGD's single-tensor step on the tile (sapipe.ops.reference_sgd).
+// One SGD step of torch.optim.SGD (sapipe.ops.reference_sgd) on `len` elements: h = the
+// gradient (overwritten), x = the weights, mb = the momentum buffer (not read when `first`);
+// b <- the new momentum buffer, r <- x + (-lr) * d_p. r may be x (in place); mb may be b.
 template <typename T>
-void sgd_tile(const TileSrc<T>& s, const SgdTile<T>& a, int64_t off, int64_t len, T coeff) {
-  alignas(64) T h[kTile];
-  alignas(64) T b[kTile];
-  compose_tile(s, off, len, coeff, h);
-  const T* p = a.param + off;
+inline void sgd_math(const SgdTile<T>& a, bool first, const T* x, const T* mb, int64_t len,
+                     T* __restrict h, T* b, T* r) {
   if (a.maximize) {
     SAPIPE_SIMD
     for (int64_t i = 0; i < len; ++i) h[i] = -h[i];
@@ -91,24 +96,18 @@ void sgd_tile(const TileSrc<T>& s, const SgdTile<T>& a, int64_t off, int64_t len
   if (a.has_wd) {  // d_p = d_p + wd * param
     const T wd = a.wd;
     SAPIPE_SIMD
-    for (int64_t i = 0; i < len; ++i) h[i] = h[i] + wd * p[i];
+    for (int64_t i = 0; i < len; ++i) h[i] = h[i] + wd * x[i];
   }
   const T* d = h;
   if (a.has_momentum) {
     const T mom = a.mom;
-    if (a.first) {  // buf = clone(d_p)
+    if (first) {  // buf = clone(d_p)
       SAPIPE_SIMD
       for (int64_t i = 0; i < len; ++i) b[i] = h[i];
     } else {  // buf = buf * momentum + (1 - dampening) * d_p
-      const T* mb = a.buf + off;
       const T damp1 = a.damp1;
       SAPIPE_SIMD
       for (int64_t i = 0; i < len; ++i) b[i] = mb[i] * mom + damp1 * h[i];
-    }
-    if (!a.peek) {
-      T* mb = a.buf + off;
-      SAPIPE_SIMD
-      for (int64_t i = 0; i < len; ++i) mb[i] = b[i];
     }
     if (a.nesterov) {  // d_p = d_p + momentum * buf
       SAPIPE_SIMD
@@ -117,20 +116,108 @@ void sgd_tile(const TileSrc<T>& s, const SgdTile<T>& a, int64_t off, int64_t len
       d = b;
     }
   }
-  T* dst = a.dst + off;  // param + (-lr) * d_p
-  const T neg_lr = a.neg_lr;
+  const T neg_lr = a.neg_lr;  // param + (-lr) * d_p
   SAPIPE_SIMD
-  for (int64_t i = 0; i < len; ++i) dst[i] = p[i] + neg_lr * d[i];
+  for (int64_t i = 0; i < len; ++i) r[i] = x[i] + neg_lr * d[i];
 }
 
-// torch.optim.Adam(W)'s single-tensor step on the tile (sapipe.ops.reference_adam).
 template <typename T>
-void adam_tile(const TileSrc<T>& s, const AdamTile<T>& a, int64_t off, int64_t len, T coeff) {
+inline void copy_tile(const T* src, int64_t len, T* dst) {
+  SAPIPE_SIMD
+  for (int64_t i = 0; i < len; ++i) dst[i] = src[i];
+}
+
+// Stores x_t (xn, on the stack) into dst (the weights, where x (x_{t-1}) is read: dst may be
+// x) and, if given, hist; dx <- x_t - x_{t-1}, the step the update just took (the peek's DC
+// Delta). One loop: each element's x_{t-1} is read before x_t overwrites it.
+template <typename T>
+inline void commit_step(const T* __restrict xn, const T* x, int64_t len, T* dst, T* hist,
+                        T* __restrict dx) {
+  if (hist) {
+    SAPIPE_SIMD
+    for (int64_t i = 0; i < len; ++i) {
+      dx[i] = xn[i] - x[i];
+      dst[i] = xn[i];
+      hist[i] = xn[i];
+    }
+  } else {
+    SAPIPE_SIMD
+    for (int64_t i = 0; i < len; ++i) {
+      dx[i] = xn[i] - x[i];
+      dst[i] = xn[i];
+    }
+  }
+}
+
+// lanes[k] += h[i] * dx[i] (in double) for i = k mod kDotLanes, in increasing i: the order
+// of dot_impl, so a range split into tiles of kTile sums exactly as range_dot does.
+template <typename T>
+inline void dot_lanes(const T* h, const T* dx, int64_t len, double* lanes) {
+  int64_t i = 0;
+  for (; i + kDotLanes <= len; i += kDotLanes) {
+    for (int k = 0; k < kDotLanes; ++k)
+      lanes[k] += static_cast<double>(h[i + k]) * static_cast<double>(dx[i + k]);
+  }
+  for (int k = 0; i < len; ++i, ++k) lanes[k] += static_cast<double>(h[i]) * static_cast<double>(dx[i]);
+}
+
+// The fused peek's gradient g~ on the tile, h = its base (g - prev/n, already in h): the
+// diagonal DC form with Delta = dx (the update's own step), then + local/n. (The outer form's
+// coefficient needs every element's step first: a second call, with the dots of this pass.)
+template <typename T>
+inline void finish_peek_grad(const TileSrc<T>& s, int64_t off, int64_t len, const T* dx,
+                             T* __restrict h) {
+  if (s.form == kDiagonal) {
+    const T lam = s.lam;
+    SAPIPE_SIMD
+    for (int64_t i = 0; i < len; ++i) h[i] = h[i] + ((h[i] * dx[i]) * h[i]) * lam;
+  }
+  if (s.local) {
+    const T* l = s.local + off;
+    const T a = s.inv_n;
+    SAPIPE_SIMD
+    for (int64_t i = 0; i < len; ++i) h[i] = h[i] + a * l[i];
+  }
+}
+
+// torch.optim.SGD's single-tensor step on the tile: OPT in place (with a.extra: also the
+// history write, the fused peek and the step's dot products), or OPT_peek into a.dst.
+template <typename T>
+void sgd_tile(const TileSrc<T>& s, const SgdTile<T>& a, int64_t off, int64_t len, T coeff,
+              double* lanes) {
   alignas(64) T h[kTile];
-  alignas(64) T m[kTile];
-  alignas(64) T v[kTile];
+  alignas(64) T b[kTile];
   compose_tile(s, off, len, coeff, h);
   const T* p = a.param + off;
+  const T* mb = a.buf ? a.buf + off : nullptr;
+  const StepExtras<T>& e = a.extra;
+  const bool need_step = e.peek_dst || e.dots;
+  if (a.peek || !need_step) {  // plain OPT / OPT_peek, and OPT + history write
+    sgd_math(a, a.first, p, mb, len, h, b, a.dst + off);
+    if (!a.peek && a.has_momentum) copy_tile(b, len, a.buf + off);
+    if (e.hist) copy_tile(a.dst + off, len, e.hist + off);  // after every read of the sources
+    return;
+  }
+  alignas(64) T xn[kTile];  // x_t
+  alignas(64) T dx[kTile];  // x_t - x_{t-1}
+  sgd_math(a, a.first, p, mb, len, h, b, xn);
+  // every source element is read: the writes may alias sources from here on
+  if (a.has_momentum) copy_tile(b, len, a.buf + off);
+  commit_step(xn, p, len, a.dst + off, e.hist ? e.hist + off : nullptr, dx);
+  base_tile(e.peek, off, len, h);
+  if (e.dots) dot_lanes(h, dx, len, lanes);
+  if (e.peek_dst) {  // x~ = OPT_peek(x_t, g~): the momentum buffer has started (or is unused)
+    finish_peek_grad(e.peek, off, len, dx, h);
+    sgd_math(a, false, xn, b, len, h, b, e.peek_dst + off);
+  }
+}
+
+// One Adam(W) step of torch.optim.Adam (sapipe.ops.reference_adam) on `len` elements: h = the
+// gradient (overwritten), x = the weights, ea / eas = the moments; m, v <- the new moments,
+// r <- the new weights. r may be x, m may be ea, v may be eas (element-wise in place).
+template <typename T>
+inline void adam_math(const AdamTile<T>& a, T neg_ss, T bc2s, const T* x, const T* ea,
+                      const T* eas, int64_t len, T* __restrict h, T* m, T* v, T* r) {
   if (a.maximize) {
     SAPIPE_SIMD
     for (int64_t i = 0; i < len; ++i) h[i] = -h[i];
@@ -138,10 +225,8 @@ void adam_tile(const TileSrc<T>& s, const AdamTile<T>& a, int64_t off, int64_t l
   if (a.l2) {  // g = g + wd * param
     const T wd = a.wd;
     SAPIPE_SIMD
-    for (int64_t i = 0; i < len; ++i) h[i] = h[i] + wd * p[i];
+    for (int64_t i = 0; i < len; ++i) h[i] = h[i] + wd * x[i];
   }
-  const T* ea = a.exp_avg + off;
-  const T* eas = a.exp_avg_sq + off;
   const T w = a.w;
   if (a.small_w) {  // exp_avg.lerp(g, w), torch's formula for |w| < 0.5
     SAPIPE_SIMD
@@ -154,27 +239,54 @@ void adam_tile(const TileSrc<T>& s, const AdamTile<T>& a, int64_t off, int64_t l
   const T beta2 = a.beta2, omb2 = a.omb2;  // exp_avg_sq * beta2 + (1 - beta2) * g * g
   SAPIPE_SIMD
   for (int64_t i = 0; i < len; ++i) v[i] = eas[i] * beta2 + (omb2 * h[i]) * h[i];
-  if (!a.peek) {
-    T* ea_w = a.exp_avg + off;
-    T* eas_w = a.exp_avg_sq + off;
-    SAPIPE_SIMD
-    for (int64_t i = 0; i < len; ++i) {
-      ea_w[i] = m[i];
-      eas_w[i] = v[i];
-    }
-  }
   // base + (-step_size) * m / (sqrt(v) / sqrt(bc2) + eps), base = param (* (1 - lr*wd))
-  T* dst = a.dst + off;
-  const T bc2s = a.bc2s, eps = a.eps, neg_ss = a.neg_ss;
+  const T eps = a.eps;
   if (a.decay_on) {
     const T dec = a.decay;
     SAPIPE_SIMD
     for (int64_t i = 0; i < len; ++i)
-      dst[i] = p[i] * dec + (neg_ss * m[i]) / (std::sqrt(v[i]) / bc2s + eps);
+      r[i] = x[i] * dec + (neg_ss * m[i]) / (std::sqrt(v[i]) / bc2s + eps);
   } else {
     SAPIPE_SIMD
-    for (int64_t i = 0; i < len; ++i)
-      dst[i] = p[i] + (neg_ss * m[i]) / (std::sqrt(v[i]) / bc2s + eps);
+    for (int64_t i = 0; i < len; ++i) r[i] = x[i] + (neg_ss * m[i]) / (std::sqrt(v[i]) / bc2s + eps);
+  }
+}
+
+// torch.optim.Adam(W)'s single-tensor step on the tile: OPT in place (with a.extra: also the
+// history write, the fused peek and the step's dot products), or OPT_peek into a.dst.
+template <typename T>
+void adam_tile(const TileSrc<T>& s, const AdamTile<T>& a, int64_t off, int64_t len, T coeff,
+               double* lanes) {
+  alignas(64) T h[kTile];
+  alignas(64) T m[kTile];
+  alignas(64) T v[kTile];
+  compose_tile(s, off, len, coeff, h);
+  const T* p = a.param + off;
+  T* ea = a.exp_avg + off;
+  T* eas = a.exp_avg_sq + off;
+  const StepExtras<T>& e = a.extra;
+  const bool need_step = e.peek_dst || e.dots;
+  if (a.peek || !need_step) {  // plain OPT / OPT_peek, and OPT + history write
+    adam_math(a, a.neg_ss, a.bc2s, p, ea, eas, len, h, m, v, a.dst + off);
+    if (!a.peek) {
+      copy_tile(m, len, ea);
+      copy_tile(v, len, eas);
+    }
+    if (e.hist) copy_tile(a.dst + off, len, e.hist + off);  // after every read of the sources
+    return;
+  }
+  alignas(64) T xn[kTile];  // x_t
+  alignas(64) T dx[kTile];  // x_t - x_{t-1}
+  adam_math(a, a.neg_ss, a.bc2s, p, ea, eas, len, h, m, v, xn);
+  // every source element is read: the writes may alias sources from here on
+  copy_tile(m, len, ea);
+  copy_tile(v, len, eas);
+  commit_step(xn, p, len, a.dst + off, e.hist ? e.hist + off : nullptr, dx);
+  base_tile(e.peek, off, len, h);
+  if (e.dots) dot_lanes(h, dx, len, lanes);
+  if (e.peek_dst) {  // x~ = OPT_peek(x_t, g~) with the new moments, bias correction of step + 1
+    finish_peek_grad(e.peek, off, len, dx, h);
+    adam_math(a, a.peek_neg_ss, a.peek_bc2s, xn, m, v, len, h, m, v, e.peek_dst + off);
   }
 }
 
@@ -184,7 +296,6 @@ void adam_tile(const TileSrc<T>& s, const AdamTile<T>& a, int64_t off, int64_t l
 // reassociation), so every ISA gets the same bits; the lanes break the add-latency chain.
 template <typename T, bool kPrev, bool kRef>
 double dot_impl(const TileSrc<T>& s, int64_t lo, int64_t hi) {
-  constexpr int kDotLanes = 16;
   const T* g = s.g;
   const T* d = s.delta;
   const T* r = s.delta_ref;
@@ -203,10 +314,7 @@ double dot_impl(const TileSrc<T>& s, int64_t lo, int64_t hi) {
     for (int k = 0; k < kDotLanes; ++k) acc[k] += term(i + k);
   }
   for (int k = 0; i < hi; ++i, ++k) acc[k] += term(i);
-  for (int w = kDotLanes / 2; w > 0; w /= 2) {  // pairwise, fixed tree
-    for (int k = 0; k < w; ++k) acc[k] += acc[k + w];
-  }
-  return acc[0];
+  return reduce_lanes(acc);
 }
 
 template <typename T>

@@ -67,6 +67,28 @@ void ensure_dots(const GradSpec& s, sapipe_cuda::GradSrc<T>& src, at::Tensor& ke
   keep = ws;
 }
 
+// The raw view of an update's extras; for step dots, `keep` gets the reduction workspace and
+// `partials` points into it (the dots go straight into e.step_dots).
+template <typename T>
+sapipe_cuda::StepExtras<T> make_extras(const UpdateExtras& e, at::Tensor& keep,
+                                       double*& partials, double*& dots) {
+  sapipe_cuda::StepExtras<T> x{};
+  x.hist = ptr<T>(e.hist);
+  x.peek_out = ptr<T>(e.peek_out);
+  if (e.peek) x.peek = make_src<T>(*e.peek);
+  x.peek_neg_step_size = e.peek_neg_step_size;
+  x.peek_bc2_sqrt = e.peek_bc2_sqrt;
+  partials = dots = nullptr;
+  if (e.step_dots) {
+    const int64_t N = e.peek->grad.numel();
+    keep = at::empty({sapipe_cuda::dots_workspace(N, x.peek.nseg)},
+                     e.step_dots->options());
+    partials = keep.data_ptr<double>();
+    dots = e.step_dots->data_ptr<double>();
+  }
+  return x;
+}
+
 }  // namespace
 
 #define SAPIPE_DISPATCH(TYPE, NAME, ...) \
@@ -106,11 +128,14 @@ void sgd(const GradSpec& s, const SgdArgs& a) {
                            a.momentum != 0, a.nesterov, a.maximize, a.first};
   SAPIPE_DISPATCH(s.grad.scalar_type(), "sapipe_sgd_cuda", [&] {
     auto src = make_src<scalar_t>(s);
-    at::Tensor keep;
+    at::Tensor keep, workspace;
     ensure_dots(s, src, keep, stream);
+    double *partials, *dots;
+    auto extra = make_extras<scalar_t>(a.extra, workspace, partials, dots);
     check(sapipe_cuda::launch_sgd<scalar_t>(src, s.grad.numel(), a.param.data_ptr<scalar_t>(),
                                             ptr<scalar_t>(a.momentum_buffer),
-                                            ptr<scalar_t>(a.out), p, max_blocks(s.grad.device()), stream));
+                                            ptr<scalar_t>(a.out), p, extra, partials, dots,
+                                            max_blocks(s.grad.device()), stream));
   });
 }
 
@@ -122,11 +147,14 @@ void adam(const GradSpec& s, const AdamArgs& a) {
                             a.decoupled, a.maximize};
   SAPIPE_DISPATCH(s.grad.scalar_type(), "sapipe_adam_cuda", [&] {
     auto src = make_src<scalar_t>(s);
-    at::Tensor keep;
+    at::Tensor keep, workspace;
     ensure_dots(s, src, keep, stream);
+    double *partials, *dots;
+    auto extra = make_extras<scalar_t>(a.extra, workspace, partials, dots);
     check(sapipe_cuda::launch_adam<scalar_t>(
         src, s.grad.numel(), a.param.data_ptr<scalar_t>(), a.exp_avg.data_ptr<scalar_t>(),
-        a.exp_avg_sq.data_ptr<scalar_t>(), ptr<scalar_t>(a.out), p, max_blocks(s.grad.device()), stream));
+        a.exp_avg_sq.data_ptr<scalar_t>(), ptr<scalar_t>(a.out), p, extra, partials, dots,
+        max_blocks(s.grad.device()), stream));
   });
 }
 

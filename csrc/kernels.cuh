@@ -13,6 +13,10 @@
 // products of the outer form are a deterministic two-kernel reduction in double: one block per
 // tile writes a partial for every tensor the tile touches into slot (tensor + tile), which are
 // disjoint across tiles; then one block per tensor sums its partials in a fixed order.
+//
+// An in-place update can do more on the way (StepExtras: history write, fused OPT_peek from
+// the updated weights and state, the step's dot products); with the dots it runs in the dot
+// reduction's layout (update_dots_kernel), else as an elementwise kernel.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -50,6 +54,19 @@ struct GradSrc {
   int64_t nseg;
   double n, inv_n, lam;
   int form;
+};
+
+// Extras of an in-place update (see csrc/common.h UpdateExtras), each optional: `hist` gets
+// x_t too; `peek_out` gets x~ = OPT_peek(x_t, g~) from the updated weights and state, with
+// g~ composed from `peek` (form kNoDc, or kDiagonal with Delta = x_t - x_{t-1}, the update's
+// own step); the step's per-tensor dots <peek.g - peek.prev/n, x_t - x_{t-1}> are summed by
+// launch_update_dots (tensors: peek.offsets).
+template <typename T>
+struct StepExtras {
+  T* hist;
+  T* peek_out;
+  GradSrc<T> peek;
+  double peek_neg_step_size, peek_bc2_sqrt;  // Adam: bias correction of step + 1
 };
 
 struct SgdParams {
@@ -138,31 +155,81 @@ struct StoreOp {  // out = g~
   }
 };
 
+// The fused peek's g~ at element i: base (g - prev/n), the diagonal DC form with Delta = dx
+// (the update's own step), + local/n.
+template <typename T, typename A>
+__device__ __forceinline__ A peek_grad(const GradSrc<T>& s, int64_t i, A dx) {
+  A h = base_grad<T, A>(s, i);
+  if (s.form == kDiagonal) h = h + ((h * dx) * h) * static_cast<A>(s.lam);
+  if (s.local) h = h + static_cast<A>(s.inv_n) * static_cast<A>(s.local[i]);
+  return h;
+}
+
+// torch.optim.SGD on one element: gradient d, weight x, momentum buffer value mb (unused when
+// `first`); b <- the new buffer value; returns the new weight.
+template <typename A>
+__device__ __forceinline__ A sgd_math(const SgdParams& p, bool first, A d, A x, A mb, A& b) {
+  if (p.maximize) d = -d;
+  if (p.weight_decay != 0) d = d + static_cast<A>(p.weight_decay) * x;
+  if (p.has_momentum) {
+    const A mom = static_cast<A>(p.momentum);
+    b = first ? d : mb * mom + static_cast<A>(p.damp1) * d;
+    d = p.nesterov ? d + mom * b : b;
+  }
+  return x + static_cast<A>(-p.lr) * d;
+}
+
+// Returns the step x_t - x_{t-1} of the element (0 for a peek into `out`).
 template <typename T>
 struct SgdOp {
   T* param;
   T* buf;
   T* out;  // nullptr: in place
   SgdParams p;
-  __device__ __forceinline__ void operator()(int64_t i, typename OpMath<T>::type d) const {
+  StepExtras<T> e;  // in place only
+  __device__ __forceinline__ typename OpMath<T>::type operator()(int64_t i,
+                                                                 typename OpMath<T>::type d) const {
     using A = typename OpMath<T>::type;
-    if (p.maximize) d = -d;
     const A x = static_cast<A>(param[i]);
-    if (p.weight_decay != 0) d = d + static_cast<A>(p.weight_decay) * x;
-    if (p.has_momentum) {
-      const A mom = static_cast<A>(p.momentum);
-      const A b = p.first ? d : static_cast<A>(buf[i]) * mom + static_cast<A>(p.damp1) * d;
-      if (out == nullptr) buf[i] = static_cast<T>(b);
-      d = p.nesterov ? d + mom * b : b;
-    }
-    const A r = x + static_cast<A>(-p.lr) * d;
-    if (out == nullptr)
-      param[i] = static_cast<T>(r);
-    else
+    A b = A(0);
+    const A mb = (p.has_momentum && !p.first) ? static_cast<A>(buf[i]) : A(0);
+    const A r = sgd_math(p, p.first, d, x, mb, b);
+    if (out != nullptr) {
       out[i] = static_cast<T>(r);
+      return A(0);
+    }
+    const T rt = static_cast<T>(r), bt = static_cast<T>(b);
+    if (p.has_momentum) buf[i] = bt;
+    param[i] = rt;
+    if (e.hist) e.hist[i] = rt;
+    const A xn = static_cast<A>(rt);
+    const A dx = xn - x;
+    if (e.peek_out) {  // the momentum buffer has started (or is unused)
+      A b2 = A(0);
+      e.peek_out[i] = static_cast<T>(
+          sgd_math(p, false, peek_grad<T, A>(e.peek, i, dx), xn, static_cast<A>(bt), b2));
+    }
+    return dx;
   }
 };
 
+// torch.optim.Adam(W) on one element: gradient g, weight x, moments ea / eas; m, v <- the new
+// moments; returns the new weight (neg_ss / bc2s: the step's bias-correction scalars).
+template <typename A>
+__device__ __forceinline__ A adam_math(const AdamParams& p, double neg_ss, double bc2s, A g, A x,
+                                       A ea, A eas, A& m, A& v) {
+  if (p.maximize) g = -g;
+  const bool has_wd = p.weight_decay != 0;
+  if (has_wd && !p.decoupled) g = g + static_cast<A>(p.weight_decay) * x;
+  const A w = static_cast<A>(p.lerp_weight);
+  m = (w < A(0.5) && w > A(-0.5)) ? ea + w * (g - ea) : g - (g - ea) * (A(1) - w);
+  v = eas * static_cast<A>(p.beta2) + (static_cast<A>(p.one_minus_beta2) * g) * g;
+  const A base = (has_wd && p.decoupled) ? x * static_cast<A>(p.decay) : x;
+  const A denom = sqrt(v) / static_cast<A>(bc2s) + static_cast<A>(p.eps);
+  return base + (static_cast<A>(neg_ss) * m) / denom;
+}
+
+// Returns the step x_t - x_{t-1} of the element (0 for a peek into `out`).
 template <typename T>
 struct AdamOp {
   T* param;
@@ -170,27 +237,32 @@ struct AdamOp {
   T* exp_avg_sq;
   T* out;  // nullptr: in place
   AdamParams p;
-  __device__ __forceinline__ void operator()(int64_t i, typename OpMath<T>::type g) const {
+  StepExtras<T> e;  // in place only
+  __device__ __forceinline__ typename OpMath<T>::type operator()(int64_t i,
+                                                                 typename OpMath<T>::type g) const {
     using A = typename OpMath<T>::type;
-    if (p.maximize) g = -g;
     const A x = static_cast<A>(param[i]);
-    const bool has_wd = p.weight_decay != 0;
-    if (has_wd && !p.decoupled) g = g + static_cast<A>(p.weight_decay) * x;
-    const A ea = static_cast<A>(exp_avg[i]);
-    const A w = static_cast<A>(p.lerp_weight);
-    const A m = (w < A(0.5) && w > A(-0.5)) ? ea + w * (g - ea) : g - (g - ea) * (A(1) - w);
-    const A v = static_cast<A>(exp_avg_sq[i]) * static_cast<A>(p.beta2) +
-                (static_cast<A>(p.one_minus_beta2) * g) * g;
-    const A base = (has_wd && p.decoupled) ? x * static_cast<A>(p.decay) : x;
-    const A denom = sqrt(v) / static_cast<A>(p.bc2_sqrt) + static_cast<A>(p.eps);
-    const A r = base + (static_cast<A>(p.neg_step_size) * m) / denom;
-    if (out == nullptr) {
-      exp_avg[i] = static_cast<T>(m);
-      exp_avg_sq[i] = static_cast<T>(v);
-      param[i] = static_cast<T>(r);
-    } else {
+    A m, v;
+    const A r = adam_math(p, p.neg_step_size, p.bc2_sqrt, g, x, static_cast<A>(exp_avg[i]),
+                          static_cast<A>(exp_avg_sq[i]), m, v);
+    if (out != nullptr) {
       out[i] = static_cast<T>(r);
+      return A(0);
     }
+    const T rt = static_cast<T>(r), mt = static_cast<T>(m), vt = static_cast<T>(v);
+    exp_avg[i] = mt;
+    exp_avg_sq[i] = vt;
+    param[i] = rt;
+    if (e.hist) e.hist[i] = rt;
+    const A xn = static_cast<A>(rt);
+    const A dx = xn - x;
+    if (e.peek_out) {
+      A m2, v2;
+      e.peek_out[i] = static_cast<T>(adam_math(p, e.peek_neg_step_size, e.peek_bc2_sqrt,
+                                               peek_grad<T, A>(e.peek, i, dx), xn,
+                                               static_cast<A>(mt), static_cast<A>(vt), m2, v2));
+    }
+    return dx;
   }
 };
 
@@ -250,6 +322,34 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// An in-place update that also sums the step's per-tensor dots (pass 1a of launch_dots, with
+// the update done on the way): block b updates tile b = [b*kDotTile, ...) and writes, for
+// every tensor seg of peek.offsets the tile touches, partials[seg + b] =
+// sum <peek.g - peek.prev/n, x_t - x_{t-1}>. `op` returns each element's step. The update's
+// own gradient does not use the outer form (coeff 0).
+template <typename T, typename Op>
+__global__ void __launch_bounds__(kThreads)
+    update_dots_kernel(GradSrc<T> s, GradSrc<T> peek, int64_t N, Op op, double* partials) {
+  using A = typename OpMath<T>::type;
+  __shared__ double shared[32];
+  const int64_t b = blockIdx.x;
+  const int64_t start = b * kDotTile;
+  const int64_t end = start + kDotTile < N ? start + kDotTile : N;
+  int64_t seg = upper_bound(peek.offsets, 0, peek.nseg + 1, start) - 1;
+  for (;; ++seg) {
+    const int64_t lo = peek.offsets[seg] > start ? peek.offsets[seg] : start;
+    const int64_t hi = peek.offsets[seg + 1] < end ? peek.offsets[seg + 1] : end;
+    double acc = 0.0;
+    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+      const A dx = op(i, compose<T, A>(s, i, A(0)));
+      acc += static_cast<double>(base_grad<T, A>(peek, i)) * static_cast<double>(dx);
+    }
+    acc = block_sum(acc, shared);
+    if (threadIdx.x == 0) partials[seg + b] = acc;
+    if (hi >= end) break;
+  }
+}
+
 // ---- host-side launchers -------------------------------------------------------------------
 
 // Workspace (doubles) that launch_dots needs for `partials`.
@@ -273,6 +373,25 @@ cudaError_t launch_dots(const GradSrc<T>& s, int64_t N, double* partials, double
   return cudaGetLastError();
 }
 
+// The in-place update `op` over [0, N) and dots[seg] = the step's dot products per tensor of
+// peek.offsets (see update_dots_kernel); `partials` holds dots_workspace(N, peek.nseg).
+template <typename T, typename Op>
+cudaError_t launch_update_dots(const GradSrc<T>& s, const GradSrc<T>& peek, int64_t N,
+                               const Op& op, double* partials, double* dots,
+                               cudaStream_t stream) {
+  if (peek.nseg == 0) return cudaSuccess;
+  if (N == 0) return cudaMemsetAsync(dots, 0, sizeof(double) * peek.nseg, stream);
+  const int64_t tiles = (N + kDotTile - 1) / kDotTile;
+  update_dots_kernel<T, Op><<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(s, peek, N, op,
+                                                                                    partials);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const int64_t blocks = peek.nseg < 65535 ? peek.nseg : 65535;
+  dots_finalize_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      partials, peek.offsets, peek.nseg, dots);
+  return cudaGetLastError();
+}
+
 template <typename T, typename Op>
 cudaError_t launch_elementwise(const GradSrc<T>& s, int64_t N, const Op& op, int max_blocks,
                                cudaStream_t stream) {
@@ -289,17 +408,29 @@ cudaError_t launch_compose(const GradSrc<T>& s, int64_t N, T* out, int max_block
   return launch_elementwise(s, N, StoreOp<T>{out}, max_blocks, stream);
 }
 
+// An update `op` (SgdOp / AdamOp): elementwise, or with the step's dots when `dots` is given
+// (then `partials` holds dots_workspace(N, e.peek.nseg) doubles).
+template <typename T, typename Op>
+cudaError_t launch_update(const GradSrc<T>& s, int64_t N, const Op& op, double* partials,
+                          double* dots, int max_blocks, cudaStream_t stream) {
+  if (dots != nullptr) return launch_update_dots(s, op.e.peek, N, op, partials, dots, stream);
+  return launch_elementwise(s, N, op, max_blocks, stream);
+}
+
 template <typename T>
 cudaError_t launch_sgd(const GradSrc<T>& s, int64_t N, T* param, T* momentum_buffer, T* out,
-                       const SgdParams& p, int max_blocks, cudaStream_t stream) {
-  return launch_elementwise(s, N, SgdOp<T>{param, momentum_buffer, out, p}, max_blocks, stream);
+                       const SgdParams& p, const StepExtras<T>& e, double* partials,
+                       double* dots, int max_blocks, cudaStream_t stream) {
+  return launch_update(s, N, SgdOp<T>{param, momentum_buffer, out, p, e}, partials, dots,
+                       max_blocks, stream);
 }
 
 template <typename T>
 cudaError_t launch_adam(const GradSrc<T>& s, int64_t N, T* param, T* exp_avg, T* exp_avg_sq,
-                        T* out, const AdamParams& p, int max_blocks, cudaStream_t stream) {
-  return launch_elementwise(s, N, AdamOp<T>{param, exp_avg, exp_avg_sq, out, p}, max_blocks,
-                            stream);
+                        T* out, const AdamParams& p, const StepExtras<T>& e, double* partials,
+                        double* dots, int max_blocks, cudaStream_t stream) {
+  return launch_update(s, N, AdamOp<T>{param, exp_avg, exp_avg_sq, out, p, e}, partials, dots,
+                       max_blocks, stream);
 }
 
 }  // namespace sapipe_cuda

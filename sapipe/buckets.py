@@ -65,7 +65,12 @@ class Arrived:
 
 
 class WeightHistory:
-    """The last ``length`` real weights of a bucket, oldest first (for Δx in DC and wp3)."""
+    """The last ``length`` real weights of a bucket, as a ring (for DC's Δx = x_{t-1} − x_{t-1-s}).
+
+    The update kernel that reads the oldest slot (as DC's ``delta_ref``) also writes x_t into
+    it, in the same pass (``hist=``); :meth:`advance` then makes it the newest. Only a step
+    without an update copies (:meth:`push`).
+    """
 
     def __init__(self, weights: Tensor, length: int):
         self._ring = [weights.clone() for _ in range(length)]
@@ -82,11 +87,13 @@ class WeightHistory:
     def oldest(self) -> Tensor:
         return self._ring[self._oldest]
 
-    def newest(self) -> Tensor:
-        return self._ring[(self._oldest - 1) % len(self._ring)]
-
     def push(self, weights: Tensor) -> None:
+        """``weights`` joins as the newest; the oldest is dropped."""
         self._ring[self._oldest].copy_(weights)
+        self.advance()
+
+    def advance(self) -> None:
+        """The oldest slot already holds the newest weights (written by the update kernel)."""
         self._oldest = (self._oldest + 1) % len(self._ring)
 
 

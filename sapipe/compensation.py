@@ -28,7 +28,9 @@ class GradientRecipe:
 
     Strategies describe the gradient instead of materialising it, so the optimizer rule
     evaluates it inside its fused kernel, one pass over memory per segment, with no
-    temporaries (DESIGN.md §5).
+    temporaries (DESIGN.md §5). ``delta_is_step`` (predictions only): Δ is x_t − x_{t−1}, the
+    step the real update of this same ``step()`` takes; the kernel that makes that update
+    computes Δ on the fly, so no weight history is kept for it.
     """
 
     grad: Tensor
@@ -39,17 +41,22 @@ class GradientRecipe:
     lam: float = 0.0
     form: str = "outer"
     world_size: int = 1
+    delta_is_step: bool = False
 
     def terms(self, start: int, end: int, lengths: Sequence[int]) -> Dict[str, Any]:
-        """Keyword arguments for ``ops.*_fused`` on the slice [start, end) of the bucket."""
+        """Keyword arguments for ``ops.*_fused`` on the slice [start, end) of the bucket
+        (plus ``delta_is_step=True`` when set, for ``OptimizerRule.update_and_peek``)."""
         def part(t: Optional[Tensor]) -> Optional[Tensor]:
             return None if t is None else t[start:end]
 
-        return dict(
+        terms = dict(
             grad=part(self.grad), delta=part(self.delta), delta_ref=part(self.delta_ref),
             prev_local=part(self.prev_local), local=part(self.local), lam=self.lam, form=self.form,
             lengths=lengths, world_size=self.world_size,
         )
+        if self.delta_is_step:
+            terms["delta_is_step"] = True
+        return terms
 
 
 @dataclass
@@ -58,9 +65,9 @@ class StaleStep:
 
     ``g`` is the averaged stale gradient (None while the pipeline fills, or when GradScaler
     skipped its iteration). ``x`` is the real weights: x_{t-1} when the real gradient is
-    described, x_t (updated) when the prediction is. ``x_oldest`` is x_{t-1-s} and
-    ``x_newest`` x_{t-1} (the weight history). ``local`` / ``prev_local``: this rank's l_t /
-    l_{t-1} (None when their iteration was skipped).
+    described, x_t (updated) when the prediction is. ``x_oldest`` is x_{t-1-s} (the oldest
+    of the weight history). ``local`` / ``prev_local``: this rank's l_t / l_{t-1} (None when
+    their iteration was skipped).
     """
 
     g: Optional[Tensor]
@@ -68,7 +75,6 @@ class StaleStep:
     local: Optional[Tensor]
     prev_local: Optional[Tensor]
     x_oldest: Optional[Tensor]
-    x_newest: Optional[Tensor]
     world_size: int
     lam: float
     form: str
@@ -134,16 +140,16 @@ class PredictMixed(Compensation):
     predicts = True
     needs_local = True
     needs_prev_local = True
-    history_length = 2  # x_{t-1} (and the slot x_t is pushed into)
     max_staleness = 1
+    # No weight history: Δ = x_t − x_{t-1} is the real update of the same step() (a
+    # prediction needs g_{t-1}, so that update happened), taken by the kernel as it goes.
 
     def prediction_gradient(self, step):
         if step.g is None or step.local is None or step.prev_local is None:
             return None  # pipeline filling, or a term from a step GradScaler skipped
-        assert step.x_newest is not None
         # DC_λ(g_{t-1} − l_{t-1}/n, x_t − x_{t-1}) + l_t/n
         return GradientRecipe(
-            step.g, delta=step.x, delta_ref=step.x_newest, prev_local=step.prev_local, local=step.local,
+            step.g, delta_is_step=True, prev_local=step.prev_local, local=step.local,
             lam=step.lam, form=step.form, world_size=step.world_size,
         )
 

@@ -22,11 +22,23 @@ every term optional (``delta=None``: no delay compensation; ``delta_ref=None``: 
 ``delta`` itself). That covers ``dc`` (DC_lam(g, x - x_old), fused with OPT) and ``wp3``
 (DC_lam(g - l_prev/n, x_t - x_{t-1}) + l_t/n, fused with OPT_peek) in one call per segment.
 The outer DC form needs per-tensor dot products first (a second pass over memory, done by
-the kernel itself unless ``dots`` from :func:`dc_dots` is passed); the diagonal form is one
-pass.
+the kernel itself unless ``dots`` from :func:`dc_dots` is passed; with ``dots`` given, no
+``delta`` is needed); the diagonal form is one pass.
+
+An in-place update (``out=None``) can do more in the same pass, so that staleness
+compensation costs no extra pass over the weights for it (DESIGN.md §5):
+
+* ``hist``: x_t is written there too (a weight-history slot; may alias ``delta_ref``);
+* ``peek=FusedPeek(out, grad, ...)``: x̃ = OPT_peek(x_t, g̃) from the just-updated weights
+  and optimizer state, written to ``peek.out`` (weight prediction); g̃'s optional diagonal DC
+  uses Δ = x_t − x_{t−1}, the step this very update takes (wp3, without a weight history);
+* ``step_dots``: float64 [len(lengths)] receives <peek.grad − peek.prev_local/n, x_t − x_{t−1}>
+  per tensor, the outer DC form's dot products for a peek done by a second call with
+  ``dots=step_dots``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -41,6 +53,29 @@ _EXT_DTYPES = {
     "cpu": (torch.float32, torch.float64),
     "cuda": (torch.float32, torch.float64, torch.float16, torch.bfloat16),
 }
+
+
+@dataclass(frozen=True)
+class FusedPeek:
+    """OPT_peek fused into an in-place update: ``out`` = OPT_peek(x_t, g̃) from the updated
+    weights and state, g̃ = DC(grad − prev_local/n, x_t − x_{t−1}) + local/n.
+
+    ``form``: None (no DC) or ``"diagonal"`` here; the outer form's coefficient needs every
+    element's step first, so it runs as the update with ``step_dots`` then a plain peek call
+    (:meth:`sapipe.optim_math.OptimizerRule.update_and_peek`). ``out=None``: no peek (the
+    terms only feed ``step_dots``).
+    """
+
+    out: Optional[Tensor]
+    grad: Tensor
+    prev_local: Optional[Tensor] = None
+    local: Optional[Tensor] = None
+    form: Optional[str] = None
+    lam: float = 0.0
+    world_size: int = 1
+
+    def tensors(self) -> Tuple[Optional[Tensor], ...]:
+        return (self.out, self.grad, self.prev_local, self.local)
 
 
 def backend(device=None) -> str:
@@ -118,7 +153,7 @@ def _form_code(form: str) -> int:
 
 def _spec(grad, delta, delta_ref, lam, form, lengths, dots, prev_local, local, world_size):
     """Positional GradSpec arguments of the compiled entry points."""
-    if delta is None:
+    if delta is None and not (dots is not None and form == "outer"):
         if delta_ref is not None:
             raise ValueError("delta_ref given without delta")
         code, offsets, dots = _NO_DC, None, None
@@ -137,6 +172,28 @@ def _dots_ok(dots: Optional[Tensor], like: Tensor) -> bool:
     return dots is None or (
         dots.dtype == torch.float64 and dots.device == like.device and dots.is_contiguous()
     )
+
+
+def _extra_tensors(hist, peek) -> Tuple[Optional[Tensor], ...]:
+    return (hist,) + (peek.tensors() if peek is not None else ())
+
+
+def _extras(hist, peek, step_dots, lengths, like) -> Dict[str, object]:
+    """Keyword arguments of the compiled sgd / adam for an update's extras (see module doc)."""
+    if step_dots is not None and peek is None:
+        raise ValueError("step_dots needs peek (its grad / prev_local terms)")
+    if peek is not None and peek.form not in (None, "diagonal"):
+        raise ValueError(f"a fused peek takes form None or 'diagonal', not {peek.form!r}")
+    kw: Dict[str, object] = {"hist": hist}
+    if peek is not None:
+        kw.update(
+            peek_out=peek.out, peek_grad=peek.grad, peek_prev_local=peek.prev_local,
+            peek_n=float(peek.world_size), peek_local=peek.local, peek_inv_n=1.0 / peek.world_size,
+            peek_form=_DIAGONAL if peek.form == "diagonal" else _NO_DC, peek_lam=float(peek.lam),
+            peek_offsets=_offsets(lengths, like) if step_dots is not None else None,
+            step_dots=step_dots,
+        )
+    return kw
 
 
 # ---------------------------------------------------------------------------------------
@@ -284,25 +341,31 @@ def sgd_fused(
     prev_local: Optional[Tensor] = None,
     local: Optional[Tensor] = None,
     world_size: int = 1,
+    hist: Optional[Tensor] = None,
+    peek: Optional[FusedPeek] = None,
+    step_dots: Optional[Tensor] = None,
 ) -> None:
     """:func:`sgd` on the composed gradient g̃ (see the module doc), in one kernel.
 
     ``out=None``: OPT (param and momentum buffer updated in place; ``delta`` may alias
-    ``param``). ``out`` given: OPT_peek into ``out``, no state touched.
+    ``param``), with the optional extras ``hist``, ``peek``, ``step_dots`` (module doc).
+    ``out`` given: OPT_peek into ``out``, no state touched.
     """
     buf = momentum_buffer if momentum != 0 else None
-    mod = _module(param, grad, buf, out, delta, delta_ref, prev_local, local)
-    if mod is None or not _dots_ok(dots, grad):
+    mod = _module(param, grad, buf, out, delta, delta_ref, prev_local, local, *_extra_tensors(hist, peek))
+    if mod is None or not _dots_ok(dots, grad) or not _dots_ok(step_dots, grad):
         return reference_sgd_fused(
             param, grad, momentum_buffer, lr=lr, momentum=momentum, dampening=dampening,
             nesterov=nesterov, weight_decay=weight_decay, maximize=maximize, first=first,
             out=out, delta=delta, delta_ref=delta_ref, lam=lam, form=form, lengths=lengths,
             dots=dots, prev_local=prev_local, local=local, world_size=world_size,
+            hist=hist, peek=peek, step_dots=step_dots,
         )
     mod.sgd(
         param, buf, out, float(lr), float(momentum), float(1 - dampening), float(weight_decay),
         bool(nesterov), bool(maximize), bool(first),
         *_spec(grad, delta, delta_ref, lam, form, lengths, dots, prev_local, local, world_size),
+        **_extras(hist, peek, step_dots, lengths, grad),
     )
 
 
@@ -330,25 +393,39 @@ def adam_fused(
     prev_local: Optional[Tensor] = None,
     local: Optional[Tensor] = None,
     world_size: int = 1,
+    hist: Optional[Tensor] = None,
+    peek: Optional[FusedPeek] = None,
+    step_dots: Optional[Tensor] = None,
 ) -> None:
-    """:func:`adam` on the composed gradient g̃ (see the module doc), in one kernel."""
-    mod = _module(param, grad, exp_avg, exp_avg_sq, out, delta, delta_ref, prev_local, local)
-    if mod is None or not _dots_ok(dots, grad):
+    """:func:`adam` on the composed gradient g̃ (see the module doc), in one kernel.
+
+    The extras ``hist``, ``peek`` (whose bias correction is that of ``step + 1``) and
+    ``step_dots`` need ``out=None`` (module doc).
+    """
+    mod = _module(
+        param, grad, exp_avg, exp_avg_sq, out, delta, delta_ref, prev_local, local, *_extra_tensors(hist, peek)
+    )
+    if mod is None or not _dots_ok(dots, grad) or not _dots_ok(step_dots, grad):
         return reference_adam_fused(
             param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
             eps=eps, weight_decay=weight_decay, decoupled=decoupled, maximize=maximize, out=out,
             delta=delta, delta_ref=delta_ref, lam=lam, form=form, lengths=lengths, dots=dots,
             prev_local=prev_local, local=local, world_size=world_size,
+            hist=hist, peek=peek, step_dots=step_dots,
         )
     # the scalars exactly as the reference computes them (Python doubles)
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
+    peek_step_size = lr / (1 - beta1 ** (step + 1))
+    peek_bc2_sqrt = (1 - beta2 ** (step + 1)) ** 0.5
     mod.adam(
         param, exp_avg, exp_avg_sq, out, float(-step_size), float(bias_correction2**0.5),
         float(1 - beta1), float(beta2), float(1 - beta2), float(eps), float(weight_decay),
         float(1 - lr * weight_decay), bool(decoupled), bool(maximize),
         *_spec(grad, delta, delta_ref, lam, form, lengths, dots, prev_local, local, world_size),
+        **_extras(hist, peek, step_dots, lengths, grad),
+        peek_neg_step_size=float(-peek_step_size), peek_bc2_sqrt=float(peek_bc2_sqrt),
     )
 
 
@@ -498,23 +575,24 @@ def reference_compose_gradient(
     if delta is None and delta_ref is not None:
         raise ValueError("delta_ref given without delta")
     h = grad if prev_local is None else grad - prev_local / world_size
-    if delta is None:
+    if form == "outer" and dots is not None:  # Δ entered only through the dots
+        lens = torch.tensor(list(lengths), device=grad.device)
+        coeff = dots.to(h.dtype).mul_(lam).repeat_interleave(lens, output_size=h.numel())
+        torch.addcmul(h, h, coeff, out=out)
+    elif delta is None:
         out.copy_(h)
     else:
         d = delta if delta_ref is None else delta - delta_ref
-        if form == "outer" and dots is not None:
-            lens = torch.tensor(list(lengths), device=grad.device)
-            coeff = dots.to(h.dtype).mul_(lam).repeat_interleave(lens, output_size=h.numel())
-            torch.addcmul(h, h, coeff, out=out)
-        else:
-            reference_delay_compensate(h, d, lam, form, lengths, out=out)
+        reference_delay_compensate(h, d, lam, form, lengths, out=out)
     if local is not None:
         out.add_(local, alpha=1.0 / world_size)
     return out
 
 
 def _composed(grad, out_like, delta, delta_ref, lam, form, lengths, dots, prev_local, local, n):
-    if delta is None and delta_ref is None and prev_local is None and local is None:
+    if delta is None and delta_ref is None and prev_local is None and local is None and (
+        dots is None or form != "outer"
+    ):
         return grad
     return reference_compose_gradient(
         grad, out=torch.empty_like(out_like), delta=delta, delta_ref=delta_ref, lam=lam,
@@ -544,13 +622,28 @@ def reference_sgd_fused(
     prev_local: Optional[Tensor] = None,
     local: Optional[Tensor] = None,
     world_size: int = 1,
+    hist: Optional[Tensor] = None,
+    peek: Optional[FusedPeek] = None,
+    step_dots: Optional[Tensor] = None,
 ) -> None:
-    """Reference of :func:`sgd_fused`: :func:`reference_compose_gradient`, then SGD."""
+    """Reference of :func:`sgd_fused`: :func:`reference_compose_gradient`, then SGD, then
+    the extras one after the other (:func:`reference_update_extras`)."""
+    _check_extras(out, hist, peek, step_dots)
+    before = param.clone() if _needs_step(peek, step_dots) else None
     g = _composed(grad, grad, delta, delta_ref, lam, form, lengths, dots, prev_local, local, world_size)
     reference_sgd(
         param, g, momentum_buffer, lr=lr, momentum=momentum, dampening=dampening,
         nesterov=nesterov, weight_decay=weight_decay, maximize=maximize, first=first, out=out,
     )
+
+    def reference_peek(terms):  # the momentum buffer has started now (or is unused)
+        reference_sgd_fused(
+            param, peek.grad, momentum_buffer, lr=lr, momentum=momentum, dampening=dampening,
+            nesterov=nesterov, weight_decay=weight_decay, maximize=maximize, first=False,
+            out=peek.out, **terms,
+        )
+
+    reference_update_extras(param, before, hist, peek, step_dots, lengths, reference_peek)
 
 
 def reference_adam_fused(
@@ -577,10 +670,60 @@ def reference_adam_fused(
     prev_local: Optional[Tensor] = None,
     local: Optional[Tensor] = None,
     world_size: int = 1,
+    hist: Optional[Tensor] = None,
+    peek: Optional[FusedPeek] = None,
+    step_dots: Optional[Tensor] = None,
 ) -> None:
-    """Reference of :func:`adam_fused`: :func:`reference_compose_gradient`, then Adam(W)."""
+    """Reference of :func:`adam_fused`: :func:`reference_compose_gradient`, then Adam(W),
+    then the extras one after the other (:func:`reference_update_extras`)."""
+    _check_extras(out, hist, peek, step_dots)
+    before = param.clone() if _needs_step(peek, step_dots) else None
     g = _composed(grad, grad, delta, delta_ref, lam, form, lengths, dots, prev_local, local, world_size)
     reference_adam(
         param, g, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
         weight_decay=weight_decay, decoupled=decoupled, maximize=maximize, out=out,
     )
+
+    def reference_peek(terms):  # the next step's bias correction
+        reference_adam_fused(
+            param, peek.grad, exp_avg, exp_avg_sq, step=step + 1, lr=lr, beta1=beta1,
+            beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+            maximize=maximize, out=peek.out, **terms,
+        )
+
+    reference_update_extras(param, before, hist, peek, step_dots, lengths, reference_peek)
+
+
+def _check_extras(out, hist, peek, step_dots) -> None:
+    if out is not None and (hist is not None or peek is not None or step_dots is not None):
+        raise ValueError("hist / peek / step_dots need an in-place update (out=None)")
+    if step_dots is not None and peek is None:
+        raise ValueError("step_dots needs peek (its grad / prev_local terms)")
+    if peek is not None and peek.form not in (None, "diagonal"):
+        raise ValueError(f"a fused peek takes form None or 'diagonal', not {peek.form!r}")
+
+
+def _needs_step(peek: Optional[FusedPeek], step_dots: Optional[Tensor]) -> bool:
+    """Whether the extras need x_{t−1} (the update's step x_t − x_{t−1})."""
+    return step_dots is not None or (peek is not None and peek.out is not None and peek.form is not None)
+
+
+def reference_update_extras(param, before, hist, peek, step_dots, lengths, reference_peek) -> None:
+    """The extras of an in-place update, after it (``param`` = x_t, ``before`` = x_{t−1})."""
+    if hist is not None:
+        hist.copy_(param)
+    if step_dots is not None:
+        # Summed in the tensors' dtype, as reference_delay_compensate's outer form does (this
+        # is the SAPIPE_DISABLE_EXT path: float64 temporaries of the whole segment would cost
+        # more than the rest of the step); the kernels sum in float64.
+        h = peek.grad if peek.prev_local is None else peek.grad - peek.prev_local / peek.world_size
+        if param.numel() == 0:
+            step_dots.zero_()
+        else:
+            lens = torch.tensor(list(lengths), device=param.device)
+            step_dots.copy_(torch.segment_reduce(h * (param - before), "sum", lengths=lens))
+    if peek is not None and peek.out is not None:
+        dc = dict(delta=param, delta_ref=before, lam=peek.lam, form=peek.form) if peek.form else {}
+        reference_peek(dict(
+            prev_local=peek.prev_local, local=peek.local, world_size=peek.world_size, lengths=lengths, **dc
+        ))

@@ -28,6 +28,7 @@ class SegmentState:
     buffers: Dict[str, Tensor] = field(default_factory=dict)
     steps: int = 0  # real updates applied so far (Adam's bias-correction count)
     momentum_started: bool = False  # SGD: the momentum buffer holds data
+    scratch: Dict[str, Tensor] = field(default_factory=dict)  # reused work space; never saved
 
 
 class OptimizerRule:
@@ -61,6 +62,42 @@ class OptimizerRule:
     ) -> None:
         """OPT_peek: write the weights OPT would produce to ``out``; change nothing else."""
         raise NotImplementedError
+
+    def update_and_peek(
+        self, weights: Tensor, state: SegmentState, hp: HyperParams, terms: Mapping[str, Any],
+        peek_terms: Mapping[str, Any], out: Tensor,
+    ) -> None:
+        """OPT, then OPT_peek from the updated weights and state into ``out`` (weight prediction).
+
+        Both run in the update's single pass over memory (``ops.FusedPeek``): the prediction
+        costs one extra read per term of its gradient and the write of ``out``, not a second
+        pass over the weights and state. ``peek_terms`` (a ``GradientRecipe``'s) may say
+        ``delta_is_step``: DC with Δ = x_t − x_{t−1}, the step this very update takes (wp3), so
+        no weight history is read. The outer DC form's coefficient needs the whole step's dot
+        products first: then the update also sums them (``step_dots``) and a second call peeks.
+        """
+        peek_terms = dict(peek_terms)
+        on_step = peek_terms.pop("delta_is_step", False)
+        if not on_step and peek_terms.get("delta") is not None:  # an explicit Δ: two calls
+            self.update(weights, state, hp, terms)
+            self.peek(weights, state, hp, peek_terms, out)
+            return
+        form = peek_terms["form"] if on_step else None
+        fused = dict(
+            grad=peek_terms["grad"], prev_local=peek_terms.get("prev_local"), lam=peek_terms.get("lam", 0.0),
+            world_size=peek_terms.get("world_size", 1),
+        )
+        if form == "outer":
+            dots = state.scratch.get("step_dots")
+            if dots is None or dots.numel() != len(peek_terms["lengths"]):  # allocated once per segment
+                dots = torch.empty(len(peek_terms["lengths"]), dtype=torch.float64, device=weights.device)
+                state.scratch["step_dots"] = dots
+            self.update(weights, state, hp, dict(terms, peek=ops.FusedPeek(None, **fused), step_dots=dots))
+            peek_terms.update(delta=None, delta_ref=None, dots=dots)
+            self.peek(weights, state, hp, peek_terms, out)
+        else:
+            peek = ops.FusedPeek(out, local=peek_terms.get("local"), form=form, **fused)
+            self.update(weights, state, hp, dict(terms, peek=peek))
 
 
 def _reject(group: Mapping[str, Any], option: str, why: str) -> None:

@@ -517,6 +517,207 @@ def test_fused_dc_update_with_delta_aliasing_param(device, dtype, rule, no_fallb
     close(s1, rs1, dtype, "state")
 
 
+# The extras of an in-place update (ops module doc): the history write, the fused peek and
+# the step's dot products. Each case: (name, builds the extras from the tensors at hand).
+# Expected values come from the plain references run one after the other: the update, then
+# hist = x_t, dots = reference_dc_dots(g~, x_t, x_{t-1}), then OPT_peek(x_t, g~) with
+# Δ = x_t − x_{t-1} given explicitly — not from the references' own extras code.
+EXTRA_CASES = ["hist", "hist_aliasing_delta_ref", "peek_wp1", "peek_wp2", "peek_wp3_diagonal",
+               "dots_wp3_outer", "all"]
+
+
+def _extras_case(case, t, world_size):
+    """(update terms, hist, FusedPeek or None, wants step dots) for ``case``; ``t`` holds the
+    tensors (kernel or reference copies alike)."""
+    upd, hist, peek, dots = {}, None, None, False
+    n = world_size
+    if case == "hist":
+        hist = t["hist"]
+    elif case == "hist_aliasing_delta_ref":  # SAPipe-DC: x_t written over the x_old it reads
+        upd = dict(delta=t["p"], delta_ref=t["x_old"], lam=0.5, form="diagonal")
+        hist = t["x_old"]
+    elif case == "peek_wp1":
+        peek = ops.FusedPeek(t["out"], t["local"], world_size=n)
+    elif case == "peek_wp2":
+        peek = ops.FusedPeek(t["out"], t["g"], world_size=n)
+    elif case == "peek_wp3_diagonal":
+        peek = ops.FusedPeek(t["out"], t["g"], prev_local=t["prev"], local=t["local"], form="diagonal",
+                             lam=0.7, world_size=n)
+    elif case == "dots_wp3_outer":
+        peek = ops.FusedPeek(None, t["g"], prev_local=t["prev"], world_size=n)
+        dots = True
+    elif case == "all":
+        hist = t["hist"]
+        peek = ops.FusedPeek(t["out"], t["g"], prev_local=t["prev"], local=t["local"], form="diagonal",
+                             lam=0.3, world_size=n)
+        dots = True
+    return upd, hist, peek, dots
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("n", [0, 1, 17, 1000, BIG])
+@pytest.mark.parametrize("rule", ["sgd", "adam"])
+def test_update_extras(device, dtype, n, rule, no_fallback):
+    _require(device)
+    gen = torch.Generator().manual_seed(850 + n)
+    lengths = partitions(n)[-1]
+    world_size = 3
+    if rule == "sgd":
+        hps = [dict(lr=0.1, momentum=0.9, dampening=0.25, nesterov=False, weight_decay=1e-2,
+                    maximize=False, first=True),
+               dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=0.0,
+                    maximize=True, first=False),
+               dict(lr=0.1, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=1e-2,
+                    maximize=False, first=False)]
+    else:
+        hps = [dict(step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
+                    decoupled=True, maximize=False),
+               dict(step=6, lr=1e-2, beta1=0.3, beta2=0.99, eps=1e-8, weight_decay=1e-2,
+                    decoupled=False, maximize=True)]
+    for case, hp in itertools.product(EXTRA_CASES, hps):
+        what = f"{rule} {case} {hp}"
+        k = {name: rand(n, device, dtype, gen) for name in ("p", "g", "s1", "x_old", "prev", "local")}
+        k["s2"] = rand(n, device, dtype, gen, positive=True)
+        k["hist"], k["out"] = poisoned(n, device, dtype), poisoned(n, device, dtype)
+        r = {name: up(v) for name, v in k.items()}
+        upd, hist, peek, want_dots = _extras_case(case, k, world_size)
+        step_dots = torch.full((len(lengths),), float("nan"), dtype=F64, device=device) if want_dots else None
+        # kernel
+        state = (k["s1"],) if rule == "sgd" else (k["s1"], k["s2"])
+        fused = ops.sgd_fused if rule == "sgd" else ops.adam_fused
+        fused(k["p"], k["g"], *state, **hp, **upd, lengths=lengths, hist=hist, peek=peek, step_dots=step_dots)
+        # plain references, one after the other
+        rupd, _, rpeek, _ = _extras_case(case, r, world_size)
+        rstate = (r["s1"],) if rule == "sgd" else (r["s1"], r["s2"])
+        rfused = REF["reference_sgd_fused"] if rule == "sgd" else REF["reference_adam_fused"]
+        before = r["p"].clone()
+        rfused(r["p"], r["g"], *rstate, **hp, **rupd, lengths=lengths)
+        close(k["p"], r["p"], dtype, what + " param")
+        for a, b in zip(state, rstate, strict=True):
+            if rule == "adam" or hp["momentum"] != 0:
+                close(a, b, dtype, what + " state")
+        if hist is not None:
+            assert torch.equal(hist, k["p"]), what + " hist"
+        if want_dots:
+            expected = REF["reference_dc_dots"](rpeek.grad, r["p"], lengths, delta_ref=before,
+                                                prev_local=rpeek.prev_local, world_size=world_size)
+            close(step_dots, expected, F64 if dtype == F64 else F32, what + " step_dots")
+            if device == "cpu":  # bit for bit the separate dots pass
+                separate = ops.dc_dots(peek.grad, k["p"], lengths, delta_ref=before.to(dtype),
+                                       prev_local=peek.prev_local, world_size=world_size)
+                assert torch.equal(step_dots, separate), what + " step_dots vs dc_dots"
+        if peek is not None and peek.out is not None:
+            dc = dict(delta=r["p"], delta_ref=before, lam=rpeek.lam, form="diagonal") if rpeek.form else {}
+            rout = poisoned(n, device, ref_dtype(dtype))
+            peek_hp = dict(hp, first=False) if rule == "sgd" else dict(hp, step=hp["step"] + 1)
+            rfused(r["p"], rpeek.grad, *rstate, **peek_hp, out=rout, prev_local=rpeek.prev_local,
+                   local=rpeek.local, world_size=world_size, lengths=lengths, **dc)
+            close(peek.out, rout, dtype, what + " peek out")
+
+
+def test_update_extras_reference_path_matches_kernel(no_fallback):
+    """ops.reference_*_fused with extras (the SAPIPE_DISABLE_EXT path) = the CPU kernel."""
+    _require("cpu")
+    gen = torch.Generator().manual_seed(870)
+    n, lengths = 5003, [1000, 0, 4000, 3]
+    for rule, case in itertools.product(["sgd", "adam"], EXTRA_CASES):
+        k = {name: rand(n, "cpu", F64, gen) for name in ("p", "g", "s1", "x_old", "prev", "local")}
+        k["s2"] = rand(n, "cpu", F64, gen, positive=True)
+        k["hist"], k["out"] = poisoned(n, "cpu", F64), poisoned(n, "cpu", F64)
+        r = {name: v.clone() for name, v in k.items()}
+        hp = (dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=1e-2, maximize=False,
+                   first=False) if rule == "sgd" else
+              dict(step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2, decoupled=True,
+                   maximize=False))
+        results = []
+        for t, fn in ((k, ops.sgd_fused if rule == "sgd" else ops.adam_fused),
+                      (r, REF["reference_sgd_fused"] if rule == "sgd" else REF["reference_adam_fused"])):
+            upd, hist, peek, want = _extras_case(case, t, 2)
+            dots = torch.full((len(lengths),), float("nan"), dtype=F64) if want else None
+            state = (t["s1"],) if rule == "sgd" else (t["s1"], t["s2"])
+            fn(t["p"], t["g"], *state, **hp, **upd, lengths=lengths, hist=hist, peek=peek, step_dots=dots)
+            results.append([t["p"], *state] + ([hist] if hist is not None else [])
+                           + ([peek.out] if peek is not None and peek.out is not None else [])
+                           + ([dots] if dots is not None else []))
+        for a, b in zip(*results, strict=True):
+            close(a, b, F64, f"{rule} {case}")
+
+
+def test_update_extras_bad_arguments(no_fallback):
+    _require("cpu")
+    p, g, b, out = (torch.rand(10) for _ in range(4))
+    hp = dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0, maximize=False, first=False)
+    with pytest.raises((ValueError, RuntimeError)):
+        ops.sgd_fused(p, g, b, **hp, step_dots=torch.zeros(1, dtype=F64), lengths=[10])  # no peek
+    with pytest.raises((ValueError, RuntimeError)):
+        ops.sgd_fused(p, g, b, **hp, out=out, hist=torch.zeros(10))  # extras with a peek call
+    with pytest.raises((ValueError, RuntimeError)):
+        ops.sgd_fused(p, g, b, **hp, peek=ops.FusedPeek(out, g, form="outer"), lengths=[10])
+
+
+@pytest.mark.parametrize("mode", ["wp1", "wp3"])
+def test_local_gradient_copy_paths_agree(mode, monkeypatch):
+    """The engine keeps l_t (wp1, wp3) by writing backward's gradients into both ``local`` and
+    the communication slot (large parameters), or into ``local`` and copying it at launch
+    (small ones): both paths train bit-identically (one process, Gloo group of 1)."""
+    import socket
+
+    import torch.distributed as dist
+
+    import sapipe
+    from sapipe import optimizer as engine
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        results = []
+        for threshold in (0, 10**9):  # always mirror / never mirror
+            monkeypatch.setattr(engine, "MIRROR_LOCAL_MIN_MEAN_NUMEL", threshold)
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.Tanh(), torch.nn.Linear(33, 3))
+            opt = sapipe.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, stale_layers=2,
+                compensation=mode, dc_form="outer",
+            )
+            gen = torch.Generator().manual_seed(1)
+            for _ in range(5):
+                opt.zero_grad()
+                model(torch.randn(4, 7, generator=gen)).square().sum().backward()
+                opt.step()
+            with opt.real_weights():
+                results.append([p.detach().clone() for p in model.parameters()]
+                               + [b.local.clone() for b in opt.buckets if b.local is not None])
+            opt.close()
+        assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_step_dots_do_not_depend_on_thread_count(no_fallback):
+    _require("cpu")
+    gen = torch.Generator().manual_seed(880)
+    n, lengths = 200003, [70000, 1, 0, 130002]
+    results = []
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            gen.manual_seed(881)
+            p, g, b, prev = (rand(n, "cpu", F32, gen) for _ in range(4))
+            dots = torch.empty(len(lengths), dtype=F64)
+            ops.sgd_fused(p, g, b, lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0,
+                          maximize=False, first=False, lengths=lengths,
+                          peek=ops.FusedPeek(None, g, prev_local=prev, world_size=2), step_dots=dots)
+            results.append(dots)
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(results[0], d) for d in results[1:])
+
+
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA_OK, reason="no CUDA device"))]
 )
@@ -622,9 +823,11 @@ namespace sc = sapipe_cuda;
   template cudaError_t sc::launch_compose<T>(const sc::GradSrc<T>&, int64_t, T*, int,          \
                                              cudaStream_t);                                   \
   template cudaError_t sc::launch_sgd<T>(const sc::GradSrc<T>&, int64_t, T*, T*, T*,           \
-                                         const sc::SgdParams&, int, cudaStream_t);            \
+                                         const sc::SgdParams&, const sc::StepExtras<T>&,      \
+                                         double*, double*, int, cudaStream_t);                \
   template cudaError_t sc::launch_adam<T>(const sc::GradSrc<T>&, int64_t, T*, T*, T*, T*,     \
-                                          const sc::AdamParams&, int, cudaStream_t);
+                                          const sc::AdamParams&, const sc::StepExtras<T>&,    \
+                                          double*, double*, int, cudaStream_t);
 INST(float)
 INST(double)
 INST(__half)
