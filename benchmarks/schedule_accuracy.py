@@ -9,7 +9,10 @@ namespace (DESIGN.md §6, via ``benchmarks/netem.py``). In that job:
    are timed too — all in the same process group and network, one after the other.
 
 Output: a markdown table (prediction error per k) on stdout, appended to
-``benchmarks/results/schedule_accuracy.md`` with the exact command.
+``benchmarks/results/schedule_accuracy.md`` with the exact command; and, per job, the raw
+profile (every rank's timestamps, the link probes, the fitted model) with the measured
+per-iteration times in ``--raw`` (JSON), so model variants can be evaluated offline
+against one measured run. ``--sweep-k`` times extra k values (raw file only).
 
     python benchmarks/schedule_accuracy.py --models gpt2,vgg16 --rates unlimited,100mbit
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -57,14 +61,30 @@ def worker(args) -> None:
             last = now
         return times
 
+    comm_log = {}  # k -> (start, done, stream, bytes-free name) of the timed iterations' all-reduces (--trace-comm)
+
     def run(stale_layers):
         model = spec.make_model()
         opt = sapipe.DistributedOptimizer(
-            spec.make_optimizer(model.parameters()), model, stale_layers=stale_layers, profile_steps=args.profile_steps
+            spec.make_optimizer(model.parameters()), model, stale_layers=stale_layers, profile_steps=args.profile_steps,
+            trace=args.trace_comm,
         )
         warm = opt._warmup if stale_layers == "auto" else 3  # noqa: SLF001 - the switch point
         timed(opt, model, warm + 2)
-        return opt, timed(opt, model, args.steps)
+        opt.tracer.clear()
+        t0 = time.perf_counter_ns()
+        times = timed(opt, model, args.steps)
+        if args.trace_comm:
+            begun = {}
+            spans = comm_log.setdefault(str(opt.stale_layers), [])
+            for at, kind, fields in opt.tracer.events():
+                key = (fields.get("what"), fields.get("stream"))
+                if kind == "comm_start":
+                    begun[key] = at
+                elif kind == "comm_done" and key in begun:
+                    spans.append(((begun.pop(key) - t0) / 1e9, (at - t0) / 1e9, key[1], key[0]))
+            spans += [((s - t0) / 1e9, math.nan, key[1], key[0]) for key, s in begun.items()]
+        return opt, times
 
     auto, auto_times = run("auto")
     d = auto.decision
@@ -75,10 +95,90 @@ def worker(args) -> None:
     results["measured"] = {
         "0": statistics.median(sync_times), "auto": statistics.median(auto_times), "m": statistics.median(stale_times),
     }
+    times = {"0": sync_times, str(d.k): auto_times, str(d.m): stale_times}
+    for expr in filter(None, args.sweep_k.split(",")):
+        k = min(d.m, max(0, int(round(eval(expr, {"m": d.m})))))  # noqa: S307 - our own CLI, e.g. "m/2"
+        if str(k) not in times:
+            times[str(k)] = run(k)[1]
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, auto.profile.raw)
+    prof = auto.profile
+    element = next(spec.make_model().parameters()).element_size()
+    results["raw"] = {
+        "layers": [layer.name for layer in auto.layers],
+        "layer_bytes": [layer.numel * element for layer in auto.layers],
+        "numel": [layer.numel for layer in auto.layers],
+        "bucket_cap_bytes": int(auto.settings.bucket_cap_mb * 1024 * 1024),
+        "profile": {"forward": prof.forward, "backward": prof.backward, "step_time": prof.step_time,
+                    "alpha": prof.alpha, "beta": prof.beta, "slowdown": prof.slowdown,
+                    "beta_isolated": prof.beta_isolated, "beta_observed": prof.beta_observed},
+        "ranks": ranks,
+        "measured_times": times,
+        "comm_spans": comm_log,
+        "load_before": os.getloadavg(),
+    }
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
+            json.dump(results, f, default=_jsonable)
+    dist.barrier()
+    # Each run leaves its last stale all-reduce in flight, never waited for (as a training
+    # loop that just ends does); tearing Gloo down under it can abort the process at exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+VARIANTS = {  # name: (link fitted from, compute slow-down σ, shared link)
+    "previous": ("isolated", False, False),  # isolated probes, one transfer at a time, no CPU cost
+    "observed": ("observed", False, False),
+    "runtime": ("observed", False, True),  # what stale_layers="auto" decides with
+    "observed+slowdown": ("observed", True, False),  # σ only where the raw file has a probe sample
+    "runtime+slowdown": ("observed", True, True),
+}
+
+
+def replay(path: str, variants) -> str:
+    """Re-predict every job of a raw file with each model variant, against its measured times."""
+    from sapipe.schedule import LayerProfile, simulate
+    from sapipe.schedule import profiler
+
+    with open(path) as f:
+        saved = json.load(f)
+    lines = ["| job | k | measured ms | " + " | ".join(variants) + " |",
+             "| --- | --- | ---: | " + " | ".join("---:" for _ in variants) + " |"]
+    for job, r in saved["jobs"].items():
+        raw = r["raw"]
+        m = len(raw["layers"])
+        timers = [profiler.LayerTimer.from_raw(rank) for rank in raw["ranks"]]
+        sigma = profiler.slowdown_from([tuple(rank["slowdown_sample"]) for rank in raw["ranks"]])
+        predictions = {}
+        for name in variants:
+            fit, slow, shared = VARIANTS[name]
+            s = sigma if slow else 0.0
+            rows = []
+            for timer, rank in zip(timers, raw["ranks"]):
+                u, b, step = timer.medians(s)
+                rows.append(u + b + [step] + rank["probe_times"])
+            link = [[tuple(x) for x in rank["link_samples"]] for rank in raw["ranks"]]
+            prof = profiler.combine(rows, m, raw["ranks"][0]["probe_sizes"], link, s)
+            beta = prof.beta if fit == "observed" else prof.beta_isolated
+            profiles = [LayerProfile(n, u, b, prof.alpha + beta * nb, numel) for n, u, b, nb, numel in
+                        zip(raw["layers"], prof.forward, prof.backward, raw["layer_bytes"], raw["numel"])]
+            predictions[name] = {
+                k: simulate(profiles, int(k), bucket_cap_bytes=raw["bucket_cap_bytes"], alpha=prof.alpha, beta=beta,
+                            bytes_per_layer=raw["layer_bytes"], step_time=prof.step_time, slowdown=s,
+                            shared_link=shared, record_events=False).iteration_time
+                for k in raw["measured_times"]}
+        for k in sorted(raw["measured_times"], key=int):
+            meas = statistics.median(raw["measured_times"][k])
+            cells = [f"{predictions[v][k] * 1e3:.1f} ({(predictions[v][k] - meas) / meas:+.0%})" for v in variants]
+            lines.append(f"| {job} | {k}{' (auto)' if int(k) == r['k'] else ''} | {meas * 1e3:.1f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {job} σ={sigma:.2f} | | | " + " | ".join("" for _ in variants) + " |")
+    return "\n".join(lines)
+
+
+def _jsonable(value):
+    return None if value is None else float(value)
 
 
 def launch(model: str, size: str, rate: str, args) -> dict:
@@ -88,8 +188,8 @@ def launch(model: str, size: str, rate: str, args) -> dict:
         cmd = [
             torchrun, "--standalone", f"--nproc_per_node={args.ranks}", os.path.abspath(__file__), "--worker",
             "--model", model, "--size", size, "--out", out, "--steps", str(args.steps),
-            "--profile-steps", str(args.profile_steps),
-        ]
+            "--profile-steps", str(args.profile_steps), "--sweep-k", args.sweep_k,
+        ] + (["--trace-comm"] if args.trace_comm else [])
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run(netem.wrap(cmd, netem.parse_rate(rate)), capture_output=True, text=True, env=env)
         if proc.returncode != 0:
@@ -107,20 +207,37 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--output", default=os.path.join(HERE, "results", "schedule_accuracy.md"))
+    p.add_argument("--raw", default=os.path.join(HERE, "results", "schedule_accuracy_raw.json"),
+                   help="where to write every job's raw profile and measured times (JSON); '' for nowhere")
+    p.add_argument("--trace-comm", action="store_true",
+                   help="record every timed all-reduce (start, done) into the raw file (adds tracing overhead)")
+    p.add_argument("--sweep-k", default="", help="extra k to time, for the raw file: e.g. '1,m/4,m/2'")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--replay", metavar="RAW_JSON",
+                   help="no run: re-predict a raw file's jobs with every model variant (offline evaluation)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="with --replay: which, of " + ", ".join(VARIANTS))
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.replay:
+        print(replay(args.replay, args.variants.split(",")))
+        return
     ok, why = netem.check()
     if not ok:
         sys.exit(f"cannot emulate a network here: {why}")
     rows = []
+    raw = {"command": "python benchmarks/schedule_accuracy.py " + " ".join(sys.argv[1:]), "jobs": {}}
     for model in args.models.split(","):
         for rate in args.rates.split(","):
-            print(f"[schedule_accuracy] {model}/{args.size} @ {rate} ...", file=sys.stderr, flush=True)
+            print(f"[schedule_accuracy] {model}/{args.size} @ {rate} (load {os.getloadavg()[0]:.2f}) ...",
+                  file=sys.stderr, flush=True)
             r = launch(model, args.size, rate, args)
+            raw["jobs"][f"{model}/{args.size}@{rate}"] = r
+            if args.raw:
+                with open(args.raw, "w") as f:
+                    json.dump(raw, f)
             for key, label in (("0", "0"), ("auto", f"auto={r['k']}"), ("m", f"m={r['m']}")):
                 pred, meas = r["predicted"][key], r["measured"][key]
                 rows.append((model, rate, label, pred, meas, (pred - meas) / meas, r["kappa"] if key == "auto" else None))

@@ -5,6 +5,7 @@ All pure Python and fast; no process group is needed.
 from __future__ import annotations
 
 import json
+import math
 from typing import List, Tuple
 
 import numpy as np
@@ -296,3 +297,279 @@ def test_events_from_tracer(tmp_path):
     names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
     assert {"compute", "comm", "comm #2", "wait", "iteration"} <= names
     assert events_from_tracer([]) == []
+
+
+# --------------------------------------------------------------------------- shared link, slow-down
+
+
+def _transfer(t, index, stale, comm, issue):
+    from sapipe.schedule.simulator import BucketPlan, Transfer
+
+    return Transfer(t, BucketPlan(index, (index,), 4, stale, comm), issue)
+
+
+def test_shared_link_splits_bandwidth_between_the_two_groups():
+    from sapipe.schedule.simulator import SharedLink
+
+    # Two equal transfers on the two groups, started together: each at half rate, both end at 2x.
+    link = SharedLink()
+    a, b = _transfer(0, 0, False, 1.0, 0.0), _transfer(0, 1, True, 1.0, 0.0)
+    link.submit([a, b])
+    assert (a.end, b.end) == pytest.approx((2.0, 2.0))
+    # The same two on one group: one after the other, as on the one-at-a-time link.
+    link = SharedLink()
+    a, b = _transfer(0, 0, False, 1.0, 0.0), _transfer(0, 1, False, 1.0, 0.0)
+    link.submit([a, b])
+    assert (a.start, a.end, b.start, b.end) == pytest.approx((0.0, 1.0, 1.0, 2.0))
+    # Staggered: the sync one runs alone for 0.5, then both share; it ends at 1.5, the stale at 2.
+    link = SharedLink()
+    a = _transfer(0, 0, False, 1.0, 0.0)
+    link.submit([a])
+    assert a.end == pytest.approx(1.0)  # projected, alone
+    b = _transfer(0, 1, True, 1.0, 0.5)
+    link.submit([b])
+    assert (a.end, b.end) == pytest.approx((1.5, 2.0))
+    assert link.busy_from(0.5) == [pytest.approx((0.5, 2.0))]
+
+
+def test_shared_link_is_work_conserving():
+    """Whatever the sharing, the link is busy exactly when the one-at-a-time link is."""
+    from sapipe.schedule.simulator import Link, SharedLink
+
+    rng = np.random.default_rng(11)
+    for _ in range(50):
+        issues = np.sort(rng.uniform(0, 5, int(rng.integers(1, 12))))
+        spec = [(float(t), bool(rng.integers(0, 2)), float(rng.uniform(0.01, 1.5))) for t in issues]
+        shared, serial = SharedLink(), Link(priority=False)
+        for link in (shared, serial):
+            link.submit([_transfer(0, i, stale, comm, t) for i, (t, stale, comm) in enumerate(spec)])
+        assert max(tr.end for tr in shared.placed) == pytest.approx(max(tr.end for tr in serial.placed))
+        for tr in shared.placed:  # no transfer ends before its own link time has passed
+            assert tr.end >= tr.issue + tr.bucket.comm_time * (1 - 1e-9)
+
+
+def test_shared_link_delays_sync_traffic_behind_concurrent_stale_traffic():
+    """Layer 2's sync bucket goes out just before layer 1's stale one: on one FIFO link it
+    runs alone, on two groups it shares the link, ends later and holds up the next forward."""
+    profiles = [LayerProfile("l1", 1.0, 0.1, 1.0, numel=1), LayerProfile("l2", 0.1, 1.0, 1.0, numel=1)]
+    fifo = simulate(profiles, 1, bucket_cap_bytes=0, alpha=None, beta=None)
+    shared = simulate(profiles, 1, bucket_cap_bytes=0, alpha=None, beta=None, shared_link=True)
+    # FIFO: sync l2 ends 1.0 after its issue, 1.1 into the next iteration's... no wait needed
+    # beyond it; shared: it ends 1.9 after issue (0.1 alone, then 0.9 at half rate).
+    assert shared.iteration_time > fifo.iteration_time + 0.5
+    assert shared.forward_wait > fifo.forward_wait
+    assert shared.comm_time == pytest.approx(fifo.comm_time)
+    with pytest.raises(ValueError):
+        simulate(profiles, 1, bucket_cap_bytes=0, alpha=None, beta=None, shared_link=True, priority=True)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_vanishing_slowdown_reproduces_the_model_without(shared):
+    """σ → 0 (transfers submitted one by one as they are issued) gives the σ = 0 timeline
+    (transfers submitted per iteration), for every k, bucketing and link."""
+    rng = np.random.default_rng(12)
+    for _ in range(25):
+        m = int(rng.integers(1, 10))
+        profiles, nbytes, beta = random_profiles(rng, m, comm_ratio=float(rng.uniform(0.1, 1.5)))
+        cap = int(rng.choice([0, 8_000, 40_000]))
+        for k in range(m + 1):
+            kw = dict(bucket_cap_bytes=cap, alpha=0.01, beta=beta, bytes_per_layer=nbytes, step_time=0.2,
+                      shared_link=shared, priority=False)
+            exact = simulate(profiles, k, **kw)
+            tiny = simulate(profiles, k, slowdown=1e-12, **kw)
+            assert tiny.iteration_time == pytest.approx(exact.iteration_time, rel=1e-9, abs=1e-9)
+            assert tiny.wait == pytest.approx(exact.stall, rel=1e-6, abs=1e-6)
+
+
+def test_slowdown_charges_compute_that_overlaps_a_transfer():
+    """k = m: the one stale all-reduce (c) runs across step() and the next forward; compute
+    under it runs at 1/(1+σ), so in its c seconds it does c/(1+σ) of work and the iteration
+    takes c·σ/(1+σ) longer; no transfer, no cost."""
+    sigma, c = 0.5, 0.4
+    profiles = [LayerProfile("l1", 1.0, 1.0, c, numel=1), LayerProfile("l2", 1.0, 1.0, 0.0, numel=1)]
+    base = simulate(profiles, 2, bucket_cap_bytes=1e9, alpha=None, beta=None, step_time=0.25)
+    slowed = simulate(profiles, 2, bucket_cap_bytes=1e9, alpha=None, beta=None, step_time=0.25, slowdown=sigma)
+    assert base.iteration_time == pytest.approx(base.compute_time)
+    assert slowed.iteration_time == pytest.approx(base.compute_time + c * sigma / (1 + sigma))
+    assert slowed.wait == pytest.approx(0.0, abs=1e-12)
+    assert slowed.stall == pytest.approx(c * sigma / (1 + sigma))
+    silent = [LayerProfile("l1", 1.0, 1.0, 0.0, numel=1), LayerProfile("l2", 1.0, 1.0, 0.0, numel=1)]
+    r = simulate(silent, 2, bucket_cap_bytes=1e9, alpha=None, beta=None, slowdown=sigma)
+    assert r.iteration_time == pytest.approx(r.compute_time)
+    with pytest.raises(ValueError):
+        simulate(profiles, 1, bucket_cap_bytes=0, alpha=None, beta=None, slowdown=-0.1)
+
+
+def test_choice_under_slowdown_is_the_smallest_k_near_the_best():
+    """No k is stall-free when overlap costs compute: take the smallest k within tolerance of
+    the best one; that is not communication-bound (nothing waits at k = m)."""
+    rng = np.random.default_rng(13)
+    checked = 0
+    for _ in range(30):
+        m = int(rng.integers(2, 10))
+        profiles, nbytes, beta = random_profiles(rng, m, comm_ratio=float(rng.uniform(0.3, 0.7)))
+        kw = dict(bucket_cap_bytes=0, alpha=0.0, beta=beta, bytes_per_layer=nbytes, slowdown=0.5, shared_link=True)
+        d = choose_k(profiles, tolerance=0.01, **kw)
+        times = [simulate(profiles, k, **kw).iteration_time for k in range(m + 1)]
+        if d.stalls[m] <= d.tolerance:
+            continue
+        checked += 1
+        assert d.iteration_time <= min(times) + d.tolerance
+        assert all(t > min(times) + d.tolerance for t in times[: d.k])
+        assert not d.comm_bound
+    assert checked >= 10
+
+
+# --------------------------------------------------------------------------- identification (profiler)
+
+
+def _synthetic_raw(u, b, comm, probe=None, contended=None, step=0.1):
+    """A LayerTimer.raw() of iterations with the given per-layer times (no noise).
+
+    Each iteration: forward layers back to back from 0, backward from there, then one
+    all-reduce record per entry of ``comm`` (issue, done) relative to the backward's end.
+    """
+    m = len(u)
+    forward, backward, spans, comms = [], [], [], []
+    for _ in range(3):
+        fs, t = [], 0.0
+        for x in u:
+            fs.append((t, t + x))
+            t += x
+        bs = [None] * m
+        for i in reversed(range(m)):
+            bs[i] = (t, t + b[i])
+            t += b[i]
+        forward.append(list(u))
+        backward.append(list(b))
+        spans.append((fs, bs))
+        comms.append([[0, 4000, t + lo, t + hi] for lo, hi in comm])
+    return {"forward": forward, "backward": backward, "step_times": [step] * 2, "comm": comms, "spans": spans,
+            "step_spans": [(0.0, step, [])] * 2, "contended": contended}
+
+
+def test_slowdown_is_identified_from_the_contended_iteration():
+    from sapipe.schedule import profiler
+
+    sigma = 0.6
+    u, b = [1.0, 2.0, 1.0, 0.5], [1.0, 1.0, 1.0, 1.0]
+    lo, hi = 0.5, 3.0  # the dummy transfer's flight, in the contended iteration's time
+    # fluid model: a layer runs at 1/(1+σ) while the transfer flies
+    spans, seen, t = [], [], 0.0
+    for x in u:
+        start, work = t, x
+        if t < lo:
+            done = min(work, lo - t)
+            t += done
+            work -= done
+        if work > 0 and t < hi:
+            slowed = min(work * (1 + sigma), hi - t)
+            t += slowed
+            work -= slowed / (1 + sigma)
+        t += work
+        spans.append((start, t))
+        seen.append(t - start)
+    contended = {"forward": seen, "backward": list(b), "forward_spans": spans,
+                 "backward_spans": [(t + 10, t + 11)] * 4, "own_comm_from": 99.0, "probe": [4000, lo, hi]}
+    timer = profiler.LayerTimer.from_raw(_synthetic_raw(u, b, [], contended=contended))
+    extra, overlap = timer.slowdown_sample()
+    assert overlap == pytest.approx(hi - lo)
+    assert profiler.slowdown_from([(extra, overlap)]) == pytest.approx(sigma)
+    assert profiler.slowdown_from([(extra, overlap), (0.0, 0.0)]) == pytest.approx(sigma)  # a rank without a sample
+    assert profiler.slowdown_from([(-0.1, 1.0)]) == 0.0  # noise that made it faster: no slow-down
+    # No probe -> no sample
+    assert profiler.LayerTimer.from_raw(_synthetic_raw(u, b, [])).slowdown_sample() == (0.0, 0.0)
+
+
+def test_medians_take_the_slowdown_out_of_overlapped_samples():
+    from sapipe.schedule import profiler
+
+    u, b = [1.0, 1.0], [2.0, 3.0]
+    # backward runs layer 2 in [2, 5], then layer 1 in [5, 7]: the first all-reduce covers
+    # the first 1.0 of layer 1's backward; the second one flies after compute ended.
+    raw = _synthetic_raw(u, b, [(-2.0, -1.0), (5.0, 6.0)])
+    timer = profiler.LayerTimer.from_raw(raw)
+    assert timer.medians(0.0) == (pytest.approx(u), pytest.approx(b), pytest.approx(0.1))
+    cu, cb, _ = timer.medians(1.0)  # σ = 1: an overlapped second took 2, so 0.5 s is taken out
+    assert cu == pytest.approx(u)
+    assert cb == pytest.approx([2.0 - 0.5, 3.0])
+
+
+def test_observed_link_fit_uses_the_last_rank_to_arrive():
+    from sapipe.schedule import profiler
+
+    alpha, beta, nbytes = 1e-4, 2e-9, 10_000_000
+    true = alpha + beta * nbytes
+    skewed = [(true + 0.004, 1, nbytes), (true + 0.001, 1, nbytes), (true + 0.006, 1, nbytes)]
+    clean = [(true, 1, nbytes), (true, 1, nbytes), (true + 0.002, 1, nbytes)]
+    assert profiler.observed_beta(alpha, [skewed, clean]) == pytest.approx(beta)
+    # ranks disagreeing on what they sent, or a missed completion: those iterations do not count
+    odd = [(true * 10, 2, 2 * nbytes), (math.nan, 1, nbytes), (true, 1, nbytes)]
+    assert profiler.observed_beta(alpha, [odd, clean]) == pytest.approx(beta)  # only the third counts
+    assert math.isnan(profiler.observed_beta(alpha, [[(math.nan, 1, nbytes)], [(true, 1, nbytes)]]))
+    assert profiler.busy_time([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
+
+
+def test_combined_profile_prefers_the_slower_link():
+    from sapipe.schedule import profiler
+
+    sizes = [4096, 1 << 20, 1 << 22]
+    probe = [1e-4 + 1e-9 * s for s in sizes]
+    rows = [[0.1, 0.2, 0.3, 0.4, 0.05] + probe, [0.2, 0.1, 0.3, 0.5, 0.04] + probe]
+    link = [[(1e-4 + 3e-9 * (1 << 22), 1, 1 << 22)]] * 2
+    p = profiler.combine(rows, 2, sizes, link, 0.25)
+    assert (p.forward, p.backward, p.step_time) == ([0.2, 0.2], [0.3, 0.5], 0.05)
+    assert (p.alpha, p.beta_isolated) == (pytest.approx(1e-4), pytest.approx(1e-9))
+    assert p.beta_observed == pytest.approx(3e-9) and p.beta == p.beta_observed and p.slowdown == 0.25
+    p = profiler.combine(rows, 2, sizes, [[(math.nan, 1, 1 << 22)]] * 2, 0.0)
+    assert math.isnan(p.beta_observed) and p.beta == pytest.approx(1e-9)
+
+
+def test_timer_times_all_reduces_and_keeps_the_contended_iteration_apart():
+    """Driven like the optimizer drives it, with fake work objects whose futures we complete."""
+    torch = pytest.importorskip("torch")
+    from sapipe.schedule import profiler
+
+    class Work:
+        def __init__(self):
+            self.future = torch.futures.Future()
+
+        def get_future(self):
+            return self.future
+
+        def wait(self):
+            return True
+
+    probe_work = Work()
+    prepared = []
+
+    def prepare():
+        prepared.append(True)
+        return lambda: (probe_work, 1234)
+
+    timer = profiler.LayerTimer(2, contention_probe=prepare)
+    works = []
+    for contention in (False, False, True):
+        timer.begin_iteration(contention=contention)
+        timer.layer_forward(0)
+        timer.layer_forward(1)
+        timer.forward_end()
+        timer.gradient_released(1)
+        timer.gradient_released(0)
+        work = Work()
+        timer.comm_started(0, 4000, work)  # a raw work object...
+        works.append(work)
+        timer.end_iteration()
+        work.future.set_result(None)  # completes after the iteration, like a real all-reduce
+    timer.comm_started(0, 4000, Work())  # not profiling: ignored
+    probe_work.future.set_result(None)
+    assert prepared == [True] and timer.samples == 2  # the contended iteration is kept apart
+    samples = timer.link_samples()
+    assert [(c, n) for _, c, n in samples] == [(1, 4000), (1, 4000)]
+    assert all(busy > 0 for busy, _, _ in samples)
+    assert timer.contended is not None and timer.contended["probe"][0] == 1234
+    assert timer.contended["probe"][2] >= timer.contended["probe"][1]  # its completion was seen
+    # A back-end handle without futures: the transfer is not timed, nothing else breaks.
+    timer.begin_iteration()
+    timer.comm_started(0, 4000, object())
+    assert timer._iter_comm == []

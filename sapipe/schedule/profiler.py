@@ -1,9 +1,12 @@
-"""Measure u_i, b_i and the all-reduce cost on the running job (DESIGN.md §4).
+"""Measure u_i, b_i, the link and the CPU's share of it on the running job (DESIGN.md §4).
+
+Everything below is measured during the profiled warm-up iterations, which run with k = 0
+(fully synchronous, real all-reduces in flight), and then by a few timed all-reduces.
 
 * **Forward u_i**: the time from layer i's forward pre-hook to the next layer's (the last
   layer runs until the model's forward returns), so the ops between parameterised layers
   (activations, attention arithmetic, residual adds) are charged to the layer before them
-  and Σu is the whole forward.
+  and Σu is the whole forward. Time spent waiting for communication is taken out.
 * **Backward b_i**: from gradient *release* times, the moment the last gradient of layer i
   is accumulated. Releases are made monotone in reverse layer order (a bucket can only be
   sent once all later layers' gradients are in), and b_i is the gap between consecutive
@@ -11,19 +14,40 @@
 * **Step time**: from an iteration's last gradient release to the next iteration's first
   layer (``step()``, ``zero_grad()``, the next batch), minus communication waits: serial
   compute the simulator places between backward and the next forward.
-* **Communication**: an α–β model (t = α + β·bytes) fitted by least squares to timed
-  all-reduces of a few sizes on the job's own process group.
+* **Link, α–β**: t = α + β·bytes. α and an *isolated* β come from a least-squares fit to
+  timed blocking all-reduces of a few sizes on the job's own process group (fastest of 5).
+  The all-reduces of the profiled iterations are timed too, from issue to completion (the
+  back-end's completion future, where it has one); their busy time per iteration gives
+  the *observed* β, the link as the training job actually gets it (rank skew, Gloo's
+  threads and copies competing with step() and the next batch for the CPU: all in). On
+  this project's 2-core host it was 1.2–1.6× the isolated β at full loopback speed and
+  equal to it on a rate-limited link. The slower of the two is used.
+* **Compute slow-down σ while the link is busy** (optional, off by default): given a
+  ``contention_probe``, the last profiled iteration starts a dummy all-reduce (as many
+  bytes as all gradients, on a separate process group, result discarded) with the first
+  layer's forward; the layers it overlaps, against their medians in the other profiled
+  iterations, give σ (a layer that overlapped a transfer for o seconds took o·σ/(1+σ)
+  longer). On this project's 2-core CPU host one such sample per rank proved too noisy to
+  use -- σ came out anywhere from 0 to 2 for the same job, the slow-down arriving in bursts
+  of several ms (the scheduler handing a core to a communication thread) rather than
+  evenly -- so the runtime does not run it and σ = 0 (see benchmarks/RESULTS.md §1).
+  With σ > 0, :meth:`LayerTimer.medians` takes the slow-down out of samples that
+  overlapped the job's own all-reduces, and the simulator puts it back where its timeline
+  has a transfer in flight.
 
-Each rank measures; the profile is then reduced with MAX over ranks, so every rank
-decides the same k from the same numbers (and the slowest rank, which sets the pace of a
-synchronous job, is what the decision plans for).
+Each rank measures; the profile is then combined over ranks so every rank decides the same
+k from the same numbers (:func:`combine`, pure, so a saved run can be replayed offline):
+MAX for compute and the probes (the slowest rank sets the pace of a synchronous job), per
+iteration MIN for the observed link (a rank that issued an all-reduce early waits for its
+peers inside it; the one that issued last sees the link alone), pooled for σ.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,41 +55,69 @@ import torch.distributed as dist
 
 @dataclass
 class Profile:
-    """Per-layer median times in forward order (seconds) and the fitted link model."""
+    """Per-layer median times in forward order (seconds), the link model and σ."""
 
     forward: List[float]
     backward: List[float]
     step_time: float  # serial compute between backward and the next forward
     alpha: float  # seconds per all-reduce
-    beta: float  # seconds per byte
+    beta: float  # seconds per byte: the one the model uses (max of isolated and observed)
+    slowdown: float = 0.0  # σ: compute runs at 1/(1+σ) while a transfer is in flight
+    beta_isolated: float = math.nan  # from the timed blocking all-reduces alone
+    beta_observed: float = math.nan  # from the profiled iterations' all-reduces (nan: none seen)
+    raw: Dict[str, Any] = field(default_factory=dict)  # this rank's measurements (diagnostics)
 
 
 class LayerTimer:
-    """Collects forward-start and gradient-release timestamps of profiled iterations.
+    """Collects forward-start, gradient-release and all-reduce timestamps of profiled iterations.
 
     ``executed[i]`` says whether layer i runs its own forward (a module whose parameters
     its parent uses directly, like ``nn.MultiheadAttention.out_proj``, never does: its
     forward time is part of the layer before it, and its u is 0).
+
+    ``contention_probe``, if given, prepares a dummy collective (allocates its buffer) and
+    returns a function that starts it, returning (work, bytes) with ``work`` a
+    ``torch.distributed`` work object; it is prepared in ``begin_iteration(contention=True)``
+    and started at that iteration's first layer forward. That iteration measures σ and is
+    left out of the medians and of the link fit.
     """
 
-    def __init__(self, num_layers: int, executed: Optional[Sequence[bool]] = None):
+    def __init__(self, num_layers: int, executed: Optional[Sequence[bool]] = None,
+                 contention_probe: Optional[Callable[[], Any]] = None):
         self.num_layers = num_layers
         self.executed = list(executed) if executed is not None else [True] * num_layers
+        self._first = next((i for i in range(num_layers) if self.executed[i]), 0)
         self._forward: List[List[float]] = []
         self._backward: List[List[float]] = []
+        self._comm: List[List[List[Any]]] = []  # per iteration: [bucket, nbytes, issue, done]
+        self._spans: List[Tuple[list, list]] = []  # per iteration: forward and backward (start, end) per layer
+        self._step_spans: List[Tuple[float, float, List[List[Any]]]] = []  # (start, end, comm then in flight)
+        self._last_comm: List[List[Any]] = []
         self._starts: Dict[int, float] = {}
         self._waits: Dict[int, float] = {}  # communication waited for before layer i ran
         self._releases: Dict[int, float] = {}
         self._forward_end: Optional[float] = None
+        self._iter_comm: List[List[Any]] = []
         self._step_times: List[float] = []
         self._last_release: Optional[float] = None  # of the previous profiled iteration
+        self._probe_prepare = contention_probe
+        self._probe_start: Optional[Callable[[], Tuple[Any, int]]] = None
+        self._contention = False
+        self._probe: Optional[List[Any]] = None  # [nbytes, issue, done] of the running probe
+        self._probe_work: Any = None
+        self.contended: Optional[Dict[str, Any]] = None  # the contention iteration, raw
         self.active = False
 
-    def begin_iteration(self) -> None:
+    def begin_iteration(self, contention: bool = False) -> None:
         self._starts.clear()
         self._waits.clear()
         self._releases.clear()
         self._forward_end = None
+        self._iter_comm = []
+        self._contention = contention and self._probe_prepare is not None
+        if self._contention:
+            assert self._probe_prepare is not None
+            self._probe_start = self._probe_prepare()  # allocation is not charged to a layer
         self.active = True
 
     def layer_forward(self, layer: int, waited: float = 0.0) -> None:
@@ -79,7 +131,34 @@ class LayerTimer:
             self._waits[layer] = waited
             if layer == 0 and self._last_release is not None:
                 self._step_times.append(max(0.0, now - self._last_release - waited))
+                self._step_spans.append((self._last_release, now - waited, self._last_comm))
                 self._last_release = None
+            if self._contention and layer == self._first and self._probe is None:
+                self._start_probe()
+
+    def _start_probe(self) -> None:
+        assert self._probe_start is not None
+        record: List[Any] = [0, time.perf_counter(), math.nan]
+        work, nbytes = self._probe_start()
+        record[0] = nbytes  # [nbytes, issue, done]
+        self._probe, self._probe_work = record, work
+        if not _on_completion(work, lambda: record.__setitem__(2, time.perf_counter())):
+            self._probe = None  # no completion time to be had: no σ
+
+    def finish_probe(self) -> None:
+        """Wait for the contention probe's collective, if one is in flight (call before
+        using the group it runs on, and before :func:`measure`)."""
+        work, self._probe_work = self._probe_work, None
+        if work is not None:
+            work.wait()
+
+    def comm_started(self, bucket: int, nbytes: int, handle: Any) -> None:
+        """Bucket ``bucket`` (``nbytes``) was handed to the back-end; time it to completion."""
+        if not self.active:
+            return
+        record: List[Any] = [bucket, nbytes, time.perf_counter(), math.nan]
+        if _on_completion(handle, lambda: record.__setitem__(3, time.perf_counter())):
+            self._iter_comm.append(record)
 
     def forward_end(self) -> None:
         if self.active and self._forward_end is None:
@@ -97,14 +176,16 @@ class LayerTimer:
         if self._forward_end is None or not self._releases or any(i not in self._starts for i in ran):
             return  # a layer did not run: not a representative iteration
         self._last_release = max(self._releases.values())
+        self._last_comm = self._iter_comm
         forward = [0.0] * m
+        spans: List[Tuple[float, float]] = [(math.nan, math.nan)] * m  # forward [start, end), waits excluded
         for j, i in enumerate(ran):
             nxt = ran[j + 1] if j + 1 < len(ran) else None
             # Waits between two executed starts (layers hosted by the next one included) are stalls.
             stalled = sum(self._waits.get(x, 0.0) for x in range(i + 1, (nxt if nxt is not None else m - 1) + 1))
             end = self._starts[nxt] if nxt is not None else self._forward_end
             forward[i] = max(0.0, end - self._starts[i] - stalled)
-        self._forward.append(forward)
+            spans[i] = (self._starts[i], end - stalled)
         # Monotone releases: layer i's bucket can go once layers i+1..m are in. A layer that
         # got no gradient this iteration counts as released with the layer after it.
         release: List[float] = [0.0] * m
@@ -113,25 +194,143 @@ class LayerTimer:
             release[i] = max(self._releases.get(i, after), after)
         previous = [self._forward_end] + release[::-1][:-1]
         gaps_reversed = [max(0.0, r - p) for r, p in zip(release[::-1], previous)]
-        self._backward.append(gaps_reversed[::-1])
+        backward = gaps_reversed[::-1]
+        if self._contention:
+            first_issue = min((c[2] for c in self._iter_comm), default=math.inf)
+            back_spans = [(release[i + 1] if i + 1 < m else self._forward_end, release[i]) for i in range(m)]
+            self.contended = {"forward": forward, "backward": backward, "forward_spans": spans,
+                              "backward_spans": back_spans, "own_comm_from": first_issue, "probe": self._probe}
+            self._contention = False
+            return
+        self._forward.append(forward)
+        self._backward.append(backward)
+        self._comm.append(self._iter_comm)
+        self._spans.append((spans, [(release[i + 1] if i + 1 < m else self._forward_end, release[i]) for i in range(m)]))
 
     @property
     def samples(self) -> int:
         return len(self._forward)
 
-    def medians(self) -> Tuple[List[float], List[float], float]:
+    def medians(self, slowdown: float = 0.0) -> Tuple[List[float], List[float], float]:
         """Median u_i, b_i and step time over the profiled iterations.
 
         Per-layer medians are rescaled so that they add up to the median per-iteration
         total: under bursty noise a sum of medians underestimates the whole pass, and the
         total is what sets the iteration time.
+
+        With ``slowdown`` σ > 0, every sample is first cleaned of the slow-down it suffered:
+        a span that overlapped the job's own all-reduces for o seconds loses o·σ/(1+σ)
+        (the simulator puts it back wherever its timeline has a transfer in flight).
         """
         if not self._forward:
             raise RuntimeError("sapipe: no complete iteration was profiled")
-        u = _median_shares(self._forward)
-        b = _median_shares(self._backward)
-        step = statistics.median(self._step_times) if self._step_times else 0.0
+        forward, backward = self._forward, self._backward
+        steps = self._step_times
+        if slowdown > 0:
+            cut = slowdown / (1.0 + slowdown)
+            forward, backward = [], []
+            for f, bw, comm, (fspans, bspans) in zip(self._forward, self._backward, self._comm, self._spans):
+                busy = _intervals(comm)
+                forward.append([max(0.0, x - cut * _overlap(span, busy)) for x, span in zip(f, fspans)])
+                backward.append([max(0.0, x - cut * _overlap(span, busy)) for x, span in zip(bw, bspans)])
+            steps = [max(0.0, x - cut * _overlap((lo, hi), _intervals(comm)))
+                     for x, (lo, hi, comm) in zip(self._step_times, self._step_spans)]
+        u = _median_shares(forward)
+        b = _median_shares(backward)
+        step = statistics.median(steps) if steps else 0.0
         return u, b, step
+
+    def link_samples(self) -> List[Tuple[float, int, int]]:
+        """Per clean profiled iteration: (link busy seconds, all-reduces, bytes) of its timed
+        all-reduces (see :func:`busy_time`); busy is nan where a completion was not seen."""
+        out = []
+        for records in self._comm:
+            done = [(r[2], r[3]) for r in records if not math.isnan(r[3])]
+            busy = busy_time(done) if records and len(done) == len(records) else math.nan
+            out.append((busy, len(records), sum(r[1] for r in records)))
+        return out
+
+    def slowdown_sample(self) -> Tuple[float, float]:
+        """(E, O) from the contention iteration: extra compute time E of the layers the
+        dummy transfer overlapped for O seconds in all; σ = E / (O − E). (0, 0) if none."""
+        c = self.contended
+        if c is None or c["probe"] is None or math.isnan(c["probe"][2]) or not self._forward:
+            return 0.0, 0.0
+        u, b, _ = self.medians()
+        lo, hi = c["probe"][1], min(c["probe"][2], c["own_comm_from"])  # own traffic would muddle it
+        extra = overlap = 0.0
+        for spans, clean, seen in ((c["forward_spans"], u, c["forward"]), (c["backward_spans"], b, c["backward"])):
+            for i, (start, end) in enumerate(spans):
+                if math.isnan(start) or end <= start:
+                    continue
+                o = max(0.0, min(end, hi) - max(start, lo))
+                if o > 0:
+                    extra += seen[i] - clean[i]
+                    overlap += o
+        return extra, overlap
+
+    @classmethod
+    def from_raw(cls, raw: Dict[str, Any], executed: Optional[Sequence[bool]] = None) -> "LayerTimer":
+        """A timer holding the measurements of :meth:`raw` (for offline analysis)."""
+        timer = cls(len(raw["forward"][0]) if raw["forward"] else 0, executed)
+        timer._forward, timer._backward, timer._step_times = raw["forward"], raw["backward"], raw["step_times"]
+        timer._comm, timer.contended = raw["comm"], raw["contended"]
+        timer._spans = [tuple(x) for x in raw["spans"]]
+        timer._step_spans = [tuple(x) for x in raw["step_spans"]]
+        return timer
+
+    def raw(self) -> Dict[str, Any]:
+        """Everything measured, for offline analysis (JSON-serialisable)."""
+        return {"forward": self._forward, "backward": self._backward, "step_times": self._step_times,
+                "comm": self._comm, "spans": self._spans, "step_spans": self._step_spans,
+                "contended": self.contended}
+
+
+def _intervals(records: Sequence[Sequence[Any]]) -> List[Tuple[float, float]]:
+    """(issue, done) of timed all-reduce records whose completion was seen."""
+    return [(r[-2], r[-1]) for r in records if not math.isnan(r[-1])]
+
+
+def _overlap(span: Tuple[float, float], intervals: Sequence[Tuple[float, float]]) -> float:
+    """Length of ``span`` covered by the union of ``intervals``."""
+    lo, hi = span
+    if math.isnan(lo) or hi <= lo:
+        return 0.0
+    total, covered_to = 0.0, lo
+    for start, end in sorted(intervals):
+        start, end = max(start, covered_to), min(end, hi)
+        if end > start:
+            total += end - start
+            covered_to = end
+    return total
+
+
+def _on_completion(handle: Any, callback: Callable[[], None]) -> bool:
+    """Call ``callback`` when ``handle``'s collective completes; False if it cannot tell."""
+    try:
+        owner = getattr(handle, "owner", None)
+        if owner is not None:  # a sapipe.comm Handle: its back-end knows
+            return owner.when_done(handle, callback)
+        get_future = getattr(handle, "get_future", None)  # a raw torch.distributed work
+        if get_future is None:
+            return False
+        get_future().add_done_callback(lambda _: callback())
+        return True
+    except Exception:  # noqa: BLE001 - no timing, nothing else lost
+        return False
+
+
+def busy_time(intervals: Sequence[Tuple[float, float]]) -> float:
+    """Link busy time of transfers (issue, done) on a one-at-a-time (FIFO) link.
+
+    Each transfer's service is ``done − max(issue, previous done)``: queueing behind an
+    earlier transfer is not its own cost. Equals the length of the union of the intervals.
+    """
+    busy, free = 0.0, -math.inf
+    for issue, done in sorted(intervals):
+        busy += max(0.0, done - max(issue, free))
+        free = max(free, done)
+    return busy
 
 
 def _median_shares(samples: List[List[float]]) -> List[float]:
@@ -151,6 +350,58 @@ def fit_alpha_beta(sizes_bytes: Sequence[int], seconds: Sequence[float]) -> Tupl
     beta = max(beta, 0.0)
     alpha = max(mean_y - beta * mean_x, 0.0)
     return alpha, beta
+
+
+def observed_beta(alpha: float, per_rank: Sequence[Sequence[Tuple[float, int, int]]]) -> float:
+    """β of the link as the profiled iterations saw it; nan without usable data.
+
+    ``per_rank[r][i]`` is rank r's :meth:`LayerTimer.link_samples` entry of iteration i.
+    Per iteration the MIN over ranks is taken (a rank that issued early waits for its peers
+    inside the all-reduce; the last to issue sees the link alone), then β makes
+    α·count + β·bytes equal that busy time, and the median over iterations is returned.
+    Iterations where ranks disagree on the transfers, or a completion was missed, are skipped.
+    """
+    betas = []
+    for samples in zip(*per_rank):
+        counts = {(c, n) for _, c, n in samples}
+        busy = min(b for b, _, _ in samples)
+        if len(counts) != 1 or math.isnan(busy) or busy <= 0:
+            continue
+        ((count, nbytes),) = counts
+        if count and nbytes > 0:
+            betas.append(max(busy - alpha * count, 0.0) / nbytes)
+    return statistics.median(betas) if betas else math.nan
+
+
+def slowdown_from(samples: Sequence[Tuple[float, float]]) -> float:
+    """σ from contention samples (E, O), one per rank: compute that overlapped a transfer
+    for O seconds took E seconds longer, so it ran at 1/(1+σ) = (O − E)/O of its speed.
+    Pooled over ranks (Σ E / Σ (O − E)): each rank's single sample is noisy. 0 without data."""
+    extra = math.fsum(e for e, o in samples if o > 0)
+    overlap = math.fsum(o for e, o in samples if o > 0)
+    if overlap <= 0 or extra <= 0:
+        return 0.0
+    return extra / max(overlap - extra, 1e-3 * overlap)
+
+
+def combine(
+    rows: Sequence[Sequence[float]], m: int, sizes: Sequence[int], link: Sequence[Sequence[Tuple[float, int, int]]],
+    slowdown: float,
+) -> "Profile":
+    """The job's profile from every rank's ``u + b + [step] + probe times`` row and link samples.
+
+    MAX over ranks for compute and the probes (the slowest rank sets the pace of a
+    synchronous job); :func:`observed_beta` for the link seen in training. Pure: every rank,
+    and an offline analysis of a saved run, computes the same profile from the same inputs.
+    """
+    values = [max(col) for col in zip(*rows)]
+    alpha, beta_isolated = fit_alpha_beta(sizes, values[2 * m + 1 : 2 * m + 1 + len(sizes)])
+    beta_seen = observed_beta(alpha, link)
+    beta = beta_isolated if math.isnan(beta_seen) else max(beta_isolated, beta_seen)
+    return Profile(
+        forward=values[:m], backward=values[m : 2 * m], step_time=values[2 * m], alpha=alpha, beta=beta,
+        slowdown=slowdown, beta_isolated=beta_isolated, beta_observed=beta_seen,
+    )
 
 
 def time_allreduce(group, nbytes: int, dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:
@@ -181,20 +432,45 @@ def probe_sizes(bucket_bytes: Sequence[int]) -> List[int]:
     return sorted({4096, max(4096, largest // 16), max(8192, largest // 4), max(16384, largest)})
 
 
+def dummy_allreduce(group, nbytes: int, dtype: torch.dtype, device: torch.device) -> Callable[[], Tuple[Any, int]]:
+    """A contention probe for :class:`LayerTimer`: allocates ``nbytes`` of zeros now and
+    returns the function that starts their all-reduce on ``group`` (result never used)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    buffer = torch.zeros(max(1, nbytes // element), dtype=dtype, device=device)
+    return lambda: (dist.all_reduce(buffer, group=group, async_op=True), buffer.numel() * element)
+
+
 def measure(
     timer: LayerTimer, group, bucket_bytes: Sequence[int], dtype: torch.dtype, device: torch.device
 ) -> Profile:
-    """The job's profile, identical on every rank (MAX over ranks)."""
-    u, b, step = timer.medians()
+    """The job's profile, identical on every rank (see the module docstring for reductions)."""
+
+    def reduce(values: List[float], op) -> List[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(tensor, op=op, group=group)
+        return tensor.cpu().tolist()
+
+    timer.finish_probe()
+    world = dist.get_world_size(group)
+
+    def gather(values: List[float]) -> List[List[float]]:
+        local = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+        out = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(out, local, group=group)
+        return [t.cpu().tolist() for t in out]
+
+    extra, overlap = timer.slowdown_sample()
+    slowdown = slowdown_from([tuple(r) for r in gather([extra, overlap])])
+    u, b, step = timer.medians(slowdown)
     sizes = probe_sizes(bucket_bytes)
     comm = [time_allreduce(group, s, dtype, device) for s in sizes]
-    local = torch.tensor(u + b + [step] + comm, dtype=torch.float64)
-    if device.type == "cuda":
-        local = local.to(device)
-    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-    values = local.cpu().tolist()
-    m = len(u)
-    alpha, beta = fit_alpha_beta(sizes, values[2 * m + 1 :])
-    return Profile(
-        forward=values[:m], backward=values[m : 2 * m], step_time=values[2 * m], alpha=alpha, beta=beta
-    )
+    rows = gather(u + b + [step] + comm)
+    samples = timer.link_samples()
+    longest = int(max(r[0] for r in gather([float(len(samples))])))
+    padded = samples + [(math.nan, -1, -1)] * (longest - len(samples))
+    flat = gather([x for sample in padded for x in sample])
+    link = [[(r[3 * i], int(r[3 * i + 1]), int(r[3 * i + 2])) for i in range(longest)] for r in flat]
+    profile = combine(rows, len(u), sizes, link, slowdown)
+    profile.raw = dict(timer.raw(), probe_sizes=sizes, probe_times=comm, link_samples=samples,
+                       slowdown_sample=[extra, overlap], row=rows[dist.get_rank(group)])
+    return profile

@@ -15,11 +15,18 @@ Model (one rank; every rank is assumed identical):
   S/N boundary between layers k and k+1. Layers 1..k (stale set S) are the last buckets.
 * **Launch**: bucket j's all-reduce is issued when the backward of all its layers is done
   *and* bucket j-1 has been issued (collectives are issued in index order on every rank).
-* **Link**: one shared link runs one all-reduce at a time, never pre-empting a running one.
-  The next to run is the earliest issued (FIFO), or with ``priority=True`` the earliest
-  issued *sync* bucket if any is waiting, else the earliest stale one. A bucket takes
-  ``alpha + beta * bytes`` (or, with ``alpha = beta = None``, the sum of its layers'
-  profiled ``comm`` times).
+* **Link**: one shared link. By default (:class:`Link`) it runs one all-reduce at a time,
+  never pre-empting a running one. The next to run is the earliest issued (FIFO), or with
+  ``priority=True`` the earliest issued *sync* bucket if any is waiting, else the earliest
+  stale one. With ``shared_link=True`` (:class:`SharedLink`) sync and stale buckets go on
+  two process groups, as the runtime sends them: each group is a FIFO queue, and while
+  both have a transfer running they split the bandwidth evenly (fluid processor sharing).
+  A bucket takes ``alpha + beta * bytes`` of the link at full rate (or, with
+  ``alpha = beta = None``, the sum of its layers' profiled ``comm`` times).
+* **Compute slow-down**: with ``slowdown`` σ > 0, compute runs at 1/(1+σ) of its speed
+  while the link carries any transfer (on a CPU host the communication threads and the
+  kernel's copies take cores from compute, DESIGN.md §6). Transfers are not slowed in
+  turn: ``beta`` should be the link as seen under training (``profiler`` fits it there).
 * **Sync bucket** of iteration t: the forward of its first layer (in forward order) in
   iteration t+1 waits for its all-reduce (the deferred update is applied just before it).
 * **Stale bucket** of iteration t: its all-reduce may run through iteration t+1; the
@@ -29,9 +36,13 @@ The simulation runs iteration after iteration, carrying in-flight stale traffic 
 until the pipeline repeats itself; the iteration time is the time between consecutive
 iteration starts in that steady state.
 
-Not modelled: the time of ``step()`` itself and of deferred updates (taken as 0), hook
-overhead, two all-reduces sharing the link concurrently (e.g. on two process groups), and
-communication slowing computation down (it does on a CPU host, DESIGN.md §6).
+Not modelled: the time of deferred updates (taken as 0), hook overhead, communication
+being slowed by computation (the fitted ``beta`` averages over it), a link whose sharing is
+neither FIFO nor even (a deep queue in front of the link, as ``tc tbf`` with a large limit
+has, lets the transfer that started first keep most of it), more than one transfer in
+flight per process group (Gloo runs two at once per group; NCCL queues them), rank skew
+(every rank is assumed identical) and noise. With σ = 0 and ``shared_link=False`` this is
+exactly the one-at-a-time model above, the paper's setting plus bucketing and launch order.
 
 A consequence worth knowing: sync-before-stale ``priority`` never shortens the iteration
 here. The only stale all-reduce a sync one can overtake is from the previous iteration, and
@@ -179,6 +190,15 @@ class Link:
         free = self.placed[-1].end if self.placed else -math.inf
         self._place(sorted(redo + list(transfers), key=lambda t: t.order), free)
 
+    def busy_from(self, t: float) -> List[Tuple[float, float]]:
+        """Busy intervals of the link after ``t`` given the transfers submitted so far."""
+        out: List[Tuple[float, float]] = []
+        for tr in reversed(self.placed):  # in start order, serial: ends increase too
+            if tr.end <= t:
+                break
+            out.append((max(tr.start, t), tr.end))
+        return out[::-1]
+
     def _place(self, waiting: List[Transfer], free: float) -> None:
         """List-schedule ``waiting`` (in launch order, hence in issue order) from time ``free``."""
         now = free
@@ -199,6 +219,100 @@ class Link:
             self.placed.append(nxt)
 
 
+class SharedLink:
+    """Two process groups sharing one link: processor sharing between two FIFO queues.
+
+    The runtime sends sync buckets on one process group and stale buckets on another
+    (``sapipe.comm``). Each group runs its all-reduces one after the other; when both have
+    one running, they split the bandwidth evenly (a fluid model of two TCP flows through
+    the same bottleneck), and one alone gets all of it. A transfer needs ``comm_time`` of
+    the link at full rate. The link is work-conserving, so its busy periods, and the total
+    traffic, are those of the one-at-a-time :class:`Link`; what changes is who finishes when:
+    a sync all-reduce that shares the link with a stale one takes up to twice as long.
+
+    Transfers must be submitted in issue order. ``start``/``end`` of a transfer still in
+    flight are projections assuming nothing more is submitted; they are exact for any
+    question asked before the next submission's issue time, which is all the simulator asks.
+    """
+
+    def __init__(self) -> None:
+        self.placed: List[Transfer] = []  # every submitted transfer, in issue order
+        self.now = -math.inf  # the fluid state below is as of this time
+        self._queues: Tuple[List[Transfer], List[Transfer]] = ([], [])  # sync, stale: pending, FIFO
+        self._remaining: Dict[int, float] = {}  # id(transfer) -> link time left, for queue heads
+        self._busy_until = -math.inf  # end of the projected busy period
+
+    def submit(self, transfers: Sequence[Transfer]) -> None:
+        for tr in transfers:
+            if tr.issue < self.now:
+                raise ValueError("sapipe.schedule: transfers must be submitted in issue order")
+            self._advance(tr.issue)
+            queue = self._queues[tr.bucket.stale]
+            queue.append(tr)
+            self.placed.append(tr)
+            if len(queue) == 1:
+                tr.start = tr.issue
+                self._remaining[id(tr)] = tr.bucket.comm_time
+        self._project()
+
+    def busy_from(self, t: float) -> List[Tuple[float, float]]:
+        lo = max(t, self.now)
+        return [(lo, self._busy_until)] if self._busy_until > lo else []
+
+    def _advance(self, until: float) -> None:
+        """Run the fluid model from ``now`` to ``until`` (final: nothing else arrives before)."""
+        self.now = self._run(self._queues, self._remaining, self.now, until)
+
+    def _project(self) -> None:
+        """Tentative start/end of everything pending, if nothing else arrives."""
+        queues = (list(self._queues[0]), list(self._queues[1]))
+        self._busy_until = self._run(queues, dict(self._remaining), self.now, math.inf)
+
+    @staticmethod
+    def _run(queues: Tuple[List[Transfer], List[Transfer]], remaining: Dict[int, float], now: float,
+             until: float) -> float:
+        while True:
+            heads = [q[0] for q in queues if q]
+            if not heads:
+                return until if until < math.inf else now
+            share = len(heads)
+            step = min(remaining[id(tr)] for tr in heads)  # link time of the first to finish
+            if now + step * share > until:
+                for tr in heads:
+                    remaining[id(tr)] -= (until - now) / share
+                return until
+            now += step * share
+            for queue in queues:
+                if queue and remaining[id(queue[0])] - step <= 0.0:
+                    done = queue.pop(0)
+                    done.end = now
+                    del remaining[id(done)]
+                    if queue:
+                        queue[0].start = now
+                        remaining[id(queue[0])] = queue[0].bucket.comm_time
+                elif queue:
+                    remaining[id(queue[0])] -= step
+
+
+def _compute_end(cursor: float, work: float, link, slowdown: float) -> float:
+    """When ``work`` seconds of compute that start at ``cursor`` end: compute runs at
+    1/(1+σ) of its speed while the link is busy (with the transfers submitted so far)."""
+    if slowdown <= 0.0 or work <= 0.0:
+        return cursor + work
+    for lo, hi in link.busy_from(cursor):
+        if lo > cursor:  # idle until lo: full speed
+            if work <= lo - cursor:
+                return cursor + work
+            work -= lo - cursor
+            cursor = lo
+        capacity = (hi - cursor) / (1.0 + slowdown)
+        if work <= capacity:
+            return cursor + work * (1.0 + slowdown)
+        work -= capacity
+        cursor = hi
+    return cursor + work
+
+
 # --------------------------------------------------------------------------- simulation
 
 
@@ -208,8 +322,8 @@ class SimResult:
 
     k: int
     iteration_time: float  # between consecutive iteration starts, steady state
-    compute_time: float  # sum(u) + sum(b): the iteration time with no communication
-    stall: float  # iteration_time - compute_time
+    compute_time: float  # sum(u) + sum(b) + step: the iteration time with no communication
+    stall: float  # iteration_time - compute_time: waits and, with a slow-down, compute lost to it
     comm_time: float  # link busy time per iteration (sum of bucket all-reduce times)
     forward_wait: float  # of the stall: waiting for sync all-reduces before forwards
     step_wait: float  # of the stall: step() waiting for the previous iteration's stale all-reduces
@@ -218,6 +332,7 @@ class SimResult:
     iterations: int  # iterations simulated
     buckets: List[BucketPlan] = field(default_factory=list)
     events: List[TraceEvent] = field(default_factory=list)  # one steady-state iteration, starting at 0
+    wait: float = math.nan  # of the stall: time compute waited for communication (= stall without slow-down)
 
 
 @dataclass
@@ -228,6 +343,7 @@ class _Iteration:
     backward_end: float = 0.0
     step_end: float = math.nan  # = next iteration's start
     forward_wait: float = 0.0
+    busy: float = 0.0  # time spent computing (slowed down or not)
     events: List[TraceEvent] = field(default_factory=list)
 
 
@@ -237,10 +353,14 @@ def _run_forward_backward(
     profiles: Sequence["LayerProfile"],
     buckets: Sequence[BucketPlan],
     previous: Dict[int, Transfer],
+    link,
+    slowdown: float,
 ) -> Tuple[_Iteration, List[Transfer]]:
     """Forward (waiting for last iteration's sync all-reduces) and backward of iteration t.
 
-    Returns the timeline and the all-reduces the backward issues.
+    Returns the timeline and the all-reduces the backward issues. With a slow-down they are
+    submitted to ``link`` as they are issued (compute after them depends on them); without,
+    the caller submits them all at once.
     """
     it = _Iteration(start=start)
     sync_bucket_at = {b.first_layer: b for b in buckets if not b.stale}
@@ -254,25 +374,34 @@ def _run_forward_backward(
                                             {"bucket": bucket.index, "before_layer": prof.name}))
                 it.forward_wait += done - cursor
                 cursor = done
-        it.events.append(TraceEvent(prof.name, "forward", cursor, cursor + prof.forward, {"layer": i}))
-        cursor += prof.forward
-    grad_ready = [0.0] * len(profiles)
+        end = _compute_end(cursor, prof.forward, link, slowdown)
+        it.events.append(TraceEvent(prof.name, "forward", cursor, end, {"layer": i}))
+        it.busy += end - cursor
+        cursor = end
+    incremental = slowdown > 0.0
+    pending = {i: len(b.layers) for i, b in enumerate(buckets)}
+    bucket_of = {layer: b.index for b in buckets for layer in b.layers}
+    transfers: List[Transfer] = []
+    issue = -math.inf
     for i in reversed(range(len(profiles))):
         prof = profiles[i]
-        it.events.append(TraceEvent(prof.name, "backward", cursor, cursor + prof.backward, {"layer": i}))
-        cursor += prof.backward
-        grad_ready[i] = cursor
+        end = _compute_end(cursor, prof.backward, link, slowdown)
+        it.events.append(TraceEvent(prof.name, "backward", cursor, end, {"layer": i}))
+        it.busy += end - cursor
+        cursor = end
+        pending[bucket_of[i]] -= 1
+        # buckets go in index order, each once all its layers' gradients are in
+        while len(transfers) < len(buckets) and pending[len(transfers)] == 0:
+            issue = max(issue, cursor)
+            tr = Transfer(t, buckets[len(transfers)], issue)
+            transfers.append(tr)
+            if incremental:
+                link.submit([tr])
     it.backward_end = cursor
-
-    transfers = []
-    issue = -math.inf
-    for bucket in buckets:  # index order = launch order
-        issue = max(issue, max(grad_ready[i] for i in bucket.layers))
-        transfers.append(Transfer(t, bucket, issue))
     return it, transfers
 
 
-def _comm_events(link: Link, lo: float, hi: float, t: int) -> List[TraceEvent]:
+def _comm_events(link, lo: float, hi: float, t: int) -> List[TraceEvent]:
     """Iteration t's all-reduces (even those running on into t+1) and any others running in [lo, hi)."""
     events = []
     for tr in link.placed:
@@ -298,6 +427,8 @@ def simulate(
     iterations: int = DEFAULT_ITERATIONS,
     record_events: bool = True,
     step_time: float = 0.0,
+    slowdown: float = 0.0,
+    shared_link: bool = False,
 ) -> SimResult:
     """Predict the steady-state iteration time with the first ``k`` layers stale.
 
@@ -315,6 +446,11 @@ def simulate(
     for stale all-reduces) and the next forward: the optimizer step, ``zero_grad``, loading
     the next batch. It counts as compute.
 
+    ``slowdown`` σ ≥ 0: compute runs at 1/(1+σ) of its speed while the link carries a
+    transfer (0: communication costs compute nothing, the paper's and the old model).
+    ``shared_link``: sync and stale all-reduces run on two process groups that share the
+    link (:class:`SharedLink`) instead of one at a time (:class:`Link`); not with ``priority``.
+
     ``events`` (if ``record_events``) is the last simulated iteration, shifted to start at
     0: its compute, waits, its own all-reduces (some run on into the next iteration) and
     those carried over from the previous one (negative start times).
@@ -322,29 +458,35 @@ def simulate(
     m = len(profiles)
     if not 0 <= k <= m:
         raise ValueError(f"sapipe.schedule: k={k} outside 0..{m}")
+    if not slowdown >= 0.0 or math.isinf(slowdown):
+        raise ValueError(f"sapipe.schedule: slowdown must be finite and >= 0; got {slowdown}")
+    if shared_link and priority:
+        raise ValueError("sapipe.schedule: shared_link (two process groups) has no priority between them")
     iterations = max(iterations, 2)
     buckets = plan_buckets(profiles, k, bucket_cap_bytes=bucket_cap_bytes, alpha=alpha, beta=beta,
                            bytes_per_layer=bytes_per_layer)
     compute = math.fsum(p.forward for p in profiles) + math.fsum(p.backward for p in profiles) + step_time
     comm = math.fsum(b.comm_time for b in buckets)
-    link = Link(priority)
+    link = SharedLink() if shared_link else Link(priority)
     history: List[_Iteration] = []
     sent: List[Dict[int, Transfer]] = []  # per iteration: bucket index -> its all-reduce
     states: List[Tuple[float, ...]] = []
     cycle = 0
     start = 0.0
     for t in range(iterations):
-        it, transfers = _run_forward_backward(t, start, profiles, buckets, sent[t - 1] if t else {})
-        link.submit(transfers)
+        it, transfers = _run_forward_backward(t, start, profiles, buckets, sent[t - 1] if t else {}, link, slowdown)
+        if slowdown <= 0.0:
+            link.submit(transfers)
         sent.append({tr.bucket.index: tr for tr in transfers})
         # step() of iteration t waits for iteration t-1's stale all-reduces
         stale = [tr.end for tr in sent[t - 1].values() if tr.bucket.stale] if t else []
         waited_until = max([it.backward_end] + stale)
         if waited_until > it.backward_end:
             it.events.append(TraceEvent("step: wait stale all-reduces", "wait", it.backward_end, waited_until, {}))
+        it.step_end = _compute_end(waited_until, step_time, link, slowdown)
+        it.busy += it.step_end - waited_until
         if step_time > 0:
-            it.events.append(TraceEvent("step", "step", waited_until, waited_until + step_time, {}))
-        it.step_end = waited_until + step_time
+            it.events.append(TraceEvent("step", "step", waited_until, it.step_end, {}))
         history.append(it)
         start = it.step_end
         states.append(_state(transfers, start))
@@ -355,9 +497,11 @@ def simulate(
     starts = [history[0].start] + [it.step_end for it in history]
     if cycle:  # periodic: the mean period over one cycle (cycles longer than 1 are rare, priority only)
         iteration_time = (starts[-1] - starts[-1 - cycle]) / cycle
+        busy = math.fsum(it.busy for it in history[-cycle:]) / cycle
     else:  # e.g. a saturated link whose order of transfers never settles: average the second half,
         half = len(history) // 2  # and the link's busy time per iteration is a floor
         iteration_time = max((starts[-1] - starts[half]) / (len(history) - half), comm)
+        busy = math.fsum(it.busy for it in history[half:]) / (len(history) - half)
     last = history[-1]
     events: List[TraceEvent] = []
     if record_events:
@@ -371,13 +515,21 @@ def simulate(
         stall=max(iteration_time - compute, 0.0),
         comm_time=comm,
         forward_wait=last.forward_wait,
-        step_wait=last.step_end - step_time - last.backward_end,
+        step_wait=_step_wait(last, step_time, slowdown),
         converged=bool(cycle),
         cycle=cycle,
         iterations=len(history),
         buckets=buckets,
         events=events,
+        wait=max(iteration_time - busy, 0.0) if slowdown > 0.0 else max(iteration_time - compute, 0.0),
     )
+
+
+def _step_wait(it: _Iteration, step_time: float, slowdown: float) -> float:
+    """How long step() of ``it`` waited for stale all-reduces."""
+    if slowdown <= 0.0:
+        return it.step_end - step_time - it.backward_end
+    return math.fsum(e.end - e.start for e in it.events if e.category == "wait" and e.name.startswith("step:"))
 
 
 def _state(transfers: Sequence[Transfer], next_start: float) -> Tuple[float, ...]:

@@ -170,6 +170,8 @@ def choose_k(
     tolerance: float = 0.01,
     iterations: int = DEFAULT_ITERATIONS,
     step_time: float = 0.0,
+    slowdown: float = 0.0,
+    shared_link: bool = False,
 ) -> Decision:
     """Smallest k whose simulated steady-state stall is at most ``tolerance`` × compute time.
 
@@ -179,8 +181,14 @@ def choose_k(
     (seconds, seconds per byte) on ``bytes_per_layer`` (default 4 × numel); leave both None
     to charge each bucket the sum of its layers' profiled ``comm``.
 
-    When even k = m stalls beyond the tolerance the job is communication-bound: then the
-    chosen k is the smallest whose iteration time is within the tolerance of the best k's.
+    ``slowdown`` and ``shared_link`` are the simulator's (compute slowed by a busy link; sync
+    and stale traffic on two process groups sharing it), see :func:`simulate`.
+
+    When even k = m stalls beyond the tolerance, the chosen k is the smallest whose
+    iteration time is within the tolerance of the best k's. That happens when the job is
+    communication-bound (k = m still *waits* for the link: ``comm_bound``), or when
+    overlapping communication with compute costs compute time (``slowdown`` > 0), so that
+    no k is stall-free and the best k is the one that loses least.
     """
     m = len(profiles)
     compute = math.fsum(p.forward for p in profiles) + math.fsum(p.backward for p in profiles) + step_time
@@ -191,11 +199,12 @@ def choose_k(
         if k not in cache:
             cache[k] = simulate(profiles, k, bucket_cap_bytes=bucket_cap_bytes, alpha=alpha, beta=beta,
                                 bytes_per_layer=bytes_per_layer, priority=priority, iterations=iterations,
-                                record_events=False, step_time=step_time)
+                                record_events=False, step_time=step_time, slowdown=slowdown,
+                                shared_link=shared_link)
         return cache[k]
 
-    comm_bound = sim(m).stall > tol
-    if not comm_bound:
+    comm_bound = sim(m).wait > tol  # = its stall without a slow-down
+    if sim(m).stall <= tol:
         chosen = next(k for k in range(m + 1) if sim(k).stall <= tol)
     else:
         best = min(sim(k).iteration_time for k in range(m + 1))
