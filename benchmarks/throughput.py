@@ -89,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(m, m/2, m/4, ...) (default 0,1,m/4,m; --quick: 0,1,m)")
     p.add_argument("--compensations", default=None,
                    help="compensation modes run at the auto/oracle k (default dc,wp1,wp2,wp3; --quick: dc)")
+    p.add_argument("--backends", default="",
+                   help="extra sapipe communication back-ends run at stale_layers='auto' as modes "
+                        "'sapipe-auto-<backend>', e.g. pushpull,horovod (default: none)")
     p.add_argument("--skip", default="", help="modes to leave out: any of local,comm,ceiling,ddp,sapipe,auto,comp,horovod")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per mode (default 3; --quick: 2)")
     p.add_argument("--auto-warmup", type=int, default=None,
@@ -257,9 +260,9 @@ class Runner:
 class TrainRunner(Runner):
     """local / ddp / ceiling / sapipe / horovod: a fresh model and optimizer."""
 
-    def __init__(self, job, mode, kind: str, k=None, compensation: str = "none"):
+    def __init__(self, job, mode, kind: str, k=None, compensation: str = "none", backend: str = "torch"):
         super().__init__(job, mode)
-        self.kind, self.k, self.compensation = kind, k, compensation
+        self.kind, self.k, self.compensation, self.backend = kind, k, compensation, backend
         self.ks: List[Optional[int]] = []
 
     def setup(self):
@@ -283,10 +286,18 @@ class TrainRunner(Runner):
 
             if self.k == "auto":
                 self.warmup = a.auto_warmup
+            if self.backend == "horovod":
+                try:
+                    import horovod.torch as hvd
+                except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+                    raise Skip(f"skipped: horovod not importable ({type(exc).__name__})") from exc
+                ok, why = _horovod_init(job.ctx, hvd)
+                if not ok:
+                    raise Skip(f"skipped: {why}")
             try:
                 self.opt = sapipe.DistributedOptimizer(self.base, self.model, stale_layers=self.k,
                                                        compensation=self.compensation,
-                                                       bucket_cap_mb=a.bucket_cap_mb)
+                                                       bucket_cap_mb=a.bucket_cap_mb, backend=self.backend)
             except sapipe.ConfigurationError as exc:
                 raise Skip(f"skipped: sapipe refused stale_layers={self.k!r}: {exc}") from exc
         elif self.kind == "horovod":
@@ -433,6 +444,9 @@ class Job:
                 out.append(TrainRunner(self, f"sapipe-{c}", "sapipe", comp_k, c))
         if first and "horovod" not in skip:
             out.append(TrainRunner(self, "horovod", "horovod"))
+        if first:
+            for backend in [b for b in a.backends.split(",") if b]:
+                out.append(TrainRunner(self, f"sapipe-auto-{backend}", "sapipe", "auto", backend=backend))
         return out
 
     def oracle_k(self) -> Optional[int]:
@@ -586,50 +600,17 @@ def _drain(opt):
 
 
 def _horovod_init(ctx: Ctx, hvd):
-    """Start Horovod's Gloo controller inside a torchrun job (no horovodrun needed).
-
-    Rank 0 runs Horovod's rendezvous HTTP server; every rank gets the env vars that
-    ``horovodrun --gloo`` would set. torchrun numbers ranks node by node, which is the
-    order Horovod's host assignment uses when the hosts are listed by node rank.
-    """
+    """Start Horovod's Gloo controller inside this torchrun job, once (no horovodrun needed)."""
     if ctx.device.type == "cuda" and not getattr(hvd, "nccl_built", lambda: False)():
         return False, "horovod was built without NCCL"
-    if not hvd.gloo_built():
-        return False, "horovod was built without Gloo"
-    from horovod.runner.common.util import hosts as hv_hosts
-    from horovod.runner.http.http_server import RendezvousServer
+    if hvd.is_initialized():
+        return True, ""
+    from sapipe.comm.horovod_backend import init_horovod_for_torch_job
 
-    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world))
-    node = int(os.environ.get("GROUP_RANK", 0))
-    nodes = ctx.gather((node, local_size))
-    slots = {}
-    for nd, ls in nodes:
-        slots[nd] = ls
-    host_names = [f"node{nd}" for nd in sorted(slots)]
-    port = None
-    if ctx.rank == 0:
-        plan = hv_hosts.get_host_assignments(
-            hv_hosts.parse_hosts(",".join(f"{h}:{slots[nd]}" for h, nd in zip(host_names, sorted(slots)))), ctx.world)
-        server = RendezvousServer(verbose=0)
-        port = server.start()
-        server.init(plan)
-        ctx._hvd_server = server  # keep it alive
-    port = ctx.gather(port)[0]
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    env = {
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr, "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
-        "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
-        "HOROVOD_HOSTNAME": f"node{node}", "HOROVOD_RANK": str(ctx.rank), "HOROVOD_SIZE": str(ctx.world),
-        "HOROVOD_LOCAL_RANK": str(ctx.local_rank), "HOROVOD_LOCAL_SIZE": str(local_size),
-        "HOROVOD_CROSS_RANK": str(node), "HOROVOD_CROSS_SIZE": str(len(slots)),
-    }
-    iface = os.environ.get("GLOO_SOCKET_IFNAME")
-    if iface:
-        env["HOROVOD_GLOO_IFACE"] = iface
-    os.environ.update(env)
-    hvd.init()
-    if hvd.size() != ctx.world or hvd.rank() != ctx.rank:
-        return False, f"horovod ranks disagree with torchrun's (hvd {hvd.rank()}/{hvd.size()})"
+    try:
+        init_horovod_for_torch_job()
+    except Exception as exc:  # noqa: BLE001 - reported as a skipped mode
+        return False, str(exc)
     return True, ""
 
 
@@ -931,6 +912,8 @@ def worker_argv(args, model: str, json_path: str, extra: List[str]) -> List[str]
            "--bucket-cap-mb", str(args.bucket_cap_mb), "--timeout", str(args.timeout), "--json", json_path]
     if args.skip:
         cmd += ["--skip", ",".join(sorted(args.skip))]
+    if args.backends:
+        cmd += ["--backends", args.backends]
     return cmd + extra
 
 

@@ -13,7 +13,7 @@ from .errors import (
     UnsupportedOptimizerError,
     UsageError,
 )
-from .checkpoint import checkpoint_exists, load_checkpoint, save_checkpoint
+from .checkpoint import Checkpointer, checkpoint_exists, load_checkpoint, save_checkpoint
 from .optimizer import DistributedOptimizer
 
 __version__ = "0.1.0"
@@ -23,6 +23,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "checkpoint_exists",
+    "Checkpointer",
     "COMPENSATION_MODES",
     "SapipeError",
     "ConfigurationError",

@@ -13,6 +13,7 @@ from datetime import timedelta
 from numbers import Real
 from typing import Any, Dict, List, Optional, Union
 
+from .comm import BACKENDS
 from .compensation import MODES
 from .errors import ConfigurationError
 
@@ -34,6 +35,8 @@ class Settings:
     lr_ramp_steps: int
     timeout: Optional[timedelta]
     profile_steps: int
+    backend: str = "torch"
+    partition_mb: float = 4.0
 
     @property
     def auto(self) -> bool:
@@ -72,6 +75,8 @@ def validate(
     timeout: Any,
     num_layers: int,
     profile_steps: Any = 5,
+    backend: Any = "torch",
+    partition_mb: Any = 4.0,
 ) -> Settings:
     """Check every argument against its documented range; return the typed settings."""
     _require(
@@ -104,6 +109,12 @@ def validate(
     )
     _require(_is_int(lr_ramp_steps) and lr_ramp_steps >= 0, f"lr_ramp_steps must be an int >= 0; got {lr_ramp_steps!r}")
     _require(_is_int(profile_steps) and profile_steps >= 1, f"profile_steps must be an int >= 1; got {profile_steps!r}")
+    _require(backend in BACKENDS, f"backend must be one of {list(BACKENDS)}; got {backend!r}")
+    _require(
+        isinstance(partition_mb, Real) and not isinstance(partition_mb, bool)
+        and math.isfinite(partition_mb) and partition_mb > 0,
+        f"partition_mb must be a number > 0; got {partition_mb!r}",
+    )
     return Settings(
         stale_layers=stale_layers,
         compensation=compensation,
@@ -115,6 +126,8 @@ def validate(
         lr_ramp_steps=lr_ramp_steps,
         timeout=parse_timeout(timeout),
         profile_steps=profile_steps,
+        backend=backend,
+        partition_mb=float(partition_mb),
     )
 
 

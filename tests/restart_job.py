@@ -6,17 +6,16 @@
 
 2 Gloo ranks train ``models.make_model("tied")`` with SGD + momentum + an LR schedule,
 wrapped in ``sapipe.DistributedOptimizer(stale_layers=3, compensation="dc", timeout=10)``,
-and checkpoint every ``--every`` steps with :func:`sapipe.save_checkpoint`. On the first
+and checkpoint every ``--every`` steps with :class:`sapipe.Checkpointer`. On the first
 attempt (``TORCHELASTIC_RESTART_COUNT == "0"``), rank 1 dies with ``os._exit(1)`` in step
 ``--kill-step`` (after backward, before ``step()``: stale-layer gradients are in flight).
 The survivor gets :class:`sapipe.CommunicationError` (or is torn down by torchrun first);
 torchrun restarts both ranks, which resume from the last checkpoint. Rank 0 writes the
 final real weights to ``--out`` (``torch.save`` of a name -> tensor dict).
 
-Checkpoints are per step and the last two are kept. On (re)start the ranks agree on the
+The Checkpointer keeps the last two checkpoints and, on (re)start, resumes from the
 newest step that *every* rank has a checkpoint of: a rank can die after ``step()`` but
-before its save while a peer completes that step's save, and ranks resuming from
-different steps would hang or silently diverge.
+before its save while a peer completes that step's save.
 
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with torchrun's default shared rendezvous store
 (torch >= 2.5) the restarted workers can read the previous attempt's Gloo/NCCL addresses
@@ -67,17 +66,10 @@ def main() -> int:
                                       bucket_cap_mb=0.001, timeout=10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.95 ** e)
 
-    def ckpt(step: int) -> str:  # sapipe fills in {rank}
-        return args.ckpt.replace("{step}", str(step))
-
-    have = {s for s in range(args.every, args.steps + 1, args.every) if sapipe.checkpoint_exists(ckpt(s), opt)}
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, have)
-    start = max(set.intersection(*everyone), default=0)
+    checkpoints = sapipe.Checkpointer(args.ckpt, model, opt, keep=2)
+    start, extra = checkpoints.resume()
     if start:
-        extra = sapipe.load_checkpoint(ckpt(start), model, opt)
         sched.load_state_dict(extra["scheduler"])
-        assert extra["step"] == start
     log(f"start={start}")
 
     batches = make_batches("tied", args.steps, world)
@@ -93,10 +85,7 @@ def main() -> int:
             opt.step()
             sched.step()
             if t % args.every == 0:
-                sapipe.save_checkpoint(ckpt(t), model, opt, step=t, scheduler=sched.state_dict())
-                old = ckpt(t - 2 * args.every).replace("{rank}", str(rank))
-                if os.path.exists(old):  # keep the last two
-                    os.remove(old)
+                checkpoints.save(t, scheduler=sched.state_dict())
     except sapipe.CommunicationError as exc:
         log(f"CommunicationError step={t}: {str(exc).splitlines()[0]}")
         raise

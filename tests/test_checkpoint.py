@@ -130,3 +130,37 @@ def test_mismatched_checkpoint_is_refused(resumed_runs):
     # A 1-rank job finds rank 0's file but the world size differs.
     message = run_ranks(_wrong_world, world_size=1, args=(str(tmp / "case0-0.pt"),))[0]
     assert "2 ranks" in message and "has 1" in message, message
+
+
+def _checkpointer(rank, world_size, directory):
+    """Save steps 1..4 (keep 2); rank 1 then loses step 4. Resume must pick step 3 on both."""
+    model, opt, sched = _setup("sgd", 3, "dc", 1, 0, seed=0)
+    ckpt = sapipe.Checkpointer(directory + "/s{step}-{rank}.pt", model, opt, keep=2)
+    batches = make_batches("tied", STEPS, world_size)
+    saved = {}
+    for t in range(1, 5):
+        x, y = batches[t - 1][rank]
+        opt.zero_grad()
+        loss_fn_for("tied")(model(x), y).backward()
+        opt.step()
+        ckpt.save(t, marker=t * 10 + rank)
+        saved[t] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    kept = ckpt.steps()
+    if rank == 1:
+        import os
+
+        os.remove(ckpt.file(4))  # died between step 4's step() and its save
+    model2, opt2, _ = _setup("sgd", 3, "dc", 1, 0, seed=1)
+    start, extra = sapipe.Checkpointer(directory + "/s{step}-{rank}.pt", model2, opt2).resume()
+    restored = {n: p.detach().clone() for n, p in model2.named_parameters()}
+    same = all(torch.equal(restored[n], saved[start][n]) for n in restored)
+    return {"kept": kept, "start": start, "extra": extra, "same": same}
+
+
+def test_checkpointer_keeps_two_and_resumes_from_the_newest_common_step(tmp_path):
+    out = run_ranks(_checkpointer, world_size=2, args=(str(tmp_path),))
+    for rank in range(2):
+        assert list(out[rank]["kept"]) == [3, 4], out[rank]
+        assert out[rank]["start"] == 3, out[rank]
+        assert out[rank]["extra"] == {"marker": 30 + rank}, out[rank]
+        assert out[rank]["same"], f"rank {rank} did not restore step 3's weights"

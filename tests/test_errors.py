@@ -25,6 +25,9 @@ BAD_ARGUMENTS = {
     "negative warmup": ({"warmup_steps": -1}, "ConfigurationError", "warmup_steps"),
     "zero bucket": ({"bucket_cap_mb": 0}, "ConfigurationError", "bucket_cap_mb"),
     "negative timeout": ({"timeout": -5}, "ConfigurationError", "timeout"),
+    "unknown backend": ({"backend": "mpi"}, "ConfigurationError", "backend must be one of"),
+    "zero partition": ({"backend": "pushpull", "partition_mb": 0}, "ConfigurationError", "partition_mb"),
+    "byteps missing": ({"backend": "byteps"}, "ConfigurationError", "byteps.torch"),
 }
 
 
@@ -117,10 +120,10 @@ def test_misuse_is_explained():
         assert "no_sync" in found["two backwards"]
 
 
-def _peer_failure(rank, world_size, how):
+def _peer_failure(rank, world_size, how, backend):
     model = make_model("mlp")
     opt = sapipe.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), model, stale_layers=1, timeout=4
+        torch.optim.SGD(model.parameters(), lr=0.1), model, stale_layers=1, timeout=4, backend=backend
     )
     batches = make_batches("mlp", 10, world_size)
     for t in range(10):
@@ -140,10 +143,12 @@ def _peer_failure(rank, world_size, how):
     return {"step": None}
 
 
+@pytest.mark.parametrize("backend", ["torch", "pushpull"])
 @pytest.mark.parametrize("how", ["dies", "hangs"])
-def test_surviving_rank_raises_when_a_peer_fails(how):
-    out = run_ranks(_peer_failure, world_size=2, args=(how,), allow_missing=[1], timeout=90)
+def test_surviving_rank_raises_when_a_peer_fails(how, backend):
+    out = run_ranks(_peer_failure, world_size=2, args=(how, backend), allow_missing=[1], timeout=90)
     survivor = out[0]
     assert survivor["step"] == 3, survivor
-    assert "peer rank" in survivor["error"] and "all-reduce" in survivor["error"]
+    operation = {"torch": "all-reduce", "pushpull": "push-pull"}[backend]
+    assert "peer rank" in survivor["error"] and operation in survivor["error"]
     assert survivor["elapsed"] < 20, f"took {survivor['elapsed']:.1f}s (timeout=4s)"

@@ -68,7 +68,8 @@ CONFIGS = [
 DC_LAMBDA = 0.7
 
 
-def _train(rank: int, world_size: int, kind: str, configs):
+def _train(rank: int, world_size: int, kind: str, configs, options=None):
+    """Train every configuration; ``options``: extra DistributedOptimizer arguments."""
     import sapipe
 
     results = []
@@ -80,7 +81,7 @@ def _train(rank: int, world_size: int, kind: str, configs):
         opt = sapipe.DistributedOptimizer(
             make_optimizer(kind, model.parameters()), model, stale_layers=k, compensation=mode,
             dc_lambda=DC_LAMBDA, dc_form=form, staleness=s, warmup_steps=warmup,
-            lr_ramp_steps=ramp, bucket_cap_mb=0.0008, timeout=60,
+            lr_ramp_steps=ramp, bucket_cap_mb=0.0008, timeout=60, **(options or {}),
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
         for t in range(STEPS):
@@ -94,6 +95,7 @@ def _train(rank: int, world_size: int, kind: str, configs):
         with opt.real_weights():
             real = {n: p.detach().clone() for n, p in model.named_parameters()}
         results.append({"real": real, "held": held, "buckets": len(opt.buckets)})
+        opt.close()
     return results
 
 
@@ -102,11 +104,19 @@ def _distributed(kind: str):
     return run_ranks(_train, world_size=2, args=(kind, CONFIGS), timeout=300)
 
 
+def config_id(config) -> str:
+    return "k{}-{}-{}-s{}-w{}-r{}".format(*config)
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "k{}-{}-{}-s{}-w{}-r{}".format(*c))
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_mode_matches_reference(kind, config):
     per_rank = _distributed(kind)
-    index = CONFIGS.index(config)
+    check_against_reference(kind, config, [per_rank[r][CONFIGS.index(config)] for r in range(2)])
+
+
+def check_against_reference(kind: str, config, per_rank) -> None:
+    """Both ranks' results of ``config`` equal the float64 reference's (rtol 1e-9)."""
     k, mode, form, s, warmup, ramp = config
     batches = make_batches("tied", STEPS, 2, dtype=torch.float64)
     ref = run_reference(
@@ -115,8 +125,8 @@ def test_mode_matches_reference(kind, config):
         dc_form=form, staleness=s, warmup_steps=warmup, lr_ramp_steps=ramp,
         lr_at=lambda it: BASE_LR[kind] * lr_factor(it - 1),
     )
-    assert per_rank[0][index]["buckets"] >= 2, "the test should span several buckets"
+    assert per_rank[0]["buckets"] >= 2, "the test should span several buckets"
     for rank in range(2):
-        got = per_rank[rank][index]
+        got = per_rank[rank]
         assert_close_dicts(got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real x")
         assert_close_dicts(got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")

@@ -62,6 +62,12 @@ def test_killed_rank_is_restarted_and_resumes_from_checkpoint(runs):
     assert not any(e.startswith("attempt=2") for e in events), events
 
 
+def test_only_the_last_two_checkpoints_are_kept(runs, tmp_path_factory):
+    for workdir in {p.parent for p in tmp_path_factory.getbasetemp().rglob("ckpt-*.pt")}:
+        kept = sorted(p.name for p in workdir.glob("ckpt-*.pt"))
+        assert kept == ["ckpt-12-0.pt", "ckpt-12-1.pt", "ckpt-9-0.pt", "ckpt-9-1.pt"], (workdir, kept)
+
+
 def test_resumed_job_equals_uninterrupted_job_bit_for_bit(runs):
     (resumed, _), (clean, clean_events) = runs
     assert sorted(clean_events) == ["attempt=0 rank=0 done", "attempt=0 rank=0 start=0",

@@ -1,78 +1,80 @@
-"""All-reduce (sum) of flat buckets on a ``torch.distributed`` process group.
+"""``backend="torch"`` (the default): one all-reduce (sum) per bucket on a process group.
 
-Each back-end instance owns its own process group, created with sapipe's ``timeout``:
-synchronous and stale traffic use separate instances, so a stale all-reduce still in
-flight never sits in the same queue in front of a synchronous one that the next forward
-waits for, and a dead or hung peer surfaces as a :class:`CommunicationError` naming the
-bucket within the timeout instead of a hang.
+Each instance owns its own process group, created with sapipe's ``timeout``: synchronous
+and stale traffic use separate instances, so a stale all-reduce still in flight never sits
+in the same queue in front of a synchronous one that the next forward waits for, and a
+dead or hung peer surfaces as a :class:`CommunicationError` naming the bucket within the
+timeout instead of a hang. NCCL on GPUs, Gloo on CPUs: whatever the job's group uses.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ..errors import CommunicationError
 from ..trace import Tracer
+from .base import CommBackend, Handle
 
 
-@dataclass
-class Handle:
-    """An in-flight collective on ``tensor``; ``what`` names it in errors and traces."""
-
-    work: object
-    tensor: torch.Tensor
-    what: str
-    owner: "AllReduce"
-
-    def wait(self) -> torch.Tensor:
-        """Block until the collective is done; the reduced tensor (summed over ranks)."""
-        return self.owner.wait(self)
+# Groups over a strict subset of the world (created with local synchronisation). torch
+# names those by hashing their ranks with the number of live groups, so destroying one and
+# creating another can reuse a name, and the new group's rendezvous then meets the old
+# one's keys in the store and hangs. They are therefore kept until the job ends.
+_SUBSET_GROUPS: "set[str]" = set()
 
 
-def new_group_like(process_group, timeout: Optional[timedelta]):
-    """A new process group over the same ranks and back-end as ``process_group``."""
+def new_group_like(process_group, timeout: Optional[timedelta], backend: Optional[str] = None):
+    """A new process group over the same ranks as ``process_group`` (collective), on the
+    same back-end unless ``backend`` names another (e.g. ``"gloo"`` for small CPU messages)."""
     ranks = dist.get_process_group_ranks(process_group)
-    kwargs = {"ranks": ranks, "backend": dist.get_backend(process_group), "use_local_synchronization": True}
+    subset = len(ranks) != dist.get_world_size()
+    kwargs = {"ranks": ranks, "backend": backend or dist.get_backend(process_group),
+              "use_local_synchronization": subset}
     if timeout is not None:
         kwargs["timeout"] = timeout
-    return dist.new_group(**kwargs)
+    group = dist.new_group(**kwargs)
+    if subset:
+        _SUBSET_GROUPS.add(group.group_name)
+    return group
 
 
-class AllReduce:
-    """Sum-all-reduce of flat buffers, started asynchronously and waited for explicitly."""
+def release_group(group) -> None:
+    """Destroy a group made by :func:`new_group_like` (subset groups are kept, see above)."""
+    if group.group_name not in _SUBSET_GROUPS:
+        dist.destroy_process_group(group)
+
+
+class AllReduce(CommBackend):
+    """Sum-all-reduce of flat buffers on a ``torch.distributed`` group of its own."""
 
     def __init__(self, group, name: str, timeout: Optional[timedelta], tracer: Tracer):
+        super().__init__(name, timeout, tracer)
         self.group = group
-        self.name = name
-        self.timeout = timeout
-        self.tracer = tracer
 
-    def _fail(self, what: str, exc: BaseException) -> CommunicationError:
-        limit = f"{self.timeout.total_seconds():g}s" if self.timeout else "the process group's timeout"
-        return CommunicationError(
-            f"sapipe: {self.name} all-reduce of {what} failed. A peer rank has probably died, "
-            f"hung or lost its connection (limit: {limit}). Underlying error: {exc}"
-        )
-
-    def start(self, tensor: torch.Tensor, what: str) -> Handle:
+    def start(self, tensor: torch.Tensor, what: str, priority: int = 0) -> Handle:
         try:
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
-            raise self._fail(what, exc) from exc
+            raise self.failure("all-reduce", what, exc) from exc
         if self.tracer.enabled:
-            self.tracer.record("comm_start", what=what, stream=self.name)
-            work.get_future().then(lambda _: self.tracer.record("comm_done", what=what, stream=self.name))
+            self.trace_start(what)
+            work.get_future().then(lambda _: self.trace_done(what))
         return Handle(work, tensor, what, self)
 
     def wait(self, handle: Handle) -> torch.Tensor:
-        self.tracer.record("comm_wait_start", what=handle.what, stream=self.name)
+        self.trace_wait_start(handle.what)
         try:
-            handle.work.wait()
+            handle.token.wait()
         except Exception as exc:  # noqa: BLE001 - re-raised with context
-            raise self._fail(handle.what, exc) from exc
-        self.tracer.record("comm_wait", what=handle.what, stream=self.name)
+            raise self.failure("all-reduce", handle.what, exc) from exc
+        self.trace_wait_end(handle.what)
         return handle.tensor
+
+    def when_done(self, handle: Handle, callback) -> bool:
+        handle.token.get_future().then(lambda _: callback())
+        return True
+
+    def close(self) -> None:
+        release_group(self.group)

@@ -1,0 +1,221 @@
+"""The contract every communication back-end meets, and the pieces they share.
+
+The engine hands a back-end one flat bucket at a time and later waits for it; what the
+back-end does in between (one all-reduce, chunked push-pull, Horovod's or BytePS's own
+queue) is its business. Every back-end must:
+
+* **sum** the tensor over the ranks of the job, in place;
+* be **deterministic across ranks**: the engine calls ``start`` in the same order on every
+  rank, and the back-end must turn that into the same collectives in the same order;
+* **fail loudly within a bounded time**: a dead or hung peer surfaces as a
+  :class:`CommunicationError` naming the bucket, never as a hang.
+"""
+from __future__ import annotations
+
+import abc
+import importlib
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CommunicationError, ConfigurationError
+from ..trace import Tracer
+
+
+@dataclass
+class Handle:
+    """An in-flight reduction of ``tensor``; ``what`` names it in errors and traces.
+
+    ``token`` is the back-end's own record of the operation (a ``torch.distributed``
+    work object, a Horovod handle, a push-pull job).
+    """
+
+    token: Any
+    tensor: torch.Tensor
+    what: str
+    owner: "CommBackend"
+
+    def wait(self) -> torch.Tensor:
+        """Block until the reduction is done; the summed tensor."""
+        return self.owner.wait(self)
+
+
+class CommBackend(abc.ABC):
+    """Sum over ranks of flat buffers, started asynchronously and waited for explicitly.
+
+    ``name`` ("sync" or "stale") says which traffic an instance carries; the engine keeps
+    the two apart so stale traffic never queues in front of what the next forward needs.
+    """
+
+    #: A ``torch.distributed`` group over the job's ranks on which the *calling* thread may
+    #: issue collectives of its own (the scheduler times the link on it); None if the
+    #: back-end's groups are used by a thread of its own.
+    group: Optional[Any] = None
+
+    def __init__(self, name: str, timeout: Optional[timedelta], tracer: Tracer):
+        self.name = name
+        self.timeout = timeout
+        self.tracer = tracer
+
+    @abc.abstractmethod
+    def start(self, tensor: torch.Tensor, what: str, priority: int = 0) -> Handle:
+        """Begin summing ``tensor`` over the ranks, in place.
+
+        ``priority``: lower is needed sooner (the engine passes the forward index of the
+        bucket's first layer). Back-ends that can reorder traffic use it; others ignore it.
+        """
+
+    @abc.abstractmethod
+    def wait(self, handle: Handle) -> torch.Tensor:
+        """Block until ``handle``'s reduction is done; return its tensor."""
+
+    def close(self) -> None:
+        """Release what the back-end owns (threads, process groups). Call after every wait."""
+
+    def when_done(self, handle: Handle, callback: Callable[[], None]) -> bool:
+        """Arrange for ``callback()`` (any thread) when ``handle`` completes; False if this
+        back-end cannot tell (the scheduler then times the link with probes only)."""
+        return False
+
+    # -------------------------------------------------------------- shared helpers
+
+    def describe_limit(self) -> str:
+        return f"{self.timeout.total_seconds():g}s" if self.timeout else "the process group's timeout"
+
+    def failure(self, operation: str, what: str, exc: BaseException) -> CommunicationError:
+        """The error every back-end raises when a collective of bucket ``what`` fails."""
+        return CommunicationError(
+            f"sapipe: {self.name} {operation} of {what} failed. A peer rank has probably died, "
+            f"hung or lost its connection (limit: {self.describe_limit()}). Underlying error: {exc}"
+        )
+
+    def trace_start(self, what: str) -> None:
+        self.tracer.record("comm_start", what=what, stream=self.name)
+
+    def trace_done(self, what: str) -> None:
+        self.tracer.record("comm_done", what=what, stream=self.name)
+
+    def trace_wait_start(self, what: str) -> None:
+        self.tracer.record("comm_wait_start", what=what, stream=self.name)
+
+    def trace_wait_end(self, what: str) -> None:
+        self.tracer.record("comm_wait", what=what, stream=self.name)
+
+
+class StableNames:
+    """Rank-independent names for the buffers a back-end is handed, stable across steps.
+
+    Libraries that match operations across ranks by name (Horovod, BytePS) need a name
+    that is the same on every rank and unique among operations in flight; BytePS also
+    declares one server-side key per name, and Horovod caches its negotiation per name, so
+    the name of a given staleness slot should not change from step to step. The engine
+    starts buffers in the same order on every rank, so numbering buffers by the order in
+    which they are first seen gives exactly that.
+    """
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self._ids: dict = {}
+
+    def __call__(self, tensor: torch.Tensor) -> str:
+        key = (tensor.data_ptr(), tensor.numel(), tensor.dtype)
+        if key not in self._ids:
+            self._ids[key] = len(self._ids)
+        return f"{self.prefix}.{self._ids[key]}"
+
+
+class LibraryBackend(CommBackend):
+    """A back-end that hands buckets to an external library (Horovod, BytePS).
+
+    Such libraries order operations across ranks themselves (matching them by name) and
+    have no per-operation timeout, so ``wait`` polls the library's handle and gives up
+    after ``timeout`` (``default_timeout`` when sapipe's is None) with a
+    :class:`CommunicationError`. Subclasses say how to submit, poll and finish.
+    """
+
+    operation = "reduction"
+    _instances = 0
+    default_timeout = timedelta(seconds=300)
+    poll_seconds = 0.0002
+
+    def __init__(self, group, name: str, timeout: Optional[timedelta], tracer: Tracer):
+        super().__init__(name, timeout, tracer)
+        self.group = group  # carries no bucket data; the scheduler times the link on it
+        self._limit = (timeout or self.default_timeout).total_seconds()
+        # Instances are created collectively, so this count agrees across ranks, and a new
+        # optimizer's names never collide with an old one's last operations in flight.
+        LibraryBackend._instances += 1
+        self._names = StableNames(f"sapipe{LibraryBackend._instances}.{name}")
+
+    @abc.abstractmethod
+    def _submit(self, tensor: torch.Tensor, name: str, priority: int) -> Any:
+        """Start the in-place sum of ``tensor``; the library's handle."""
+
+    @abc.abstractmethod
+    def _poll(self, token: Any) -> bool:
+        """Whether the library has finished ``token``."""
+
+    @abc.abstractmethod
+    def _finish(self, token: Any) -> None:
+        """Collect a finished ``token`` (raises the library's error, if any)."""
+
+    def start(self, tensor: torch.Tensor, what: str, priority: int = 0) -> Handle:
+        try:
+            token = self._submit(tensor, self._names(tensor), priority)
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise self.failure(self.operation, what, exc) from exc
+        if self.tracer.enabled:
+            self.trace_start(what)
+        return Handle(token, tensor, what, self)
+
+    def wait(self, handle: Handle) -> torch.Tensor:
+        self.trace_wait_start(handle.what)
+        deadline = time.monotonic() + self._limit
+        try:
+            while not self._poll(handle.token):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not done after {self._limit:g}s")
+                time.sleep(self.poll_seconds)
+            self._finish(handle.token)
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise self.failure(self.operation, handle.what, exc) from exc
+        self.trace_wait_end(handle.what)
+        return handle.tensor
+
+    def describe_limit(self) -> str:
+        return f"{self._limit:g}s"
+
+    def close(self) -> None:
+        from .torch_backend import release_group
+
+        release_group(self.group)
+
+
+def import_library(module: str, backend: str, hint: str, not_ready: Callable[[Any], Optional[str]] = lambda _: None):
+    """Import ``module`` (``horovod.torch``, ``byteps.torch``) for ``backend=backend``.
+
+    Raises :class:`ConfigurationError` naming the cause if it does not import, if
+    ``not_ready(lib)`` returns a reason, or if the library numbers this rank differently
+    from ``torch.distributed`` (sapipe uses both: the library for buckets,
+    ``torch.distributed`` for set-up and control).
+    """
+    try:
+        lib = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
+        raise ConfigurationError(
+            f"sapipe: backend={backend!r} needs {module}, which does not import here "
+            f"({type(exc).__name__}: {exc}). {hint}"
+        ) from exc
+    reason = not_ready(lib)
+    if reason:
+        raise ConfigurationError(f"sapipe: backend={backend!r}: {reason}")
+    if lib.size() != dist.get_world_size() or lib.rank() != dist.get_rank():
+        raise ConfigurationError(
+            f"sapipe: backend={backend!r}: {module} numbers this rank {lib.rank()} of {lib.size()}, "
+            f"torch.distributed {dist.get_rank()} of {dist.get_world_size()}; launch both the same way"
+        )
+    return lib

@@ -1,0 +1,107 @@
+"""``backend="horovod"``: buckets summed by Horovod's ``allreduce_async_``.
+
+For clusters already tuned for Horovod (its NCCL/Gloo/MPI set-up, ``horovodrun``): sapipe
+keeps its layers, buckets, staleness and compensation, and hands each bucket to Horovod.
+Horovod's coordinator orders operations across ranks by name.
+
+Requirements, checked at construction: ``horovod.torch`` imports, ``hvd.init()`` has been
+called, and Horovod's ranks are the job's ``torch.distributed`` ranks (sapipe still uses
+``torch.distributed`` for its set-up and small control collectives). Horovod has no
+per-operation timeout; see :class:`~sapipe.comm.base.LibraryBackend` for how waits stay
+bounded.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigurationError
+from ..trace import Tracer
+from .base import LibraryBackend, import_library
+
+
+def import_horovod():
+    """``horovod.torch``, initialised and matching torch.distributed; else ConfigurationError."""
+    return import_library(
+        "horovod.torch", "horovod", "Install Horovod with PyTorch support (see `make peers`)",
+        lambda hvd: None if hvd.is_initialized() else "call hvd.init() before DistributedOptimizer",
+    )
+
+
+class HorovodAllReduce(LibraryBackend):
+    """Sum-all-reduce of flat buffers through ``horovod.torch.allreduce_async_``."""
+
+    operation = "horovod all-reduce"
+
+    def __init__(self, group, name: str, timeout: Optional[timedelta], tracer: Tracer):
+        super().__init__(group, name, timeout, tracer)
+        self._hvd = import_horovod()
+
+    def _submit(self, tensor: torch.Tensor, name: str, priority: int) -> Any:
+        return self._hvd.allreduce_async_(tensor, op=self._hvd.Sum, name=name)
+
+    def _poll(self, token: Any) -> bool:
+        return self._hvd.poll(token)
+
+    def _finish(self, token: Any) -> None:
+        self._hvd.synchronize(token)
+
+
+def init_horovod_for_torch_job(group=None):
+    """Start Horovod with its Gloo controller inside a job launched by ``torchrun``.
+
+    Horovod normally starts under ``horovodrun``, which runs a rendezvous server and sets
+    ``HOROVOD_*`` variables in every worker. This does the same from inside an already
+    initialised ``torch.distributed`` job (collective: every rank calls it): rank 0 runs
+    Horovod's rendezvous server, and the ranks agree on the host layout over ``group``.
+    ``torchrun`` numbers ranks node by node, the order Horovod assigns them when hosts are
+    listed by node rank. Returns ``horovod.torch``, initialised.
+    """
+    import os
+
+    import horovod.torch as hvd
+    from horovod.runner.common.util import hosts as hv_hosts
+    from horovod.runner.http.http_server import RendezvousServer
+
+    if not hvd.gloo_built():
+        raise ConfigurationError("sapipe: this Horovod build has no Gloo controller")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    node = int(os.environ.get("GROUP_RANK", 0))
+
+    def gather(value):
+        out = [None] * world
+        dist.all_gather_object(out, value, group=group)
+        return out
+
+    slots = dict(gather((node, local_size)))
+    port = None
+    server = None
+    if rank == 0:
+        spec = ",".join(f"node{nd}:{slots[nd]}" for nd in sorted(slots))
+        plan = hv_hosts.get_host_assignments(hv_hosts.parse_hosts(spec), world)
+        server = RendezvousServer(verbose=0)
+        port = server.start()
+        server.init(plan)
+    port = gather(port)[0]
+    os.environ.update({
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+        "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_HOSTNAME": f"node{node}", "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(world),
+        "HOROVOD_LOCAL_RANK": str(local_rank), "HOROVOD_LOCAL_SIZE": str(local_size),
+        "HOROVOD_CROSS_RANK": str(node), "HOROVOD_CROSS_SIZE": str(len(slots)),
+    })
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        os.environ["HOROVOD_GLOO_IFACE"] = os.environ["GLOO_SOCKET_IFNAME"]
+    hvd.init()
+    hvd._sapipe_rendezvous = server  # keep rank 0's server alive as long as Horovod runs
+    if hvd.size() != world or hvd.rank() != rank:
+        raise ConfigurationError(
+            f"sapipe: Horovod numbered this rank {hvd.rank()} of {hvd.size()}, torch.distributed {rank} of {world}"
+        )
+    return hvd
