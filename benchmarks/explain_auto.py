@@ -1,0 +1,139 @@
+"""Where does a sapipe iteration's time go? Measured trace vs the scheduler's prediction.
+
+For one model × emulated bandwidth, one ``torchrun`` job (2 ranks, in a rate-limited
+network namespace as DESIGN.md §6) trains with ``stale_layers="auto"`` and then, freshly,
+with k = m (Pipe-SGD), both with sapipe's runtime tracer on. For the timed iterations of
+each it splits the iteration time (rank 0) into
+
+* **compute**: forward + backward + ``step()`` (everything that is not a wait),
+* **forward waits**: layers waiting for their synchronous all-reduce (deferred updates),
+* **step waits**: ``step()`` waiting for the previous iteration's stale all-reduces,
+
+and sets the same split of the scheduler's simulated iteration beside it. A gap in
+*compute* is the CPU that communication takes from computation on this host (DESIGN.md
+§6), which the scheduler's model does not charge; a gap in *waits* is the link model.
+
+    python benchmarks/explain_auto.py --model vgg16 --size small --rate 25gbit
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import netem  # noqa: E402
+
+
+def _split(events, first_iteration: int):
+    """Median per-iteration (total, compute, forward waits, step waits) in ms of a recorded trace."""
+    iterations = [e for e in events if e.category == "iteration" and e.args.get("iteration", 0) >= first_iteration]
+    waits = [e for e in events if e.category == "wait"]
+    rows = []
+    for it in iterations:
+        inside = [w for w in waits if w.start >= it.start and w.end <= it.end]
+        stale = sum(w.end - w.start for w in inside if "stale" in str(w.args.get("stream", "")))
+        sync = sum(w.end - w.start for w in inside) - stale
+        total = it.end - it.start
+        rows.append((total, total - sync - stale, sync, stale))
+    return [1e3 * statistics.median(col) for col in zip(*rows)] if rows else [float("nan")] * 4
+
+
+def _predicted(events):
+    """(total, compute, forward waits, step waits) in ms of the simulated steady-state iteration."""
+    compute = sum(e.end - e.start for e in events if e.category in ("forward", "backward", "step"))
+    forward = sum(e.end - e.start for e in events if e.category == "wait" and e.name.startswith("wait sync"))
+    step = sum(e.end - e.start for e in events if e.category == "wait" and e.name.startswith("step:"))
+    return [1e3 * x for x in (compute + forward + step, compute, forward, step)]
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import bench_models
+    import sapipe
+    from sapipe.schedule import chrome_trace, simulator
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    spec = bench_models.build(args.model, args.size)
+    batch = spec.make_batch(spec.batch_size, torch.device("cpu"), torch.Generator().manual_seed(rank))
+    out = {}
+    k = "auto"
+    for label in ("auto", "k=m"):
+        torch.manual_seed(0)
+        model = spec.make_model()
+        opt = sapipe.DistributedOptimizer(spec.make_optimizer(model.parameters()), model, stale_layers=k,
+                                          bucket_cap_mb=args.bucket_cap_mb, trace=True)
+        warm = opt.settings.effective_warmup + 3
+        for _ in range(warm + args.steps):
+            opt.zero_grad()
+            spec.loss_fn(model(batch[0]), batch[1]).backward()
+            opt.step()
+        measured = _split(chrome_trace.events_from_tracer(opt.tracer.events()), warm + 1)
+        row = {"k": opt.stale_layers, "measured": measured}
+        if opt.decision is not None:
+            alpha, beta, layer_bytes, step_time = opt._link  # noqa: SLF001 - the decision's own inputs
+            sim = simulator.simulate(opt._profiles, opt.decision.k, alpha=alpha, beta=beta,  # noqa: SLF001
+                                     bytes_per_layer=layer_bytes, step_time=step_time,
+                                     bucket_cap_bytes=int(args.bucket_cap_mb * 1024 * 1024),
+                                     **opt._sim_options)  # noqa: SLF001
+            row["predicted"] = _predicted(sim.events)
+            row["summary"] = opt.decision.summary()
+        out[label] = row
+        k = opt.num_layers  # the second run: every layer stale (Pipe-SGD)
+        opt.close()
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="vgg16")
+    p.add_argument("--size", default="small")
+    p.add_argument("--rate", default="25gbit", help="loopback rate in the namespace, or 'unlimited'")
+    p.add_argument("--steps", type=int, default=20, help="timed iterations per run")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        cmd = [torchrun, "--standalone", "--nproc_per_node=2", os.path.abspath(__file__), "--worker",
+               "--model", args.model, "--size", args.size, "--steps", str(args.steps),
+               "--bucket-cap-mb", str(args.bucket_cap_mb), "--out", out]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.run(netem.wrap(cmd, netem.parse_rate(args.rate)), capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            sys.exit(f"job failed:\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            result = json.load(f)
+    print(f"`python benchmarks/explain_auto.py --model {args.model} --size {args.size} --rate {args.rate}` "
+          f"(rank 0, median of {args.steps} iterations, ms)\n")
+    print("| run | k | | iteration | compute | forward waits | step waits |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    for label, row in result.items():
+        for what in ("measured", "predicted"):
+            if what in row:
+                print(f"| {label} | {row['k']} | {what} | " + " | ".join(f"{x:.1f}" for x in row[what]) + " |")
+    if "summary" in result.get("auto", {}):
+        print(f"\n{result['auto']['summary']}")
+
+
+if __name__ == "__main__":
+    main()
