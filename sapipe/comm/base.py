@@ -144,6 +144,11 @@ class LibraryBackend(CommBackend):
 
     def __init__(self, group, name: str, timeout: Optional[timedelta], tracer: Tracer):
         super().__init__(name, timeout, tracer)
+        if dist.get_world_size(group) != dist.get_world_size():
+            raise ConfigurationError(
+                f"sapipe: {self.operation} back-ends work on the whole job only; process_group has "
+                f"{dist.get_world_size(group)} of the {dist.get_world_size()} ranks"
+            )
         self.group = group  # carries no bucket data; the scheduler times the link on it
         self._limit = (timeout or self.default_timeout).total_seconds()
         # Instances are created collectively, so this count agrees across ranks, and a new
