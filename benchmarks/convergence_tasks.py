@@ -11,7 +11,7 @@ Tasks
             1437/360 train/test split, ``random_state=0``), SGD with momentum 0.9.
             Metric: test accuracy (%).
 ``lm``      byte-level Transformer language model (2 pre-LN blocks, width 64, context 64)
-            on the source of the standard-library modules in ``STDLIB_FILES`` (read from
+            on the source of the standard-library modules in ``STDLIB_FILES`` of ``examples/demo.py`` (read from
             ``sysconfig.get_paths()["stdlib"]``, concatenated in that order, first 90 % for
             training, last 10 % held out). Adam. Metric: held-out perplexity per byte.
 ``deepmlp`` the "staleness hurts" task: an 8-layer ReLU MLP (width 128) on the same digits
@@ -26,13 +26,19 @@ from __future__ import annotations
 
 import math
 import os
-import sysconfig
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+# The character-level LM task trains the demo's model on the demo's text (standard-library
+# source, byte-level): one definition of both, in examples/demo.py.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from demo import STDLIB_FILES, VOCAB, CharLM  # noqa: E402,F401 - STDLIB_FILES/VOCAB: re-exported
+from demo import load_text as load_stdlib_text  # noqa: E402
 
 
 def count_layers(model: nn.Module) -> int:
@@ -68,26 +74,6 @@ def load_digits_split() -> Dict[str, torch.Tensor]:
         x = (x - mean) / std
         _DIGITS_CACHE.update(x_train=x[tr], y_train=y[tr], x_test=x[te], y_test=y[te])
     return _DIGITS_CACHE
-
-
-# Fixed, documented training text: these standard-library modules' source, in this order.
-STDLIB_FILES = [
-    "os.py", "random.py", "functools.py", "argparse.py", "textwrap.py",
-    "string.py", "heapq.py", "bisect.py", "json/encoder.py", "json/decoder.py",
-    "collections/__init__.py", "pathlib.py", "shutil.py", "tempfile.py",
-]
-VOCAB = 256
-
-
-def load_stdlib_text() -> Tuple[torch.Tensor, torch.Tensor]:
-    root = sysconfig.get_paths()["stdlib"]
-    chunks = []
-    for name in STDLIB_FILES:
-        with open(os.path.join(root, name), "rb") as f:
-            chunks.append(f.read())
-    data = torch.frombuffer(bytearray(b"\n\n".join(chunks)), dtype=torch.uint8).long()
-    split = int(0.9 * data.numel())
-    return data[:split], data[split:]
 
 
 # --------------------------------------------------------------------------- models
@@ -130,46 +116,6 @@ class DeepMLP(nn.Module):
             if i < len(self.layers) - 1:
                 x = F.relu(x)
         return x
-
-
-# Plain Linear/LayerNorm/Embedding modules that are all *called* in forward, so every
-# parameter-owning module is a layer in forward-execution order.
-class Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class CharLM(nn.Module):
-    """tok, pos, 2 x (ln1, qkv, proj, ln2, fc1, fc2), ln_f, head: m = 16 layers."""
-
-    def __init__(self, context=64, d=64, layers=2, heads=4):
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, d)
-        self.pos = nn.Embedding(context, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, VOCAB)
-
-    def forward(self, idx):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for blk in self.blocks:
-            x = blk(x)
-        return self.head(self.ln_f(x))
 
 
 # --------------------------------------------------------------------------- tasks
