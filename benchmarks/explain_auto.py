@@ -73,13 +73,22 @@ def worker(args) -> None:
         model = spec.make_model()
         opt = sapipe.DistributedOptimizer(spec.make_optimizer(model.parameters()), model, stale_layers=k,
                                           bucket_cap_mb=args.bucket_cap_mb, trace=True)
-        warm = opt.settings.effective_warmup + 3
-        for _ in range(warm + args.steps):
-            opt.zero_grad()
-            spec.loss_fn(model(batch[0]), batch[1]).backward()
-            opt.step()
-        measured = _split(chrome_trace.events_from_tracer(opt.tracer.events()), warm + 1)
+        def train(steps):
+            for _ in range(steps):
+                opt.zero_grad()
+                spec.loss_fn(model(batch[0]), batch[1]).backward()
+                opt.step()
+
+        train(opt.settings.effective_warmup)
+        while opt.stale_layers == "auto":  # profiled; now measuring its k on the job
+            train(1)
+        train(3)
+        opt.tracer.clear()
+        train(args.steps)
+        measured = _split(chrome_trace.events_from_tracer(opt.tracer.events()), 0)
         row = {"k": opt.stale_layers, "measured": measured}
+        if opt.tuner is not None:
+            row["tuning"] = opt.tuner.summary()
         if opt.decision is not None:
             alpha, beta, layer_bytes, step_time = opt._link  # noqa: SLF001 - the decision's own inputs
             sim = simulator.simulate(opt._profiles, opt.decision.k, alpha=alpha, beta=beta,  # noqa: SLF001
@@ -133,6 +142,8 @@ def main() -> None:
                 print(f"| {label} | {row['k']} | {what} | " + " | ".join(f"{x:.1f}" for x in row[what]) + " |")
     if "summary" in result.get("auto", {}):
         print(f"\n{result['auto']['summary']}")
+    if "tuning" in result.get("auto", {}):
+        print(f"measured on the job: {result['auto']['tuning']}")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,14 @@
 For each model × emulated bandwidth one ``torchrun`` job runs inside a rate-limited network
 namespace (DESIGN.md §6, via ``benchmarks/netem.py``). In that job:
 
-1. a ``stale_layers="auto"`` run profiles its warm-up, and its decision predicts the
-   iteration time for k = 0, the chosen k and k = m (the simulator, DESIGN.md §4);
-2. the same auto run is then timed after its switch, and fresh runs with k = 0 and k = m
-   are timed too — all in the same process group and network, one after the other.
+1. a ``stale_layers="auto"`` run profiles its warm-up, the model picks k and the run
+   measures that k on the job (``sapipe.schedule.tuner``), and its final decision predicts
+   the iteration time for k = 0, the chosen k and k = m (the simulator, DESIGN.md §4);
+2. the same auto run is then timed once its k is final, and fresh runs with k = 0 and
+   k = m are timed too — all in the same process group and network, interleaved in
+   ``--rounds`` rounds so that load drifting on the host hits every k alike. Measured =
+   the mean iteration time of rank 0 (a saturated link often alternates long and short
+   iterations; only the mean is the rate).
 
 Output: a markdown table (prediction error per k) on stdout, appended to
 ``benchmarks/results/schedule_accuracy.md`` with the exact command; and, per job, the raw
@@ -62,18 +66,28 @@ def worker(args) -> None:
         return times
 
     comm_log = {}  # k -> (start, done, stream, bytes-free name) of the timed iterations' all-reduces (--trace-comm)
+    t0 = time.perf_counter_ns()  # the origin of those times
 
-    def run(stale_layers):
+    def setup(stale_layers):
         model = spec.make_model()
         opt = sapipe.DistributedOptimizer(
             spec.make_optimizer(model.parameters()), model, stale_layers=stale_layers, profile_steps=args.profile_steps,
             trace=args.trace_comm,
         )
-        warm = opt._warmup if stale_layers == "auto" else 3  # noqa: SLF001 - the switch point
-        timed(opt, model, warm + 2)
+        for _ in range(500):  # "auto" profiles, then measures its k on the job: train until k is final
+            if opt.stale_layers != "auto":
+                break
+            opt.zero_grad()
+            spec.loss_fn(model(batch[0]), batch[1]).backward()
+            opt.step()
+        timed(opt, model, 5)
+        return opt, model
+
+    def timed_chunk(opt, model, steps):
+        """``steps`` timed iterations after one untimed one; the run's stale traffic finished after."""
+        timed(opt, model, 1)  # caches and the link were another run's
         opt.tracer.clear()
-        t0 = time.perf_counter_ns()
-        times = timed(opt, model, args.steps)
+        times = timed(opt, model, steps)
         if args.trace_comm:
             begun = {}
             spans = comm_log.setdefault(str(opt.stale_layers), [])
@@ -84,22 +98,35 @@ def worker(args) -> None:
                 elif kind == "comm_done" and key in begun:
                     spans.append(((begun.pop(key) - t0) / 1e9, (at - t0) / 1e9, key[1], key[0]))
             spans += [((s - t0) / 1e9, math.nan, key[1], key[0]) for key, s in begun.items()]
-        return opt, times
+        for bucket in opt.buckets:  # the last stale all-reduce must not overlap the next run's steps
+            for handle in bucket.grads.in_flight:
+                if handle is not None and hasattr(handle.token, "wait"):
+                    handle.token.wait()  # the torch work object: waiting again later is a no-op
+        return times
 
-    auto, auto_times = run("auto")
-    d = auto.decision
-    results = {"m": d.m, "k": d.k, "kappa": d.kappa, "comm_bound": d.comm_bound, "summary": d.summary()}
+    auto = setup("auto")
+    d = auto[0].decision
+    tuner = auto[0].tuner
+    results = {"m": d.m, "k": d.k, "kappa": d.kappa, "comm_bound": d.comm_bound, "summary": d.summary(),
+               "model_k": tuner.first_k if tuner else d.k,
+               "tuning": tuner.summary() if tuner else "not measured (model's k is 0 or m)"}
     results["predicted"] = {"0": d.iteration_time_sync, "auto": d.iteration_time, "m": d.iteration_time_all_stale}
-    _, sync_times = run(0)
-    _, stale_times = run(d.m)
-    results["measured"] = {
-        "0": statistics.median(sync_times), "auto": statistics.median(auto_times), "m": statistics.median(stale_times),
-    }
-    times = {"0": sync_times, str(d.k): auto_times, str(d.m): stale_times}
-    for expr in filter(None, args.sweep_k.split(",")):
+    runs = {str(d.k): auto}
+    for expr in ["0", "m"] + list(filter(None, args.sweep_k.split(","))):
         k = min(d.m, max(0, int(round(eval(expr, {"m": d.m})))))  # noqa: S307 - our own CLI, e.g. "m/2"
-        if str(k) not in times:
-            times[str(k)] = run(k)[1]
+        if str(k) not in runs:
+            runs[str(k)] = setup(k)
+    # Runs interleaved in rounds (alternating order), so that load drifting on the host and
+    # the order the models were built in hit every k alike.
+    times = {key: [] for key in runs}
+    per_round = max(1, math.ceil(args.steps / args.rounds))
+    for r in range(args.rounds):
+        for key in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            times[key] += timed_chunk(*runs[key], per_round)
+    # The mean: a saturated link often alternates long and short iterations; only the mean is the rate.
+    mean = {key: statistics.fmean(ts) for key, ts in times.items()}
+    results["measured"] = {"0": mean["0"], "auto": mean[str(d.k)], "m": mean[str(d.m)]}
+    auto = auto[0]
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, auto.profile.raw)
     prof = auto.profile
@@ -170,7 +197,7 @@ def replay(path: str, variants) -> str:
                             shared_link=shared, record_events=False).iteration_time
                 for k in raw["measured_times"]}
         for k in sorted(raw["measured_times"], key=int):
-            meas = statistics.median(raw["measured_times"][k])
+            meas = statistics.fmean(raw["measured_times"][k])
             cells = [f"{predictions[v][k] * 1e3:.1f} ({(predictions[v][k] - meas) / meas:+.0%})" for v in variants]
             lines.append(f"| {job} | {k}{' (auto)' if int(k) == r['k'] else ''} | {meas * 1e3:.1f} | " + " | ".join(cells) + " |")
         lines.append(f"| {job} σ={sigma:.2f} | | | " + " | ".join("" for _ in variants) + " |")
@@ -188,7 +215,7 @@ def launch(model: str, size: str, rate: str, args) -> dict:
         cmd = [
             torchrun, "--standalone", f"--nproc_per_node={args.ranks}", os.path.abspath(__file__), "--worker",
             "--model", model, "--size", size, "--out", out, "--steps", str(args.steps),
-            "--profile-steps", str(args.profile_steps), "--sweep-k", args.sweep_k,
+            "--profile-steps", str(args.profile_steps), "--sweep-k", args.sweep_k, "--rounds", str(args.rounds),
         ] + (["--trace-comm"] if args.trace_comm else [])
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run(netem.wrap(cmd, netem.parse_rate(rate)), capture_output=True, text=True, env=env)
@@ -205,6 +232,7 @@ def main() -> None:
     p.add_argument("--rates", default="unlimited,100mbit")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=4, help="timed steps are split into this many interleaved rounds")
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--output", default=os.path.join(HERE, "results", "schedule_accuracy.md"))
     p.add_argument("--raw", default=os.path.join(HERE, "results", "schedule_accuracy_raw.json"),
@@ -238,10 +266,11 @@ def main() -> None:
             if args.raw:
                 with open(args.raw, "w") as f:
                     json.dump(raw, f)
-            for key, label in (("0", "0"), ("auto", f"auto={r['k']}"), ("m", f"m={r['m']}")):
+            auto = f"auto={r['k']}" + (f" (model: {r['model_k']})" if r.get("model_k", r["k"]) != r["k"] else "")
+            for key, label in (("0", "0"), ("auto", auto), ("m", f"m={r['m']}")):
                 pred, meas = r["predicted"][key], r["measured"][key]
                 rows.append((model, rate, label, pred, meas, (pred - meas) / meas, r["kappa"] if key == "auto" else None))
-            print(f"  {r['summary']}", file=sys.stderr, flush=True)
+            print(f"  {r['summary']}; {r.get('tuning')}", file=sys.stderr, flush=True)
     lines = [
         "| model | bandwidth | k | predicted ms/iter | measured ms/iter | error | κ (auto) |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: |",

@@ -62,6 +62,7 @@ import netem  # noqa: E402
 DEFAULT_MODELS = "vgg16,resnet50,gpt2,transformer"
 PROGRESS_TAG = "@@bench "
 ORACLE_TOLERANCE = 0.03
+MAX_SETTLE_STEPS = 500  # untimed steps sapipe-auto may take to profile and measure its k
 
 
 # ============================================================================ arguments
@@ -95,7 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip", default="", help="modes to leave out: any of local,comm,ceiling,ddp,sapipe,auto,comp,horovod")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per mode (default 3; --quick: 2)")
     p.add_argument("--auto-warmup", type=int, default=None,
-                   help="untimed steps for stale_layers='auto' (profiling + switch) (default 12; --quick: 6)")
+                   help="untimed steps for stale_layers='auto' once its k is final (it first trains untimed "
+                        "while it profiles and measures k) (default: --warmup)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per mode (default 20; --quick: 6)")
     p.add_argument("--rounds", type=int, default=0,
                    help="split each mode's timed steps into this many rounds, interleaved with the other "
@@ -128,7 +130,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.k = a.k or ("0,1,m" if q else "0,1,m/4,m")
     a.compensations = a.compensations if a.compensations is not None else ("dc" if q else "dc,wp1,wp2,wp3")
     a.warmup = a.warmup if a.warmup is not None else (2 if q else 3)
-    a.auto_warmup = a.auto_warmup if a.auto_warmup is not None else (6 if q else 12)
+    a.auto_warmup = a.auto_warmup if a.auto_warmup is not None else a.warmup
     a.steps = a.steps if a.steps is not None else (6 if q else 20)
     a.skip = {s for s in a.skip.split(",") if s}
     return a
@@ -249,6 +251,10 @@ class Runner:
     def pause(self):
         """Finish this mode's asynchronous work before another mode runs."""
 
+    def settled(self) -> bool:
+        """Whether the mode is in its steady state (sapipe-auto: its k is final)."""
+        return True
+
     def info(self) -> Dict[str, Any]:
         return {}
 
@@ -329,6 +335,9 @@ class TrainRunner(Runner):
         if self.kind == "sapipe":
             _drain(self.opt)
 
+    def settled(self) -> bool:
+        return self.kind != "sapipe" or self.opt.stale_layers != "auto"
+
     def info(self):
         if self.kind in ("local", "ceiling"):
             return {}
@@ -342,7 +351,7 @@ class TrainRunner(Runner):
         decision = getattr(self.opt, "decision", None)
         if decision is not None and hasattr(decision, "summary"):
             info["decision"] = str(decision.summary())
-        timed = {k for k in self.ks[self.warmup:]}
+        timed = {k for k in self.ks[-len(self.times):]} if self.times else set()
         if len(timed) > 1:
             info["note"] = f"k changed during the timed steps: {sorted(x for x in timed if x is not None)}"
         if len(layers) != self.job.m:
@@ -485,13 +494,23 @@ class Job:
                 if run.dead:
                     continue
                 try:
+                    ctx.barrier()
                     if not run.ready:
                         run.setup()
                         run.ready = True
                         warm = run.warmup
+                        # "auto" profiles, then measures k on the job: untimed until k is final
+                        # (the same on every rank: the decision is agreed on)
+                        for _ in range(MAX_SETTLE_STEPS):
+                            if run.settled():
+                                break
+                            run.step(run.i)
+                            ctx.sync()
+                            run.i += 1
+                        if not run.settled():
+                            raise Skip(f"skipped: k not final after {MAX_SETTLE_STEPS} steps")
                     else:
                         warm = 1  # caches and the link are someone else's after another mode
-                    ctx.barrier()
                     for j in range(warm + per_round):
                         t0 = time.perf_counter()
                         run.step(run.i)
@@ -1066,7 +1085,8 @@ def write_markdown(args, jobs, calib, pngs, out_dir, meta) -> str:
         f"{j0.get('threads')} thread(s) per rank), all in one fresh network namespace whose loopback is shaped by "
         "`tc qdisc add dev lo root tbf rate R` (benchmarks/netem.py): R is the aggregate rate of all ranks, and a "
         "ring all-reduce of S bytes puts 2(n−1)·S bytes through it. Each mode: "
-        f"{j0['warmup']} warm-up steps ({args.auto_warmup} for auto), then {j0['steps']} timed steps, split into "
+        f"{j0['warmup']} warm-up steps (auto: untimed until its k is final, then {args.auto_warmup}), then "
+        f"{j0['steps']} timed steps, split into "
         f"{j0.get('rounds', 3)} rounds that interleave all modes of the job (alternating order, one extra untimed "
         "step per round), so that load drifts hit every mode alike; "
         "T = the slowest rank's median step time, IQR = its interquartile range / median. Synthetic data.",

@@ -166,7 +166,7 @@ def setup_sapipe(model, args):
     base = torch.optim.Adam(model.parameters(), lr=args.lr)
     opt = DistributedOptimizer(base, model, stale_layers=args.stale_layers,
                                compensation=args.compensation)
-    # A callable: with "auto", k is known only after the warm-up.
+    # A callable: with "auto", k is known only after the warm-up (and the scheduler's measured search).
     info = lambda: f"{opt.stale_layers}/{opt.num_layers} stale, {args.compensation}"  # noqa: E731
     return model, opt, info
 

@@ -37,6 +37,7 @@ class Settings:
     profile_steps: int
     backend: str = "torch"
     partition_mb: float = 4.0
+    tune_steps: int = 6
 
     @property
     def auto(self) -> bool:
@@ -77,6 +78,7 @@ def validate(
     profile_steps: Any = 5,
     backend: Any = "torch",
     partition_mb: Any = 4.0,
+    tune_steps: Any = 6,
 ) -> Settings:
     """Check every argument against its documented range; return the typed settings."""
     _require(
@@ -109,6 +111,7 @@ def validate(
     )
     _require(_is_int(lr_ramp_steps) and lr_ramp_steps >= 0, f"lr_ramp_steps must be an int >= 0; got {lr_ramp_steps!r}")
     _require(_is_int(profile_steps) and profile_steps >= 1, f"profile_steps must be an int >= 1; got {profile_steps!r}")
+    _require(_is_int(tune_steps) and tune_steps >= 0, f"tune_steps must be an int >= 0; got {tune_steps!r}")
     _require(backend in BACKENDS, f"backend must be one of {list(BACKENDS)}; got {backend!r}")
     _require(
         isinstance(partition_mb, Real) and not isinstance(partition_mb, bool)
@@ -128,6 +131,7 @@ def validate(
         profile_steps=profile_steps,
         backend=backend,
         partition_mb=float(partition_mb),
+        tune_steps=tune_steps,
     )
 
 

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
+import math
 import os
+import statistics
 import time
 from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional, Union
@@ -38,12 +41,12 @@ from .compensation import MODES, Compensation, StaleStep
 from .errors import CommunicationError, ConfigurationError, SapipeError, UnsupportedOptimizerError, UsageError
 from .layers import Layer, LayerRecorder
 from .optim_math import OptimizerRule, rule_for
-from .schedule import chrome_trace, profiler, simulator, solver
+from .schedule import chrome_trace, profiler, simulator, solver, tuner
 from .trace import Tracer
 
 log = logging.getLogger("sapipe")
 
-CHECKPOINT_FORMAT = "sapipe-checkpoint/1"
+CHECKPOINT_FORMAT = "sapipe-checkpoint/2"  # /2: pipeline restarts and the search for k
 
 #: A predicted stall below this fraction of compute counts as none. Profiles taken on a
 #: live job carry a few percent of noise, and staling a layer costs some accuracy, so
@@ -64,7 +67,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         stale_layers: k, the number of leading layers (forward order) that take stale
             gradients. 0 is fully synchronous (equal to DDP); m (all layers) is Pipe-SGD.
             ``"auto"``: the scheduler profiles the warm-up iterations and picks the smallest
-            k that hides all communication (:mod:`sapipe.schedule`).
+            k that hides all communication (:mod:`sapipe.schedule`), then checks that k
+            on the running job (``tune_steps``).
         compensation: ``"none"``, ``"dc"``, ``"wp1"``, ``"wp2"`` or ``"wp3"`` for the stale
             layers (see :mod:`sapipe.compensation`).
         dc_lambda: λ ≥ 0 of delay compensation (``dc`` and ``wp3``).
@@ -77,7 +81,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             joins raises :class:`~sapipe.errors.CommunicationError`; default: the process
             group's own timeout.
         lr_ramp_steps: PipeMare's T1 for staleness > 1: the stale layers' learning rate is
-            divided by ``s ** (1 - min(t / K, 1))`` over the first K pipeline steps.
+            divided by ``s ** (1 - min(t / K, 1))`` over the first K pipeline steps (counted
+            from each start of the pipeline: the end of warm-up, and each restart while
+            ``"auto"`` measures k).
         profile_steps: with ``"auto"``, how many warm-up iterations are profiled; warm-up
             then lasts ``max(warmup_steps, profile_steps + 1)`` iterations.
         backend: how buckets are summed over the ranks (:mod:`sapipe.comm`): ``"torch"``
@@ -86,6 +92,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             all-gather, those the next forward needs first going first), ``"horovod"``
             (``hvd.init()`` first) or ``"byteps"`` (an untested adapter).
         partition_mb: chunk size of ``backend="pushpull"`` (BytePS's default: 4 MB).
+        tune_steps: with ``"auto"``, iterations measured per trial when the scheduler checks
+            its k on the running job (:mod:`sapipe.schedule.tuner`): if the pipeline still
+            waits for communication at the model's k, other k are measured (each trial
+            restarts the pipeline: the stale gradients in flight are applied as plain
+            updates, as at the end of warm-up) and the smallest k as fast as k = m within
+            3% is kept. ``stale_layers`` says ``"auto"`` until that is over. 0: keep the
+            model's k unmeasured.
         trace: ``True`` records runtime events in ``opt.tracer``; a path also writes them
             at exit as a Chrome trace (Perfetto) — per layer forward/backward, per bucket
             communication, waits — with ``{rank}`` in the path replaced by the rank (else
@@ -116,6 +129,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         profile_steps: int = 5,
         backend: str = "torch",
         partition_mb: float = 4.0,
+        tune_steps: int = 6,
         trace: Union[None, bool, str] = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -128,7 +142,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             stale_layers=stale_layers, compensation=compensation, dc_lambda=dc_lambda,
             dc_form=dc_form, staleness=staleness, warmup_steps=warmup_steps,
             bucket_cap_mb=bucket_cap_mb, lr_ramp_steps=lr_ramp_steps, timeout=timeout,
-            profile_steps=profile_steps, backend=backend, partition_mb=partition_mb,
+            profile_steps=profile_steps, backend=backend, partition_mb=partition_mb, tune_steps=tune_steps,
         )
         # Validate locally, but report only after comparing with the other ranks: a rank
         # that raised here while the others went on into a collective would hang them.
@@ -171,7 +185,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._sync_comm = self._new_comm("sync")
         self._k: int = 0 if settings.auto else settings.stale_layers
-        self._warmup = settings.effective_warmup
+        # The pipeline starts after this iteration: warm-up's end, or a restart while "auto" tunes k.
+        self._origin = settings.effective_warmup
         self._stale_comm = self._new_comm("stale") if settings.auto or self._k > 0 else None
         _broadcast_from_first_rank(model, group)
 
@@ -187,6 +202,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._trace_forward_end = self._trace_last_release = 0
         self.decision: Optional[solver.Decision] = None  # the scheduler's, with "auto"
         self._decided = False  # k is final (decided now, or restored from a checkpoint)
+        self.tuner: Optional[tuner.Tuner] = None  # the measured search for k, once the model chose
+        self._trial_start = 0  # the iteration the current trial's pipeline began after
+        self._trial_times: List[float] = []  # per measured iteration of the trial: forward start to step end
+        self._trial_waits: List[float] = []  # per measured iteration of the trial: seconds waited for comm
+        self._waited = 0.0  # seconds this iteration waited for all-reduces so far
+        self._forward_start: Optional[float] = None  # this iteration's first forward began
         self._next_launch = 0
         self._iteration = 0  # completed step() calls
         self._accumulating = False  # inside no_sync()
@@ -260,7 +281,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if grad_scaler is not None:
             self._scaling[iteration] = self._agree_on_scaling(grad_scaler)
             self._scaling.pop(iteration - self.settings.staleness - 2, None)
-        pipeline_step = iteration - self._warmup
+        pipeline_step = iteration - self._origin
         for bucket in self._buckets:
             if bucket.stale and pipeline_step >= 1:
                 self._stale_update(bucket, pipeline_step, hyperparams, iteration)
@@ -272,8 +293,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._iteration = iteration
         if self._timer is not None:
             self._timer.end_iteration()
-            if iteration == self._warmup:
+            if iteration == self._origin:
                 self._decide()
+        elif self.tuner is not None and not self._decided:
+            self._measure_trial(iteration, hyperparams)
+        self._waited = 0.0
+        self._forward_start = None
         self.tracer.record("step_end", iteration=iteration)
 
     @torch.no_grad()
@@ -400,6 +425,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "iteration": self._iteration,
             "k": self._k,
             "decided": self._decided,
+            "pipeline_origin": self._origin,
+            # the measured search for k, if it is under way: where it stands, and this trial's iterations so far
+            "search": None if self._decided or self.tuner is None else {
+                "tuner": self.tuner.state_dict(), "trial_start": self._trial_start,
+                "times": list(self._trial_times), "waits": list(self._trial_waits),
+                # the model's inputs, so the resumed job predicts the final k as this one would
+                "profiles": [dataclasses.asdict(p) for p in self._profiles or []], "link": self._link,
+                "sim_options": dict(self._sim_options), "decision": dataclasses.asdict(self.decision),
+            },
             "order": [layer.name for layer in self.layers if layer.executed],
             "layers": [layer.name for layer in self.layers],
             "buckets": [bucket.state_dict() for bucket in self._buckets],
@@ -434,11 +468,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise UsageError("sapipe: load a checkpoint between step() and the next forward, not during backward")
         self._decided = state["decided"]
         self._k = state["k"]
+        self._origin = state["pipeline_origin"]
+        search = state["search"]
+        self.tuner = tuner.Tuner.from_state(search["tuner"]) if search else None
+        if search:
+            self._trial_start = search["trial_start"]
+            self._trial_times, self._trial_waits = list(search["times"]), list(search["waits"])
+            self._profiles = [solver.LayerProfile(**p) for p in search["profiles"]] or None
+            self._link, self._sim_options = tuple(search["link"]), dict(search["sim_options"])
+            self.decision = solver.Decision(**search["decision"])
         if self._layers is None:
             self._build_layout(state["order"])
         if [layer.name for layer in self._layers] != state["layers"]:
             raise ConfigurationError("sapipe: the checkpoint's layer order differs from this model's")
-        self._timer = None if self._decided or not self.settings.auto else self._timer
+        self._timer = None if self._decided or self.tuner is not None or not self.settings.auto else self._timer
         previous = self._buckets if self._iteration > 0 else None
         self._lay_out_buckets()
         self._allocate_state(previous)
@@ -453,7 +496,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._next_launch = 0
 
     def _settings_fingerprint(self) -> Dict[str, str]:
-        fields = {k: v for k, v in vars(self.settings).items() if k != "timeout"}
+        """What a checkpoint must agree on (not the timeout, nor the search's trial length)."""
+        fields = {k: v for k, v in vars(self.settings).items() if k not in ("timeout", "tune_steps")}
         return config.describe(dict(fields, optimizer=type(self.optimizer).__name__))
 
     def __repr__(self) -> str:
@@ -467,8 +511,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _before_model_forward(self, module: nn.Module, args) -> None:
         iteration = self._iteration + 1
+        if self._forward_start is None:
+            self._forward_start = time.perf_counter()
         self.tracer.record("forward_start", iteration=iteration)
-        if self._timer is not None and self._warmup - self.settings.profile_steps < iteration <= self._warmup:
+        if self._timer is not None and self._origin - self.settings.profile_steps < iteration <= self._origin:
             self._timer.begin_iteration()
         waited = sum(self._apply_deferred(bucket) for bucket in self._eager)
         self._root_wait = waited  # a stall before the first layer, for the profiler
@@ -605,25 +651,135 @@ class DistributedOptimizer(torch.optim.Optimizer):
             step_time=profile.step_time,
             **self._sim_options,
         )
+        self._relayout(self.decision.k)
+        m = len(self._layers)
+        if self.settings.tune_steps > 0 and 0 < self.decision.k < m:
+            # k = 0 and k = m need no check: the profile was measured at k = 0, and
+            # nothing hides more communication than k = m.
+            self.tuner = tuner.Tuner(self.decision.k, m, STALL_TOLERANCE)
+            self._begin_trial(self._iteration)
+        else:
+            self._finish_decision()
+
+    def _finish_decision(self) -> None:
+        self._decided = True
+        if self._rank == 0:
+            tuned = f"; {self.tuner.summary()}" if self.tuner is not None else ""
+            log.info("sapipe: %s%s", self.decision.summary(), tuned)
+
+    def _relayout(self, k: int) -> None:
+        """Buckets and optimizer state for ``k`` stale layers; every pending update applied first."""
         self.synchronize()  # every pending update uses the old layout's buffers
         previous = self._buckets
-        self._k = self.decision.k
-        self._decided = True
+        self._k = k
         self._lay_out_buckets()
         self._allocate_state(previous)
-        if self._rank == 0:
-            log.info("sapipe: %s", self.decision.summary())
+
+    # ------------------------------------------------------------------ measured tuning of k
+
+    def _begin_trial(self, iteration: int) -> None:
+        """The pipeline (re)started after ``iteration``: measure the trial's iterations from here."""
+        self._trial_start = iteration
+        self._trial_times = []
+        self._trial_waits = []
+
+    def _measure_trial(self, iteration: int, hyperparams: List[Dict[str, Any]]) -> None:
+        """Record one iteration of the trial; after ``tune_steps`` of them, report and move on.
+
+        The pipeline's first s steps are not measured (no stale update waits in them yet).
+        An iteration's time runs from its first forward to the end of its ``step()``, so what
+        the training loop does between steps (evaluation, checkpoints) does not count. The
+        slowest rank's means go to the tuner, so every rank takes the same next step. Means,
+        not medians: a link that is the bottleneck often alternates long and short
+        iterations, and only the mean is the throughput. On CUDA the host does not block
+        on communication, so a trial iteration synchronises the device before it is timed
+        and its waits count as unknown (the search then always measures k = m).
+        """
+        assert self.tuner is not None
+        if iteration - self._trial_start <= self.settings.staleness:
+            return
+        device = self._params[0].device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = self._forward_start if self._forward_start is not None else time.perf_counter()
+        self._trial_times.append(time.perf_counter() - start)
+        self._trial_waits.append(math.inf if device.type == "cuda" else self._waited)
+        if len(self._trial_times) < self.settings.tune_steps:
+            return
+        time_, waits = self._agree_on_max(
+            [statistics.fmean(self._trial_times), statistics.fmean(self._trial_waits)], "the scheduler's measurements"
+        )
+        self.tuner.record(time_, waits)
+        if self.tuner.trial is None:
+            if self.tuner.final != self._k:
+                self._restart_pipeline(self.tuner.final, iteration, hyperparams)
+            self.decision = self._decision_for(self.tuner.final)
+            self._finish_decision()
+        else:
+            self._restart_pipeline(self.tuner.trial, iteration, hyperparams)
+            self._begin_trial(iteration)
+
+    def _agree_on_max(self, values: List[float], what: str) -> List[float]:
+        """The maximum over ranks of each of ``values`` (float64), on the control group."""
+        device = self._params[0].device
+        tensor = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+        try:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._control)
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise CommunicationError(f"sapipe: agreeing on {what} failed: {exc}") from exc
+        return tensor.cpu().tolist()
+
+    def _restart_pipeline(self, k: int, iteration: int, hyperparams: List[Dict[str, Any]]) -> None:
+        """Back to the synchronous state after ``iteration``, then the pipeline anew with k stale layers.
+
+        The stale gradients still in flight are applied now, oldest first, as plain updates
+        (no compensation: their correction assumes a next step that will not come), and the
+        weights the model holds become the real ones. That is the state at the end of
+        warm-up, and the pipeline starts from it exactly as it did then.
+        """
+        t, s = iteration - self._origin, self.settings.staleness
+        stale_hyperparams = self._stale_hyperparams(hyperparams, t)
+        for bucket in self._buckets:
+            if not self._in_pipeline(bucket, iteration):
+                continue
+            assert bucket.grads is not None and bucket.real is not None and bucket.weights is not None
+            for j in range(max(t - s + 1, 1), t + 1):
+                slot = bucket.grads.index(j)
+                handle, bucket.grads.in_flight[slot] = bucket.grads.in_flight[slot], None
+                grad = self._unscale(handle.wait(), self._origin + j)
+                if grad is None:
+                    continue
+                for segment in bucket.segments:
+                    self._rule.update(
+                        segment.of(bucket.real), segment.state, stale_hyperparams[segment.group], {"grad": segment.of(grad)}
+                    )
+            if bucket.real is not bucket.weights:
+                bucket.weights.copy_(bucket.real)
+                bucket.real = bucket.weights
+            bucket.history = None
+        self._origin = iteration
+        self._relayout(k)
+
+    def _decision_for(self, k: int) -> solver.Decision:
+        """The model's prediction for ``k`` (the one the search settled on)."""
+        assert self._profiles is not None and self.decision is not None
+        alpha, beta, layer_bytes, step_time = self._link
+        return solver.choose_k(
+            self._profiles, bucket_cap_bytes=int(self.settings.bucket_cap_mb * 1024 * 1024), alpha=alpha,
+            beta=beta, bytes_per_layer=layer_bytes, tolerance=STALL_TOLERANCE, step_time=step_time,
+            only_k=k, **self._sim_options,
+        )
 
     # ------------------------------------------------------------------ backward
 
     def _in_pipeline(self, bucket: Bucket, iteration: int) -> bool:
-        return bucket.stale and iteration > self._warmup
+        return bucket.stale and iteration > self._origin
 
     def _slot(self, bucket: Bucket, iteration: int) -> int:
         if not self._in_pipeline(bucket, iteration):
             return 0
         assert bucket.grads is not None
-        return bucket.grads.index(iteration - self._warmup)
+        return bucket.grads.index(iteration - self._origin)
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         if self._accumulating:
@@ -732,14 +888,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # The private method is the one GradScaler itself uses for optimizers that handle
         # scaling: it records, per device, whether this rank's p.grad holds inf/NaN.
         found = grad_scaler._check_inf_per_device(self)  # noqa: SLF001
-        flag = torch.tensor([max((float(t.item()) for t in found.values()), default=0.0)], dtype=torch.float64)
-        try:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control)
-        except Exception as exc:  # noqa: BLE001 - re-raised with context
-            raise CommunicationError(f"sapipe: agreeing on non-finite gradients failed: {exc}") from exc
+        local = max((float(t.item()) for t in found.values()), default=0.0)
+        (flag,) = self._agree_on_max([local], "non-finite gradients")
         for tensor in found.values():
-            tensor.fill_(flag.item())  # scaler.update() backs off on every rank or on none
-        return flag.item() == 0.0, 1.0 / grad_scaler.get_scale()
+            tensor.fill_(flag)  # scaler.update() backs off on every rank or on none
+        return flag == 0.0, 1.0 / grad_scaler.get_scale()
 
     def _unscale(self, grad: torch.Tensor, iteration: int) -> Optional[torch.Tensor]:
         """The summed gradient of ``iteration`` as a mean, unscaled; None if it was not finite."""
@@ -764,6 +917,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         start = time.perf_counter()
         grad = self._unscale(handle.wait(), iteration)
         waited = time.perf_counter() - start
+        self._waited += waited
         if grad is None:  # a step GradScaler skipped
             return waited
         for segment in bucket.segments:
@@ -790,7 +944,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if t > s:
             slot = bucket.grads.index(t - s)
             handle, bucket.grads.in_flight[slot] = bucket.grads.in_flight[slot], None
+            start = time.perf_counter()
             grad = self._unscale(handle.wait(), iteration - s)
+            self._waited += time.perf_counter() - start
         local, prev_local = bucket.local, bucket.prev_local
         if local is not None and self._scaling:
             finite, inverse_scale = self._scaling.get(iteration, (True, 1.0))

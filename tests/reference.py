@@ -18,13 +18,18 @@ Interpretations made here (kept explicit so a test failure can be judged):
 * OPT_peek uses the optimizer's hyper-parameters as set for the current iteration.
 * A layer whose every parameter was already claimed by an earlier-executed layer (a module
   holding only a tied weight) is not a layer (it owns nothing); it is not counted in k.
+* ``restarts`` [(I, k'), ...]: after user iteration I's step, the stale gradients still
+  in flight (pipeline steps t-s+1..t) are applied oldest first as plain OPT steps with
+  that step's learning rate, the held weights become the real ones, and the pipeline
+  starts again with k' stale layers as after a warm-up of I iterations (optimizer state
+  moves with each parameter).
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -152,6 +157,7 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
                   stale_layers: int, compensation: str = "none", dc_lambda: float = 0.2,
                   dc_form: str = "outer", staleness: int = 1, warmup_steps: int = 0,
                   lr_at: Optional[Callable[[int], float]] = None, lr_ramp_steps: int = 0,
+                  restarts: Sequence[Tuple[int, int]] = (),
                   ) -> ReferenceResult:
     if compensation not in _MODES:
         raise ValueError(f"compensation must be one of {_MODES}, got {compensation!r}")
@@ -174,17 +180,34 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
 
     # ---- layers, S and N ---------------------------------------------------------------
     order, layer_params = layer_order(net, batches[0][0][0])
-    if not 0 <= stale_layers <= len(order):
-        raise ValueError(f"stale_layers must be in [0, {len(order)}], got {stale_layers}")
-    stale_names = {p for layer in order[:stale_layers] for p in layer_params[layer]}
-    S = [nm for nm in names if nm in stale_names]
-    N = [nm for nm in names if nm not in stale_names]
+    for k in [stale_layers] + [k for _, k in restarts]:
+        if not 0 <= k <= len(order):
+            raise ValueError(f"stale_layers must be in [0, {len(order)}], got {k}")
+    restart_at = dict(restarts)
 
     # ---- real weights x (leaf tensors) and the two optimizers ---------------------------
     x: Dict[str, nn.Parameter] = {nm: nn.Parameter(model_params[nm].detach().clone()) for nm in names}
-    opt_S = optimizer_factory([x[nm] for nm in S]) if S else None
-    opt_N = optimizer_factory([x[nm] for nm in N]) if N else None
-    base_lr = {id(o): [grp["lr"] for grp in o.param_groups] for o in (opt_S, opt_N) if o is not None}
+    base_lr: Dict[int, List[float]] = {}
+
+    def split(k, old_opts=()):
+        """(stale names, S, N, opt_S, opt_N) for k; optimizer state moves from ``old_opts``."""
+        stale = {p for layer in order[:k] for p in layer_params[layer]}
+        s_names = [nm for nm in names if nm in stale]
+        n_names = [nm for nm in names if nm not in stale]
+        opts = [optimizer_factory([x[nm] for nm in nms]) if nms else None for nms in (s_names, n_names)]
+        for o in opts:
+            if o is None:
+                continue
+            base_lr[id(o)] = [grp["lr"] for grp in o.param_groups]
+            for grp in o.param_groups:
+                for p in grp["params"]:
+                    for old in old_opts:
+                        if old is not None and p in old.state:
+                            o.state[p] = old.state[p]
+        return (stale, s_names, n_names, *opts)
+
+    stale_names, S, N, opt_S, opt_N = split(stale_layers)
+    all_stale = set(stale_names)
 
     def set_lr(opt, it, scale=1.0):
         if opt is None:
@@ -201,7 +224,7 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
     L: Dict[int, List[Tensors]] = {}  # L[t][r]: l_t^r of S params
     pred: Optional[List[Tensors]] = None  # x̃ for S, per rank (None = hold real weights)
 
-    res = ReferenceResult(real=[], held=[], order=order, stale_names=set(stale_names),
+    res = ReferenceResult(real=[], held=[], order=order, stale_names=all_stale,
                           layer_params=layer_params)
 
     for it in range(1, len(batches) + 1):
@@ -276,6 +299,18 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
                         peeked = opt_peek(optimizer_factory, opt_S, [x[nm] for nm in S],
                                           [g_tilde[nm] for nm in S])
                         pred.append(dict(zip(S, peeked)))
+
+        # -- restart: drain the stale gradients in flight, then a new pipeline ------------
+        if it in restart_at:
+            if it > W:
+                t = it - W
+                for j in range(max(t - s + 1, 1), t + 1):
+                    if opt_S is not None:
+                        _step(opt_S, [x[nm] for nm in S], [G[j][nm] for nm in S])
+            pred = None
+            stale_names, S, N, opt_S, opt_N = split(restart_at[it], (opt_S, opt_N))
+            all_stale |= stale_names
+            W, X, G, L = it, [], {}, {}
 
         # -- 5. record -------------------------------------------------------------------
         real = cur(names)

@@ -4,6 +4,8 @@
    of the *switch* must not depend on timing), and the run must equal the float64
    reference with that k and the effective warm-up: the re-layout of buckets and the
    migration of optimizer state (momentum, Adam moments, step counts) lose nothing.
+   Likewise the measured search for k (its path scripted): every pipeline restart must
+   equal the reference's drain-and-restart, k going up and down, for staleness 1 and 2.
 2. Decisions on real networks: with ample bandwidth (plain loopback) the scheduler keeps
    the job synchronous (k = 0); on a slow link — all ranks inside a fresh network
    namespace whose loopback is rate-limited with ``tc`` (DESIGN.md §6) — it stales layers.
@@ -37,20 +39,55 @@ def make_optimizer(kind, params):
     return torch.optim.Adam(params, lr=0.01)
 
 
-def _pinned(rank, world_size, kind, mode, k):
+class _ScriptedTuner:
+    """A stand-in for ``sapipe.schedule.tuner.Tuner`` that walks a fixed path of k."""
+
+    path = ()  # the k of the trials after the first; the last one is final
+
+    def __init__(self, first_k, m, tolerance):
+        self.first_k, self.trials = first_k, []
+        self.todo = list(self.path)
+        self.trial, self.final = first_k, None
+
+    def record(self, iteration_time, waits):
+        assert iteration_time > 0 and waits >= 0
+        self.trials.append(self.trial)
+        if len(self.todo) == 1:
+            self.trial, self.final = None, self.todo[0]
+        else:
+            self.trial = self.todo.pop(0)
+
+    def summary(self):
+        return f"scripted {self.trials} -> {self.final}"
+
+    def state_dict(self):
+        return dict(vars(self))
+
+    @classmethod
+    def from_state(cls, state):
+        tuner = cls.__new__(cls)
+        vars(tuner).update(state)
+        return tuner
+
+
+def _pinned(rank, world_size, kind, mode, k, staleness=1, path=(), tune_steps=0, steps=STEPS):
     import sapipe
-    from sapipe.schedule import solver
+    from sapipe.schedule import solver, tuner
 
     real_choose = solver.choose_k
-    solver.choose_k = lambda *a, **kw: dataclasses.replace(real_choose(*a, **kw), k=k)
+    solver.choose_k = lambda *a, **kw: dataclasses.replace(
+        real_choose(*a, **kw), k=kw["only_k"] if kw.get("only_k") is not None else k
+    )
+    _ScriptedTuner.path = path
+    tuner.Tuner = _ScriptedTuner
     model = make_model("tied", seed=rank, dtype=torch.float64)
     opt = sapipe.DistributedOptimizer(
         make_optimizer(kind, model.parameters()), model, stale_layers="auto", compensation=mode,
-        profile_steps=PROFILE_STEPS, bucket_cap_mb=0.0008, timeout=60,
+        profile_steps=PROFILE_STEPS, bucket_cap_mb=0.0008, timeout=60, staleness=staleness, tune_steps=tune_steps,
     )
-    batches = make_batches("tied", STEPS, world_size, dtype=torch.float64)
+    batches = make_batches("tied", steps, world_size, dtype=torch.float64)
     seen = []
-    for t in range(STEPS):
+    for t in range(steps):
         x, y = batches[t][rank]
         opt.zero_grad()
         loss_fn_for("tied")(model(x), y).backward()
@@ -60,7 +97,7 @@ def _pinned(rank, world_size, kind, mode, k):
     held = {n: p.detach().clone() for n, p in model.named_parameters()}
     with opt.real_weights():
         real = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"seen": seen, "held": held, "real": real}
+    return {"seen": seen, "held": held, "real": real, "k": opt.decision.k}
 
 
 @pytest.mark.parametrize("kind,mode,k", [("sgd", "dc", 3), ("adam", "wp3", 5), ("sgd", "none", 7)])
@@ -76,6 +113,81 @@ def test_switch_after_profiling_is_exact(kind, mode, k):
     for rank in range(2):
         assert_close_dicts(out[rank]["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real")
         assert_close_dicts(out[rank]["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
+
+
+@pytest.mark.parametrize("kind,mode,staleness", [("sgd", "dc", 2), ("adam", "wp3", 1), ("sgd", "wp1", 1)])
+def test_measured_search_restarts_the_pipeline_exactly(kind, mode, staleness):
+    """Trials of tune_steps=2 (after s unmeasured) iterations at k = 3 (the model's) and 7; then 5, final."""
+    steps, tune = 16, 2
+    out = run_ranks(_pinned, world_size=2, args=(kind, mode, 3, staleness, (7, 5), tune, steps))
+    warmup = PROFILE_STEPS + 1
+    first, second = warmup + staleness + tune, warmup + 2 * (staleness + tune)  # restarts after these
+    assert out[0]["seen"] == ["auto"] * (second - 1) + [5] * (steps - second + 1)
+    assert out[0]["k"] == 5
+    ref = run_reference(
+        make_model("tied", seed=0, dtype=torch.float64), functools.partial(make_optimizer, kind),
+        make_batches("tied", steps, 2, dtype=torch.float64), loss_fn_for("tied"),
+        stale_layers=3, compensation=mode, warmup_steps=warmup, staleness=staleness,
+        restarts=[(first, 7), (second, 5)],
+    )
+    for rank in range(2):
+        assert_close_dicts(out[rank]["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real")
+        assert_close_dicts(out[rank]["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
+
+
+def _search_resumed(rank, world_size, path, split, steps=14):
+    """The scripted search (3, then 7, then 5), uninterrupted vs checkpointed at ``split`` and resumed."""
+    import sapipe
+    from sapipe.schedule import solver, tuner
+
+    real_choose = solver.choose_k
+    solver.choose_k = lambda *a, **kw: dataclasses.replace(
+        real_choose(*a, **kw), k=kw["only_k"] if kw.get("only_k") is not None else 3
+    )
+    _ScriptedTuner.path = (7, 5)
+    tuner.Tuner = _ScriptedTuner
+    batches = make_batches("tied", steps, world_size, dtype=torch.float64)
+
+    def new(seed):
+        model = make_model("tied", seed=seed, dtype=torch.float64)
+        opt = sapipe.DistributedOptimizer(
+            make_optimizer("adam", model.parameters()), model, stale_layers="auto", compensation="wp3",
+            profile_steps=PROFILE_STEPS, bucket_cap_mb=0.0008, timeout=60, tune_steps=2,
+        )
+        return model, opt
+
+    def train(model, opt, its):
+        for t in its:
+            x, y = batches[t][rank]
+            opt.zero_grad()
+            loss_fn_for("tied")(model(x), y).backward()
+            opt.step()
+
+    results = []
+    for stop in (None, split):
+        model, opt = new(seed=0)
+        train(model, opt, range(steps if stop is None else stop))
+        if stop is not None:
+            sapipe.save_checkpoint(path, model, opt)
+            opt.close()
+            model, opt = new(seed=rank + 5)
+            sapipe.load_checkpoint(path, model, opt)
+            assert opt.stale_layers == "auto" and opt.tuner is not None  # still searching
+            train(model, opt, range(stop, steps))
+        with opt.real_weights():
+            results.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        results.append(opt.stale_layers)
+        opt.close()
+    return results
+
+
+def test_a_checkpoint_during_the_search_resumes_it(tmp_path):
+    """Saved in the middle of the second trial: the resumed job finishes the same trial and search."""
+    out = run_ranks(_search_resumed, world_size=2, args=(str(tmp_path / "ck-{rank}.pt"), PROFILE_STEPS + 1 + 4))
+    for rank in range(2):
+        uninterrupted, k_a, resumed, k_b = out[rank]
+        assert k_a == k_b == 5
+        assert_close_dicts(resumed, uninterrupted, rtol=0, atol=0, what=f"rank {rank}")
 
 
 def _traced(rank, world_size, path):
@@ -117,10 +229,12 @@ def _attention(rank, world_size):
         torch.nn.Linear(8, 16), torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), torch.nn.Linear(16, 1)
     )
     opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stale_layers="auto", profile_steps=3)
-    for _ in range(6):
+    for _ in range(60):  # warm-up, then the measured search, if any
         opt.zero_grad()
         model(torch.randn(4, 5, 8)).sum().backward()
         opt.step()
+        if opt.stale_layers != "auto":
+            break
     never_ran = [layer.name for layer in opt.layers if not layer.executed]
     return {"k": opt.stale_layers, "never_ran": never_ran}
 
@@ -152,12 +266,15 @@ def _decide(rank, world_size):
         torch.optim.SGD(model.parameters(), lr=0.01), model, stale_layers="auto", profile_steps=4, timeout=120
     )
     x, y = torch.randn(16384, 64), torch.randn(16384, 8)
-    for _ in range(7):
+    for _ in range(80):  # warm-up, then the measured search (if the model's k is not 0 or m)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+        if opt.stale_layers != "auto":
+            break
     d = opt.decision
-    return {"k": opt.stale_layers, "m": opt.num_layers, "summary": d.summary(), "comm_bound": d.comm_bound}
+    summary = d.summary() + (f"; {opt.tuner.summary()}" if opt.tuner else "")
+    return {"k": opt.stale_layers, "m": opt.num_layers, "summary": summary, "comm_bound": d.comm_bound}
 
 
 def _run_job(prefix):

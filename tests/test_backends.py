@@ -151,11 +151,13 @@ def _auto_on_pushpull(rank, world_size):
     opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, stale_layers="auto",
                                       profile_steps=2, backend="pushpull", partition_mb=0.001, timeout=30)
     batches = make_batches("tied", 8, world_size)
-    for x_y in batches:
-        x, y = x_y[rank]
+    for step in range(80):  # warm-up, then the measured search (pipeline restarts drain push-pull's handles)
+        x, y = batches[step % len(batches)][rank]
         opt.zero_grad()
         loss_fn_for("tied")(model(x), y).backward()
         opt.step()
+        if opt.stale_layers != "auto":
+            break
     k = opt.stale_layers
     opt.close()
     return k

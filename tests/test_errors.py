@@ -28,6 +28,8 @@ BAD_ARGUMENTS = {
     "unknown backend": ({"backend": "mpi"}, "ConfigurationError", "backend must be one of"),
     "zero partition": ({"backend": "pushpull", "partition_mb": 0}, "ConfigurationError", "partition_mb"),
     "byteps missing": ({"backend": "byteps"}, "ConfigurationError", "byteps.torch"),
+    "negative tune steps": ({"stale_layers": "auto", "tune_steps": -1}, "ConfigurationError", "tune_steps must be an int >= 0"),
+    "zero profile steps": ({"stale_layers": "auto", "profile_steps": 0}, "ConfigurationError", "profile_steps"),
 }
 
 

@@ -573,3 +573,64 @@ def test_timer_times_all_reduces_and_keeps_the_contended_iteration_apart():
     timer.begin_iteration()
     timer.comm_started(0, 4000, object())
     assert timer._iter_comm == []
+
+
+# --------------------------------------------------------------------------- measured search (tuner)
+
+
+def _search(times, first_k, tol=0.03, waits=None):
+    """Run the tuner against measured iteration times ``times[k]``; return it."""
+    from sapipe.schedule.tuner import Tuner
+
+    tuner = Tuner(first_k, len(times) - 1, tol)
+    while tuner.trial is not None:
+        k = tuner.trial
+        tuner.record(times[k], (waits or {}).get(k, times[k] - min(times)))
+    return tuner
+
+
+def test_tuner_keeps_the_models_k_when_it_does_not_wait():
+    times = [10.0, 9.0, 8.0, 8.0, 8.0]
+    tuner = _search(times, 2, waits={2: 0.1})
+    assert tuner.final == 2 and [t.k for t in tuner.trials] == [2]
+
+
+def test_tuner_keeps_the_models_k_when_all_stale_is_no_faster():
+    times = [10.0, 9.0, 8.5, 8.4, 8.4]  # k=2 waits, but k=4 (all stale) is only 1% faster
+    tuner = _search(times, 2, waits={2: 1.0, 4: 0.0})
+    assert tuner.final == 2 and [t.k for t in tuner.trials] == [2, 4]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_tuner_finds_the_smallest_k_as_fast_as_all_stale(seed):
+    """Monotone iteration times: bisection must find exactly what exhaustive search finds."""
+    rng = np.random.default_rng(seed)
+    m = int(rng.integers(2, 120))
+    floor = float(rng.uniform(5, 50))
+    drops = np.sort(rng.uniform(0, 1, m + 1))[::-1] * rng.uniform(0, 30)
+    times = [floor + float(d) - float(drops[-1]) for d in drops]  # non-increasing in k, times[m] = floor
+    first_k = int(rng.integers(1, m))
+    tol = 0.03
+    tuner = _search(times, first_k, tol)
+    if times[first_k] - floor <= tol * times[first_k]:
+        assert tuner.final == first_k
+    elif times[m] >= times[first_k] * (1 - tol):
+        assert tuner.final == first_k
+    else:
+        expected = next(k for k in range(first_k + 1, m + 1) if times[k] <= times[m] * (1 + tol))
+        assert tuner.final == expected
+    assert len(tuner.trials) <= 2 + math.ceil(math.log2(max(m - first_k, 1)))
+    assert len({t.k for t in tuner.trials}) == len(tuner.trials)  # no k measured twice
+
+
+def test_tuner_refuses_input_after_the_end_and_bad_arguments():
+    from sapipe.schedule.tuner import Tuner
+
+    tuner = _search([3.0, 2.0, 1.0], 1, waits={1: 0.0})
+    with pytest.raises(RuntimeError, match="search is over"):
+        tuner.record(1.0, 0.0)
+    with pytest.raises(ValueError, match="outside"):
+        Tuner(5, 3, 0.03)
+    with pytest.raises(ValueError, match="tolerance"):
+        Tuner(1, 3, 1.5)
+    assert "k=1" in tuner.summary() and "-> k=1" in tuner.summary()

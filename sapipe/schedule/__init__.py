@@ -3,6 +3,8 @@
 * :func:`choose_k` simulates the runtime's pipeline for every k and picks the smallest k
   with no predicted stall; :func:`closed_form_k` is the paper's program, kept as reference.
 * :func:`simulate` predicts the steady-state iteration of one k, with a timeline.
+* :class:`Tuner` checks the model's k on the running job and searches measured k where
+  the pipeline still waits for communication.
 * :func:`write_chrome_trace` writes simulated or recorded (:func:`events_from_tracer`)
   timelines for Perfetto.
 
@@ -11,6 +13,7 @@ Pure Python: nothing here needs torch or torch.distributed.
 from .chrome_trace import CATEGORIES, TraceEvent, chrome_trace_dict, events_from_tracer, write_chrome_trace
 from .simulator import BucketPlan, SimResult, build_bucket_layout, plan_buckets, simulate
 from .solver import Decision, LayerProfile, brute_force_k, choose_k, closed_form_k
+from .tuner import Trial, Tuner
 
 __all__ = [
     "LayerProfile",
@@ -18,6 +21,8 @@ __all__ = [
     "closed_form_k",
     "brute_force_k",
     "choose_k",
+    "Tuner",
+    "Trial",
     "simulate",
     "SimResult",
     "BucketPlan",

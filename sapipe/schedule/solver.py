@@ -172,6 +172,7 @@ def choose_k(
     step_time: float = 0.0,
     slowdown: float = 0.0,
     shared_link: bool = False,
+    only_k: Optional[int] = None,
 ) -> Decision:
     """Smallest k whose simulated steady-state stall is at most ``tolerance`` × compute time.
 
@@ -189,6 +190,9 @@ def choose_k(
     communication-bound (k = m still *waits* for the link: ``comm_bound``), or when
     overlapping communication with compute costs compute time (``slowdown`` > 0), so that
     no k is stall-free and the best k is the one that loses least.
+
+    ``only_k``: no choice; the decision (predictions and all) for this k, e.g. one that was
+    measured on the job (:mod:`sapipe.schedule.tuner`).
     """
     m = len(profiles)
     compute = math.fsum(p.forward for p in profiles) + math.fsum(p.backward for p in profiles) + step_time
@@ -204,7 +208,11 @@ def choose_k(
         return cache[k]
 
     comm_bound = sim(m).wait > tol  # = its stall without a slow-down
-    if sim(m).stall <= tol:
+    if only_k is not None:
+        if not 0 <= only_k <= m:
+            raise ValueError(f"sapipe.schedule: k={only_k} outside 0..{m}")
+        chosen = only_k
+    elif sim(m).stall <= tol:
         chosen = next(k for k in range(m + 1) if sim(k).stall <= tol)
     else:
         best = min(sim(k).iteration_time for k in range(m + 1))

@@ -1,0 +1,116 @@
+"""Check the scheduler's k on the running job, and move it where measurement says.
+
+The simulator predicts each k from a profile taken while the job is fully synchronous.
+What that profile cannot show is how synchronous and stale all-reduces, and the compute
+beside them, slow each other down once the pipeline runs (on a CPU host they share the
+cores; on any host they share the NIC). So ``stale_layers="auto"`` does not stop at the
+model's k: it trains a few iterations at that k and, if they still wait for communication,
+measures other k on the job itself.
+
+The search, over measured iteration times T(k) (the slowest rank's mean):
+
+1. Try the model's k₁. If its iterations wait for communication no more than the tolerance
+   allows, keep it: the model was right.
+2. Else try k = m (everything stale, all communication hidden if anything hides it). If it
+   is not faster than k₁ by more than the tolerance, keep k₁: staling more layers would
+   cost accuracy for nothing.
+3. Else bisect between them for the smallest k with T(k) within the tolerance of T(m).
+   Each probe is one trial; a k is never measured twice.
+
+This class only decides; the optimizer runs the trials (restarting the pipeline at each
+new k) and feeds in measurements that every rank agrees on, so every rank walks the same
+path. Pure Python.
+"""
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass
+from typing import Any, Dict, List, Optional
+
+__all__ = ["Trial", "Tuner"]
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One measured k: mean iteration time and mean communication wait per iteration (s)."""
+
+    k: int
+    iteration_time: float
+    waits: float
+
+
+class Tuner:
+    """The measured search for k described in the module docstring.
+
+    ``trial`` is the k to run and measure now (None once ``final`` is set); :meth:`record`
+    takes its measurement and moves on. ``tolerance`` is a fraction of the iteration time.
+    """
+
+    def __init__(self, first_k: int, m: int, tolerance: float) -> None:
+        if not 0 <= first_k <= m:
+            raise ValueError(f"sapipe.schedule: first k={first_k} outside 0..{m}")
+        if not 0.0 <= tolerance < 1.0:
+            raise ValueError(f"sapipe.schedule: tolerance must be in [0, 1); got {tolerance}")
+        self.m = m
+        self.first_k = first_k
+        self.tolerance = tolerance
+        self.trials: List[Trial] = []
+        self.trial: Optional[int] = first_k
+        self.final: Optional[int] = None
+        self._lo = self._hi = -1  # bisection: lo is known slow, hi known good
+
+    @property
+    def measured(self) -> Dict[int, Trial]:
+        return {t.k: t for t in self.trials}
+
+    def record(self, iteration_time: float, waits: float) -> None:
+        """The measurement of ``trial``; sets the next ``trial`` or ``final``."""
+        if self.trial is None:
+            raise RuntimeError("sapipe.schedule: the search is over; nothing to record")
+        self.trials.append(Trial(self.trial, iteration_time, waits))
+        self.trial = self._next()
+        if self.trial is None:
+            assert self.final is not None
+
+    def _next(self) -> Optional[int]:
+        got = self.measured
+        first = got[self.first_k]
+        if len(self.trials) == 1:
+            if first.waits <= self.tolerance * first.iteration_time or self.first_k == self.m:
+                return self._finish(self.first_k)
+            return self.m
+        if len(self.trials) == 2:
+            if got[self.m].iteration_time >= first.iteration_time * (1.0 - self.tolerance):
+                return self._finish(self.first_k)
+            self._lo, self._hi = self.first_k, self.m
+        else:
+            last = self.trials[-1]
+            if last.iteration_time <= got[self.m].iteration_time * (1.0 + self.tolerance):
+                self._hi = last.k
+            else:
+                self._lo = last.k
+        if self._hi - self._lo <= 1:
+            return self._finish(self._hi)
+        return (self._lo + self._hi) // 2
+
+    def _finish(self, k: int) -> None:
+        self.final = k
+        return None
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Where the search stands (checkpoints)."""
+        return {"first_k": self.first_k, "m": self.m, "tolerance": self.tolerance,
+                "trials": [astuple(t) for t in self.trials], "trial": self.trial, "final": self.final,
+                "bracket": (self._lo, self._hi)}
+
+    @classmethod
+    def from_state(cls, state: Dict[str, Any]) -> "Tuner":
+        tuner = cls(state["first_k"], state["m"], state["tolerance"])
+        tuner.trials = [Trial(*t) for t in state["trials"]]
+        tuner.trial, tuner.final = state["trial"], state["final"]
+        tuner._lo, tuner._hi = state["bracket"]
+        return tuner
+
+    def summary(self) -> str:
+        """The measurements, for the log: "k=7: 61.8 ms (waits 5.1 ms), k=16: 47.3 ms, ..."."""
+        parts = [f"k={t.k}: {t.iteration_time * 1e3:.3g} ms (waits {t.waits * 1e3:.2g} ms)" for t in self.trials]
+        return "measured " + ", ".join(parts) + (f" -> k={self.final}" if self.final is not None else "")
