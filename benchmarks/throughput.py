@@ -351,6 +351,9 @@ class TrainRunner(Runner):
         decision = getattr(self.opt, "decision", None)
         if decision is not None and hasattr(decision, "summary"):
             info["decision"] = str(decision.summary())
+            tuner = getattr(self.opt, "tuner", None)
+            if tuner is not None:
+                info["decision"] += f"; {tuner.summary()}"
         timed = {k for k in self.ks[-len(self.times):]} if self.times else set()
         if len(timed) > 1:
             info["note"] = f"k changed during the timed steps: {sorted(x for x in timed if x is not None)}"

@@ -37,7 +37,7 @@ class Settings:
     profile_steps: int
     backend: str = "torch"
     partition_mb: float = 4.0
-    tune_steps: int = 6
+    tune_steps: int = 10
 
     @property
     def auto(self) -> bool:
@@ -78,7 +78,7 @@ def validate(
     profile_steps: Any = 5,
     backend: Any = "torch",
     partition_mb: Any = 4.0,
-    tune_steps: Any = 6,
+    tune_steps: Any = 10,
 ) -> Settings:
     """Check every argument against its documented range; return the typed settings."""
     _require(

@@ -7,7 +7,7 @@ cores; on any host they share the NIC). So ``stale_layers="auto"`` does not stop
 model's k: it trains a few iterations at that k and, if they still wait for communication,
 measures other k on the job itself.
 
-The search, over measured iteration times T(k) (the slowest rank's mean):
+The search, over measured iteration times T(k) (the slowest rank's, robust to outliers):
 
 1. Try the model's k₁. If its iterations wait for communication no more than the tolerance
    allows, keep it: the model was right.
@@ -31,7 +31,7 @@ __all__ = ["Trial", "Tuner"]
 
 @dataclass(frozen=True)
 class Trial:
-    """One measured k: mean iteration time and mean communication wait per iteration (s)."""
+    """One measured k: its iteration time and communication wait per iteration (s)."""
 
     k: int
     iteration_time: float
