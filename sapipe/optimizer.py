@@ -53,6 +53,11 @@ CHECKPOINT_FORMAT = "sapipe-checkpoint/2"  # /2: pipeline restarts and the searc
 #: "auto" only makes layers stale for a gain larger than that.
 STALL_TOLERANCE = 0.03
 
+#: A trial of the measured search for k lasts ``tune_steps`` iterations, and is extended by
+#: as many again, up to this many times in all, while its time is too noisy to resolve
+#: ``STALL_TOLERANCE`` (the median's standard error above half of it).
+TRIAL_MAX_ROUNDS = 4
+
 
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` for partial-staleness data-parallel training of ``model``.
@@ -92,7 +97,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             all-gather, those the next forward needs first going first), ``"horovod"``
             (``hvd.init()`` first) or ``"byteps"`` (an untested adapter).
         partition_mb: chunk size of ``backend="pushpull"`` (BytePS's default: 4 MB).
-        tune_steps: with ``"auto"``, iterations measured per trial when the scheduler checks
+        tune_steps: with ``"auto"``, iterations measured per trial (up to
+            :data:`TRIAL_MAX_ROUNDS` times as many while they are noisy) when the scheduler checks
             its k on the running job (:mod:`sapipe.schedule.tuner`): if the pipeline still
             waits for communication at the model's k, other k are measured (each trial
             restarts the pipeline: the stale gradients in flight are applied as plain
@@ -692,7 +698,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         slowest rank's values go to the tuner, so every rank takes the same next step. The
         value is the median of the means of consecutive pairs of iterations: a saturated
         link often alternates long and short iterations, which a plain median misreads,
-        and a single hiccup (the host, the allocator) should not decide k. On CUDA the host
+        and a single hiccup (the host, the allocator) should not decide k. A trial whose
+        value is too noisy to tell 3% apart goes on (:data:`TRIAL_MAX_ROUNDS`). On CUDA the host
         does not block on communication, so a trial iteration synchronises the device
         before it is timed and its waits count as unknown (the search then always measures
         k = m).
@@ -706,11 +713,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         start = self._forward_start if self._forward_start is not None else time.perf_counter()
         self._trial_times.append(time.perf_counter() - start)
         self._trial_waits.append(math.inf if device.type == "cuda" else self._waited)
-        if len(self._trial_times) < self.settings.tune_steps:
+        measured = len(self._trial_times)
+        if measured % self.settings.tune_steps:
             return
-        time_, waits = self._agree_on_max(
-            [_median_of_pairs(self._trial_times), _median_of_pairs(self._trial_waits)], "the scheduler's measurements"
+        pairs = _pair_means(self._trial_times)
+        median = statistics.median(pairs)
+        # the median's standard error, relative (≈ 1.25 σ / √n for a roughly normal sample)
+        noise = 1.25 * statistics.stdev(pairs) / math.sqrt(len(pairs)) / median if len(pairs) > 1 else 0.0
+        time_, waits, noise = self._agree_on_max(
+            [median, statistics.median(_pair_means(self._trial_waits)), noise], "the scheduler's measurements"
         )
+        if noise > STALL_TOLERANCE / 2 and measured < TRIAL_MAX_ROUNDS * self.settings.tune_steps:
+            return  # too noisy to decide on yet: every rank measures on (they agreed on the noise)
         self.tuner.record(time_, waits)
         if self.tuner.trial is None:
             if self.tuner.final != self._k:
@@ -1008,10 +1022,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 MIRROR_LOCAL_MIN_MEAN_NUMEL = 32768
 
 
-def _median_of_pairs(values: List[float]) -> float:
-    """Median of the means of consecutive pairs (a lone last value is its own pair)."""
-    pairs = [statistics.fmean(values[i : i + 2]) for i in range(0, len(values), 2)]
-    return statistics.median(pairs)
+def _pair_means(values: List[float]) -> List[float]:
+    """Means of consecutive pairs (a lone last value is its own pair)."""
+    return [statistics.fmean(values[i : i + 2]) for i in range(0, len(values), 2)]
 
 
 def _mirrors_local(bucket: Bucket) -> bool:

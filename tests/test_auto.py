@@ -80,6 +80,7 @@ def _pinned(rank, world_size, kind, mode, k, staleness=1, path=(), tune_steps=0,
     )
     _ScriptedTuner.path = path
     tuner.Tuner = _ScriptedTuner
+    sapipe.optimizer.TRIAL_MAX_ROUNDS = 1  # trials of exactly tune_steps: restarts at known iterations
     model = make_model("tied", seed=rank, dtype=torch.float64)
     opt = sapipe.DistributedOptimizer(
         make_optimizer(kind, model.parameters()), model, stale_layers="auto", compensation=mode,
@@ -146,6 +147,7 @@ def _search_resumed(rank, world_size, path, split, steps=14):
     )
     _ScriptedTuner.path = (7, 5)
     tuner.Tuner = _ScriptedTuner
+    sapipe.optimizer.TRIAL_MAX_ROUNDS = 1
     batches = make_batches("tied", steps, world_size, dtype=torch.float64)
 
     def new(seed):
@@ -229,7 +231,7 @@ def _attention(rank, world_size):
         torch.nn.Linear(8, 16), torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), torch.nn.Linear(16, 1)
     )
     opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stale_layers="auto", profile_steps=3)
-    for _ in range(60):  # warm-up, then the measured search, if any
+    for _ in range(400):  # warm-up, then the measured search, if any (at most ~5 trials of 41)
         opt.zero_grad()
         model(torch.randn(4, 5, 8)).sum().backward()
         opt.step()
@@ -264,10 +266,11 @@ def _decide(rank, world_size):
         torch.nn.Linear(128, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8),
     )
     opt = sapipe.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01), model, stale_layers="auto", profile_steps=4, timeout=120
+        torch.optim.SGD(model.parameters(), lr=0.01), model, stale_layers="auto", profile_steps=4, timeout=120,
+        tune_steps=4,
     )
     x, y = torch.randn(32768, 64), torch.randn(32768, 8)
-    for _ in range(80):  # warm-up, then the measured search (if the model's k is not 0 or m)
+    for _ in range(200):  # warm-up, then the measured search (if the model's k is not 0 or m)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()

@@ -151,7 +151,7 @@ def _auto_on_pushpull(rank, world_size):
     opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, stale_layers="auto",
                                       profile_steps=2, backend="pushpull", partition_mb=0.001, timeout=30)
     batches = make_batches("tied", 8, world_size)
-    for step in range(80):  # warm-up, then the measured search (pipeline restarts drain push-pull's handles)
+    for step in range(300):  # warm-up, then the measured search (pipeline restarts drain push-pull's handles)
         x, y = batches[step % len(batches)][rank]
         opt.zero_grad()
         loss_fn_for("tied")(model(x), y).backward()
