@@ -720,12 +720,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         median = statistics.median(pairs)
         # the median's standard error, relative (≈ 1.25 σ / √n for a roughly normal sample)
         noise = 1.25 * statistics.stdev(pairs) / math.sqrt(len(pairs)) / median if len(pairs) > 1 else 0.0
-        time_, waits, noise = self._agree_on_max(
+        iteration_time, waits, noise = self._agree_on_max(
             [median, statistics.median(_pair_means(self._trial_waits)), noise], "the scheduler's measurements"
         )
         if noise > STALL_TOLERANCE / 2 and measured < TRIAL_MAX_ROUNDS * self.settings.tune_steps:
             return  # too noisy to decide on yet: every rank measures on (they agreed on the noise)
-        self.tuner.record(time_, waits)
+        self.tuner.record(iteration_time, waits)
         if self.tuner.trial is None:
             if self.tuner.final != self._k:
                 self._restart_pipeline(self.tuner.final, iteration, hyperparams)
@@ -770,9 +770,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         segment.of(bucket.real), segment.state, stale_hyperparams[segment.group], {"grad": segment.of(grad)}
                     )
             if bucket.real is not bucket.weights:
-                bucket.weights.copy_(bucket.real)
-                bucket.real = bucket.weights
-            bucket.history = None
+                bucket.weights.copy_(bucket.real)  # the parameters are views of weights: re-laid out next
         self._origin = iteration
         self._relayout(k)
 
