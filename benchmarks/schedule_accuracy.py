@@ -138,7 +138,8 @@ def worker(args) -> None:
         "bucket_cap_bytes": int(auto.settings.bucket_cap_mb * 1024 * 1024),
         "profile": {"forward": prof.forward, "backward": prof.backward, "step_time": prof.step_time,
                     "alpha": prof.alpha, "beta": prof.beta, "slowdown": prof.slowdown,
-                    "beta_isolated": prof.beta_isolated, "beta_observed": prof.beta_observed},
+                    "beta_isolated": prof.beta_isolated, "beta_observed": prof.beta_observed,
+                    "update_time": prof.update_time},
         "ranks": ranks,
         "measured_times": times,
         "comm_spans": comm_log,
@@ -185,7 +186,7 @@ def replay(path: str, variants) -> str:
             rows = []
             for timer, rank in zip(timers, raw["ranks"]):
                 u, b, step = timer.medians(s)
-                rows.append(u + b + [step] + rank["probe_times"])
+                rows.append(u + b + [step] + rank["probe_times"] + [timer.update_time()])
             link = [[tuple(x) for x in rank["link_samples"]] for rank in raw["ranks"]]
             prof = profiler.combine(rows, m, raw["ranks"][0]["probe_sizes"], link, s)
             beta = prof.beta if fit == "observed" else prof.beta_isolated
@@ -194,7 +195,8 @@ def replay(path: str, variants) -> str:
             predictions[name] = {
                 k: simulate(profiles, int(k), bucket_cap_bytes=raw["bucket_cap_bytes"], alpha=prof.alpha, beta=beta,
                             bytes_per_layer=raw["layer_bytes"], step_time=prof.step_time, slowdown=s,
-                            shared_link=shared, record_events=False).iteration_time
+                            shared_link=shared, record_events=False,
+                            update_per_element=prof.update_time / sum(raw["numel"])).iteration_time
                 for k in raw["measured_times"]}
         for k in sorted(raw["measured_times"], key=int):
             meas = statistics.fmean(raw["measured_times"][k])

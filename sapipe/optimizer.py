@@ -90,7 +90,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             from each start of the pipeline: the end of warm-up, and each restart while
             ``"auto"`` measures k).
         profile_steps: with ``"auto"``, how many warm-up iterations are profiled; warm-up
-            then lasts ``max(warmup_steps, profile_steps + 1)`` iterations.
+            then lasts ``max(warmup_steps, profile_steps + 5)`` iterations (the job's
+            first 5 are never profiled: they pay one-off costs).
         backend: how buckets are summed over the ranks (:mod:`sapipe.comm`): ``"torch"``
             (default; one all-reduce per bucket, NCCL or Gloo), ``"pushpull"`` (BytePS's
             pattern on torch.distributed: chunks of ``partition_mb``, reduce-scatter then
@@ -217,7 +218,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._next_launch = 0
         self._iteration = 0  # completed step() calls
         self._accumulating = False  # inside no_sync()
-        self._root_wait = 0.0
+        self._root_wait = self._root_update = 0.0
         self._closed = False
         # iteration -> (gradients finite on every rank, 1 / loss scale); only with a GradScaler
         self._scaling: Dict[int, tuple] = {}
@@ -522,8 +523,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.tracer.record("forward_start", iteration=iteration)
         if self._timer is not None and self._origin - self.settings.profile_steps < iteration <= self._origin:
             self._timer.begin_iteration()
+        start = time.perf_counter()
         waited = sum(self._apply_deferred(bucket) for bucket in self._eager)
-        self._root_wait = waited  # a stall before the first layer, for the profiler
+        # before the first layer, for the profiler: a stall, and update compute that followed it
+        self._root_wait, self._root_update = waited, time.perf_counter() - start - waited
 
     def _after_model_forward(self, module: nn.Module, args, output) -> None:
         if self._layers is None:
@@ -584,13 +587,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         def hook(module: nn.Module, args) -> None:
             bucket = self._bucket_of_layer.get(index)
-            waited = 0.0
+            waited = updated = 0.0
             if bucket is not None and bucket.pending_update is not None:
+                start = time.perf_counter()
                 waited = self._apply_deferred(bucket)
+                updated = time.perf_counter() - start - waited
             if self._timer is not None:
                 if index == 0:
                     waited += self._root_wait
-                self._timer.layer_forward(index, waited)
+                    updated += self._root_update
+                self._timer.layer_forward(index, waited, updated)
             self.tracer.record("layer_forward_start", layer=layer.name, iteration=self._iteration + 1)
         return hook
 
@@ -646,7 +652,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._link = (profile.alpha, profile.beta, layer_bytes, profile.step_time)
         # The runtime's link: sync and stale traffic on two process groups, sharing it;
         # no compute slow-down unless the profile measured one (it does not by default).
-        self._sim_options = {"slowdown": profile.slowdown, "shared_link": True}
+        # Every layer was synchronous while profiling: its deferred updates covered all of them.
+        numel = sum(layer.numel for layer in self._layers)
+        self._sim_options = {"slowdown": profile.slowdown, "shared_link": True,
+                             "update_per_element": profile.update_time / numel if numel else 0.0}
         self.decision = solver.choose_k(
             self._profiles,
             bucket_cap_bytes=int(self.settings.bucket_cap_mb * 1024 * 1024),

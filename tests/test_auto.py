@@ -24,12 +24,13 @@ import sys
 import pytest
 import torch
 
+from sapipe.config import UNPROFILED_STEPS
 from dist_utils import assert_close_dicts, run_ranks
 from models import loss_fn_for, make_batches, make_model
 from reference import run_reference
 
-STEPS = 9
-PROFILE_STEPS = 2  # warm-up lasts PROFILE_STEPS + 1 = 3 iterations
+STEPS = 13
+PROFILE_STEPS = 2  # warm-up lasts PROFILE_STEPS + UNPROFILED_STEPS = 7 iterations
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -104,7 +105,7 @@ def _pinned(rank, world_size, kind, mode, k, staleness=1, path=(), tune_steps=0,
 @pytest.mark.parametrize("kind,mode,k", [("sgd", "dc", 3), ("adam", "wp3", 5), ("sgd", "none", 7)])
 def test_switch_after_profiling_is_exact(kind, mode, k):
     out = run_ranks(_pinned, world_size=2, args=(kind, mode, k))
-    warmup = PROFILE_STEPS + 1
+    warmup = PROFILE_STEPS + UNPROFILED_STEPS
     assert out[0]["seen"] == ["auto"] * (warmup - 1) + [k] * (STEPS - warmup + 1)
     ref = run_reference(
         make_model("tied", seed=0, dtype=torch.float64), functools.partial(make_optimizer, kind),
@@ -119,9 +120,9 @@ def test_switch_after_profiling_is_exact(kind, mode, k):
 @pytest.mark.parametrize("kind,mode,staleness", [("sgd", "dc", 2), ("adam", "wp3", 1), ("sgd", "wp1", 1)])
 def test_measured_search_restarts_the_pipeline_exactly(kind, mode, staleness):
     """Trials of tune_steps=2 (after s unmeasured) iterations at k = 3 (the model's) and 7; then 5, final."""
-    steps, tune = 16, 2
+    steps, tune = 20, 2
     out = run_ranks(_pinned, world_size=2, args=(kind, mode, 3, staleness, (7, 5), tune, steps))
-    warmup = PROFILE_STEPS + 1
+    warmup = PROFILE_STEPS + UNPROFILED_STEPS
     first, second = warmup + staleness + tune, warmup + 2 * (staleness + tune)  # restarts after these
     assert out[0]["seen"] == ["auto"] * (second - 1) + [5] * (steps - second + 1)
     assert out[0]["k"] == 5
@@ -136,7 +137,7 @@ def test_measured_search_restarts_the_pipeline_exactly(kind, mode, staleness):
         assert_close_dicts(out[rank]["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
 
 
-def _search_resumed(rank, world_size, path, split, steps=14):
+def _search_resumed(rank, world_size, path, split, steps=18):
     """The scripted search (3, then 7, then 5), uninterrupted vs checkpointed at ``split`` and resumed."""
     import sapipe
     from sapipe.schedule import solver, tuner
@@ -185,7 +186,7 @@ def _search_resumed(rank, world_size, path, split, steps=14):
 
 def test_a_checkpoint_during_the_search_resumes_it(tmp_path):
     """Saved in the middle of the second trial: the resumed job finishes the same trial and search."""
-    out = run_ranks(_search_resumed, world_size=2, args=(str(tmp_path / "ck-{rank}.pt"), PROFILE_STEPS + 1 + 4))
+    out = run_ranks(_search_resumed, world_size=2, args=(str(tmp_path / "ck-{rank}.pt"), PROFILE_STEPS + UNPROFILED_STEPS + 4))
     for rank in range(2):
         uninterrupted, k_a, resumed, k_b = out[rank]
         assert k_a == k_b == 5
@@ -200,8 +201,9 @@ def _traced(rank, world_size, path):
         torch.optim.SGD(model.parameters(), lr=0.05), model, stale_layers="auto", profile_steps=2,
         bucket_cap_mb=0.001, trace=path,
     )
-    batches = make_batches("tied", 6, world_size)
-    for t in range(6):
+    steps = 2 + UNPROFILED_STEPS + 1  # past the decision
+    batches = make_batches("tied", steps, world_size)
+    for t in range(steps):
         x, y = batches[t][rank]
         opt.zero_grad()
         loss_fn_for("tied")(model(x), y).backward()

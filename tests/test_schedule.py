@@ -155,6 +155,26 @@ def test_step_waits_for_previous_stale_all_reduce():
     assert r.step_wait > 0
 
 
+def test_deferred_updates_follow_their_all_reduce():
+    """One bucket of two layers (u = b = 1, 100 parameters each, comm 3, update 0.01 per
+    parameter, step 0.5). Sync: the next forward waits for the all-reduce, then updates
+    (2), so the update cannot hide under the comm: 3 + 2 + 2 + 2 = 9, the step hidden.
+    All stale: step() updates after the (long done) stale all-reduce: 2 + 2 + 2 + 0.5."""
+    profiles = [LayerProfile("l1", 1.0, 1.0, 1.5, numel=100), LayerProfile("l2", 1.0, 1.0, 1.5, numel=100)]
+    kw = dict(bucket_cap_bytes=1e9, alpha=None, beta=None, step_time=0.5, update_per_element=0.01)
+    sync, stale = simulate(profiles, 0, **kw), simulate(profiles, 2, **kw)
+    assert sync.iteration_time == pytest.approx(9.0) and stale.iteration_time == pytest.approx(6.5)
+    assert sync.compute_time == pytest.approx(6.5) == stale.compute_time
+    (update,) = [e for e in sync.events if e.category == "update"]
+    (wait,) = [e for e in sync.events if e.category == "wait"]
+    assert update.start == pytest.approx(wait.end) and update.end - update.start == pytest.approx(2.0)
+    assert not [e for e in stale.events if e.category == "update"]
+    old = simulate(profiles, 0, bucket_cap_bytes=1e9, alpha=None, beta=None, step_time=2.5)
+    assert old.iteration_time == pytest.approx(7.0)  # the same work as step time: hidden under the comm
+    with pytest.raises(ValueError, match="update_per_element"):
+        simulate(profiles, 0, bucket_cap_bytes=1e9, alpha=None, beta=None, update_per_element=-1.0)
+
+
 def test_simulated_k_is_never_below_closed_form():
     """Closed form vs simulator, in the closed form's own setting.
 
@@ -573,6 +593,36 @@ def test_timer_times_all_reduces_and_keeps_the_contended_iteration_apart():
     timer.begin_iteration()
     timer.comm_started(0, 4000, object())
     assert timer._iter_comm == []
+
+
+def test_timer_keeps_deferred_updates_apart(monkeypatch):
+    """Waits and deferred updates before a layer are not the previous layer's compute (nor,
+    before the first layer, the step's); the updates are summed per iteration."""
+    from sapipe.schedule import profiler
+
+    clock = [100.0]
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: clock[0])
+    timer = profiler.LayerTimer(2)
+    for _ in range(3):
+        timer.begin_iteration()
+        clock[0] += 0.5 + 2.0  # before the first layer: a wait, then its bucket's update
+        timer.layer_forward(0, waited=0.5, updated=2.0)
+        clock[0] += 2.0 + 0.25 + 1.0  # layer 0's forward; layer 1's bucket: a wait, its update
+        timer.layer_forward(1, waited=0.25, updated=1.0)
+        clock[0] += 3.0
+        timer.forward_end()
+        clock[0] += 4.0
+        timer.gradient_released(1)
+        clock[0] += 5.0
+        timer.gradient_released(0)
+        timer.end_iteration()
+        clock[0] += 1.5  # step(), zero_grad(), the next batch
+    u, b, step = timer.medians()
+    assert u == pytest.approx([2.0, 3.0]) and b == pytest.approx([5.0, 4.0]) and step == pytest.approx(1.5)
+    assert timer.update_time() == pytest.approx(3.0)
+    assert profiler.LayerTimer.from_raw(timer.raw()).update_time() == pytest.approx(3.0)
+    rows = [u + b + [step] + [1e-3, 2e-3] + [timer.update_time()], u + b + [step] + [1e-3, 2e-3] + [3.5]]
+    assert profiler.combine(rows, 2, [4096, 8192], [[], []], 0.0).update_time == pytest.approx(3.5)
 
 
 # --------------------------------------------------------------------------- measured search (tuner)

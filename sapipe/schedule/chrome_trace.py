@@ -38,6 +38,7 @@ CATEGORIES: Dict[str, str] = {
     "forward": "compute",
     "backward": "compute",
     "step": "compute",
+    "update": "compute",
     "comm": "comm",
     "wait": "wait",
     "iteration": "iteration",

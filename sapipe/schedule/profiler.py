@@ -12,8 +12,16 @@ Everything below is measured during the profiled warm-up iterations, which run w
   sent once all later layers' gradients are in), and b_i is the gap between consecutive
   releases, so Σb is the whole backward up to the last gradient.
 * **Step time**: from an iteration's last gradient release to the next iteration's first
-  layer (``step()``, ``zero_grad()``, the next batch), minus communication waits: serial
-  compute the simulator places between backward and the next forward.
+  layer (``step()``, ``zero_grad()``, the next batch), minus communication waits and
+  deferred updates: serial compute the simulator places between backward and the next
+  forward.
+* **Deferred updates**: a synchronous bucket's optimizer update runs just before its first
+  layer's next forward, once its all-reduce is in; its time (waits excluded) is measured
+  apart and taken out of the span it fell in (the layer before, or the step time), because
+  unlike the rest of that span it cannot start before the all-reduce ends. The profile
+  keeps its total per iteration (all buckets are synchronous while profiling); the
+  simulator charges each bucket its share by parameter count, after its all-reduce for a
+  synchronous bucket and inside ``step()`` for a stale one.
 * **Link, α–β**: t = α + β·bytes. α and an *isolated* β come from a least-squares fit to
   timed blocking all-reduces of a few sizes on the job's own process group (fastest of 5).
   The all-reduces of the profiled iterations are timed too, from issue to completion (the
@@ -65,6 +73,7 @@ class Profile:
     slowdown: float = 0.0  # σ: compute runs at 1/(1+σ) while a transfer is in flight
     beta_isolated: float = math.nan  # from the timed blocking all-reduces alone
     beta_observed: float = math.nan  # from the profiled iterations' all-reduces (nan: none seen)
+    update_time: float = 0.0  # deferred optimizer updates per iteration, all layers synchronous
     raw: Dict[str, Any] = field(default_factory=dict)  # this rank's measurements (diagnostics)
 
 
@@ -94,7 +103,9 @@ class LayerTimer:
         self._step_spans: List[Tuple[float, float, List[List[Any]]]] = []  # (start, end, comm then in flight)
         self._last_comm: List[List[Any]] = []
         self._starts: Dict[int, float] = {}
-        self._waits: Dict[int, float] = {}  # communication waited for before layer i ran
+        self._waits: Dict[int, float] = {}  # not layer i's compute: waits and deferred updates before it
+        self._updated: Dict[int, float] = {}  # deferred updates applied before layer i ran
+        self._updates: List[float] = []  # per profiled iteration: deferred update seconds
         self._releases: Dict[int, float] = {}
         self._forward_end: Optional[float] = None
         self._iter_comm: List[List[Any]] = []
@@ -111,6 +122,7 @@ class LayerTimer:
     def begin_iteration(self, contention: bool = False) -> None:
         self._starts.clear()
         self._waits.clear()
+        self._updated.clear()
         self._releases.clear()
         self._forward_end = None
         self._iter_comm = []
@@ -120,18 +132,22 @@ class LayerTimer:
             self._probe_start = self._probe_prepare()  # allocation is not charged to a layer
         self.active = True
 
-    def layer_forward(self, layer: int, waited: float = 0.0) -> None:
-        """Layer ``layer`` starts its forward, after waiting ``waited`` s for communication.
+    def layer_forward(self, layer: int, waited: float = 0.0, updated: float = 0.0) -> None:
+        """Layer ``layer`` starts its forward, after waiting ``waited`` s for communication
+        and then ``updated`` s applying deferred updates.
 
-        The wait is a stall, not compute: it is taken out of the previous layer's u.
+        Both are taken out of the previous layer's u (or, before the first layer, out of
+        the step time): the wait is a stall, and the update is compute of its own that
+        depends on the all-reduce (see the module docstring).
         """
         if self.active and layer not in self._starts:
             now = time.perf_counter()
             self._starts[layer] = now
-            self._waits[layer] = waited
+            self._waits[layer] = waited + updated
+            self._updated[layer] = updated
             if layer == 0 and self._last_release is not None:
-                self._step_times.append(max(0.0, now - self._last_release - waited))
-                self._step_spans.append((self._last_release, now - waited, self._last_comm))
+                self._step_times.append(max(0.0, now - self._last_release - waited - updated))
+                self._step_spans.append((self._last_release, now - waited - updated, self._last_comm))
                 self._last_release = None
             if self._contention and layer == self._first and self._probe is None:
                 self._start_probe()
@@ -204,6 +220,7 @@ class LayerTimer:
             return
         self._forward.append(forward)
         self._backward.append(backward)
+        self._updates.append(math.fsum(self._updated.values()))
         self._comm.append(self._iter_comm)
         self._spans.append((spans, [(release[i + 1] if i + 1 < m else self._forward_end, release[i]) for i in range(m)]))
 
@@ -240,6 +257,10 @@ class LayerTimer:
         step = statistics.median(steps) if steps else 0.0
         return u, b, step
 
+    def update_time(self) -> float:
+        """Median deferred-update seconds per profiled iteration (0 if none were seen)."""
+        return statistics.median(self._updates) if self._updates else 0.0
+
     def link_samples(self) -> List[Tuple[float, int, int]]:
         """Per clean profiled iteration: (link busy seconds, all-reduces, bytes) of its timed
         all-reduces (see :func:`busy_time`); busy is nan where a completion was not seen."""
@@ -275,6 +296,7 @@ class LayerTimer:
         timer = cls(len(raw["forward"][0]) if raw["forward"] else 0, executed)
         timer._forward, timer._backward, timer._step_times = raw["forward"], raw["backward"], raw["step_times"]
         timer._comm, timer.contended = raw["comm"], raw["contended"]
+        timer._updates = list(raw.get("updates", []))  # absent in raw files older than the field
         timer._spans = [tuple(x) for x in raw["spans"]]
         timer._step_spans = [tuple(x) for x in raw["step_spans"]]
         return timer
@@ -283,7 +305,7 @@ class LayerTimer:
         """Everything measured, for offline analysis (JSON-serialisable)."""
         return {"forward": self._forward, "backward": self._backward, "step_times": self._step_times,
                 "comm": self._comm, "spans": self._spans, "step_spans": self._step_spans,
-                "contended": self.contended}
+                "contended": self.contended, "updates": self._updates}
 
 
 def _intervals(records: Sequence[Sequence[Any]]) -> List[Tuple[float, float]]:
@@ -388,19 +410,21 @@ def combine(
     rows: Sequence[Sequence[float]], m: int, sizes: Sequence[int], link: Sequence[Sequence[Tuple[float, int, int]]],
     slowdown: float,
 ) -> "Profile":
-    """The job's profile from every rank's ``u + b + [step] + probe times`` row and link samples.
+    """The job's profile from every rank's ``u + b + [step] + probe times [+ [update]]`` row
+    and link samples.
 
-    MAX over ranks for compute and the probes (the slowest rank sets the pace of a
+    MAX over ranks for compute, deferred updates and the probes (the slowest rank sets the pace of a
     synchronous job); :func:`observed_beta` for the link seen in training. Pure: every rank,
     and an offline analysis of a saved run, computes the same profile from the same inputs.
     """
     values = [max(col) for col in zip(*rows)]
     alpha, beta_isolated = fit_alpha_beta(sizes, values[2 * m + 1 : 2 * m + 1 + len(sizes)])
+    update = values[2 * m + 1 + len(sizes)] if len(values) > 2 * m + 1 + len(sizes) else 0.0
     beta_seen = observed_beta(alpha, link)
     beta = beta_isolated if math.isnan(beta_seen) else max(beta_isolated, beta_seen)
     return Profile(
         forward=values[:m], backward=values[m : 2 * m], step_time=values[2 * m], alpha=alpha, beta=beta,
-        slowdown=slowdown, beta_isolated=beta_isolated, beta_observed=beta_seen,
+        slowdown=slowdown, beta_isolated=beta_isolated, beta_observed=beta_seen, update_time=update,
     )
 
 
@@ -464,7 +488,7 @@ def measure(
     u, b, step = timer.medians(slowdown)
     sizes = probe_sizes(bucket_bytes)
     comm = [time_allreduce(group, s, dtype, device) for s in sizes]
-    rows = gather(u + b + [step] + comm)
+    rows = gather(u + b + [step] + comm + [timer.update_time()])
     samples = timer.link_samples()
     longest = int(max(r[0] for r in gather([float(len(samples))])))
     padded = samples + [(math.nan, -1, -1)] * (longest - len(samples))

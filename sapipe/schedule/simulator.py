@@ -28,15 +28,18 @@ Model (one rank; every rank is assumed identical):
   kernel's copies take cores from compute, DESIGN.md §6). Transfers are not slowed in
   turn: ``beta`` should be the link as seen under training (``profiler`` fits it there).
 * **Sync bucket** of iteration t: the forward of its first layer (in forward order) in
-  iteration t+1 waits for its all-reduce (the deferred update is applied just before it).
+  iteration t+1 waits for its all-reduce, then applies its deferred update
+  (``update_per_element`` × its parameters of compute) and only then runs.
 * **Stale bucket** of iteration t: its all-reduce may run through iteration t+1; the
-  ``step()`` at the end of iteration t+1 waits for it. While in flight it occupies the link.
+  ``step()`` at the end of iteration t+1 waits for it, then updates the stale buckets
+  (``update_per_element`` × their parameters, before ``step_time``). While in flight it
+  occupies the link.
 
 The simulation runs iteration after iteration, carrying in-flight stale traffic over,
 until the pipeline repeats itself; the iteration time is the time between consecutive
 iteration starts in that steady state.
 
-Not modelled: the time of deferred updates (taken as 0), hook overhead, communication
+Not modelled: hook overhead, compensation's extra work, communication
 being slowed by computation (the fitted ``beta`` averages over it), a link whose sharing is
 neither FIFO nor even (a deep queue in front of the link, as ``tc tbf`` with a large limit
 has, lets the transfer that started first keep most of it), more than one transfer in
@@ -322,7 +325,7 @@ class SimResult:
 
     k: int
     iteration_time: float  # between consecutive iteration starts, steady state
-    compute_time: float  # sum(u) + sum(b) + step: the iteration time with no communication
+    compute_time: float  # sum(u) + sum(b) + step + updates: the iteration time with no communication
     stall: float  # iteration_time - compute_time: waits and, with a slow-down, compute lost to it
     comm_time: float  # link busy time per iteration (sum of bucket all-reduce times)
     forward_wait: float  # of the stall: waiting for sync all-reduces before forwards
@@ -355,8 +358,10 @@ def _run_forward_backward(
     previous: Dict[int, Transfer],
     link,
     slowdown: float,
+    update_per_element: float = 0.0,
 ) -> Tuple[_Iteration, List[Transfer]]:
-    """Forward (waiting for last iteration's sync all-reduces) and backward of iteration t.
+    """Forward (waiting for last iteration's sync all-reduces, then applying their updates)
+    and backward of iteration t.
 
     Returns the timeline and the all-reduces the backward issues. With a slow-down they are
     submitted to ``link`` as they are issued (compute after them depends on them); without,
@@ -374,6 +379,13 @@ def _run_forward_backward(
                                             {"bucket": bucket.index, "before_layer": prof.name}))
                 it.forward_wait += done - cursor
                 cursor = done
+            work = update_per_element * _numel(profiles, bucket)
+            if work > 0:
+                end = _compute_end(cursor, work, link, slowdown)
+                it.events.append(TraceEvent(f"update bucket {bucket.index}", "update", cursor, end,
+                                            {"bucket": bucket.index}))
+                it.busy += end - cursor
+                cursor = end
         end = _compute_end(cursor, prof.forward, link, slowdown)
         it.events.append(TraceEvent(prof.name, "forward", cursor, end, {"layer": i}))
         it.busy += end - cursor
@@ -399,6 +411,10 @@ def _run_forward_backward(
                 link.submit([tr])
     it.backward_end = cursor
     return it, transfers
+
+
+def _numel(profiles: Sequence["LayerProfile"], bucket: BucketPlan) -> int:
+    return sum(profiles[i].numel for i in bucket.layers)
 
 
 def _comm_events(link, lo: float, hi: float, t: int) -> List[TraceEvent]:
@@ -429,6 +445,7 @@ def simulate(
     step_time: float = 0.0,
     slowdown: float = 0.0,
     shared_link: bool = False,
+    update_per_element: float = 0.0,
 ) -> SimResult:
     """Predict the steady-state iteration time with the first ``k`` layers stale.
 
@@ -446,6 +463,10 @@ def simulate(
     for stale all-reduces) and the next forward: the optimizer step, ``zero_grad``, loading
     the next batch. It counts as compute.
 
+    ``update_per_element``: seconds of optimizer update per parameter element, charged to
+    each bucket after its all-reduce (sync: before its first layer's next forward; stale:
+    in ``step()``, before ``step_time``). It counts as compute.
+
     ``slowdown`` σ ≥ 0: compute runs at 1/(1+σ) of its speed while the link carries a
     transfer (0: communication costs compute nothing, the paper's and the old model).
     ``shared_link``: sync and stale all-reduces run on two process groups that share the
@@ -460,12 +481,17 @@ def simulate(
         raise ValueError(f"sapipe.schedule: k={k} outside 0..{m}")
     if not slowdown >= 0.0 or math.isinf(slowdown):
         raise ValueError(f"sapipe.schedule: slowdown must be finite and >= 0; got {slowdown}")
+    if not update_per_element >= 0.0 or math.isinf(update_per_element):
+        raise ValueError(f"sapipe.schedule: update_per_element must be finite and >= 0; got {update_per_element}")
     if shared_link and priority:
         raise ValueError("sapipe.schedule: shared_link (two process groups) has no priority between them")
     iterations = max(iterations, 2)
     buckets = plan_buckets(profiles, k, bucket_cap_bytes=bucket_cap_bytes, alpha=alpha, beta=beta,
                            bytes_per_layer=bytes_per_layer)
-    compute = math.fsum(p.forward for p in profiles) + math.fsum(p.backward for p in profiles) + step_time
+    stale_update = update_per_element * sum(_numel(profiles, b) for b in buckets if b.stale)
+    step_work = stale_update + step_time
+    compute = (math.fsum(p.forward for p in profiles) + math.fsum(p.backward for p in profiles) + step_time
+               + update_per_element * sum(p.numel for p in profiles))
     comm = math.fsum(b.comm_time for b in buckets)
     link = SharedLink() if shared_link else Link(priority)
     history: List[_Iteration] = []
@@ -474,7 +500,8 @@ def simulate(
     cycle = 0
     start = 0.0
     for t in range(iterations):
-        it, transfers = _run_forward_backward(t, start, profiles, buckets, sent[t - 1] if t else {}, link, slowdown)
+        it, transfers = _run_forward_backward(t, start, profiles, buckets, sent[t - 1] if t else {}, link, slowdown,
+                                              update_per_element)
         if slowdown <= 0.0:
             link.submit(transfers)
         sent.append({tr.bucket.index: tr for tr in transfers})
@@ -483,9 +510,9 @@ def simulate(
         waited_until = max([it.backward_end] + stale)
         if waited_until > it.backward_end:
             it.events.append(TraceEvent("step: wait stale all-reduces", "wait", it.backward_end, waited_until, {}))
-        it.step_end = _compute_end(waited_until, step_time, link, slowdown)
+        it.step_end = _compute_end(waited_until, step_work, link, slowdown)
         it.busy += it.step_end - waited_until
-        if step_time > 0:
+        if step_work > 0:
             it.events.append(TraceEvent("step", "step", waited_until, it.step_end, {}))
         history.append(it)
         start = it.step_end
@@ -515,7 +542,7 @@ def simulate(
         stall=max(iteration_time - compute, 0.0),
         comm_time=comm,
         forward_wait=last.forward_wait,
-        step_wait=_step_wait(last, step_time, slowdown),
+        step_wait=_step_wait(last, step_work, slowdown),
         converged=bool(cycle),
         cycle=cycle,
         iterations=len(history),

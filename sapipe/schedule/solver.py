@@ -173,6 +173,7 @@ def choose_k(
     slowdown: float = 0.0,
     shared_link: bool = False,
     only_k: Optional[int] = None,
+    update_per_element: float = 0.0,
 ) -> Decision:
     """Smallest k whose simulated steady-state stall is at most ``tolerance`` × compute time.
 
@@ -182,8 +183,9 @@ def choose_k(
     (seconds, seconds per byte) on ``bytes_per_layer`` (default 4 × numel); leave both None
     to charge each bucket the sum of its layers' profiled ``comm``.
 
-    ``slowdown`` and ``shared_link`` are the simulator's (compute slowed by a busy link; sync
-    and stale traffic on two process groups sharing it), see :func:`simulate`.
+    ``slowdown``, ``shared_link`` and ``update_per_element`` are the simulator's (compute
+    slowed by a busy link; sync and stale traffic on two process groups sharing it; the
+    optimizer update's cost per parameter), see :func:`simulate`.
 
     When even k = m stalls beyond the tolerance, the chosen k is the smallest whose
     iteration time is within the tolerance of the best k's. That happens when the job is
@@ -195,7 +197,8 @@ def choose_k(
     measured on the job (:mod:`sapipe.schedule.tuner`).
     """
     m = len(profiles)
-    compute = math.fsum(p.forward for p in profiles) + math.fsum(p.backward for p in profiles) + step_time
+    compute = (math.fsum(p.forward for p in profiles) + math.fsum(p.backward for p in profiles) + step_time
+               + update_per_element * sum(p.numel for p in profiles))
     tol = tolerance * compute
     cache: Dict[int, SimResult] = {}
 
@@ -204,7 +207,7 @@ def choose_k(
             cache[k] = simulate(profiles, k, bucket_cap_bytes=bucket_cap_bytes, alpha=alpha, beta=beta,
                                 bytes_per_layer=bytes_per_layer, priority=priority, iterations=iterations,
                                 record_events=False, step_time=step_time, slowdown=slowdown,
-                                shared_link=shared_link)
+                                shared_link=shared_link, update_per_element=update_per_element)
         return cache[k]
 
     comm_bound = sim(m).wait > tol  # = its stall without a slow-down
