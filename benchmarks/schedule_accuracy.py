@@ -5,7 +5,8 @@ namespace (DESIGN.md §6, via ``benchmarks/netem.py``). In that job:
 
 1. a ``stale_layers="auto"`` run profiles its warm-up, the model picks k and the run
    measures that k on the job (``sapipe.schedule.tuner``), and its final decision predicts
-   the iteration time for k = 0, the chosen k and k = m (the simulator, DESIGN.md §4);
+   the iteration time for k = 0, the chosen k and k = m (the simulator, DESIGN.md §4, with
+   the compute slow-down σ fitted to the search's trials where a search ran);
 2. the same auto run is then timed once its k is final, and fresh runs with k = 0 and
    k = m are timed too — all in the same process group and network, interleaved in
    ``--rounds`` rounds so that load drifting on the host hits every k alike. Measured =
@@ -159,7 +160,7 @@ def worker(args) -> None:
 VARIANTS = {  # name: (link fitted from, compute slow-down σ, shared link)
     "previous": ("isolated", False, False),  # isolated probes, one transfer at a time, no CPU cost
     "observed": ("observed", False, False),
-    "runtime": ("observed", False, True),  # what stale_layers="auto" decides with
+    "runtime": ("observed", False, True),  # what stale_layers="auto" decides with (before σ is fitted to trials)
     "observed+slowdown": ("observed", True, False),  # σ only where the raw file has a probe sample
     "runtime+slowdown": ("observed", True, True),
 }

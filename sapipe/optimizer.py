@@ -651,7 +651,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ]
         self._link = (profile.alpha, profile.beta, layer_bytes, profile.step_time)
         # The runtime's link: sync and stale traffic on two process groups, sharing it;
-        # no compute slow-down unless the profile measured one (it does not by default).
+        # no compute slow-down unless the profile measured one (it does not by default);
+        # the measured search, if it runs, fits one for the final predictions.
         # Every layer was synchronous while profiling: its deferred updates covered all of them.
         numel = sum(layer.numel for layer in self._layers)
         self._sim_options = {"slowdown": profile.slowdown, "shared_link": True,
@@ -679,7 +680,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _finish_decision(self) -> None:
         self._decided = True
         if self._rank == 0:
-            tuned = f"; {self.tuner.summary()}" if self.tuner is not None else ""
+            tuned = (f"; {self.tuner.summary()}; predictions with the compute slow-down that fits them best, "
+                     f"sigma={self._sim_options['slowdown']:g}" if self.tuner is not None else "")
             log.info("sapipe: %s%s", self.decision.summary(), tuned)
 
     def _relayout(self, k: int) -> None:
@@ -738,6 +740,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.tuner.trial is None:
             if self.tuner.final != self._k:
                 self._restart_pipeline(self.tuner.final, iteration, hyperparams)
+            self._sim_options["slowdown"] = tuner.fit_slowdown(self.tuner.trials, self._predict)
             self.decision = self._decision_for(self.tuner.final)
             self._finish_decision()
         else:
@@ -792,6 +795,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             beta=beta, bytes_per_layer=layer_bytes, tolerance=STALL_TOLERANCE, step_time=step_time,
             only_k=k, **self._sim_options,
         )
+
+    def _predict(self, k: int, slowdown: float) -> float:
+        """The model's iteration time for ``k`` with compute slow-down σ = ``slowdown``."""
+        assert self._profiles is not None
+        alpha, beta, layer_bytes, step_time = self._link
+        options = dict(self._sim_options, slowdown=slowdown)
+        return simulator.simulate(
+            self._profiles, k, bucket_cap_bytes=int(self.settings.bucket_cap_mb * 1024 * 1024), alpha=alpha,
+            beta=beta, bytes_per_layer=layer_bytes, step_time=step_time, record_events=False, **options,
+        ).iteration_time
 
     # ------------------------------------------------------------------ backward
 

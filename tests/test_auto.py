@@ -51,23 +51,27 @@ class _ScriptedTuner:
         self.trial, self.final = first_k, None
 
     def record(self, iteration_time, waits):
+        from sapipe.schedule.tuner import Trial
+
         assert iteration_time > 0 and waits >= 0
-        self.trials.append(self.trial)
+        self.trials.append(Trial(self.trial, iteration_time, waits))
         if len(self.todo) == 1:
             self.trial, self.final = None, self.todo[0]
         else:
             self.trial = self.todo.pop(0)
 
     def summary(self):
-        return f"scripted {self.trials} -> {self.final}"
+        return f"scripted {[t.k for t in self.trials]} -> {self.final}"
 
     def state_dict(self):
-        return dict(vars(self))
+        return dict(vars(self), trials=[dataclasses.astuple(t) for t in self.trials])
 
     @classmethod
     def from_state(cls, state):
+        from sapipe.schedule.tuner import Trial
+
         tuner = cls.__new__(cls)
-        vars(tuner).update(state)
+        vars(tuner).update(state, trials=[Trial(*t) for t in state["trials"]])
         return tuner
 
 

@@ -673,6 +673,25 @@ def test_tuner_finds_the_smallest_k_as_fast_as_all_stale(seed):
     assert len({t.k for t in tuner.trials}) == len(tuner.trials)  # no k measured twice
 
 
+def test_slowdown_fit_recovers_the_sigma_behind_the_trials():
+    """Trials measured on a link that slows compute (simulated with σ = 0.75) are best
+    explained by σ = 0.75; trials the plain model already explains give σ = 0."""
+    from sapipe.schedule.tuner import Trial, fit_slowdown
+
+    rng = np.random.default_rng(11)
+    profiles, nbytes, beta = random_profiles(rng, 12, 0.6)
+
+    def predict(k, sigma):
+        return simulate(profiles, k, bucket_cap_bytes=4096, alpha=0.0, beta=beta, bytes_per_layer=nbytes,
+                        shared_link=True, slowdown=sigma, record_events=False).iteration_time
+
+    trials = [Trial(k, predict(k, 0.75), 0.0) for k in (3, 12, 7)]
+    assert predict(12, 0.75) > predict(12, 0.0) * 1.02  # the slow-down shows
+    assert fit_slowdown(trials, predict) == 0.75
+    assert fit_slowdown([Trial(k, predict(k, 0.0), 0.0) for k in (3, 12)], predict) == 0.0
+    assert fit_slowdown([], predict) == 0.0
+
+
 def test_tuner_refuses_input_after_the_end_and_bad_arguments():
     from sapipe.schedule.tuner import Tuner
 

@@ -38,7 +38,8 @@ Everything below is measured during the profiled warm-up iterations, which run w
   longer). On this project's 2-core CPU host one such sample per rank proved too noisy to
   use -- σ came out anywhere from 0 to 2 for the same job, the slow-down arriving in bursts
   of several ms (the scheduler handing a core to a communication thread) rather than
-  evenly -- so the runtime does not run it and σ = 0 (see benchmarks/RESULTS.md §1).
+  evenly -- so the runtime does not run it. It fits σ to the measured search's trials
+  instead (:func:`sapipe.schedule.tuner.fit_slowdown`), for its final predictions.
   With σ > 0, :meth:`LayerTimer.medians` takes the slow-down out of samples that
   overlapped the job's own all-reduces, and the simulator puts it back where its timeline
   has a transfer in flight.

@@ -20,13 +20,22 @@ The search, over measured iteration times T(k) (the slowest rank's, robust to ou
 This class only decides; the optimizer runs the trials (restarting the pipeline at each
 new k) and feeds in measurements that every rank agrees on, so every rank walks the same
 path. Pure Python.
+
+The trials also calibrate the model (:func:`fit_slowdown`): the compute slow-down σ while
+the link is busy, which the profile cannot measure reliably (see ``profiler``), is the one
+that best explains the measured iteration times; the final decision predicts with it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import astuple, dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
-__all__ = ["Trial", "Tuner"]
+__all__ = ["SLOWDOWN_GRID", "Trial", "Tuner", "fit_slowdown"]
+
+#: Candidate σ for :func:`fit_slowdown`: 0 (communication costs compute nothing) up to 8
+#: (compute at 1/9 speed while the link is busy: in effect, no overlap at all).
+SLOWDOWN_GRID = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 8.0)
 
 
 @dataclass(frozen=True)
@@ -114,3 +123,22 @@ class Tuner:
         """The measurements, for the log: "k=7: 61.8 ms (waits 5.1 ms), k=16: 47.3 ms, ..."."""
         parts = [f"k={t.k}: {t.iteration_time * 1e3:.3g} ms (waits {t.waits * 1e3:.2g} ms)" for t in self.trials]
         return "measured " + ", ".join(parts) + (f" -> k={self.final}" if self.final is not None else "")
+
+
+def fit_slowdown(trials: Sequence[Trial], predict: Callable[[int, float], float],
+                 grid: Sequence[float] = SLOWDOWN_GRID) -> float:
+    """The σ of ``grid`` whose predictions ``predict(k, σ)`` best match the measured trials
+    (least squares of log(predicted / measured); the smallest σ on a tie, 0 without trials).
+
+    On this project's CPU host a busy link slowed compute anywhere from not at all (a
+    rate-limited link) to nearly serialising it (full-speed loopback, where the "link" is
+    the same two cores); a single profiled iteration could not tell, a trial of ten can.
+    """
+    usable = [t for t in trials if t.iteration_time > 0 and math.isfinite(t.iteration_time)]
+    if not usable:
+        return 0.0
+
+    def misfit(sigma: float) -> float:
+        return math.fsum(math.log(predict(t.k, sigma) / t.iteration_time) ** 2 for t in usable)
+
+    return min(sorted(grid), key=misfit)
