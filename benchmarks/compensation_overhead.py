@@ -25,6 +25,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import hostenv  # noqa: E402
+
 MODES = [("none", "outer"), ("dc", "outer"), ("dc", "diagonal"), ("wp1", "outer"), ("wp2", "outer"), ("wp3", "outer")]
 
 
@@ -108,7 +110,7 @@ def main() -> None:
     for label, env in (("fused kernels", {}), ("pure PyTorch", {"SAPIPE_DISABLE_EXT": "1"})):
         print(f"[compensation_overhead] {label} ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker"] + sys.argv[1:]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **env))
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=hostenv.worker_env(**env))
         if proc.returncode != 0:
             sys.exit(proc.stderr[-3000:])
         results[label] = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -46,6 +46,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import hostenv  # noqa: E402
+
 MAIN_MODES = ["sync", "pipesgd", "none", "dc", "wp1", "wp2", "wp3"]
 SAPIPE_MODES = ["dc", "wp1", "wp2", "wp3"]
 DEFAULT_LAMBDA = 0.2
@@ -218,7 +220,7 @@ def run_all(args) -> None:
         loadavg_start=os.getloadavg(), cpus=os.cpu_count(),
     )
     t0 = time.perf_counter()
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
+    env = hostenv.worker_env(OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     failures: List[str] = []
     for task in tasks:
         for seed in seeds:

@@ -28,6 +28,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import hostenv  # noqa: E402
 import netem  # noqa: E402
 
 
@@ -126,7 +127,7 @@ def main() -> None:
         cmd = [torchrun, "--standalone", "--nproc_per_node=2", os.path.abspath(__file__), "--worker",
                "--model", args.model, "--size", args.size, "--steps", str(args.steps),
                "--bucket-cap-mb", str(args.bucket_cap_mb), "--out", out]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = hostenv.worker_env(OMP_NUM_THREADS="1")
         proc = subprocess.run(netem.wrap(cmd, netem.parse_rate(args.rate)), capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             sys.exit(f"job failed:\n{proc.stderr[-3000:]}")

@@ -36,6 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import hostenv  # noqa: E402
 import netem  # noqa: E402
 
 
@@ -220,7 +221,7 @@ def launch(model: str, size: str, rate: str, args) -> dict:
             "--model", model, "--size", size, "--out", out, "--steps", str(args.steps),
             "--profile-steps", str(args.profile_steps), "--sweep-k", args.sweep_k, "--rounds", str(args.rounds),
         ] + (["--trace-comm"] if args.trace_comm else [])
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = hostenv.worker_env(OMP_NUM_THREADS="1")
         proc = subprocess.run(netem.wrap(cmd, netem.parse_rate(rate)), capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"{model} @ {rate} failed:\n{proc.stderr[-3000:]}")

@@ -57,6 +57,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 import bench_models  # noqa: E402
+import hostenv  # noqa: E402
 import netem  # noqa: E402
 
 DEFAULT_MODELS = "vgg16,resnet50,gpt2,transformer"
@@ -959,7 +960,7 @@ def worker_argv(args, model: str, json_path: str, extra: List[str]) -> List[str]
 
 
 def launch(args, argv: List[str], bits: Optional[float], log, on_event=None) -> int:
-    env = dict(os.environ, SAPIPE_BENCH_PROGRESS="1", OMP_NUM_THREADS=str(args.threads),
+    env = hostenv.worker_env(SAPIPE_BENCH_PROGRESS="1", OMP_NUM_THREADS=str(args.threads),
                PYTHONUNBUFFERED="1", TORCHELASTIC_ERROR_FILE="")
     if not args.no_netns:
         env["GLOO_SOCKET_IFNAME"] = "lo"
