@@ -104,8 +104,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             waits for communication at the model's k, other k are measured (each trial
             restarts the pipeline: the stale gradients in flight are applied as plain
             updates, as at the end of warm-up) and the smallest k as fast as k = m within
-            3% is kept. ``stale_layers`` says ``"auto"`` until that is over. 0: keep the
-            model's k unmeasured.
+            3% is kept. ``stale_layers`` says ``"auto"`` until that is over; the final
+            decision's predictions then use the compute slow-down that best fits the
+            trials (:func:`sapipe.schedule.tuner.fit_slowdown`). 0: keep the model's k
+            unmeasured.
         trace: ``True`` records runtime events in ``opt.tracer``; a path also writes them
             at exit as a Chrome trace (Perfetto) — per layer forward/backward, per bucket
             communication, waits — with ``{rank}`` in the path replaced by the rank (else
