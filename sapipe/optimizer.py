@@ -788,25 +788,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._origin = iteration
         self._relayout(k)
 
+    def _model_arguments(self) -> Dict[str, Any]:
+        """The simulator's inputs besides the profiles, as the profile set them."""
+        alpha, beta, layer_bytes, step_time = self._link
+        return dict(bucket_cap_bytes=int(self.settings.bucket_cap_mb * 1024 * 1024), alpha=alpha, beta=beta,
+                    bytes_per_layer=layer_bytes, step_time=step_time, **self._sim_options)
+
     def _decision_for(self, k: int) -> solver.Decision:
         """The model's prediction for ``k`` (the one the search settled on)."""
         assert self._profiles is not None and self.decision is not None
-        alpha, beta, layer_bytes, step_time = self._link
-        return solver.choose_k(
-            self._profiles, bucket_cap_bytes=int(self.settings.bucket_cap_mb * 1024 * 1024), alpha=alpha,
-            beta=beta, bytes_per_layer=layer_bytes, tolerance=STALL_TOLERANCE, step_time=step_time,
-            only_k=k, **self._sim_options,
-        )
+        return solver.choose_k(self._profiles, tolerance=STALL_TOLERANCE, only_k=k, **self._model_arguments())
 
     def _predict(self, k: int, slowdown: float) -> float:
         """The model's iteration time for ``k`` with compute slow-down σ = ``slowdown``."""
         assert self._profiles is not None
-        alpha, beta, layer_bytes, step_time = self._link
-        options = dict(self._sim_options, slowdown=slowdown)
-        return simulator.simulate(
-            self._profiles, k, bucket_cap_bytes=int(self.settings.bucket_cap_mb * 1024 * 1024), alpha=alpha,
-            beta=beta, bytes_per_layer=layer_bytes, step_time=step_time, record_events=False, **options,
-        ).iteration_time
+        arguments = dict(self._model_arguments(), slowdown=slowdown)
+        return simulator.simulate(self._profiles, k, record_events=False, **arguments).iteration_time
 
     # ------------------------------------------------------------------ backward
 
