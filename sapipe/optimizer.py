@@ -392,12 +392,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if predicted:
             if self._profiles is None or self.decision is None:
                 raise UsageError("sapipe: a predicted trace needs stale_layers='auto' after its decision")
-            alpha, beta, layer_bytes, step_time = self._link
-            events = simulator.simulate(
-                self._profiles, self.decision.k, alpha=alpha, beta=beta, bytes_per_layer=layer_bytes,
-                bucket_cap_bytes=int(self.settings.bucket_cap_mb * 1024 * 1024), step_time=step_time,
-                **self._sim_options,
-            ).events
+            events = simulator.simulate(self._profiles, self.decision.k, **self._model_arguments()).events
             name = f"rank {rank} predicted (k={self.decision.k})"
         else:
             events = chrome_trace.events_from_tracer(self.tracer.events())
