@@ -358,11 +358,12 @@ def _run_forward_backward(
     previous: Dict[int, Transfer],
     link,
     slowdown: float,
-    update_per_element: float = 0.0,
+    update_work: Dict[int, float],
 ) -> Tuple[_Iteration, List[Transfer]]:
     """Forward (waiting for last iteration's sync all-reduces, then applying their updates)
     and backward of iteration t.
 
+    ``update_work``: the seconds of each bucket's optimizer update (by bucket index).
     Returns the timeline and the all-reduces the backward issues. With a slow-down they are
     submitted to ``link`` as they are issued (compute after them depends on them); without,
     the caller submits them all at once.
@@ -379,7 +380,7 @@ def _run_forward_backward(
                                             {"bucket": bucket.index, "before_layer": prof.name}))
                 it.forward_wait += done - cursor
                 cursor = done
-            work = update_per_element * _numel(profiles, bucket)
+            work = update_work[bucket.index]
             if work > 0:
                 end = _compute_end(cursor, work, link, slowdown)
                 it.events.append(TraceEvent(f"update bucket {bucket.index}", "update", cursor, end,
@@ -411,10 +412,6 @@ def _run_forward_backward(
                 link.submit([tr])
     it.backward_end = cursor
     return it, transfers
-
-
-def _numel(profiles: Sequence["LayerProfile"], bucket: BucketPlan) -> int:
-    return sum(profiles[i].numel for i in bucket.layers)
 
 
 def _comm_events(link, lo: float, hi: float, t: int) -> List[TraceEvent]:
@@ -488,8 +485,8 @@ def simulate(
     iterations = max(iterations, 2)
     buckets = plan_buckets(profiles, k, bucket_cap_bytes=bucket_cap_bytes, alpha=alpha, beta=beta,
                            bytes_per_layer=bytes_per_layer)
-    stale_update = update_per_element * sum(_numel(profiles, b) for b in buckets if b.stale)
-    step_work = stale_update + step_time
+    update_work = {b.index: update_per_element * sum(profiles[i].numel for i in b.layers) for b in buckets}
+    step_work = math.fsum(update_work[b.index] for b in buckets if b.stale) + step_time
     compute = (math.fsum(p.forward for p in profiles) + math.fsum(p.backward for p in profiles) + step_time
                + update_per_element * sum(p.numel for p in profiles))
     comm = math.fsum(b.comm_time for b in buckets)
@@ -501,7 +498,7 @@ def simulate(
     start = 0.0
     for t in range(iterations):
         it, transfers = _run_forward_backward(t, start, profiles, buckets, sent[t - 1] if t else {}, link, slowdown,
-                                              update_per_element)
+                                              update_work)
         if slowdown <= 0.0:
             link.submit(transfers)
         sent.append({tr.bucket.index: tr for tr in transfers})

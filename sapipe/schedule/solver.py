@@ -197,9 +197,6 @@ def choose_k(
     measured on the job (:mod:`sapipe.schedule.tuner`).
     """
     m = len(profiles)
-    compute = (math.fsum(p.forward for p in profiles) + math.fsum(p.backward for p in profiles) + step_time
-               + update_per_element * sum(p.numel for p in profiles))
-    tol = tolerance * compute
     cache: Dict[int, SimResult] = {}
 
     def sim(k: int) -> SimResult:
@@ -210,6 +207,8 @@ def choose_k(
                                 shared_link=shared_link, update_per_element=update_per_element)
         return cache[k]
 
+    compute = sim(0).compute_time  # the same for every k
+    tol = tolerance * compute
     comm_bound = sim(m).wait > tol  # = its stall without a slow-down
     if only_k is not None:
         if not 0 <= only_k <= m:
