@@ -32,7 +32,10 @@ median, spread = interquartile range / median):
 | ``horovod`` | ``horovod.torch.DistributedOptimizer`` over Gloo (skipped with a note when not installed; ``make peers``) |
 
 Reported per mode: samples/s, speedup over DDP (T_ddp / T), efficiency T_ceiling / T, k and
-κ (the fraction of parameters that are stale); per job: possible speedup T_ddp / T_ceiling.
+κ (the fraction of parameters that are stale), and for sapipe modes the time per step blocked on
+communication (``DistributedOptimizer.communication_wait``); per job: possible speedup
+T_ddp / T_ceiling. sapipe-auto against pipesgd is also given per round (the median of the
+ratios within each round), which cancels the host's drifts between rounds.
 """
 from __future__ import annotations
 
@@ -103,7 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=0,
                    help="split each mode's timed steps into this many rounds, interleaved with the other "
                         "modes' (alternating order), so that load drifts hit all modes alike "
-                        "(0: 3 on CPU, 1 on CUDA, where 1 also frees each mode's model after it ran)")
+                        "(0: 4 on CPU, 1 on CUDA, where 1 also frees each mode's model after it ran)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket size for DDP and sapipe")
     p.add_argument("--quick", action="store_true", help="smoke test: tiny models, few steps, one bandwidth")
@@ -218,6 +221,27 @@ def stats(per_rank: List[List[float]]) -> Dict[str, float]:
     return best
 
 
+def round_medians(per_rank: List[List[float]], lengths: List[int]) -> List[float]:
+    """Per round: the slowest rank's median step time in that round. Modes interleave by
+    round, so two modes' values of the same round were measured minutes apart at most and
+    their ratio is free of the host's slower drifts (see ``paired_ratio``)."""
+    out, start = [], 0
+    for n in lengths:
+        if n:
+            out.append(max(statistics.median(times[start:start + n]) for times in per_rank))
+        start += n
+    return out
+
+
+def paired_ratio(a: Dict[str, Any], b: Dict[str, Any]) -> Optional[float]:
+    """T_a / T_b − 1 as the median over rounds of the ratio within each round (None when the
+    two modes were not timed in the same rounds)."""
+    ra, rb = a.get("round_t") or [], b.get("round_t") or []
+    if not ra or len(ra) != len(rb):
+        return None
+    return statistics.median(x / y for x, y in zip(ra, rb)) - 1
+
+
 def _quantile(s: List[float], q: float) -> float:
     if len(s) == 1:
         return s[0]
@@ -242,6 +266,8 @@ class Runner:
         self.dead: Optional[str] = None
         self.i = 0
         self.times: List[float] = []
+        self.waits: List[float] = []  # per timed step: seconds blocked on communication (sapipe)
+        self.round_lengths: List[int] = []  # timed steps per round (for paired per-round ratios)
 
     def setup(self):
         raise NotImplementedError
@@ -261,6 +287,10 @@ class Runner:
 
     def info(self) -> Dict[str, Any]:
         return {}
+
+    def waited(self) -> Optional[float]:
+        """Seconds this mode has blocked on communication so far (None: not measured)."""
+        return None
 
     def close(self):
         for name in ("model", "opt", "base", "buf", "ddp"):
@@ -357,6 +387,9 @@ class TrainRunner(Runner):
     def settled(self) -> bool:
         return self.kind != "sapipe" or self.opt.stale_layers != "auto"
 
+    def waited(self) -> Optional[float]:
+        return self.opt.communication_wait if self.kind == "sapipe" else None
+
     def info(self):
         if self.kind in ("local", "ceiling"):
             return {}
@@ -427,7 +460,7 @@ class Job:
         del probe
         self.results: List[Dict[str, Any]] = []
         self.notes: List[str] = []
-        self.rounds = self.args.rounds or (1 if ctx.device.type == "cuda" else 3)
+        self.rounds = self.args.rounds or (1 if ctx.device.type == "cuda" else 4)
         self.progress = [0, 0]  # done, total
 
     # ------------------------------------------------------------------ helpers
@@ -534,14 +567,21 @@ class Job:
                     else:
                         run.resume()
                         warm = 1  # caches and the link are someone else's after another mode
+                    timed = 0
                     for j in range(warm + per_round):
+                        w0 = run.waited()
                         t0 = time.perf_counter()
                         run.step(run.i)
                         ctx.sync()
                         dt = time.perf_counter() - t0
+                        w1 = run.waited()
                         run.i += 1
                         if j >= warm:
                             run.times.append(dt)
+                            timed += 1
+                            if w0 is not None and w1 is not None:
+                                run.waits.append(w1 - w0)
+                    run.round_lengths.append(timed)
                     run.pause()
                 except Skip as s:
                     run.dead = str(s)
@@ -569,9 +609,15 @@ class Job:
             except Exception as exc:  # noqa: BLE001
                 info = {"note": f"info failed: {exc}"}
         per_rank = self.ctx.gather(run.times if not run.dead else [])
+        waits = self.ctx.gather(run.waits if not run.dead else [])
         r: Dict[str, Any] = {"mode": run.mode}
         if all(per_rank):
             r.update(stats(per_rank))
+            r["round_t"] = round_medians(per_rank, run.round_lengths)
+            if all(waits) and all(len(w) == len(t) for w, t in zip(waits, per_rank)):
+                # the slowest rank's median wait per step, as its median step time is the job's T
+                slowest = max(range(len(per_rank)), key=lambda i: statistics.median(per_rank[i]))
+                r["wait"] = statistics.median(waits[slowest])
         r.update(info)
         if run.dead:
             r["note"] = run.dead
@@ -729,7 +775,7 @@ def headline(job) -> Optional[Dict[str, Any]]:
 
 
 def _ms(t):
-    return f"{1e3 * t:.1f}" if t else "–"
+    return "–" if t is None else f"{1e3 * t:.1f}"
 
 
 def format_job(job) -> str:
@@ -749,17 +795,17 @@ def format_job(job) -> str:
         f"T_ceiling {_ms(d['t_ceiling'])} ms · T_ddp {_ms(d['t_ddp'])} ms · possible speedup "
         f"T_ddp/T_ceiling = {d['possible']:.2f}×" if d["possible"] else "(references incomplete)",
         "",
-        "| mode | k | κ | step ms (median) | IQR | min ms | samples/s | × DDP | efficiency |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| mode | k | κ | step ms (median) | IQR | min ms | waits ms/step | samples/s | × DDP | efficiency |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in job["results"]:
         if not r.get("t"):
-            lines.append(f"| {r['mode']} | | | {r.get('note', 'skipped')} | | | | | |")
+            lines.append(f"| {r['mode']} | | | {r.get('note', 'skipped')} | | | | | | |")
             continue
         k = r.get("k")
         kappa = r.get("kappa")
         if r["mode"] == "comm":
-            lines.append(f"| comm | | | {_ms(r['t'])} | {r['iqr']:.0%} | {_ms(r['min'])} | | | (one all-reduce of "
+            lines.append(f"| comm | | | {_ms(r['t'])} | {r['iqr']:.0%} | {_ms(r['min'])} | | | | (one all-reduce of "
                          f"{r['bytes'] / 2**20:.1f} MiB) |")
             continue
         sps = samples / r["t"]
@@ -768,7 +814,7 @@ def format_job(job) -> str:
         lines.append(
             f"| {r['mode']}{' ⚠' if r.get('note') else ''} | {'' if k is None else k} | "
             f"{'' if kappa is None else f'{kappa:.2f}'} | {_ms(r['t'])} | {r['iqr']:.0%} | {_ms(r['min'])} | "
-            f"{sps:.1f} | {x} | {eff} |")
+            f"{_ms(r['wait']) if 'wait' in r else ''} | {sps:.1f} | {x} | {eff} |")
     notes = list(job["notes"]) + [f"{r['mode']}: {r['note']}" for r in job["results"] if r.get("note") and r.get("t")]
     notes += [f"{r['mode']} scheduler: {r['decision']}" for r in job["results"] if r.get("decision")][:1]
     if notes:
@@ -790,6 +836,10 @@ def summary_rows(jobs) -> List[Dict[str, Any]]:
         row["eff"] = d["t_ceiling"] / h["t"] if h and d["t_ceiling"] else None
         row["pipe_speedup"] = d["t_ddp"] / pipe["t"] if pipe and d["t_ddp"] else None
         row["vs_pipe"] = h["t"] / pipe["t"] - 1 if h and pipe else None
+        row["vs_pipe_paired"] = paired_ratio(h, pipe) if h and pipe else None
+        row["t"] = h and h["t"]
+        row["wait"] = h and h.get("wait")
+        row["pipe_wait"] = pipe and pipe.get("wait")
         sap = [r for r in job["results"] if r.get("t") and (r["mode"].startswith("sapipe") or r["mode"] == "pipesgd")]
         row["best_speedup"] = max((d["t_ddp"] / r["t"] for r in sap), default=None) if d["t_ddp"] else None
         hv = _ref(job, "horovod")
@@ -802,15 +852,17 @@ def summary_rows(jobs) -> List[Dict[str, Any]]:
 
 def format_summary(jobs) -> str:
     lines = [
-        "| model | rate | T_comm/T_compute | possible (T_ddp/T_ceil) | sapipe config | k | κ | × DDP | efficiency | vs pipesgd | pipesgd × DDP | horovod × DDP |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | rate | T_comm/T_compute | possible (T_ddp/T_ceil) | sapipe config | k | κ | × DDP | efficiency "
+        "| vs pipesgd | vs pipesgd, per round | waits ms/step (sapipe / pipesgd) | pipesgd × DDP | horovod × DDP |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     f = lambda v, fmt: ("–" if v is None else format(v, fmt))  # noqa: E731
     for r in summary_rows(jobs):
         lines.append(
             f"| {r['model']} | {r['rate']} | {f(r['ratio'], '.2f')} | {f(r['possible'], '.2f')} | "
             f"{r['headline'] or '–'} | {f(r['k'], '')} | {f(r['kappa'], '.2f')} | {f(r['speedup'], '.2f')} | "
-            f"{f(r['eff'], '.2f')} | {f(r['vs_pipe'], '+.1%')} | {f(r['pipe_speedup'], '.2f')} | {f(r['horovod'], '.2f')} |")
+            f"{f(r['eff'], '.2f')} | {f(r['vs_pipe'], '+.1%')} | {f(r['vs_pipe_paired'], '+.1%')} | "
+            f"{_ms(r['wait'])} / {_ms(r['pipe_wait'])} | {f(r['pipe_speedup'], '.2f')} | {f(r['horovod'], '.2f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -823,7 +875,7 @@ def format_targets(jobs) -> str:
         out.append(f"* **Efficiency ≥ 0.95 and never slower than DDP where T_comm ≤ T_compute**: "
                    f"{len(bound) - len(miss)}/{len(bound)} jobs meet it." + (" Misses: " + "; ".join(
                        f"{r['model']} @ {r['rate']} (ratio {r['ratio']:.2f}): efficiency {r['eff']:.2f}, "
-                       f"{r['speedup']:.2f}× DDP" for r in miss) if miss else ""))
+                       f"{r['speedup']:.2f}× DDP{_wait_evidence(r)}" for r in miss) if miss else ""))
     g = [r for r in rows if r["model"] == "gpt2" and r["ratio"] and r["speedup"]]
     if g:
         r = min(g, key=lambda r: abs(r["ratio"] - 0.65))
@@ -837,17 +889,34 @@ def format_targets(jobs) -> str:
                    "communicates what DDP does, so this is its runtime overhead, plus noise.")
     a = [r for r in rows if r["vs_pipe"] is not None and r["headline"] == "sapipe-auto"]
     if a:
-        within = [r for r in a if r["vs_pipe"] <= 0.03]
+        gap = {id(r): r["vs_pipe_paired"] if r["vs_pipe_paired"] is not None else r["vs_pipe"] for r in a}
+        within = [r for r in a if gap[id(r)] <= 0.03]
         fewer = [r for r in a if r["kappa"] is not None and r["kappa"] < 1.0]
         both = [r for r in within if r in fewer]
-        out.append(f"* **sapipe-auto within 3 % of pipesgd while staling fewer layers**: within 3 % in "
+        missed = [r for r in a if r not in within]
+        out.append(f"* **sapipe-auto within 3 % of pipesgd while staling fewer layers** (step time, median over "
+                   f"rounds of the ratio within a round): within 3 % in "
                    f"{len(within)}/{len(a)} jobs, κ < 1 in {len(fewer)}/{len(a)}, both in {len(both)}/{len(a)} "
                    f"(median κ {statistics.median([r['kappa'] for r in a if r['kappa'] is not None] or [float('nan')]):.2f}; "
-                   f"auto vs pipesgd step time: " + ", ".join(f"{r['model']} {r['vs_pipe']:+.0%}" for r in a) + ").")
+                   f"auto vs pipesgd: " + ", ".join(f"{r['model']} {gap[id(r)]:+.0%}" for r in a) + ")."
+                   + (" Misses: " + "; ".join(f"{r['model']} @ {r['rate']} {gap[id(r)]:+.1%} (k = {r['k']}, "
+                                              f"κ {r['kappa']:.2f}){_wait_evidence(r, pipe=True)}" for r in missed)
+                      if missed else ""))
     no_auto = [r["model"] + " @ " + r["rate"] for r in rows if r["headline"] != "sapipe-auto"]
     if no_auto:
         out.append("* sapipe-auto did not run (see the per-job notes) in: " + ", ".join(no_auto) + ".")
     return "\n".join(out) + "\n"
+
+
+def _wait_evidence(row: Dict[str, Any], pipe: bool = False) -> str:
+    """Where a miss's time went: the step's communication wait (sapipe's own counter,
+    ``DistributedOptimizer.communication_wait``) against the rest of the step."""
+    if row.get("wait") is None or not row.get("t"):
+        return ""
+    text = f": waits {_ms(row['wait'])} of {_ms(row['t'])} ms/step"
+    if pipe and row.get("pipe_wait") is not None and row.get("pipe_speedup") and row.get("t_ddp"):
+        text += f" (pipesgd {_ms(row['pipe_wait'])} of {_ms(row['t_ddp'] / row['pipe_speedup'])})"
+    return text
 
 
 def plot(jobs, out_dir) -> List[str]:
@@ -1119,7 +1188,12 @@ def write_markdown(args, jobs, calib, pngs, out_dir, meta) -> str:
         "gradients is all-reduced on a second process group (perfect overlap; on a CPU host the busy link "
         "costs CPU, so this, not `local`, is the best any overlapping schedule can do). "
         "× DDP = T_ddp / T; efficiency = T_ceiling / T; possible speedup = T_ddp / T_ceiling; "
-        "κ = fraction of parameters in the k stale layers.",
+        "κ = fraction of parameters in the k stale layers. "
+        "vs pipesgd = T / T_pipesgd − 1; *per round*: the median over rounds of the same ratio taken within "
+        "each round (both modes timed minutes apart at most, so the host's slower drifts cancel). "
+        "waits = the median time per step that sapipe blocked on its all-reduces "
+        "(`DistributedOptimizer.communication_wait`): a slow step with few waits ran slow in compute, "
+        "not for the network.",
         "",
     ]
     if calib:

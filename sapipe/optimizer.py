@@ -216,6 +216,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._trial_times: List[float] = []  # per measured iteration of the trial: forward start to step end
         self._trial_waits: List[float] = []  # per measured iteration of the trial: seconds waited for comm
         self._waited = 0.0  # seconds this iteration waited for all-reduces so far
+        self._waited_total = 0.0  # seconds waited since construction (communication_wait)
         self._forward_start: Optional[float] = None  # this iteration's first forward began
         self._next_launch = 0
         self._iteration = 0  # completed step() calls
@@ -250,6 +251,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return len(self._layers)
         assert self._recorder is not None
         return self._recorder.max_layers
+
+    @property
+    def communication_wait(self) -> float:
+        """Seconds this rank has spent blocked on gradient all-reduces since construction.
+
+        This is the communication the pipeline did not hide, as the host saw it: sample it
+        around a span of iterations to tell a step that waits for the network from one whose
+        compute ran slow. On CUDA with NCCL the host does not block (the device does), so
+        there it counts only what ``wait()`` blocked on the host.
+        """
+        return self._waited_total
 
     @property
     def layers(self) -> List[Layer]:
@@ -944,15 +956,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         hyperparams, iteration = pending
         assert bucket.grads is not None and bucket.weights is not None
         handle, bucket.grads.in_flight[0] = bucket.grads.in_flight[0], None
-        start = time.perf_counter()
-        grad = self._unscale(handle.wait(), iteration)
-        waited = time.perf_counter() - start
-        self._waited += waited
+        summed, waited = self._wait(handle)
+        grad = self._unscale(summed, iteration)
         if grad is None:  # a step GradScaler skipped
             return waited
         for segment in bucket.segments:
             self._rule.update(segment.of(bucket.weights), segment.state, hyperparams[segment.group], {"grad": segment.of(grad)})
         return waited
+
+    def _wait(self, handle) -> tuple:
+        """(the all-reduced buffer of ``handle``, seconds blocked on it), the wait counted."""
+        start = time.perf_counter()
+        summed = handle.wait()
+        waited = time.perf_counter() - start
+        self._waited += waited
+        self._waited_total += waited
+        return summed, waited
 
     def _stale_hyperparams(self, hyperparams: List[Dict[str, Any]], pipeline_step: int) -> List[Dict[str, Any]]:
         """PipeMare T1: lr / s^{p_t}, p_t = 1 − min(t/K, 1), for staleness s > 1."""
@@ -974,9 +993,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if t > s:
             slot = bucket.grads.index(t - s)
             handle, bucket.grads.in_flight[slot] = bucket.grads.in_flight[slot], None
-            start = time.perf_counter()
-            grad = self._unscale(handle.wait(), iteration - s)
-            self._waited += time.perf_counter() - start
+            grad = self._unscale(self._wait(handle)[0], iteration - s)
         local, prev_local = bucket.local, bucket.prev_local
         if local is not None and self._scaling:
             finite, inverse_scale = self._scaling.get(iteration, (True, 1.0))

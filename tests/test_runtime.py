@@ -45,6 +45,7 @@ def _overlap(rank, world_size):
     return {
         "events": [(ts, kind, dict(fields)) for ts, kind, fields in opt.tracer.events()],
         "buckets": [b.describe() for b in opt.buckets],
+        "waited": opt.communication_wait,
     }
 
 
@@ -71,6 +72,10 @@ def test_stale_allreduce_overlaps_next_forward():
     waited = when("comm_wait", what=what)
     step4 = when("step_start", iteration=SLOW_ITERATION + 1)
     assert next_forward < step4 <= waited
+    # That wait is what communication_wait reports: rank 0 blocked for most of rank 1's
+    # 0.6 s sleep; rank 1, whose peers were all ahead of it, hardly blocked at all.
+    assert out[0]["waited"] > 0.3, out[0]["waited"]
+    assert out[1]["waited"] < 0.2, out[1]["waited"]
 
 
 def test_collectives_issued_in_the_same_order_on_every_rank():
