@@ -10,6 +10,11 @@ the same round) − 1, so a burst of load from elsewhere spoils a round, not the
 run is done twice, in separate processes: with the compiled kernels (``cpu-ext``) and with
 ``SAPIPE_DISABLE_EXT=1`` (the pure-PyTorch path).
 
+Each mode is also given its *floor*: the extra memory passes over the stale parameters its
+definition needs beyond ``none`` (:func:`floor_streams`), times the time of one pass measured
+in the same round, relative to ``none``'s step. No implementation can go below it; the
+overhead above it is what the kernels could still win.
+
     python benchmarks/compensation_overhead.py --models gpt2,resnet50,vgg16 --size small
 """
 from __future__ import annotations
@@ -28,6 +33,49 @@ sys.path.insert(0, HERE)
 import hostenv  # noqa: E402
 
 MODES = [("none", "outer"), ("dc", "outer"), ("dc", "diagonal"), ("wp1", "outer"), ("wp2", "outer"), ("wp3", "outer")]
+
+
+def floor_streams(label: str, optimizer: str) -> int:
+    """The fewest extra passes over the stale parameters (float32 reads + writes per element,
+    per step) that a mode needs beyond ``none``'s update, by its definition (DESIGN.md §3, s = 1),
+    for any implementation, however fused:
+
+    * ``dc`` diagonal: Δ's reference — read it, and store this step's for the next (+2);
+    * ``dc`` outer: also the per-tensor dot products <g, Δ>, a pass of their own before the
+      update can use them, reading g and Δ (+2; sapipe keeps x_{t−1} rather than Δ, so its
+      pass reads three streams: one more than this floor);
+    * ``wp2``: writing x̃ (+1);
+    * ``wp1``: reading l_t and writing x̃, and l_t written apart from the slot its all-reduce
+      overwrites in place (+3);
+    * ``wp3`` outer: l_{t−1} for the step's dot products and the peek, l_t, x̃, a second pass
+      (the coefficient needs every element's step) and l_t kept apart. With SGD the peek is
+      linear in g̃, so the second pass can add the DC term to a partial x̃ written by the
+      first: read x̃, g, l_{t−1}, write x̃ (+8 in all); Adam's is not, so its second pass
+      reads g, l_{t−1}, l_t, x_t and both moments and writes x̃ (+9).
+    """
+    mode = label.split("/")[0]
+    if mode == "dc":
+        return 2 if label.endswith("diagonal") else 4
+    return {"none": 0, "wp1": 3, "wp2": 1, "wp3": 9 if optimizer == "adam" else 8}[mode]
+
+
+class PassTimer:
+    """Seconds per pass over ``elements`` float32 from memory: half of a ``torch`` copy (one
+    read, one write), from buffers rotated so that the last level cache does not hold them.
+    The buffers are allocated and touched once, so no page fault is timed."""
+
+    def __init__(self, elements: int, buffers: int = 3) -> None:
+        import torch
+
+        self.pairs = [(torch.randn(elements), torch.zeros(elements)) for _ in range(buffers)]
+
+    def __call__(self) -> float:
+        times = []
+        for src, dst in self.pairs:
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) / 2
 
 
 def worker(args) -> None:
@@ -57,6 +105,8 @@ def worker(args) -> None:
         # the fewest leading layers holding at least --kappa of the parameters (1: k = m)
         k = next(i for i in range(1, m + 1) if sum(sizes[:i]) >= args.kappa * sum(sizes) - 1e-9)
         runs = []
+        stream = []  # per round: seconds per pass over the stale parameters
+        one_pass = PassTimer(sum(sizes[:k]))
         for mode, form in MODES:
             model = spec.make_model()
             opt = sapipe.DistributedOptimizer(
@@ -74,14 +124,19 @@ def worker(args) -> None:
                     times.append(time.perf_counter() - start)
                 if round_ > 0:  # round 0 warms up
                     rounds.append(statistics.median(times))
+            if round_ > 0:
+                stream.append(one_pass())
         base = runs[0][3]  # none, per round
         out["models"][name] = {
             label: {
                 "median_ms": statistics.median(r) * 1e3,
                 "overhead": statistics.median(t / b for t, b in zip(r, base)) - 1,
+                # the mode's floor in the same round: its inherent extra passes, relative to none's step
+                "floor": statistics.median(floor_streams(label, spec.optimizer) * p / b for p, b in zip(stream, base)),
             }
             for label, _, _, r in runs
         }
+        out["models"][name]["stream_ms"] = statistics.median(stream) * 1e3
         out["models"][name]["m"] = m
         out["models"][name]["k"] = k
         out["models"][name]["kappa"] = sum(sizes[:k]) / sum(sizes)
@@ -115,18 +170,20 @@ def main() -> None:
             sys.exit(proc.stderr[-3000:])
         results[label] = json.loads(proc.stdout.strip().splitlines()[-1])
     lines = [
-        "| model (k of m, κ) | mode | fused: ms/step | fused: overhead vs none | pure PyTorch: ms/step | pure PyTorch: overhead vs none |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| model (k of m, κ; one pass) | mode | floor | fused: ms/step | fused: overhead vs none | "
+        "pure PyTorch: ms/step | pure PyTorch: overhead vs none |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     fused, plain = results["fused kernels"], results["pure PyTorch"]
     for name, per_mode in fused["models"].items():
         for label, f in per_mode.items():
-            if label in ("m", "k", "kappa"):
+            if label in ("m", "k", "kappa", "stream_ms"):
                 continue
             t = plain["models"][name][label]
             lines.append(
-                f"| {name} (k={per_mode['k']} of {per_mode['m']}, κ={per_mode['kappa']:.2f}) | {label} | {f['median_ms']:.1f} | {f['overhead']:+.1%} | "
-                f"{t['median_ms']:.1f} | {t['overhead']:+.1%} |"
+                f"| {name} (k={per_mode['k']} of {per_mode['m']}, κ={per_mode['kappa']:.2f}; "
+                f"{per_mode['stream_ms']:.2f} ms) | {label} | {f['floor']:+.1%} | {f['median_ms']:.1f} | "
+                f"{f['overhead']:+.1%} | {t['median_ms']:.1f} | {t['overhead']:+.1%} |"
             )
     table = "\n".join(lines)
     print(f"backends: {fused['backend']} vs {plain['backend']}\n{table}")
@@ -136,7 +193,9 @@ def main() -> None:
         f.write(f"\n## {time.strftime('%Y-%m-%d %H:%M')} — `{command}`\n\nbackends: `{fused['backend']}` vs "
                 f"`{plain['backend']}`; k for κ ≥ {args.kappa}, one process, {args.rounds} interleaved rounds of {args.steps} steps "
                 f"per mode (ms/step: median of the rounds' medians; overhead: median over rounds of the "
-                f"ratio to `none` in the same round); load average before / after: {load_before} / "
+                f"ratio to `none` in the same round; floor: the mode's inherent extra passes over the stale "
+                f"parameters (`floor_streams`) × one pass (a cold `torch` copy's time / 2, timed in each round), "
+                f"relative to `none`'s step); load average before / after: {load_before} / "
                 f"{os.getloadavg()[0]:.1f}\n\n{table}\n")
 
 

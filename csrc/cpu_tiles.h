@@ -83,12 +83,41 @@ void compose_store(const TileSrc<T>& s, T* out, int64_t off, int64_t len, T coef
   for (int64_t i = 0; i < len; ++i) dst[i] = h[i];
 }
 
+// The common SGD step (momentum after its first step, not maximising) as one loop, each
+// element's arithmetic in registers: the same operations in the same order as the general
+// path of sgd_math below, so the same bits. h is only read here.
+template <typename T, bool kWd, bool kNesterov>
+inline void sgd_momentum_loop(const SgdTile<T>& a, const T* x, const T* mb, int64_t len,
+                              const T* __restrict h, T* b, T* r) {
+  const T wd = a.wd, mom = a.mom, damp1 = a.damp1, neg_lr = a.neg_lr;
+  SAPIPE_SIMD
+  for (int64_t i = 0; i < len; ++i) {
+    T d = h[i];
+    if (kWd) d = d + wd * x[i];
+    const T bi = mb[i] * mom + damp1 * d;
+    b[i] = bi;
+    d = kNesterov ? d + mom * bi : bi;
+    r[i] = x[i] + neg_lr * d;
+  }
+}
+
 // One SGD step of torch.optim.SGD (sapipe.ops.reference_sgd) on `len` elements: h = the
-// gradient (overwritten), x = the weights, mb = the momentum buffer (not read when `first`);
-// b <- the new momentum buffer, r <- x + (-lr) * d_p. r may be x (in place); mb may be b.
+// gradient (may be overwritten), x = the weights, mb = the momentum buffer (not read when
+// `first`); b <- the new momentum buffer, r <- x + (-lr) * d_p. r may be x (in place); mb may
+// be b.
 template <typename T>
 inline void sgd_math(const SgdTile<T>& a, bool first, const T* x, const T* mb, int64_t len,
                      T* __restrict h, T* b, T* r) {
+  if (a.has_momentum && !first && !a.maximize) {
+    if (a.has_wd) {
+      if (a.nesterov) sgd_momentum_loop<T, true, true>(a, x, mb, len, h, b, r);
+      else sgd_momentum_loop<T, true, false>(a, x, mb, len, h, b, r);
+    } else {
+      if (a.nesterov) sgd_momentum_loop<T, false, true>(a, x, mb, len, h, b, r);
+      else sgd_momentum_loop<T, false, false>(a, x, mb, len, h, b, r);
+    }
+    return;
+  }
   if (a.maximize) {
     SAPIPE_SIMD
     for (int64_t i = 0; i < len; ++i) h[i] = -h[i];
@@ -192,32 +221,71 @@ void sgd_tile(const TileSrc<T>& s, const SgdTile<T>& a, int64_t off, int64_t len
   const T* mb = a.buf ? a.buf + off : nullptr;
   const StepExtras<T>& e = a.extra;
   const bool need_step = e.peek_dst || e.dots;
+  // The new momentum goes straight into the state (OPT), or onto the stack (OPT_peek).
+  T* nb = !a.peek && a.has_momentum ? a.buf + off : b;
   if (a.peek || !need_step) {  // plain OPT / OPT_peek, and OPT + history write
-    sgd_math(a, a.first, p, mb, len, h, b, a.dst + off);
-    if (!a.peek && a.has_momentum) copy_tile(b, len, a.buf + off);
+    sgd_math(a, a.first, p, mb, len, h, nb, a.dst + off);
     if (e.hist) copy_tile(a.dst + off, len, e.hist + off);  // after every read of the sources
     return;
   }
   alignas(64) T xn[kTile];  // x_t
   alignas(64) T dx[kTile];  // x_t - x_{t-1}
-  sgd_math(a, a.first, p, mb, len, h, b, xn);
+  sgd_math(a, a.first, p, mb, len, h, nb, xn);
   // every source element is read: the writes may alias sources from here on
-  if (a.has_momentum) copy_tile(b, len, a.buf + off);
   commit_step(xn, p, len, a.dst + off, e.hist ? e.hist + off : nullptr, dx);
   base_tile(e.peek, off, len, h);
   if (e.dots) dot_lanes(h, dx, len, lanes);
-  if (e.peek_dst) {  // x~ = OPT_peek(x_t, g~): the momentum buffer has started (or is unused)
+  if (e.peek_dst) {  // x~ = OPT_peek(x_t, g~): the momentum buffer has started (or is unused);
+    // the peek's own momentum is scratch (b), the state keeps the update's (nb)
     finish_peek_grad(e.peek, off, len, dx, h);
-    sgd_math(a, false, xn, b, len, h, b, e.peek_dst + off);
+    sgd_math(a, false, xn, nb, len, h, b, e.peek_dst + off);
+  }
+}
+
+// The common Adam(W) step (not maximising) as one loop, each element's arithmetic in
+// registers: the same operations in the same order as the general path of adam_math below.
+template <typename T, bool kL2, bool kSmallW, bool kDecay>
+inline void adam_loop(const AdamTile<T>& a, T neg_ss, T bc2s, const T* x, const T* ea,
+                      const T* eas, int64_t len, const T* __restrict h, T* m, T* v, T* r) {
+  const T wd = a.wd, w = a.w, one_minus_w = a.one_minus_w, beta2 = a.beta2, omb2 = a.omb2;
+  const T eps = a.eps, dec = a.decay;
+  SAPIPE_SIMD
+  for (int64_t i = 0; i < len; ++i) {
+    T g = h[i];
+    if (kL2) g = g + wd * x[i];
+    const T e = ea[i];
+    const T mi = kSmallW ? e + w * (g - e) : g - (g - e) * one_minus_w;
+    const T vi = eas[i] * beta2 + (omb2 * g) * g;
+    m[i] = mi;
+    v[i] = vi;
+    const T base = kDecay ? x[i] * dec : x[i];
+    r[i] = base + (neg_ss * mi) / (std::sqrt(vi) / bc2s + eps);
+  }
+}
+
+template <typename T, bool kL2>
+inline void adam_loop_for(const AdamTile<T>& a, T neg_ss, T bc2s, const T* x, const T* ea,
+                          const T* eas, int64_t len, const T* h, T* m, T* v, T* r) {
+  if (a.small_w) {
+    if (a.decay_on) adam_loop<T, kL2, true, true>(a, neg_ss, bc2s, x, ea, eas, len, h, m, v, r);
+    else adam_loop<T, kL2, true, false>(a, neg_ss, bc2s, x, ea, eas, len, h, m, v, r);
+  } else {
+    if (a.decay_on) adam_loop<T, kL2, false, true>(a, neg_ss, bc2s, x, ea, eas, len, h, m, v, r);
+    else adam_loop<T, kL2, false, false>(a, neg_ss, bc2s, x, ea, eas, len, h, m, v, r);
   }
 }
 
 // One Adam(W) step of torch.optim.Adam (sapipe.ops.reference_adam) on `len` elements: h = the
-// gradient (overwritten), x = the weights, ea / eas = the moments; m, v <- the new moments,
-// r <- the new weights. r may be x, m may be ea, v may be eas (element-wise in place).
+// gradient (may be overwritten), x = the weights, ea / eas = the moments; m, v <- the new
+// moments, r <- the new weights. r may be x, m may be ea, v may be eas (element-wise in place).
 template <typename T>
 inline void adam_math(const AdamTile<T>& a, T neg_ss, T bc2s, const T* x, const T* ea,
                       const T* eas, int64_t len, T* __restrict h, T* m, T* v, T* r) {
+  if (!a.maximize) {
+    if (a.l2) adam_loop_for<T, true>(a, neg_ss, bc2s, x, ea, eas, len, h, m, v, r);
+    else adam_loop_for<T, false>(a, neg_ss, bc2s, x, ea, eas, len, h, m, v, r);
+    return;
+  }
   if (a.maximize) {
     SAPIPE_SIMD
     for (int64_t i = 0; i < len; ++i) h[i] = -h[i];
@@ -266,27 +334,25 @@ void adam_tile(const TileSrc<T>& s, const AdamTile<T>& a, int64_t off, int64_t l
   T* eas = a.exp_avg_sq + off;
   const StepExtras<T>& e = a.extra;
   const bool need_step = e.peek_dst || e.dots;
+  // The new moments go straight into the state (OPT), or onto the stack (OPT_peek).
+  T* nm = a.peek ? m : ea;
+  T* nv = a.peek ? v : eas;
   if (a.peek || !need_step) {  // plain OPT / OPT_peek, and OPT + history write
-    adam_math(a, a.neg_ss, a.bc2s, p, ea, eas, len, h, m, v, a.dst + off);
-    if (!a.peek) {
-      copy_tile(m, len, ea);
-      copy_tile(v, len, eas);
-    }
+    adam_math(a, a.neg_ss, a.bc2s, p, ea, eas, len, h, nm, nv, a.dst + off);
     if (e.hist) copy_tile(a.dst + off, len, e.hist + off);  // after every read of the sources
     return;
   }
   alignas(64) T xn[kTile];  // x_t
   alignas(64) T dx[kTile];  // x_t - x_{t-1}
-  adam_math(a, a.neg_ss, a.bc2s, p, ea, eas, len, h, m, v, xn);
+  adam_math(a, a.neg_ss, a.bc2s, p, ea, eas, len, h, nm, nv, xn);
   // every source element is read: the writes may alias sources from here on
-  copy_tile(m, len, ea);
-  copy_tile(v, len, eas);
   commit_step(xn, p, len, a.dst + off, e.hist ? e.hist + off : nullptr, dx);
   base_tile(e.peek, off, len, h);
   if (e.dots) dot_lanes(h, dx, len, lanes);
-  if (e.peek_dst) {  // x~ = OPT_peek(x_t, g~) with the new moments, bias correction of step + 1
+  if (e.peek_dst) {  // x~ = OPT_peek(x_t, g~) with the new moments, bias correction of step + 1;
+    // the peek's own moments are scratch (m, v), the state keeps the update's
     finish_peek_grad(e.peek, off, len, dx, h);
-    adam_math(a, a.peek_neg_ss, a.peek_bc2s, xn, m, v, len, h, m, v, e.peek_dst + off);
+    adam_math(a, a.peek_neg_ss, a.peek_bc2s, xn, nm, nv, len, h, m, v, e.peek_dst + off);
   }
 }
 
