@@ -230,15 +230,16 @@ void sgd_tile(const TileSrc<T>& s, const SgdTile<T>& a, int64_t off, int64_t len
   }
   alignas(64) T xn[kTile];  // x_t
   alignas(64) T dx[kTile];  // x_t - x_{t-1}
+  alignas(64) T hp[kTile];  // the peek's gradient, its base read with the update's sources
+  base_tile(e.peek, off, len, hp);
   sgd_math(a, a.first, p, mb, len, h, nb, xn);
   // every source element is read: the writes may alias sources from here on
   commit_step(xn, p, len, a.dst + off, e.hist ? e.hist + off : nullptr, dx);
-  base_tile(e.peek, off, len, h);
-  if (e.dots) dot_lanes(h, dx, len, lanes);
+  if (e.dots) dot_lanes(hp, dx, len, lanes);
   if (e.peek_dst) {  // x~ = OPT_peek(x_t, g~): the momentum buffer has started (or is unused);
     // the peek's own momentum is scratch (b), the state keeps the update's (nb)
-    finish_peek_grad(e.peek, off, len, dx, h);
-    sgd_math(a, false, xn, nb, len, h, b, e.peek_dst + off);
+    finish_peek_grad(e.peek, off, len, dx, hp);
+    sgd_math(a, false, xn, nb, len, hp, b, e.peek_dst + off);
   }
 }
 
@@ -344,15 +345,16 @@ void adam_tile(const TileSrc<T>& s, const AdamTile<T>& a, int64_t off, int64_t l
   }
   alignas(64) T xn[kTile];  // x_t
   alignas(64) T dx[kTile];  // x_t - x_{t-1}
+  alignas(64) T hp[kTile];  // the peek's gradient, its base read with the update's sources
+  base_tile(e.peek, off, len, hp);
   adam_math(a, a.neg_ss, a.bc2s, p, ea, eas, len, h, nm, nv, xn);
   // every source element is read: the writes may alias sources from here on
   commit_step(xn, p, len, a.dst + off, e.hist ? e.hist + off : nullptr, dx);
-  base_tile(e.peek, off, len, h);
-  if (e.dots) dot_lanes(h, dx, len, lanes);
+  if (e.dots) dot_lanes(hp, dx, len, lanes);
   if (e.peek_dst) {  // x~ = OPT_peek(x_t, g~) with the new moments, bias correction of step + 1;
     // the peek's own moments are scratch (m, v), the state keeps the update's
-    finish_peek_grad(e.peek, off, len, dx, h);
-    adam_math(a, a.peek_neg_ss, a.peek_bc2s, xn, nm, nv, len, h, m, v, e.peek_dst + off);
+    finish_peek_grad(e.peek, off, len, dx, hp);
+    adam_math(a, a.peek_neg_ss, a.peek_bc2s, xn, nm, nv, len, hp, m, v, e.peek_dst + off);
   }
 }
 
