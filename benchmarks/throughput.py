@@ -121,6 +121,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-netns", action="store_true",
                    help="sweep without network emulation (plain torchrun on this host)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per collective before a job fails")
+    p.add_argument("--trace", default="",
+                   help="folder: every sapipe mode records its timeline and writes it there as a Chrome trace "
+                        "per rank (Perfetto), named <model>_<rate>_<mode>_rank<r>.json; sapipe-auto also its "
+                        "predicted iteration (.predicted.json). Recording costs a little time per layer.")
     # internal (orchestrator -> worker)
     p.add_argument("--json", default="", help=argparse.SUPPRESS)
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
@@ -337,7 +341,8 @@ class TrainRunner(Runner):
             try:
                 self.opt = sapipe.DistributedOptimizer(self.base, self.model, stale_layers=self.k,
                                                        compensation=self.compensation,
-                                                       bucket_cap_mb=a.bucket_cap_mb, backend=self.backend)
+                                                       bucket_cap_mb=a.bucket_cap_mb, backend=self.backend,
+                                                       trace=bool(a.trace))
             except sapipe.ConfigurationError as exc:
                 raise Skip(f"skipped: sapipe refused stale_layers={self.k!r}: {exc}") from exc
         elif self.kind == "horovod":
@@ -417,7 +422,19 @@ class TrainRunner(Runner):
         if self.kind == "sapipe" and "opt" in self.__dict__:
             self.opt.synchronize()
             _drain(self.opt)
+            if self.job.args.trace:
+                self.write_traces(self.job.args.trace)
         super().close()
+
+    def write_traces(self, folder: str) -> None:
+        """This rank's recorded timeline (and, for auto, the predicted iteration) as Chrome traces."""
+        os.makedirs(folder, exist_ok=True)
+        rate = str(self.job.args.rate or "local").replace("/", "-").replace(" ", "")
+        mode = self.mode.replace(" ", "").replace("=", "")
+        path = os.path.join(folder, f"{self.job.spec.name}_{rate}_{mode}_rank{self.job.ctx.rank}.json")
+        self.opt.write_trace(path)
+        if self.k == "auto" and getattr(self.opt, "decision", None) is not None:
+            self.opt.write_trace(path[: -len(".json")] + ".predicted.json", predicted=True)
         self.__dict__.pop("net", None)
 
 
@@ -1025,6 +1042,8 @@ def worker_argv(args, model: str, json_path: str, extra: List[str]) -> List[str]
         cmd += ["--skip", ",".join(sorted(args.skip))]
     if args.backends:
         cmd += ["--backends", args.backends]
+    if args.trace:
+        cmd += ["--trace", os.path.abspath(args.trace)]
     return cmd + extra
 
 
