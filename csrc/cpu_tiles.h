@@ -287,10 +287,9 @@ inline void adam_math(const AdamTile<T>& a, T neg_ss, T bc2s, const T* x, const 
     else adam_loop_for<T, false>(a, neg_ss, bc2s, x, ea, eas, len, h, m, v, r);
     return;
   }
-  if (a.maximize) {
-    SAPIPE_SIMD
-    for (int64_t i = 0; i < len; ++i) h[i] = -h[i];
-  }
+  // maximising: the step on -g, loop by loop
+  SAPIPE_SIMD
+  for (int64_t i = 0; i < len; ++i) h[i] = -h[i];
   if (a.l2) {  // g = g + wd * param
     const T wd = a.wd;
     SAPIPE_SIMD
