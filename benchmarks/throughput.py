@@ -215,26 +215,23 @@ class Ctx:
 def stats(per_rank: List[List[float]]) -> Dict[str, float]:
     """The job's step time: the slowest rank's median; spread: that rank's IQR / median."""
     best = None
-    for times in per_rank:
+    for rank, times in enumerate(per_rank):
         s = sorted(times)
         med = statistics.median(s)
         q1, q3 = _quantile(s, 0.25), _quantile(s, 0.75)
         if best is None or med > best["t"]:
-            best = {"t": med, "p25": q1, "p75": q3, "min": s[0], "max": s[-1]}
+            best = {"t": med, "p25": q1, "p75": q3, "min": s[0], "max": s[-1], "rank": rank}
     best["iqr"] = (best["p75"] - best["p25"]) / best["t"] if best["t"] else 0.0
     return best
 
 
-def round_medians(per_rank: List[List[float]], lengths: List[int]) -> List[float]:
-    """Per round: the slowest rank's median step time in that round. Modes interleave by
-    round, so two modes' values of the same round were measured minutes apart at most and
-    their ratio is free of the host's slower drifts (see ``paired_ratio``)."""
-    out, start = [], 0
-    for n in lengths:
-        if n:
-            out.append(max(statistics.median(times[start:start + n]) for times in per_rank))
-        start += n
-    return out
+def round_medians(per_rank: List[List[float]], per_round: int) -> List[float]:
+    """Per round (``per_round`` timed steps each): the slowest rank's median step time in that
+    round. Modes interleave by round, so two modes' values of the same round were measured
+    minutes apart at most and their ratio is free of the host's slower drifts (see
+    ``paired_ratio``)."""
+    return [max(statistics.median(times[start:start + per_round]) for times in per_rank)
+            for start in range(0, len(per_rank[0]), per_round)]
 
 
 def paired_ratio(a: Dict[str, Any], b: Dict[str, Any]) -> Optional[float]:
@@ -271,7 +268,6 @@ class Runner:
         self.i = 0
         self.times: List[float] = []
         self.waits: List[float] = []  # per timed step: seconds blocked on communication (sapipe)
-        self.round_lengths: List[int] = []  # timed steps per round (for paired per-round ratios)
 
     def setup(self):
         raise NotImplementedError
@@ -556,10 +552,15 @@ class Job:
 
     # ------------------------------------------------------------------ run
 
+    @property
+    def per_round(self) -> int:
+        """Timed steps per mode per round."""
+        return max(1, math.ceil(self.args.steps / self.rounds))
+
     def execute(self, runners: List[Runner]):
         """Run ``runners`` interleaved: round r steps every mode (alternating order) in turn."""
-        a, ctx = self.args, self.ctx
-        per_round = max(1, math.ceil(a.steps / self.rounds))
+        ctx = self.ctx
+        per_round = self.per_round
         for rnd in range(self.rounds):
             order = runners if rnd % 2 == 0 else runners[::-1]
             for run in order:
@@ -584,7 +585,6 @@ class Job:
                     else:
                         run.resume()
                         warm = 1  # caches and the link are someone else's after another mode
-                    timed = 0
                     for j in range(warm + per_round):
                         w0 = run.waited()
                         t0 = time.perf_counter()
@@ -595,10 +595,8 @@ class Job:
                         run.i += 1
                         if j >= warm:
                             run.times.append(dt)
-                            timed += 1
                             if w0 is not None and w1 is not None:
                                 run.waits.append(w1 - w0)
-                    run.round_lengths.append(timed)
                     run.pause()
                 except Skip as s:
                     run.dead = str(s)
@@ -630,10 +628,10 @@ class Job:
         r: Dict[str, Any] = {"mode": run.mode}
         if all(per_rank):
             r.update(stats(per_rank))
-            r["round_t"] = round_medians(per_rank, run.round_lengths)
+            slowest = r.pop("rank")
+            r["round_t"] = round_medians(per_rank, self.per_round)
             if all(waits) and all(len(w) == len(t) for w, t in zip(waits, per_rank)):
-                # the slowest rank's median wait per step, as its median step time is the job's T
-                slowest = max(range(len(per_rank)), key=lambda i: statistics.median(per_rank[i]))
+                # the median wait per step of the rank whose median step time is the job's T
                 r["wait"] = statistics.median(waits[slowest])
         r.update(info)
         if run.dead:
