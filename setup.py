@@ -91,8 +91,19 @@ def _extensions():
             except Exception as exc:  # noqa: BLE001 - optional extension only
                 if not getattr(ext, "sapipe_optional", False):
                     raise
+                ext.sapipe_failed = True
                 print(f"sapipe: WARNING: optional extension {ext.name} failed to build "
                       f"({exc}); CUDA tensors will use the pure-PyTorch kernels", file=sys.stderr)
+
+        def copy_extensions_to_source(self):
+            # an editable / --inplace build copies every extension back into the source
+            # tree; one that failed to build (above) has nothing to copy
+            built = [e for e in self.extensions if not getattr(e, "sapipe_failed", False)]
+            self.extensions, everything = built, self.extensions
+            try:
+                super().copy_extensions_to_source()
+            finally:
+                self.extensions = everything
 
     return exts, {"build_ext": BuildExt}
 
