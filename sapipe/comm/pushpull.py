@@ -39,6 +39,11 @@ from .torch_backend import release_group
 DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024  # BytePS's default partition size
 _JOIN_SECONDS = 10.0  # how long close() waits for an idle worker to exit
 
+# torch 2.13 renamed the single-tensor collectives (the old names warn there); sapipe supports
+# torch >= 2.1, which has only the old ones.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass
 class _Job:
@@ -230,8 +235,8 @@ class PushPull(CommBackend):
         else:
             work = chunk
         shard = self._buffer("_shard", shard_numel, chunk)
-        dist.reduce_scatter_single(shard, work, op=dist.ReduceOp.SUM, group=self._data)  # push
-        dist.all_gather_single(work, shard, group=self._data)  # pull
+        _reduce_scatter(shard, work, op=dist.ReduceOp.SUM, group=self._data)  # push
+        _all_gather(work, shard, group=self._data)  # pull
         if work is not chunk:
             chunk.copy_(work[: chunk.numel()])
 
