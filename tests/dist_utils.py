@@ -41,13 +41,14 @@ def to_numpy(obj: Any) -> Any:
     return obj
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results,
+            backend: str = "gloo") -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
         out = fn(rank, world_size, *args)
         results.put((rank, to_numpy(out), None))
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -62,18 +63,18 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
 
 def run_ranks(
     fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 180.0,
-    allow_missing: Optional[List[int]] = None,
+    allow_missing: Optional[List[int]] = None, backend: str = "gloo",
 ) -> List[Any]:
     """``fn(rank, world_size, *args)`` on each rank; the list of their return values.
 
     ``allow_missing``: ranks that are expected to die without returning (failure tests);
-    their entry is None.
+    their entry is None. ``backend``: the process group's (``"nccl"`` needs a GPU per rank).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, backend), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
