@@ -1050,6 +1050,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 #: cache) rather than copying the flat ``local`` into the slot at launch (one call, one more read
 #: of the bucket). Measured on this project's CPU models: a torch copy call costs ~4 µs, the
 #: read it saves ~0.12 ns per float32 element, so the second copy pays from ~32K elements on.
+#: On CUDA it never pays: each copy is a kernel launch, and the flat copy's extra read runs at
+#: device bandwidth (ResNet-50 on an H100, wp1 at k = m: +8.8% / +6.3% per step with the
+#: per-parameter copies, +0.1% / -6.3% with the flat one; benchmarks/RESULTS.md §2).
 MIRROR_LOCAL_MIN_MEAN_NUMEL = 32768
 
 
@@ -1059,7 +1062,7 @@ def _pair_means(values: List[float]) -> List[float]:
 
 
 def _mirrors_local(bucket: Bucket) -> bool:
-    return bucket.numel >= MIRROR_LOCAL_MIN_MEAN_NUMEL * len(bucket.params)
+    return bucket.device.type == "cpu" and bucket.numel >= MIRROR_LOCAL_MIN_MEAN_NUMEL * len(bucket.params)
 
 
 
