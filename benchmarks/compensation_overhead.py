@@ -1,6 +1,7 @@
 """What does staleness compensation cost per step? Each mode vs ``none``, fused vs pure PyTorch.
 
-One process (a Gloo group of 1: communication is the same for every mode and drops out),
+One process (a group of 1 -- Gloo on CPU, NCCL with ``--device cuda``: communication is the
+same for every mode and drops out),
 k = m by default (every layer stale, the most compensation work; ``--kappa 0.5`` stales the
 fewest leading layers that hold half the parameters, closer to what the scheduler picks),
 one model copy per mode. Modes are timed in interleaved rounds so that machine-load drift
@@ -16,6 +17,10 @@ in the same round, relative to ``none``'s step. No implementation can go below i
 overhead above it is what the kernels could still win.
 
     python benchmarks/compensation_overhead.py --models gpt2,resnet50,vgg16 --size small
+    python benchmarks/compensation_overhead.py --device cuda --size full   # on a GPU
+
+On CUDA every step ends with a device synchronisation (so the host clock times the GPU's
+work), and the pass is timed on the device alike.
 """
 from __future__ import annotations
 
@@ -59,21 +64,33 @@ def floor_streams(label: str, optimizer: str) -> int:
     return {"none": 0, "wp1": 3, "wp2": 1, "wp3": 9 if optimizer == "adam" else 8}[mode]
 
 
+def synchronize(device) -> None:
+    """Wait for the device's queued work (a no-op on CPU), so a host clock times it."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class PassTimer:
     """Seconds per pass over ``elements`` float32 from memory: half of a ``torch`` copy (one
     read, one write), from buffers rotated so that the last level cache does not hold them.
     The buffers are allocated and touched once, so no page fault is timed."""
 
-    def __init__(self, elements: int, buffers: int = 3) -> None:
+    def __init__(self, elements: int, device, buffers: int = 3) -> None:
         import torch
 
-        self.pairs = [(torch.randn(elements), torch.zeros(elements)) for _ in range(buffers)]
+        self.device = device
+        self.pairs = [(torch.randn(elements, device=device), torch.zeros(elements, device=device))
+                      for _ in range(buffers)]
 
     def __call__(self) -> float:
         times = []
         for src, dst in self.pairs:
+            synchronize(self.device)
             start = time.perf_counter()
             dst.copy_(src)
+            synchronize(self.device)
             times.append(time.perf_counter() - start)
         return statistics.median(times) / 2
 
@@ -91,12 +108,14 @@ def worker(args) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    out = {"backend": sapipe.ops.backend("cpu"), "models": {}}
+    device = torch.device(args.device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    out = {"backend": sapipe.ops.backend(device.type), "models": {}}
     for name in args.models.split(","):
         spec = bench_models.build(name, args.size)
-        batch = spec.make_batch(spec.batch_size, torch.device("cpu"), torch.Generator().manual_seed(0))
-        probe = spec.make_model()  # m (layers) is known after one forward
+        batch = spec.make_batch(spec.batch_size, device, torch.Generator().manual_seed(0))
+        probe = spec.make_model().to(device)  # m (layers) is known after one forward
         probe_opt = sapipe.DistributedOptimizer(spec.make_optimizer(probe.parameters()), probe)
         probe(batch[0])
         m = probe_opt.num_layers
@@ -106,9 +125,9 @@ def worker(args) -> None:
         k = next(i for i in range(1, m + 1) if sum(sizes[:i]) >= args.kappa * sum(sizes) - 1e-9)
         runs = []
         stream = []  # per round: seconds per pass over the stale parameters
-        one_pass = PassTimer(sum(sizes[:k]))
+        one_pass = PassTimer(sum(sizes[:k]), device)
         for mode, form in MODES:
-            model = spec.make_model()
+            model = spec.make_model().to(device)
             opt = sapipe.DistributedOptimizer(
                 spec.make_optimizer(model.parameters()), model, stale_layers=k, compensation=mode, dc_form=form
             )
@@ -117,10 +136,12 @@ def worker(args) -> None:
             for label, model, opt, rounds in runs:
                 times = []
                 for _ in range(args.steps):
+                    synchronize(device)
                     start = time.perf_counter()
                     opt.zero_grad()
                     spec.loss_fn(model(batch[0]), batch[1]).backward()
                     opt.step()
+                    synchronize(device)
                     times.append(time.perf_counter() - start)
                 if round_ > 0:  # round 0 warms up
                     rounds.append(statistics.median(times))
@@ -152,6 +173,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--kappa", type=float, default=1.0,
                    help="stale share of the parameters: k = the fewest leading layers holding at least this "
                         "(default 1: k = m, every layer stale, the most compensation work)")

@@ -1,36 +1,58 @@
 """Micro-benchmark of sapipe's fused kernels (csrc/) against the pure-PyTorch path.
 
-For a flat float32 buffer (16M elements by default) on CPU, times every kernel through the
-dispatching entry point of sapipe.ops (the compiled extension) and through its
-``reference_*`` function (pure PyTorch), and converts the kernel's *ideal* memory traffic --
-bytes read plus bytes written per element, each input read once and each output written once
--- into GB/s. The yardstick is the machine's copy bandwidth, measured in the same run as a
-large ``torch`` copy (2 x 4 bytes per element: one read, one write). The torch path moves more
-than the ideal bytes (temporaries); its GB/s column is on the same ideal-bytes basis, so the
-two columns compare times.
+For a flat buffer (16M elements by default) on CPU or on a CUDA GPU, times every kernel
+through the dispatching entry point of sapipe.ops (the compiled extension: ``sapipe._C`` on
+CPU, ``sapipe._C_cuda`` on CUDA) and through its ``reference_*`` function (pure PyTorch),
+and converts the kernel's *ideal* memory traffic -- bytes read plus bytes written per
+element, each input read once and each output written once -- into GB/s. Every tensor of a
+call has the --dtype (the kernels take parameters, gradients and optimizer state all of one
+dtype; only the per-tensor dot products are float64, a few values per segment, not counted),
+so the bytes per element are a count of buffers times the dtype's element size. The
+yardstick is the device's copy bandwidth, measured in the same run as a large same-dtype
+``dst.copy_(src)`` (2 x element size bytes per element: one read, one write). The torch path
+moves more than the ideal bytes (temporaries); its GB/s column is on the same ideal-bytes
+basis, so the two columns compare times.
 
     python benchmarks/kernels.py [--n 16777216] [--reps 10] [--threads T]
+    python benchmarks/kernels.py --device cuda [--dtype {float32,bfloat16,float16}] [--reps 50]
+    ... [--json results.json]   # also write the rows as JSON (for collecting remote runs)
 
-Prints a markdown table. Timings are the best of --reps runs after a warm-up; run it on an
-otherwise idle machine (the load average is printed with the table). The copy bandwidth is
-re-measured next to each kernel and each row is compared with its neighbouring copy.
+Prints a markdown table. The copy bandwidth is re-measured next to each kernel and each row
+is compared with its neighbouring copy. Timings come after a warm-up call:
+
+* CPU: the best of --reps (default 10) wall-clock runs. On a noisy shared CPU the best run is
+  the least disturbed by other load; run it on an otherwise idle machine (the load average
+  is printed with the table). Only float32 is timed: sapipe._C takes float32/float64.
+* CUDA: the median of --reps (default 50) calls, each timed by a pair of CUDA events, after a
+  ``torch.cuda.synchronize()``: on a GPU, the median of many event-timed launches is the
+  standard measure (stable, and not fooled by the host running ahead of the device). The
+  inputs are not rotated among buffer sets: at the default n a float32 buffer (64 MiB) is
+  larger than an H100's L2 (50 MiB) and every call touches several buffers, so little stays
+  cached between calls; the L2 size is printed, with a warning when one buffer fits in it
+  (then raise --n: a 16-bit dtype at the default n has 32 MiB buffers, so pass
+  --n 33554432 on an H100).
+
+A case that raises for the chosen device/dtype is printed as n/a with the reason.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import time
-from typing import Callable, Dict, List
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from sapipe import _ext, ops
 
-F = 4  # bytes per float32
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def timeit(fn: Callable[[], object], reps: int) -> float:
-    """Best time of ``reps`` runs after a warm-up (the least disturbed by other load)."""
+def best_of(fn: Callable[[], object], reps: int) -> float:
+    """CPU: best wall-clock time (s) of ``reps`` runs after a warm-up (the least disturbed)."""
     fn()
     times = []
     for _ in range(reps):
@@ -40,33 +62,84 @@ def timeit(fn: Callable[[], object], reps: int) -> float:
     return min(times)
 
 
+def median_cuda(fn: Callable[[], object], reps: int) -> float:
+    """CUDA: median device time (s) of ``reps`` calls, each between two CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
+
+
+@dataclass
+class Row:
+    name: str
+    bytes_per_elem: int
+    copy_gbps: float
+    torch_ms: Optional[float] = None
+    ext_ms: Optional[float] = None
+    ext_gbps: Optional[float] = None
+    speedup: Optional[float] = None  # torch ms / ext ms
+    ext_over_copy: Optional[float] = None  # ext GB/s / copy GB/s
+    error: Optional[str] = None  # why the case could not run
+
+
+def fmt(x: Optional[float], spec: str, suffix: str = "") -> str:
+    return "n/a" if x is None else f"{x:{spec}}{suffix}"
+
+
+def check_device(device: torch.device, dtype: torch.dtype) -> None:
+    """SystemExit unless sapipe's extension for ``device`` is built and takes ``dtype``."""
+    name = {"cpu": "_C", "cuda": "_C_cuda"}[device.type]
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    if getattr(_ext, device.type) is None:
+        raise SystemExit(f"sapipe.{name} is not built ({_ext.errors.get(name)}); nothing to compare")
+    # ops runs the reference for dtypes its kernels do not take: the ext column would time it
+    if dtype not in ops._EXT_DTYPES[device.type]:
+        raise SystemExit(f"sapipe.{name} does not take {dtype}; nothing to compare")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=16 * 1024 * 1024, help="elements (float32)")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--n", type=int, default=16 * 1024 * 1024, help="elements per buffer")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    ap.add_argument("--reps", type=int, default=None, help="timed runs (default: 10 on CPU, 50 on CUDA)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if _ext.cpu is None:
-        raise SystemExit(f"sapipe._C is not built ({_ext.errors.get('_C')}); nothing to compare")
-    n, reps = args.n, args.reps
-    gen = torch.Generator().manual_seed(0)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    check_device(device, dtype)
+    cuda = device.type == "cuda"
+    n = args.n
+    reps = args.reps or (50 if cuda else 10)
+    timeit = median_cuda if cuda else best_of
+    E = dtype.itemsize  # bytes per element of every buffer
+    new = dict(device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
 
-    def buf(positive=False):
-        x = torch.randn(n, generator=gen)
+    def buf(positive: bool = False) -> torch.Tensor:
+        x = torch.randn(n, generator=gen, **new)
         return x.abs_().add_(0.1) if positive else x
 
     g, p, x_old, prev, local, mom = buf(), buf(), buf(), buf(), buf(), buf()
     m, v = buf(), buf(positive=True)
     delta = p - x_old
-    out = torch.empty(n)
+    out = torch.empty(n, **new)
     # tensor layout of the bucket segment: a few big and many small tensors
     lengths: List[int] = [n // 2, n // 4, n // 8]
-    small = [4096] * 64
+    small = [min(4096, n // 4096)] * 64
     lengths += small + [n - sum(lengths) - sum(small)]
 
-    src, dst = torch.randn(n), torch.empty(n)
+    src, dst = buf(), torch.empty(n, **new)
 
     sgd_hp = dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=1e-4,
                   maximize=False, first=False)
@@ -77,7 +150,7 @@ def main() -> None:
     wp3 = dict(dc_out, prev_local=prev, local=local, world_size=4)
     wp3_diag = dict(wp3, form="diagonal")
     hist = x_old.clone()  # a history slot (overwritten by the dc-with-history case)
-    step_dots = torch.empty(len(lengths), dtype=torch.float64)
+    step_dots = torch.empty(len(lengths), dtype=torch.float64, device=device)
     wp3_terms = ops.FusedPeek(None, g, prev_local=prev, world_size=4)
     wp3_second = dict(prev_local=prev, local=local, world_size=4, lam=0.04, form="outer",
                       lengths=lengths, dots=ops.dc_dots(g, delta, lengths))
@@ -86,128 +159,150 @@ def main() -> None:
 
     # name -> (bytes per element, ext call, torch call)
     # In-place kernels run repeatedly on the same buffers (values drift; the timing does not).
-    cases: Dict[str, tuple] = {
+    cases: Dict[str, Tuple[int, Callable[[], object], Callable[[], object]]] = {
         "DC diagonal (g, Δ → out)": (
-            3 * F,
+            3 * E,
             lambda: ops.delay_compensate(g, delta, 0.04, "diagonal", lengths, out=out),
             lambda: ops.reference_delay_compensate(g, delta, 0.04, "diagonal", lengths, out=out),
         ),
         "DC outer: dots pass + apply pass": (
-            (2 + 2) * F,
+            (2 + 2) * E,
             lambda: ops.delay_compensate(g, delta, 0.04, "outer", lengths, out=out),
             lambda: ops.reference_delay_compensate(g, delta, 0.04, "outer", lengths, out=out),
         ),
         "per-tensor dots only": (
-            2 * F,
+            2 * E,
             lambda: ops.dc_dots(g, delta, lengths),
             lambda: ops.reference_dc_dots(g, delta, lengths),
         ),
         "SGD momentum+Nesterov+wd, in place": (
-            5 * F,
+            5 * E,
             lambda: ops.sgd(p, g, mom, **sgd_hp),
             lambda: ops.reference_sgd(p, g, mom, **sgd_hp),
         ),
         "SGD peek (OPT_peek → out)": (
-            4 * F,
+            4 * E,
             lambda: ops.sgd(p, g, mom, out=out, **sgd_hp),
             lambda: ops.reference_sgd(p, g, mom, out=out, **sgd_hp),
         ),
         "SGD + DC diagonal (Δ = x − x_old), in place": (
-            6 * F,
+            6 * E,
             lambda: ops.sgd_fused(p, g, mom, **sgd_hp, **dc_diag),
             lambda: ops.reference_sgd_fused(p, g, mom, **sgd_hp, **dc_diag),
         ),
         "SGD + DC outer (Δ = x − x_old), in place": (
-            (3 + 5) * F,
+            (3 + 5) * E,
             lambda: ops.sgd_fused(p, g, mom, **sgd_hp, **dc_out),
             lambda: ops.reference_sgd_fused(p, g, mom, **sgd_hp, **dc_out),
         ),
         "Adam (AdamW), in place": (
-            7 * F,
+            7 * E,
             lambda: ops.adam(p, g, m, v, **adam_hp),
             lambda: ops.reference_adam(p, g, m, v, **adam_hp),
         ),
         "Adam peek (OPT_peek → out)": (
-            5 * F,
+            5 * E,
             lambda: ops.adam(p, g, m, v, out=out, **adam_hp),
             lambda: ops.reference_adam(p, g, m, v, out=out, **adam_hp),
         ),
         "AdamW + DC outer (Δ = x − x_old), in place": (
-            (3 + 7) * F,
+            (3 + 7) * E,
             lambda: ops.adam_fused(p, g, m, v, **adam_hp, **dc_out),
             lambda: ops.reference_adam_fused(p, g, m, v, **adam_hp, **dc_out),
         ),
         "WP3 peek, SGD, DC outer": (
-            (4 + 6) * F,
+            (4 + 6) * E,
             lambda: ops.sgd_fused(p, g, mom, out=out, **sgd_hp, **wp3),
             lambda: ops.reference_sgd_fused(p, g, mom, out=out, **sgd_hp, **wp3),
         ),
         "WP3 peek, SGD, DC diagonal": (
-            7 * F,
+            7 * E,
             lambda: ops.sgd_fused(p, g, mom, out=out, **sgd_hp, **wp3_diag),
             lambda: ops.reference_sgd_fused(p, g, mom, out=out, **sgd_hp, **wp3_diag),
         ),
         "WP3 peek, Adam, DC outer": (
-            (4 + 7) * F,
+            (4 + 7) * E,
             lambda: ops.adam_fused(p, g, m, v, out=out, **adam_hp, **wp3),
             lambda: ops.reference_adam_fused(p, g, m, v, out=out, **adam_hp, **wp3),
         ),
         # An update's extras (sapipe.ops module doc), as the engine runs them per step:
         "dc: SGD + DC outer, x_t also into the history slot": (
-            (3 + 5 + 1) * F,
+            (3 + 5 + 1) * E,
             lambda: ops.sgd_fused(p, g, mom, **sgd_hp, **dict(dc_out, delta_ref=hist), hist=hist),
             lambda: ops.reference_sgd_fused(p, g, mom, **sgd_hp, **dict(dc_out, delta_ref=hist), hist=hist),
         ),
         "wp2: SGD update + fused peek (same g)": (
-            (5 + 1) * F,
+            (5 + 1) * E,
             lambda: ops.sgd_fused(p, g, mom, **sgd_hp, peek=ops.FusedPeek(out, g)),
             lambda: ops.reference_sgd_fused(p, g, mom, **sgd_hp, peek=ops.FusedPeek(out, g)),
         ),
         "wp1: SGD update + fused peek from l_t": (
-            (5 + 2) * F,
+            (5 + 2) * E,
             lambda: ops.sgd_fused(p, g, mom, **sgd_hp, peek=ops.FusedPeek(out, local)),
             lambda: ops.reference_sgd_fused(p, g, mom, **sgd_hp, peek=ops.FusedPeek(out, local)),
         ),
         "wp3 outer, pass 1: SGD update + the step's dots": (
-            (5 + 1) * F,
+            (5 + 1) * E,
             lambda: ops.sgd_fused(p, g, mom, **sgd_hp, lengths=lengths, peek=wp3_terms, step_dots=step_dots),
             lambda: ops.reference_sgd_fused(p, g, mom, **sgd_hp, lengths=lengths, peek=wp3_terms,
                                             step_dots=step_dots),
         ),
         "wp3 outer, pass 2: SGD peek with those dots": (
-            (5 + 1) * F,
+            (5 + 1) * E,
             lambda: ops.sgd_fused(p, g, mom, out=out, **sgd_hp, **wp3_second),
             lambda: ops.reference_sgd_fused(p, g, mom, out=out, **sgd_hp, **wp3_second),
         ),
         "wp3 diagonal: Adam update + fused peek": (
-            (7 + 3) * F,
+            (7 + 3) * E,
             lambda: ops.adam_fused(p, g, m, v, **adam_hp, peek=wp3_diag_peek),
             lambda: ops.reference_adam_fused(p, g, m, v, **adam_hp, peek=wp3_diag_peek),
         ),
     }
 
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"n = {n:,} float32 ({n * F / 2**20:.0f} MiB per buffer), torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {load:.1f}, "
-          f"backend {ops.backend('cpu')}")
-    rows = []
+    mib = n * E / 2**20
+    if cuda:
+        l2: Optional[int] = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
+        l2_text = f"L2 {l2 / 2**20:.0f} MiB" if l2 else "L2 size unknown"
+        print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, backend "
+              f"{ops.backend('cuda')}, {args.dtype}, n = {n:,} ({mib:.0f} MiB per buffer), "
+              f"{l2_text}, median of {reps} CUDA-event-timed calls")
+        if l2 and n * E <= l2:
+            print(f"WARNING: a buffer ({mib:.0f} MiB) fits in L2; raise --n to time DRAM traffic")
+    else:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        print(f"n = {n:,} {args.dtype} ({mib:.0f} MiB per buffer), torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {load:.1f}, "
+              f"backend {ops.backend('cpu')}")
+    rows: List[Row] = []
     for name, (bpe, ext_fn, ref_fn) in cases.items():
         # the yardstick is re-measured next to every kernel, so that load from elsewhere on a
         # shared machine affects both alike
-        copy_s = timeit(lambda: dst.copy_(src), reps)
-        t_ref = timeit(ref_fn, reps)
-        t_ext = timeit(ext_fn, reps)
-        rows.append((name, bpe, t_ref, t_ext, 2 * F * n / copy_s))
-    copy_bws = [r[-1] for r in rows]
-    print(f"copy bandwidth (torch copy_, 8 bytes/elem read+write), measured next to each "
-          f"kernel: best {max(copy_bws) / 1e9:.1f} GB/s, median "
-          f"{sorted(copy_bws)[len(copy_bws) // 2] / 1e9:.1f} GB/s\n")
+        copy_gbps = 2 * E * n / timeit(lambda: dst.copy_(src), reps) / 1e9
+        try:
+            torch_s, ext_s = timeit(ref_fn, reps), timeit(ext_fn, reps)
+        except Exception as exc:  # a case this device/dtype does not support
+            rows.append(Row(name, bpe, copy_gbps, error=f"{type(exc).__name__}: {exc}".splitlines()[0]))
+            continue
+        ext_gbps = bpe * n / ext_s / 1e9
+        rows.append(Row(name, bpe, copy_gbps, torch_s * 1e3, ext_s * 1e3, ext_gbps, torch_s / ext_s,
+                        ext_gbps / copy_gbps))
+    copy_bws = sorted(r.copy_gbps for r in rows)
+    print(f"copy bandwidth (torch copy_, {2 * E} bytes/elem read+write), measured next to each "
+          f"kernel: best {copy_bws[-1]:.1f} GB/s, median {copy_bws[len(copy_bws) // 2]:.1f} GB/s\n")
     print("| kernel | bytes/elem | torch ms | ext ms | speed-up | ext GB/s | copy GB/s | ext / copy |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, bpe, t_ref, t_ext, copy_bw in rows:
-        bw = bpe * n / t_ext
-        print(f"| {name} | {bpe} | {t_ref * 1e3:.1f} | {t_ext * 1e3:.1f} | "
-              f"{t_ref / t_ext:.1f}x | {bw / 1e9:.1f} | {copy_bw / 1e9:.1f} | {100 * bw / copy_bw:.0f}% |")
+    for r in rows:
+        ratio = fmt(None if r.ext_over_copy is None else 100 * r.ext_over_copy, ".0f", "%")
+        print(f"| {r.name} | {r.bytes_per_elem} | {fmt(r.torch_ms, '.3f')} | {fmt(r.ext_ms, '.3f')} | "
+              f"{fmt(r.speedup, '.1f', 'x')} | {fmt(r.ext_gbps, '.1f')} | {r.copy_gbps:.1f} | "
+              f"{ratio}{f' ({r.error})' if r.error else ''} |")
+    if args.json:
+        meta = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu",
+                    torch=torch.__version__, backend=ops.backend(device), dtype=args.dtype, n=n,
+                    reps=reps, timing="median of CUDA events" if cuda else "best wall clock")
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=[asdict(r) for r in rows]), f, indent=1, ensure_ascii=False)
+
 
 if __name__ == "__main__":
     main()
