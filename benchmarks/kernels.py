@@ -241,6 +241,16 @@ def main() -> None:
             lambda: ops.sgd_fused(p, g, mom, **sgd_hp, peek=ops.FusedPeek(out, local)),
             lambda: ops.reference_sgd_fused(p, g, mom, **sgd_hp, peek=ops.FusedPeek(out, local)),
         ),
+        "wp2: Adam update + fused peek (same g)": (
+            (7 + 1) * E,
+            lambda: ops.adam_fused(p, g, m, v, **adam_hp, peek=ops.FusedPeek(out, g)),
+            lambda: ops.reference_adam_fused(p, g, m, v, **adam_hp, peek=ops.FusedPeek(out, g)),
+        ),
+        "wp1: Adam update + fused peek from l_t": (
+            (7 + 2) * E,
+            lambda: ops.adam_fused(p, g, m, v, **adam_hp, peek=ops.FusedPeek(out, local)),
+            lambda: ops.reference_adam_fused(p, g, m, v, **adam_hp, peek=ops.FusedPeek(out, local)),
+        ),
         "wp3 outer, pass 1: SGD update + the step's dots": (
             (5 + 1) * E,
             lambda: ops.sgd_fused(p, g, mom, **sgd_hp, lengths=lengths, peek=wp3_terms, step_dots=step_dots),
