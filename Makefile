@@ -8,6 +8,8 @@
 #                 emulated network (needs root or user namespaces; installs iproute2 if tc
 #                 is missing). Options: BENCH_ARGS="--quick"
 #   make peers    opt-in: build Horovod $(HOROVOD_VERSION) (CPU, Gloo) into the venv as a baseline
+#   make gpu-check  on a GPU machine with a CUDA torch (no venv): build in place, CUDA tests,
+#                 kernel bandwidth and compensation overhead (benchmarks/gpu_check.sh)
 #   make clean    remove build artefacts and caches (keeps the venv)
 #   make distclean  clean + remove the venv
 
@@ -30,7 +32,7 @@ STAMP := $(VENV)/.sapipe-installed
 STAMP_DEPS := setup.py pyproject.toml requirements-dev.txt \
               $(wildcard sapipe/__init__.py) $(wildcard csrc/*)
 
-.PHONY: venv test demo clean distclean bench peers convergence
+.PHONY: venv test demo clean distclean bench peers convergence gpu-check
 
 venv: $(STAMP)
 
@@ -83,6 +85,9 @@ peers: venv
 	    $(VPIP) install --no-build-isolation --no-deps $$src; \
 	  $(VPY) -c "import horovod, horovod.torch as hvd; print('horovod', horovod.__version__, 'gloo built:', hvd.gloo_built())"; \
 	fi
+
+gpu-check:
+	bash benchmarks/gpu_check.sh $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Everything this project checks on a GPU, in one command (`make gpu-check`): build the
+# extensions in place against the machine's own torch (no venv: a GPU image ships a CUDA
+# torch, and `make venv` would install the CPU one), then the CUDA kernel tests, the CUDA
+# end-to-end tests, the kernel bandwidth benchmark (float32 and bfloat16) and the
+# compensation overhead of the full-size models. Logs and tables go to $GPU_OUT (default
+# gpu-results/); the last lines printed are the summaries.
+#
+#   GPU_OUT=/some/dir PYTHON=python3 bash benchmarks/gpu_check.sh [quick]
+#
+# `quick` skips the compensation-overhead run (the longest part, ~4 min on an H100).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${GPU_OUT:-gpu-results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} MAX_JOBS=${MAX_JOBS:-16}
+# only the visible GPU's architecture (cpp_extension's own default too, made explicit)
+arch=$($PY -c "import torch; c = torch.cuda.get_device_capability(); print(f'{c[0]}.{c[1]}')" 2>/dev/null) || {
+  echo "gpu_check: torch sees no CUDA device" >&2; exit 1; }
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch}
+status=0
+
+echo "== build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
+$PY setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+$PY -c "from sapipe import _ext, ops; print('backends:', ops.backend('cuda'), ops.backend('cpu'), _ext.errors or '')"
+
+echo "== tests"
+$PY -m pytest -q -rs tests/test_kernels.py tests/test_cuda.py >"$OUT/tests.log" 2>&1 || status=1
+tail -3 "$OUT/tests.log"
+
+echo "== kernel bandwidth"
+$PY benchmarks/kernels.py --device cuda --json "$OUT/kernels_f32.json" >"$OUT/kernels_f32.md" 2>&1 || status=1
+$PY benchmarks/kernels.py --device cuda --dtype bfloat16 --n 33554432 --json "$OUT/kernels_bf16.json" \
+  >"$OUT/kernels_bf16.md" 2>&1 || status=1
+
+if [ "${1:-}" != quick ]; then
+  echo "== compensation overhead (full-size models, one NCCL rank)"
+  $PY benchmarks/compensation_overhead.py --device cuda --size full --models gpt2,resnet50,vgg16 \
+    --rounds 8 --output "$OUT/compensation_overhead_cuda.md" >"$OUT/compensation_overhead.log" 2>&1 || status=1
+  tail -18 "$OUT/compensation_overhead.log"
+fi
+cat "$OUT/kernels_f32.md" "$OUT/kernels_bf16.md"
+exit $status
