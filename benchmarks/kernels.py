@@ -46,7 +46,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from sapipe import _ext, ops
+from sapipe import ops
+from sapipe.gradient_spec import GradientSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,14 +96,12 @@ def fmt(x: Optional[float], spec: str, suffix: str = "") -> str:
 
 def check_device(device: torch.device, dtype: torch.dtype) -> None:
     """SystemExit unless sapipe's extension for ``device`` is built and takes ``dtype``."""
-    name = {"cpu": "_C", "cuda": "_C_cuda"}[device.type]
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
-    if getattr(_ext, device.type) is None:
-        raise SystemExit(f"sapipe.{name} is not built ({_ext.errors.get(name)}); nothing to compare")
-    # ops runs the reference for dtypes its kernels do not take: the ext column would time it
-    if dtype not in ops._EXT_DTYPES[device.type]:
-        raise SystemExit(f"sapipe.{name} does not take {dtype}; nothing to compare")
+    # ops runs the reference for what its kernels do not take: the ext column would time it
+    why = ops.kernel_unavailable(device, dtype)
+    if why is not None:
+        raise SystemExit(f"{why}; nothing to compare")
 
 
 def main() -> None:
@@ -151,11 +150,19 @@ def main() -> None:
     wp3_diag = dict(wp3, form="diagonal")
     hist = x_old.clone()  # a history slot (overwritten by the dc-with-history case)
     step_dots = torch.empty(len(lengths), dtype=torch.float64, device=device)
-    wp3_terms = ops.FusedPeek(None, g, prev_local=prev, world_size=4)
+    wp3_terms = GradientSpec(g, prev_local=prev, world_size=4, delta_is_step=True, lengths=lengths,
+                             dots=step_dots)
     wp3_second = dict(prev_local=prev, local=local, world_size=4, lam=0.04, form="outer",
-                      lengths=lengths, dots=ops.dc_dots(g, delta, lengths))
-    wp3_diag_peek = ops.FusedPeek(out, g, prev_local=prev, local=local, form="diagonal", lam=0.04,
-                                  world_size=4)
+                      lengths=lengths, dots=ops.dc_dots(GradientSpec(g, delta=delta, lengths=lengths)))
+    wp3_diag_peek = GradientSpec(g, prev_local=prev, local=local, form="diagonal", lam=0.04,
+                                 world_size=4, delta_is_step=True)
+    sgd_h, adam_h = ops.SGDHyperParams(**sgd_hp), ops.AdamHyperParams(**adam_hp)
+    plain, from_local = GradientSpec.plain(g), GradientSpec.plain(local)
+    dots_spec = GradientSpec(g, delta=delta, lengths=lengths)
+    spec_dc_diag, spec_dc_out = GradientSpec(g, **dc_diag), GradientSpec(g, **dc_out)
+    spec_wp3, spec_wp3_diag = GradientSpec(g, **wp3), GradientSpec(g, **wp3_diag)
+    spec_wp3_second = GradientSpec(g, **wp3_second)
+    spec_dc_hist = GradientSpec(g, **dict(dc_out, delta_ref=hist), hist=hist)
 
     # name -> (bytes per element, ext call, torch call)
     # In-place kernels run repeatedly on the same buffers (values drift; the timing does not).
@@ -172,8 +179,8 @@ def main() -> None:
         ),
         "per-tensor dots only": (
             2 * E,
-            lambda: ops.dc_dots(g, delta, lengths),
-            lambda: ops.reference_dc_dots(g, delta, lengths),
+            lambda: ops.dc_dots(dots_spec),
+            lambda: ops.reference_dc_dots(dots_spec),
         ),
         "SGD momentum+Nesterov+wd, in place": (
             5 * E,
@@ -187,13 +194,13 @@ def main() -> None:
         ),
         "SGD + DC diagonal (Δ = x − x_old), in place": (
             6 * E,
-            lambda: ops.sgd_fused(p, g, mom, **sgd_hp, **dc_diag),
-            lambda: ops.reference_sgd_fused(p, g, mom, **sgd_hp, **dc_diag),
+            lambda: ops.sgd_fused(p, mom, sgd_h, spec_dc_diag),
+            lambda: ops.reference_sgd_fused(p, mom, sgd_h, spec_dc_diag),
         ),
         "SGD + DC outer (Δ = x − x_old), in place": (
             (3 + 5) * E,
-            lambda: ops.sgd_fused(p, g, mom, **sgd_hp, **dc_out),
-            lambda: ops.reference_sgd_fused(p, g, mom, **sgd_hp, **dc_out),
+            lambda: ops.sgd_fused(p, mom, sgd_h, spec_dc_out),
+            lambda: ops.reference_sgd_fused(p, mom, sgd_h, spec_dc_out),
         ),
         "Adam (AdamW), in place": (
             7 * E,
@@ -207,65 +214,64 @@ def main() -> None:
         ),
         "AdamW + DC outer (Δ = x − x_old), in place": (
             (3 + 7) * E,
-            lambda: ops.adam_fused(p, g, m, v, **adam_hp, **dc_out),
-            lambda: ops.reference_adam_fused(p, g, m, v, **adam_hp, **dc_out),
+            lambda: ops.adam_fused(p, m, v, adam_h, spec_dc_out),
+            lambda: ops.reference_adam_fused(p, m, v, adam_h, spec_dc_out),
         ),
         "WP3 peek, SGD, DC outer": (
             (4 + 6) * E,
-            lambda: ops.sgd_fused(p, g, mom, out=out, **sgd_hp, **wp3),
-            lambda: ops.reference_sgd_fused(p, g, mom, out=out, **sgd_hp, **wp3),
+            lambda: ops.sgd_fused(p, mom, sgd_h, spec_wp3, out=out),
+            lambda: ops.reference_sgd_fused(p, mom, sgd_h, spec_wp3, out=out),
         ),
         "WP3 peek, SGD, DC diagonal": (
             7 * E,
-            lambda: ops.sgd_fused(p, g, mom, out=out, **sgd_hp, **wp3_diag),
-            lambda: ops.reference_sgd_fused(p, g, mom, out=out, **sgd_hp, **wp3_diag),
+            lambda: ops.sgd_fused(p, mom, sgd_h, spec_wp3_diag, out=out),
+            lambda: ops.reference_sgd_fused(p, mom, sgd_h, spec_wp3_diag, out=out),
         ),
         "WP3 peek, Adam, DC outer": (
             (4 + 7) * E,
-            lambda: ops.adam_fused(p, g, m, v, out=out, **adam_hp, **wp3),
-            lambda: ops.reference_adam_fused(p, g, m, v, out=out, **adam_hp, **wp3),
+            lambda: ops.adam_fused(p, m, v, adam_h, spec_wp3, out=out),
+            lambda: ops.reference_adam_fused(p, m, v, adam_h, spec_wp3, out=out),
         ),
         # An update's extras (sapipe.ops module doc), as the engine runs them per step:
         "dc: SGD + DC outer, x_t also into the history slot": (
             (3 + 5 + 1) * E,
-            lambda: ops.sgd_fused(p, g, mom, **sgd_hp, **dict(dc_out, delta_ref=hist), hist=hist),
-            lambda: ops.reference_sgd_fused(p, g, mom, **sgd_hp, **dict(dc_out, delta_ref=hist), hist=hist),
+            lambda: ops.sgd_fused(p, mom, sgd_h, spec_dc_hist),
+            lambda: ops.reference_sgd_fused(p, mom, sgd_h, spec_dc_hist),
         ),
         "wp2: SGD update + fused peek (same g)": (
             (5 + 1) * E,
-            lambda: ops.sgd_fused(p, g, mom, **sgd_hp, peek=ops.FusedPeek(out, g)),
-            lambda: ops.reference_sgd_fused(p, g, mom, **sgd_hp, peek=ops.FusedPeek(out, g)),
+            lambda: ops.sgd_fused(p, mom, sgd_h, plain, peek=plain, out=out),
+            lambda: ops.reference_sgd_fused(p, mom, sgd_h, plain, peek=plain, out=out),
         ),
         "wp1: SGD update + fused peek from l_t": (
             (5 + 2) * E,
-            lambda: ops.sgd_fused(p, g, mom, **sgd_hp, peek=ops.FusedPeek(out, local)),
-            lambda: ops.reference_sgd_fused(p, g, mom, **sgd_hp, peek=ops.FusedPeek(out, local)),
+            lambda: ops.sgd_fused(p, mom, sgd_h, plain, peek=from_local, out=out),
+            lambda: ops.reference_sgd_fused(p, mom, sgd_h, plain, peek=from_local, out=out),
         ),
         "wp2: Adam update + fused peek (same g)": (
             (7 + 1) * E,
-            lambda: ops.adam_fused(p, g, m, v, **adam_hp, peek=ops.FusedPeek(out, g)),
-            lambda: ops.reference_adam_fused(p, g, m, v, **adam_hp, peek=ops.FusedPeek(out, g)),
+            lambda: ops.adam_fused(p, m, v, adam_h, plain, peek=plain, out=out),
+            lambda: ops.reference_adam_fused(p, m, v, adam_h, plain, peek=plain, out=out),
         ),
         "wp1: Adam update + fused peek from l_t": (
             (7 + 2) * E,
-            lambda: ops.adam_fused(p, g, m, v, **adam_hp, peek=ops.FusedPeek(out, local)),
-            lambda: ops.reference_adam_fused(p, g, m, v, **adam_hp, peek=ops.FusedPeek(out, local)),
+            lambda: ops.adam_fused(p, m, v, adam_h, plain, peek=from_local, out=out),
+            lambda: ops.reference_adam_fused(p, m, v, adam_h, plain, peek=from_local, out=out),
         ),
         "wp3 outer, pass 1: SGD update + the step's dots": (
             (5 + 1) * E,
-            lambda: ops.sgd_fused(p, g, mom, **sgd_hp, lengths=lengths, peek=wp3_terms, step_dots=step_dots),
-            lambda: ops.reference_sgd_fused(p, g, mom, **sgd_hp, lengths=lengths, peek=wp3_terms,
-                                            step_dots=step_dots),
+            lambda: ops.sgd_fused(p, mom, sgd_h, plain, peek=wp3_terms),
+            lambda: ops.reference_sgd_fused(p, mom, sgd_h, plain, peek=wp3_terms),
         ),
         "wp3 outer, pass 2: SGD peek with those dots": (
             (5 + 1) * E,
-            lambda: ops.sgd_fused(p, g, mom, out=out, **sgd_hp, **wp3_second),
-            lambda: ops.reference_sgd_fused(p, g, mom, out=out, **sgd_hp, **wp3_second),
+            lambda: ops.sgd_fused(p, mom, sgd_h, spec_wp3_second, out=out),
+            lambda: ops.reference_sgd_fused(p, mom, sgd_h, spec_wp3_second, out=out),
         ),
         "wp3 diagonal: Adam update + fused peek": (
             (7 + 3) * E,
-            lambda: ops.adam_fused(p, g, m, v, **adam_hp, peek=wp3_diag_peek),
-            lambda: ops.reference_adam_fused(p, g, m, v, **adam_hp, peek=wp3_diag_peek),
+            lambda: ops.adam_fused(p, m, v, adam_h, plain, peek=wp3_diag_peek, out=out),
+            lambda: ops.reference_adam_fused(p, m, v, adam_h, plain, peek=wp3_diag_peek, out=out),
         ),
     }
 

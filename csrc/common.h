@@ -30,6 +30,8 @@ using OptTensor = std::optional<at::Tensor>;
 
 enum DcForm : int64_t { kNoDc = 0, kDiagonal = 1, kOuter = 2 };
 
+// The C++ side of sapipe.gradient_spec.GradientSpec: bound to Python as `GradSpec`
+// (bindings.h) and built in one place, sapipe/ops.py's `_native`.
 struct GradSpec {
   at::Tensor grad;
   OptTensor prev_local;  // subtracted as prev_local / n (before DC)
@@ -42,6 +44,7 @@ struct GradSpec {
   double lam = 0.0;
   OptTensor offsets;     // outer form: int64 [S+1] tensor boundaries
   OptTensor dots;        // outer form: optional precomputed float64 [S] dot products
+  OptTensor hist;        // an in-place update also writes x_t here (UpdateExtras::hist)
 };
 
 // Extras of an in-place update (OPT), done in the same pass over memory, so that staleness
@@ -55,34 +58,44 @@ struct GradSpec {
 //   step_dots  float64 [S]: <peek.grad - peek.prev_local/n, x_t - x_{t-1}> per tensor
 //              (tensors: peek.offsets), the outer DC form's dot products for a peek that runs
 //              as a second call (its coefficient needs every element's step first).
+// The Python bindings (bindings.h) build them from the update's GradSpec (its hist) and the
+// peek's GradSpec (its dots: the step_dots target).
 struct UpdateExtras {
   OptTensor hist;
   OptTensor peek_out;
   std::optional<GradSpec> peek;  // g~ of peek_out, and the first factor of step_dots
   OptTensor step_dots;
-  double peek_neg_step_size = 0.0;  // Adam: the peek's -(lr / (1 - beta1**(step + 1)))
-  double peek_bc2_sqrt = 1.0;       // Adam: (1 - beta2**(step + 1)) ** 0.5
-  bool any() const { return hist || peek_out || step_dots; }
 };
 
-struct SgdArgs {
+// The numbers of one SGD step, computed in Python as the reference computes them.
+struct SgdHyper {
+  double lr = 0.0, momentum = 0.0, damp1 = 1.0 /* 1 - dampening */, weight_decay = 0.0;
+  bool nesterov = false, maximize = false, first = false;
+};
+
+struct SgdArgs : SgdHyper {
   at::Tensor param;
   OptTensor momentum_buffer;
   OptTensor out;  // OPT_peek target; nullopt = update param / buffer in place
-  double lr, momentum, damp1 /* 1 - dampening */, weight_decay;
-  bool nesterov, maximize, first;
   UpdateExtras extra;
 };
 
-struct AdamArgs {
+// The numbers of one Adam / AdamW step (and of the fused peek after it), computed in Python
+// as the reference computes them.
+struct AdamHyper {
+  double neg_step_size = 0.0;  // -(lr / (1 - beta1**step))
+  double bc2_sqrt = 1.0;       // (1 - beta2**step) ** 0.5
+  double lerp_weight = 0.0;    // 1 - beta1
+  double beta2 = 0.0, one_minus_beta2 = 1.0, eps = 0.0, weight_decay = 0.0;
+  double decay = 1.0;          // 1 - lr * weight_decay (AdamW)
+  bool decoupled = false, maximize = false;
+  double peek_neg_step_size = 0.0;  // the fused peek's -(lr / (1 - beta1**(step + 1)))
+  double peek_bc2_sqrt = 1.0;       // the fused peek's (1 - beta2**(step + 1)) ** 0.5
+};
+
+struct AdamArgs : AdamHyper {
   at::Tensor param, exp_avg, exp_avg_sq;
   OptTensor out;
-  double neg_step_size;  // -(lr / (1 - beta1**step))
-  double bc2_sqrt;       // (1 - beta2**step) ** 0.5
-  double lerp_weight;    // 1 - beta1
-  double beta2, one_minus_beta2, eps, weight_decay;
-  double decay;          // 1 - lr * weight_decay (AdamW)
-  bool decoupled, maximize;
   UpdateExtras extra;
 };
 

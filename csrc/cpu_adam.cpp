@@ -38,8 +38,8 @@ void adam(const GradSpec& gs, const AdamArgs& a) {
     t.eps = static_cast<T>(a.eps);
     t.neg_ss = static_cast<T>(a.neg_step_size);
     t.decay = static_cast<T>(a.decay);
-    t.peek_bc2s = static_cast<T>(a.extra.peek_bc2_sqrt);
-    t.peek_neg_ss = static_cast<T>(a.extra.peek_neg_step_size);
+    t.peek_bc2s = static_cast<T>(a.peek_bc2_sqrt);
+    t.peek_neg_ss = static_cast<T>(a.peek_neg_step_size);
     if (!peek) t.extra = step_extras<T>(a.extra);
     const auto kernel = tiles<T>().adam;
     run_update<T>(s, N, dots, a.extra, [&](int64_t off, int64_t len, T coeff, double* lanes) {

@@ -76,8 +76,6 @@ sapipe_cuda::StepExtras<T> make_extras(const UpdateExtras& e, at::Tensor& keep,
   x.hist = ptr<T>(e.hist);
   x.peek_out = ptr<T>(e.peek_out);
   if (e.peek) x.peek = make_src<T>(*e.peek);
-  x.peek_neg_step_size = e.peek_neg_step_size;
-  x.peek_bc2_sqrt = e.peek_bc2_sqrt;
   partials = dots = nullptr;
   if (e.step_dots) {
     const int64_t N = e.peek->grad.numel();
@@ -151,6 +149,8 @@ void adam(const GradSpec& s, const AdamArgs& a) {
     ensure_dots(s, src, keep, stream);
     double *partials, *dots;
     auto extra = make_extras<scalar_t>(a.extra, workspace, partials, dots);
+    extra.peek_neg_step_size = a.peek_neg_step_size;  // the fused peek's bias correction
+    extra.peek_bc2_sqrt = a.peek_bc2_sqrt;
     check(sapipe_cuda::launch_adam<scalar_t>(
         src, s.grad.numel(), a.param.data_ptr<scalar_t>(), a.exp_avg.data_ptr<scalar_t>(),
         a.exp_avg_sq.data_ptr<scalar_t>(), ptr<scalar_t>(a.out), p, extra, partials, dots,

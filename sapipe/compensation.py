@@ -1,10 +1,13 @@
-"""Staleness compensation: one small strategy per mode (DESIGN.md §3).
+"""Staleness compensation: one small strategy per mode (docs/design.md §3).
 
 At ``step()`` of pipeline iteration t a stale bucket has the averaged gradient g_{t-s}
 that just arrived. A strategy says which gradient ĝ the *real* update uses, and (weight
 prediction only) which gradient g̃ produces the predicted weights x̃_{t+1} the model runs
-its next forward on. Strategies only compute gradients; the engine owns the update order,
-the buffers and the optimizer rule.
+its next forward on. Strategies only describe gradients, as a
+:class:`~sapipe.gradient_spec.GradientSpec` of the whole bucket, so the optimizer rule
+evaluates them inside its fused kernels, one pass over memory per segment, with no
+temporaries (docs/design.md §5); the engine owns the update order, the buffers and the
+optimizer rule.
 
 | mode | ĝ | g̃ (prediction) | paper |
 | --- | --- | --- | --- |
@@ -17,46 +20,11 @@ the buffers and the optimizer rule.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Type
+from typing import Dict, Optional, Type
 
 from torch import Tensor
 
-
-@dataclass
-class GradientRecipe:
-    """g̃ = DC_λ(grad − prev_local/n, delta − delta_ref) + local/n; unset terms drop out.
-
-    Strategies describe the gradient instead of materialising it, so the optimizer rule
-    evaluates it inside its fused kernel, one pass over memory per segment, with no
-    temporaries (DESIGN.md §5). ``delta_is_step`` (predictions only): Δ is x_t − x_{t−1}, the
-    step the real update of this same ``step()`` takes; the kernel that makes that update
-    computes Δ on the fly, so no weight history is kept for it.
-    """
-
-    grad: Tensor
-    delta: Optional[Tensor] = None
-    delta_ref: Optional[Tensor] = None
-    prev_local: Optional[Tensor] = None
-    local: Optional[Tensor] = None
-    lam: float = 0.0
-    form: str = "outer"
-    world_size: int = 1
-    delta_is_step: bool = False
-
-    def terms(self, start: int, end: int, lengths: Sequence[int]) -> Dict[str, Any]:
-        """Keyword arguments for ``ops.*_fused`` on the slice [start, end) of the bucket
-        (plus ``delta_is_step=True`` when set, for ``OptimizerRule.update_and_peek``)."""
-        def part(t: Optional[Tensor]) -> Optional[Tensor]:
-            return None if t is None else t[start:end]
-
-        terms = dict(
-            grad=part(self.grad), delta=part(self.delta), delta_ref=part(self.delta_ref),
-            prev_local=part(self.prev_local), local=part(self.local), lam=self.lam, form=self.form,
-            lengths=lengths, world_size=self.world_size,
-        )
-        if self.delta_is_step:
-            terms["delta_is_step"] = True
-        return terms
+from .gradient_spec import GradientSpec
 
 
 @dataclass
@@ -93,12 +61,12 @@ class Compensation:
     def __init__(self, staleness: int):
         self.staleness = staleness
 
-    def real_gradient(self, step: StaleStep) -> GradientRecipe:
+    def real_gradient(self, step: StaleStep) -> GradientSpec:
         """ĝ for the real update; ``step.g`` is not None here."""
         assert step.g is not None
-        return GradientRecipe(step.g)
+        return GradientSpec.plain(step.g)
 
-    def prediction_gradient(self, step: StaleStep) -> Optional[GradientRecipe]:
+    def prediction_gradient(self, step: StaleStep) -> Optional[GradientSpec]:
         """g̃ for x̃_{t+1} = OPT_peek(x_t, g̃), or None for x̃_{t+1} = x_t."""
         return None
 
@@ -113,7 +81,7 @@ class DelayCompensation(Compensation):
     def real_gradient(self, step):
         assert step.g is not None and step.x_oldest is not None
         # DC_λ(g, x_{t-1} − x_{t-1-s})
-        return GradientRecipe(step.g, delta=step.x, delta_ref=step.x_oldest, lam=step.lam, form=step.form)
+        return GradientSpec(step.g, delta=step.x, delta_ref=step.x_oldest, lam=step.lam, form=step.form)
 
 
 class PredictFromLocal(Compensation):
@@ -123,7 +91,7 @@ class PredictFromLocal(Compensation):
     max_staleness = 1
 
     def prediction_gradient(self, step):
-        return None if step.local is None else GradientRecipe(step.local)
+        return None if step.local is None else GradientSpec.plain(step.local)
 
 
 class PredictFromSynchronised(Compensation):
@@ -132,7 +100,7 @@ class PredictFromSynchronised(Compensation):
     max_staleness = 1
 
     def prediction_gradient(self, step):
-        return None if step.g is None else GradientRecipe(step.g)
+        return None if step.g is None else GradientSpec.plain(step.g)
 
 
 class PredictMixed(Compensation):
@@ -148,7 +116,7 @@ class PredictMixed(Compensation):
         if step.g is None or step.local is None or step.prev_local is None:
             return None  # pipeline filling, or a term from a step GradScaler skipped
         # DC_λ(g_{t-1} − l_{t-1}/n, x_t − x_{t-1}) + l_t/n
-        return GradientRecipe(
+        return GradientSpec(
             step.g, delta_is_step=True, prev_local=step.prev_local, local=step.local,
             lam=step.lam, form=step.form, world_size=step.world_size,
         )

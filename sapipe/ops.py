@@ -14,37 +14,44 @@ or mixed-device/dtype tensors, tensors that require grad while grad mode is on).
 extension is reported by one warning (sapipe/_ext.py); ``SAPIPE_DISABLE_EXT=1`` forces the
 reference. Kernels and references are compared on random inputs in tests/test_kernels.py.
 
-Fused entry points describe the gradient the update consumes as
+Fused entry points take the gradient the update consumes as a
+:class:`~sapipe.gradient_spec.GradientSpec`
 
     g~ = DC_lam(grad - prev_local / world_size, delta - delta_ref) + local / world_size
 
-every term optional (``delta=None``: no delay compensation; ``delta_ref=None``: Delta is
-``delta`` itself). That covers ``dc`` (DC_lam(g, x - x_old), fused with OPT) and ``wp3``
+every term optional. That covers ``dc`` (DC_lam(g, x - x_old), fused with OPT) and ``wp3``
 (DC_lam(g - l_prev/n, x_t - x_{t-1}) + l_t/n, fused with OPT_peek) in one call per segment.
 The outer DC form needs per-tensor dot products first (a second pass over memory, done by
-the kernel itself unless ``dots`` from :func:`dc_dots` is passed; with ``dots`` given, no
-``delta`` is needed); the diagonal form is one pass.
+the kernel itself unless the spec's ``dots`` from :func:`dc_dots` are given; with ``dots``
+given, no ``delta`` is needed); the diagonal form is one pass. The optimizer's numbers come
+as :class:`SGDHyperParams` / :class:`AdamHyperParams`.
 
 An in-place update (``out=None``) can do more in the same pass, so that staleness
-compensation costs no extra pass over the weights for it (DESIGN.md §5):
+compensation costs no extra pass over the weights for it (docs/design.md §5):
 
-* ``hist``: x_t is written there too (a weight-history slot; may alias ``delta_ref``);
-* ``peek=FusedPeek(out, grad, ...)``: x̃ = OPT_peek(x_t, g̃) from the just-updated weights
-  and optimizer state, written to ``peek.out`` (weight prediction); g̃'s optional diagonal DC
-  uses Δ = x_t − x_{t−1}, the step this very update takes (wp3, without a weight history);
-* ``step_dots``: float64 [len(lengths)] receives <peek.grad − peek.prev_local/n, x_t − x_{t−1}>
-  per tensor, the outer DC form's dot products for a peek done by a second call with
-  ``dots=step_dots``.
+* ``spec.hist``: x_t is written there too (a weight-history slot; may alias ``delta_ref``);
+* ``peek``, a second GradientSpec g̃ whose Δ is x_t − x_{t−1}, the step this very update
+  takes (``delta_is_step``; or no DC): x̃ = OPT_peek(x_t, g̃) from the just-updated weights
+  and optimizer state, written to ``out`` (weight prediction; wp3 without a weight history).
+  The fused peek takes the diagonal form; the outer form's coefficient needs every element's
+  step first, so then the update writes the per-tensor dot products
+  <peek.grad − peek.prev_local/n, x_t − x_{t−1}> into ``peek.dots`` (float64, one per
+  tensor) and a second call, given those dots, peeks.
+
+Whether the extras go together is checked once, by :func:`_check_update`, for the kernels
+and the reference alike; the compiled modules check only what their kernels dereference.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import _ext
+from .gradient_spec import GradientSpec
 
 _NO_DC, _DIAGONAL, _OUTER = 0, 1, 2
 _FORMS = {"diagonal": _DIAGONAL, "outer": _OUTER}
@@ -56,26 +63,40 @@ _EXT_DTYPES = {
 
 
 @dataclass(frozen=True)
-class FusedPeek:
-    """OPT_peek fused into an in-place update: ``out`` = OPT_peek(x_t, g̃) from the updated
-    weights and state, g̃ = DC(grad − prev_local/n, x_t − x_{t−1}) + local/n.
+class SGDHyperParams:
+    """One ``torch.optim.SGD`` step's numbers (its param group's), plus ``first``: the momentum
+    buffer has never been written (torch seeds it with the first gradient)."""
 
-    ``form``: None (no DC) or ``"diagonal"`` here; the outer form's coefficient needs every
-    element's step first, so it runs as the update with ``step_dots`` then a plain peek call
-    (:meth:`sapipe.optim_math.OptimizerRule.update_and_peek`). ``out=None``: no peek (the
-    terms only feed ``step_dots``).
-    """
+    lr: float
+    momentum: float
+    dampening: float
+    nesterov: bool
+    weight_decay: float
+    maximize: bool
+    first: bool
 
-    out: Optional[Tensor]
-    grad: Tensor
-    prev_local: Optional[Tensor] = None
-    local: Optional[Tensor] = None
-    form: Optional[str] = None
-    lam: float = 0.0
-    world_size: int = 1
+    def after_update(self) -> "SGDHyperParams":
+        """The numbers of OPT_peek from the weights and state this step produces."""
+        return dataclasses.replace(self, first=False)
 
-    def tensors(self) -> Tuple[Optional[Tensor], ...]:
-        return (self.out, self.grad, self.prev_local, self.local)
+
+@dataclass(frozen=True)
+class AdamHyperParams:
+    """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) step's numbers; ``step`` is
+    the 1-based count of this update (bias correction)."""
+
+    step: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    maximize: bool
+
+    def after_update(self) -> "AdamHyperParams":
+        """The numbers of OPT_peek from the weights and state this step produces."""
+        return dataclasses.replace(self, step=self.step + 1)
 
 
 def backend(device=None) -> str:
@@ -92,6 +113,19 @@ def backend(device=None) -> str:
     kind = torch.device(device).type
     mod = {"cpu": _ext.cpu, "cuda": _ext.cuda}.get(kind)
     return f"{kind}-ext" if mod is not None else "torch"
+
+
+def kernel_unavailable(device, dtype: torch.dtype) -> Optional[str]:
+    """Why tensors of ``dtype`` on ``device`` would run the pure-PyTorch path (None: compiled)."""
+    kind = torch.device(device).type
+    name = {"cpu": "_C", "cuda": "_C_cuda"}.get(kind)
+    if name is None:
+        return f"no compiled kernels for {kind} tensors"
+    if getattr(_ext, kind) is None:
+        return f"sapipe.{name} is not built ({_ext.errors.get(name, 'not built')})"
+    if dtype not in _EXT_DTYPES[kind]:
+        return f"sapipe.{name} does not take {dtype}"
+    return None
 
 
 def _module(*tensors: Optional[Tensor]):
@@ -144,56 +178,83 @@ def _offsets(lengths: Optional[Sequence[int]], like: Tensor) -> Tensor:
     return cached
 
 
-def _form_code(form: str) -> int:
-    try:
-        return _FORMS[form]
-    except KeyError:
-        raise ValueError(f"unknown delay-compensation form {form!r}") from None
-
-
-def _spec(grad, delta, delta_ref, lam, form, lengths, dots, prev_local, local, world_size):
-    """Positional GradSpec arguments of the compiled entry points."""
-    if delta is None and not (dots is not None and form == "outer"):
-        if delta_ref is not None:
-            raise ValueError("delta_ref given without delta")
-        code, offsets, dots = _NO_DC, None, None
-    else:
-        code = _form_code(form)
-        offsets = _offsets(lengths, grad) if code == _OUTER else None
-        if code != _OUTER:
-            dots = None
-    return (
-        grad, prev_local, float(world_size), local, 1.0 / world_size, code,
-        delta, delta_ref, float(lam), offsets, dots,
-    )
-
-
 def _dots_ok(dots: Optional[Tensor], like: Tensor) -> bool:
     return dots is None or (
         dots.dtype == torch.float64 and dots.device == like.device and dots.is_contiguous()
     )
 
 
-def _extra_tensors(hist, peek) -> Tuple[Optional[Tensor], ...]:
-    return (hist,) + (peek.tensors() if peek is not None else ())
+def _check_update(spec: GradientSpec, peek: Optional[GradientSpec], out: Optional[Tensor]) -> None:
+    """The one check that an update's extras go together (module doc), for kernel and reference.
+
+    ``peek=None``: OPT in place (``out=None``) or OPT_peek into ``out`` (no history write).
+    """
+    if spec.delta_is_step:
+        raise ValueError("only a peek's Δ can be the update's own step (delta_is_step)")
+    if peek is None:
+        if out is not None and spec.hist is not None:
+            raise ValueError("hist needs an in-place update (out=None, or a peek)")
+        return
+    if peek.delta is not None or peek.hist is not None:
+        raise ValueError("a fused peek's Δ is the update's own step and it writes no history; "
+                         "for an explicit delta, update, then peek")
+    if peek.dots is not None and not peek.delta_is_step:
+        raise ValueError("a peek's dots are those of the update's step: set delta_is_step")
+    if out is not None and peek.delta_is_step and peek.form == "outer":
+        raise ValueError("the outer form's peek needs every element's step first: the update "
+                         "fills peek.dots, then a second call peeks given them")
+    if out is None and peek.dots is None:
+        raise ValueError("a peek needs out (x̃) or dots (the step's dot products)")
+    if peek.dots is not None and spec.compensates and spec.form == "outer":
+        raise ValueError("the step's dot products with an outer-form update are not supported")
 
 
-def _extras(hist, peek, step_dots, lengths, like) -> Dict[str, object]:
-    """Keyword arguments of the compiled sgd / adam for an update's extras (see module doc)."""
-    if step_dots is not None and peek is None:
-        raise ValueError("step_dots needs peek (its grad / prev_local terms)")
-    if peek is not None and peek.form not in (None, "diagonal"):
-        raise ValueError(f"a fused peek takes form None or 'diagonal', not {peek.form!r}")
-    kw: Dict[str, object] = {"hist": hist}
-    if peek is not None:
-        kw.update(
-            peek_out=peek.out, peek_grad=peek.grad, peek_prev_local=peek.prev_local,
-            peek_n=float(peek.world_size), peek_local=peek.local, peek_inv_n=1.0 / peek.world_size,
-            peek_form=_DIAGONAL if peek.form == "diagonal" else _NO_DC, peek_lam=float(peek.lam),
-            peek_offsets=_offsets(lengths, like) if step_dots is not None else None,
-            step_dots=step_dots,
-        )
-    return kw
+def _native(mod, spec: Optional[GradientSpec]):
+    """``spec`` as ``mod.GradSpec`` (csrc/common.h), None as None: the one place it is built."""
+    if spec is None:
+        return None
+    code = _FORMS[spec.form] if spec.compensates else _NO_DC
+    # the outer form reads dots; a peek's (Δ = the update's step) are written by the update
+    dots = spec.dots if code == _OUTER or spec.delta_is_step else None
+    offsets = _offsets(spec.lengths, spec.grad) if code == _OUTER or dots is not None else None
+    return mod.GradSpec(
+        spec.grad, spec.prev_local, float(spec.world_size), spec.local, 1.0 / spec.world_size, code,
+        spec.delta, spec.delta_ref, float(spec.lam), offsets, dots, spec.hist,
+    )
+
+
+def _update_module(spec: GradientSpec, peek: Optional[GradientSpec], out: Optional[Tensor], *state):
+    """The compiled module for an update (after :func:`_check_update`), or None: the reference."""
+    _check_update(spec, peek, out)
+    peek_tensors = peek.flat_tensors() if peek is not None else ()
+    mod = _module(*spec.flat_tensors(), out, *state, *peek_tensors)
+    if mod is None or not _dots_ok(spec.dots, spec.grad):
+        return None
+    return mod if peek is None or _dots_ok(peek.dots, spec.grad) else None
+
+
+def _sgd_native(mod, hp: SGDHyperParams):
+    """The kernel's scalars (``damp1`` = 1 − dampening, as the reference computes it)."""
+    return mod.SgdHyper(
+        float(hp.lr), float(hp.momentum), float(1 - hp.dampening), float(hp.weight_decay),
+        bool(hp.nesterov), bool(hp.maximize), bool(hp.first),
+    )
+
+
+def _adam_native(mod, hp: AdamHyperParams):
+    """The kernel's scalars, exactly as the reference computes them (Python doubles); the
+    fused peek's bias correction is that of ``step + 1``."""
+    lr, beta1, beta2, step = hp.lr, hp.beta1, hp.beta2, hp.step
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    peek_step_size = lr / (1 - beta1 ** (step + 1))
+    peek_bc2_sqrt = (1 - beta2 ** (step + 1)) ** 0.5
+    return mod.AdamHyper(
+        float(-step_size), float(bias_correction2**0.5), float(1 - beta1), float(beta2),
+        float(1 - beta2), float(hp.eps), float(hp.weight_decay), float(1 - lr * hp.weight_decay),
+        bool(hp.decoupled), bool(hp.maximize), float(-peek_step_size), float(peek_bc2_sqrt),
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -209,11 +270,7 @@ def delay_compensate(
     ``outer``: g + λ·(g·Δ)·g with g·Δ the dot product over each parameter tensor, whose
     sizes along the flat buffer are ``lengths``. ``diagonal``: g + λ·g⊙g⊙Δ (DC-ASGD).
     """
-    mod = _module(grad, delta, out)
-    if mod is None:
-        return reference_delay_compensate(grad, delta, lam, form, lengths, out)
-    mod.compose(out, *_spec(grad, delta, None, lam, form, lengths, None, None, None, 1))
-    return out
+    return compose_gradient(GradientSpec(grad, delta=delta, lam=lam, form=form, lengths=lengths), out)
 
 
 def sgd(
@@ -237,10 +294,8 @@ def sgd(
     and neither ``param`` nor the momentum buffer is touched. ``first`` says the momentum
     buffer has never been written (torch initialises it with the first gradient).
     """
-    sgd_fused(
-        param, grad, momentum_buffer, lr=lr, momentum=momentum, dampening=dampening,
-        nesterov=nesterov, weight_decay=weight_decay, maximize=maximize, first=first, out=out,
-    )
+    hp = SGDHyperParams(lr, momentum, dampening, nesterov, weight_decay, maximize, first)
+    sgd_fused(param, momentum_buffer, hp, GradientSpec(grad), out=out)
 
 
 def adam(
@@ -264,169 +319,74 @@ def adam(
     ``step`` is the 1-based count of this update (bias correction). ``out=None`` applies
     the update in place; with ``out`` it is OPT_peek (moments and weights untouched).
     """
-    adam_fused(
-        param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, decoupled=decoupled, maximize=maximize, out=out,
-    )
+    hp = AdamHyperParams(step, lr, beta1, beta2, eps, weight_decay, decoupled, maximize)
+    adam_fused(param, exp_avg, exp_avg_sq, hp, GradientSpec(grad), out=out)
 
 
-def dc_dots(
-    grad: Tensor,
-    delta: Tensor,
-    lengths: Sequence[int],
-    *,
-    delta_ref: Optional[Tensor] = None,
-    prev_local: Optional[Tensor] = None,
-    world_size: int = 1,
-) -> Tensor:
-    """Per-tensor dot products <grad − prev_local/n, delta − delta_ref> as float64 [len(lengths)].
+def dc_dots(spec: GradientSpec) -> Tensor:
+    """Per-tensor dot products <grad − prev_local/n, delta − delta_ref> of ``spec`` (its
+    ``lengths``) as float64 [len(lengths)], whatever its form.
 
-    The first pass of the outer DC form; pass the result as ``dots=`` to the fused entry
-    points to reuse it (e.g. for the real update and the peek of the same gradient).
+    The first pass of the outer DC form; give the result as a spec's ``dots`` to reuse it
+    (e.g. for the real update and the peek of the same gradient).
     """
-    mod = _module(grad, delta, delta_ref, prev_local)
+    if spec.delta is None:
+        raise ValueError("dc_dots needs delta")
+    mod = _module(*spec.flat_tensors())
     if mod is None:
-        return reference_dc_dots(
-            grad, delta, lengths, delta_ref=delta_ref, prev_local=prev_local, world_size=world_size
-        )
-    return mod.dc_dots(grad, prev_local, float(world_size), delta, delta_ref, _offsets(lengths, grad))
+        return reference_dc_dots(spec)
+    return mod.dc_dots(_native(mod, spec if spec.form == "outer" else spec.replace(form="outer")))
 
 
-def compose_gradient(
-    grad: Tensor,
-    *,
-    out: Tensor,
-    delta: Optional[Tensor] = None,
-    delta_ref: Optional[Tensor] = None,
-    lam: float = 0.0,
-    form: str = "outer",
-    lengths: Optional[Sequence[int]] = None,
-    dots: Optional[Tensor] = None,
-    prev_local: Optional[Tensor] = None,
-    local: Optional[Tensor] = None,
-    world_size: int = 1,
-) -> Tensor:
+def compose_gradient(spec: GradientSpec, out: Tensor) -> Tensor:
     """out = DC_λ(grad − prev_local/n, delta − delta_ref) + local/n (``out`` may alias inputs)."""
-    mod = _module(grad, out, delta, delta_ref, prev_local, local)
-    if mod is None or not _dots_ok(dots, grad):
-        return reference_compose_gradient(
-            grad, out=out, delta=delta, delta_ref=delta_ref, lam=lam, form=form, lengths=lengths,
-            dots=dots, prev_local=prev_local, local=local, world_size=world_size,
-        )
-    mod.compose(
-        out, *_spec(grad, delta, delta_ref, lam, form, lengths, dots, prev_local, local, world_size)
-    )
+    _check_update(spec, None, out)
+    mod = _module(*spec.flat_tensors(), out)
+    if mod is None or not _dots_ok(spec.dots, spec.grad):
+        return reference_compose_gradient(spec, out)
+    mod.compose(_native(mod, spec), out)
     return out
 
 
 def sgd_fused(
     param: Tensor,
-    grad: Tensor,
     momentum_buffer: Optional[Tensor],
+    hp: SGDHyperParams,
+    spec: GradientSpec,
     *,
-    lr: float,
-    momentum: float,
-    dampening: float,
-    nesterov: bool,
-    weight_decay: float,
-    maximize: bool,
-    first: bool,
+    peek: Optional[GradientSpec] = None,
     out: Optional[Tensor] = None,
-    delta: Optional[Tensor] = None,
-    delta_ref: Optional[Tensor] = None,
-    lam: float = 0.0,
-    form: str = "outer",
-    lengths: Optional[Sequence[int]] = None,
-    dots: Optional[Tensor] = None,
-    prev_local: Optional[Tensor] = None,
-    local: Optional[Tensor] = None,
-    world_size: int = 1,
-    hist: Optional[Tensor] = None,
-    peek: Optional[FusedPeek] = None,
-    step_dots: Optional[Tensor] = None,
 ) -> None:
-    """:func:`sgd` on the composed gradient g̃ (see the module doc), in one kernel.
+    """:func:`sgd` on the composed gradient g̃ of ``spec``, in one kernel.
 
-    ``out=None``: OPT (param and momentum buffer updated in place; ``delta`` may alias
-    ``param``), with the optional extras ``hist``, ``peek``, ``step_dots`` (module doc).
-    ``out`` given: OPT_peek into ``out``, no state touched.
+    ``out=None``: OPT (param and momentum buffer updated in place; ``spec.delta`` may alias
+    ``param``; x_t also into ``spec.hist``). ``out`` without ``peek``: OPT_peek into ``out``,
+    no state touched. With ``peek``: OPT, then OPT_peek(x_t, peek) into ``out`` and / or the
+    step's dot products into ``peek.dots`` (module doc).
     """
-    buf = momentum_buffer if momentum != 0 else None
-    mod = _module(param, grad, buf, out, delta, delta_ref, prev_local, local, *_extra_tensors(hist, peek))
-    if mod is None or not _dots_ok(dots, grad) or not _dots_ok(step_dots, grad):
-        return reference_sgd_fused(
-            param, grad, momentum_buffer, lr=lr, momentum=momentum, dampening=dampening,
-            nesterov=nesterov, weight_decay=weight_decay, maximize=maximize, first=first,
-            out=out, delta=delta, delta_ref=delta_ref, lam=lam, form=form, lengths=lengths,
-            dots=dots, prev_local=prev_local, local=local, world_size=world_size,
-            hist=hist, peek=peek, step_dots=step_dots,
-        )
-    mod.sgd(
-        param, buf, out, float(lr), float(momentum), float(1 - dampening), float(weight_decay),
-        bool(nesterov), bool(maximize), bool(first),
-        *_spec(grad, delta, delta_ref, lam, form, lengths, dots, prev_local, local, world_size),
-        **_extras(hist, peek, step_dots, lengths, grad),
-    )
+    buf = momentum_buffer if hp.momentum != 0 else None
+    mod = _update_module(spec, peek, out, param, buf)
+    if mod is None:
+        return reference_sgd_fused(param, momentum_buffer, hp, spec, peek=peek, out=out)
+    mod.sgd(param, buf, _sgd_native(mod, hp), _native(mod, spec), _native(mod, peek), out)
 
 
 def adam_fused(
     param: Tensor,
-    grad: Tensor,
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
+    hp: AdamHyperParams,
+    spec: GradientSpec,
     *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    maximize: bool,
+    peek: Optional[GradientSpec] = None,
     out: Optional[Tensor] = None,
-    delta: Optional[Tensor] = None,
-    delta_ref: Optional[Tensor] = None,
-    lam: float = 0.0,
-    form: str = "outer",
-    lengths: Optional[Sequence[int]] = None,
-    dots: Optional[Tensor] = None,
-    prev_local: Optional[Tensor] = None,
-    local: Optional[Tensor] = None,
-    world_size: int = 1,
-    hist: Optional[Tensor] = None,
-    peek: Optional[FusedPeek] = None,
-    step_dots: Optional[Tensor] = None,
 ) -> None:
-    """:func:`adam` on the composed gradient g̃ (see the module doc), in one kernel.
-
-    The extras ``hist``, ``peek`` (whose bias correction is that of ``step + 1``) and
-    ``step_dots`` need ``out=None`` (module doc).
-    """
-    mod = _module(
-        param, grad, exp_avg, exp_avg_sq, out, delta, delta_ref, prev_local, local, *_extra_tensors(hist, peek)
-    )
-    if mod is None or not _dots_ok(dots, grad) or not _dots_ok(step_dots, grad):
-        return reference_adam_fused(
-            param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
-            eps=eps, weight_decay=weight_decay, decoupled=decoupled, maximize=maximize, out=out,
-            delta=delta, delta_ref=delta_ref, lam=lam, form=form, lengths=lengths, dots=dots,
-            prev_local=prev_local, local=local, world_size=world_size,
-            hist=hist, peek=peek, step_dots=step_dots,
-        )
-    # the scalars exactly as the reference computes them (Python doubles)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    step_size = lr / bias_correction1
-    peek_step_size = lr / (1 - beta1 ** (step + 1))
-    peek_bc2_sqrt = (1 - beta2 ** (step + 1)) ** 0.5
-    mod.adam(
-        param, exp_avg, exp_avg_sq, out, float(-step_size), float(bias_correction2**0.5),
-        float(1 - beta1), float(beta2), float(1 - beta2), float(eps), float(weight_decay),
-        float(1 - lr * weight_decay), bool(decoupled), bool(maximize),
-        *_spec(grad, delta, delta_ref, lam, form, lengths, dots, prev_local, local, world_size),
-        **_extras(hist, peek, step_dots, lengths, grad),
-        peek_neg_step_size=float(-peek_step_size), peek_bc2_sqrt=float(peek_bc2_sqrt),
-    )
+    """:func:`adam` on the composed gradient g̃ of ``spec``, in one kernel; ``out`` and
+    ``peek`` as for :func:`sgd_fused` (the peek's bias correction is that of ``step + 1``)."""
+    mod = _update_module(spec, peek, out, param, exp_avg, exp_avg_sq)
+    if mod is None:
+        return reference_adam_fused(param, exp_avg, exp_avg_sq, hp, spec, peek=peek, out=out)
+    mod.adam(param, exp_avg, exp_avg_sq, _adam_native(mod, hp), _native(mod, spec), _native(mod, peek), out)
 
 
 # ---------------------------------------------------------------------------------------
@@ -539,191 +499,102 @@ def reference_adam(
         out.copy_(base)
 
 
-def reference_dc_dots(
-    grad: Tensor,
-    delta: Tensor,
-    lengths: Sequence[int],
-    *,
-    delta_ref: Optional[Tensor] = None,
-    prev_local: Optional[Tensor] = None,
-    world_size: int = 1,
-) -> Tensor:
+def reference_dc_dots(spec: GradientSpec) -> Tensor:
     """Reference of :func:`dc_dots` (products and sums in float64)."""
-    h = grad if prev_local is None else grad - prev_local / world_size
-    d = delta if delta_ref is None else delta - delta_ref
-    lens = torch.tensor(list(lengths), device=grad.device)
+    grad = spec.grad
+    h = grad if spec.prev_local is None else grad - spec.prev_local / spec.world_size
+    d = spec.delta if spec.delta_ref is None else spec.delta - spec.delta_ref
+    lens = torch.tensor(list(spec.lengths), device=grad.device)
     if grad.numel() == 0:
         return torch.zeros(len(lens), dtype=torch.float64, device=grad.device)
     return torch.segment_reduce(h.double() * d.double(), "sum", lengths=lens)
 
 
-def reference_compose_gradient(
-    grad: Tensor,
-    *,
-    out: Tensor,
-    delta: Optional[Tensor] = None,
-    delta_ref: Optional[Tensor] = None,
-    lam: float = 0.0,
-    form: str = "outer",
-    lengths: Optional[Sequence[int]] = None,
-    dots: Optional[Tensor] = None,
-    prev_local: Optional[Tensor] = None,
-    local: Optional[Tensor] = None,
-    world_size: int = 1,
-) -> Tensor:
+def reference_compose_gradient(spec: GradientSpec, out: Tensor) -> Tensor:
     """Reference of :func:`compose_gradient`: the op sequence of compensation.py's wp3 / dc."""
-    if delta is None and delta_ref is not None:
-        raise ValueError("delta_ref given without delta")
-    h = grad if prev_local is None else grad - prev_local / world_size
-    if form == "outer" and dots is not None:  # Δ entered only through the dots
-        lens = torch.tensor(list(lengths), device=grad.device)
-        coeff = dots.to(h.dtype).mul_(lam).repeat_interleave(lens, output_size=h.numel())
+    grad, n = spec.grad, spec.world_size
+    h = grad if spec.prev_local is None else grad - spec.prev_local / n
+    if spec.form == "outer" and spec.dots is not None:  # Δ entered only through the dots
+        lens = torch.tensor(list(spec.lengths), device=grad.device)
+        coeff = spec.dots.to(h.dtype, copy=True).mul_(spec.lam).repeat_interleave(lens, output_size=h.numel())
         torch.addcmul(h, h, coeff, out=out)
-    elif delta is None:
+    elif spec.delta is None:
         out.copy_(h)
     else:
-        d = delta if delta_ref is None else delta - delta_ref
-        reference_delay_compensate(h, d, lam, form, lengths, out=out)
-    if local is not None:
-        out.add_(local, alpha=1.0 / world_size)
+        d = spec.delta if spec.delta_ref is None else spec.delta - spec.delta_ref
+        reference_delay_compensate(h, d, spec.lam, spec.form, spec.lengths, out=out)
+    if spec.local is not None:
+        out.add_(spec.local, alpha=1.0 / n)
     return out
 
 
-def _composed(grad, out_like, delta, delta_ref, lam, form, lengths, dots, prev_local, local, n):
-    if delta is None and delta_ref is None and prev_local is None and local is None and (
-        dots is None or form != "outer"
-    ):
-        return grad
-    return reference_compose_gradient(
-        grad, out=torch.empty_like(out_like), delta=delta, delta_ref=delta_ref, lam=lam,
-        form=form, lengths=lengths, dots=dots, prev_local=prev_local, local=local, world_size=n,
-    )
+def _composed(spec: GradientSpec) -> Tensor:
+    """g̃ of ``spec`` as a tensor: ``grad`` itself when there is nothing to compose."""
+    if spec.prev_local is None and spec.local is None and not spec.compensates:
+        return spec.grad
+    return reference_compose_gradient(spec, torch.empty_like(spec.grad))
 
 
 def reference_sgd_fused(
     param: Tensor,
-    grad: Tensor,
     momentum_buffer: Optional[Tensor],
+    hp: SGDHyperParams,
+    spec: GradientSpec,
     *,
-    lr: float,
-    momentum: float,
-    dampening: float,
-    nesterov: bool,
-    weight_decay: float,
-    maximize: bool,
-    first: bool,
+    peek: Optional[GradientSpec] = None,
     out: Optional[Tensor] = None,
-    delta: Optional[Tensor] = None,
-    delta_ref: Optional[Tensor] = None,
-    lam: float = 0.0,
-    form: str = "outer",
-    lengths: Optional[Sequence[int]] = None,
-    dots: Optional[Tensor] = None,
-    prev_local: Optional[Tensor] = None,
-    local: Optional[Tensor] = None,
-    world_size: int = 1,
-    hist: Optional[Tensor] = None,
-    peek: Optional[FusedPeek] = None,
-    step_dots: Optional[Tensor] = None,
 ) -> None:
-    """Reference of :func:`sgd_fused`: :func:`reference_compose_gradient`, then SGD, then
-    the extras one after the other (:func:`reference_update_extras`)."""
-    _check_extras(out, hist, peek, step_dots)
-    before = param.clone() if _needs_step(peek, step_dots) else None
-    g = _composed(grad, grad, delta, delta_ref, lam, form, lengths, dots, prev_local, local, world_size)
-    reference_sgd(
-        param, g, momentum_buffer, lr=lr, momentum=momentum, dampening=dampening,
-        nesterov=nesterov, weight_decay=weight_decay, maximize=maximize, first=first, out=out,
-    )
-
-    def reference_peek(terms):  # the momentum buffer has started now (or is unused)
-        reference_sgd_fused(
-            param, peek.grad, momentum_buffer, lr=lr, momentum=momentum, dampening=dampening,
-            nesterov=nesterov, weight_decay=weight_decay, maximize=maximize, first=False,
-            out=peek.out, **terms,
-        )
-
-    reference_update_extras(param, before, hist, peek, step_dots, lengths, reference_peek)
+    """Reference of :func:`sgd_fused` (:func:`reference_update` with :func:`reference_sgd`)."""
+    reference_update(reference_sgd, param, (momentum_buffer,), hp, spec, peek, out)
 
 
 def reference_adam_fused(
     param: Tensor,
-    grad: Tensor,
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
+    hp: AdamHyperParams,
+    spec: GradientSpec,
     *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    maximize: bool,
+    peek: Optional[GradientSpec] = None,
     out: Optional[Tensor] = None,
-    delta: Optional[Tensor] = None,
-    delta_ref: Optional[Tensor] = None,
-    lam: float = 0.0,
-    form: str = "outer",
-    lengths: Optional[Sequence[int]] = None,
-    dots: Optional[Tensor] = None,
-    prev_local: Optional[Tensor] = None,
-    local: Optional[Tensor] = None,
-    world_size: int = 1,
-    hist: Optional[Tensor] = None,
-    peek: Optional[FusedPeek] = None,
-    step_dots: Optional[Tensor] = None,
 ) -> None:
-    """Reference of :func:`adam_fused`: :func:`reference_compose_gradient`, then Adam(W),
-    then the extras one after the other (:func:`reference_update_extras`)."""
-    _check_extras(out, hist, peek, step_dots)
-    before = param.clone() if _needs_step(peek, step_dots) else None
-    g = _composed(grad, grad, delta, delta_ref, lam, form, lengths, dots, prev_local, local, world_size)
-    reference_adam(
-        param, g, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, decoupled=decoupled, maximize=maximize, out=out,
-    )
-
-    def reference_peek(terms):  # the next step's bias correction
-        reference_adam_fused(
-            param, peek.grad, exp_avg, exp_avg_sq, step=step + 1, lr=lr, beta1=beta1,
-            beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
-            maximize=maximize, out=peek.out, **terms,
-        )
-
-    reference_update_extras(param, before, hist, peek, step_dots, lengths, reference_peek)
+    """Reference of :func:`adam_fused` (:func:`reference_update` with :func:`reference_adam`)."""
+    reference_update(reference_adam, param, (exp_avg, exp_avg_sq), hp, spec, peek, out)
 
 
-def _check_extras(out, hist, peek, step_dots) -> None:
-    if out is not None and (hist is not None or peek is not None or step_dots is not None):
-        raise ValueError("hist / peek / step_dots need an in-place update (out=None)")
-    if step_dots is not None and peek is None:
-        raise ValueError("step_dots needs peek (its grad / prev_local terms)")
-    if peek is not None and peek.form not in (None, "diagonal"):
-        raise ValueError(f"a fused peek takes form None or 'diagonal', not {peek.form!r}")
-
-
-def _needs_step(peek: Optional[FusedPeek], step_dots: Optional[Tensor]) -> bool:
-    """Whether the extras need x_{t−1} (the update's step x_t − x_{t−1})."""
-    return step_dots is not None or (peek is not None and peek.out is not None and peek.form is not None)
-
-
-def reference_update_extras(param, before, hist, peek, step_dots, lengths, reference_peek) -> None:
-    """The extras of an in-place update, after it (``param`` = x_t, ``before`` = x_{t−1})."""
-    if hist is not None:
-        hist.copy_(param)
-    if step_dots is not None:
+def reference_update(
+    rule: Callable[..., None],
+    param: Tensor,
+    state: Tuple[Optional[Tensor], ...],
+    hp: Union[SGDHyperParams, AdamHyperParams],
+    spec: GradientSpec,
+    peek: Optional[GradientSpec],
+    out: Optional[Tensor],
+) -> None:
+    """A fused update done one operation after the other: :func:`reference_compose_gradient`,
+    then ``rule`` (:func:`reference_sgd` / :func:`reference_adam`, with ``state`` its buffers
+    and ``hp`` its numbers), then the extras: the history write, the step's dot products and
+    OPT_peek(x_t, peek) with Δ = x_t − x_{t−1} given explicitly."""
+    needs_step = peek is not None and (peek.dots is not None or (out is not None and peek.delta_is_step))
+    before = param.clone() if needs_step else None
+    rule(param, _composed(spec), *state, **vars(hp), out=out if peek is None else None)
+    if peek is None and out is not None:
+        return  # OPT_peek: no extras
+    if spec.hist is not None:
+        spec.hist.copy_(param)
+    if peek is None:
+        return
+    if peek.dots is not None:
         # Summed in the tensors' dtype, as reference_delay_compensate's outer form does (this
         # is the SAPIPE_DISABLE_EXT path: float64 temporaries of the whole segment would cost
         # more than the rest of the step); the kernels sum in float64.
         h = peek.grad if peek.prev_local is None else peek.grad - peek.prev_local / peek.world_size
         if param.numel() == 0:
-            step_dots.zero_()
+            peek.dots.zero_()
         else:
-            lens = torch.tensor(list(lengths), device=param.device)
-            step_dots.copy_(torch.segment_reduce(h * (param - before), "sum", lengths=lens))
-    if peek is not None and peek.out is not None:
-        dc = dict(delta=param, delta_ref=before, lam=peek.lam, form=peek.form) if peek.form else {}
-        reference_peek(dict(
-            prev_local=peek.prev_local, local=peek.local, world_size=peek.world_size, lengths=lengths, **dc
-        ))
+            lens = torch.tensor(list(peek.lengths), device=param.device)
+            peek.dots.copy_(torch.segment_reduce(h * (param - before), "sum", lengths=lens))
+    if out is not None:
+        step = dict(delta=param, delta_ref=before) if peek.delta_is_step else {}
+        explicit = peek.replace(delta_is_step=False, dots=None, **step)
+        reference_update(rule, param, state, hp.after_update(), explicit, None, out)

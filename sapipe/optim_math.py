@@ -1,4 +1,4 @@
-"""OPT and OPT_peek (DESIGN.md §2) for the optimizers sapipe supports, on flat buffers.
+"""OPT and OPT_peek (docs/design.md §2) for the optimizers sapipe supports, on flat buffers.
 
 sapipe applies updates itself, per bucket, at the moment the staleness rules demand
 (deferred to a layer's pre-forward, or with a stale gradient at ``step()``), so it needs
@@ -10,13 +10,14 @@ count) in flat buffers owned by the bucket.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Tuple, Type
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
 
 import torch
 from torch import Tensor
 
 from . import ops
 from .errors import UnsupportedOptimizerError
+from .gradient_spec import GradientSpec
 
 HyperParams = Mapping[str, Any]
 
@@ -49,55 +50,48 @@ class OptimizerRule:
     def new_state(self, like: Tensor) -> SegmentState:
         return SegmentState({name: torch.zeros_like(like) for name in self.buffer_names})
 
-    def update(self, weights: Tensor, state: SegmentState, hp: HyperParams, terms: Mapping[str, Any]) -> None:
-        """OPT: apply one step in place to ``weights`` and ``state``.
+    def update(self, weights: Tensor, state: SegmentState, hp: HyperParams, spec: GradientSpec) -> None:
+        """OPT: apply one step of the gradient ``spec`` (evaluated inside the fused kernel;
+        x_t also written to ``spec.hist`` when set) in place to ``weights`` and ``state``."""
+        self._update(weights, state, hp, spec)
 
-        ``terms``: the gradient, ``grad`` plus optional composition terms (see
-        :class:`sapipe.compensation.GradientRecipe`), evaluated inside the fused kernel.
-        """
-        raise NotImplementedError
-
-    def peek(
-        self, weights: Tensor, state: SegmentState, hp: HyperParams, terms: Mapping[str, Any], out: Tensor
-    ) -> None:
+    def peek(self, weights: Tensor, state: SegmentState, hp: HyperParams, spec: GradientSpec, out: Tensor) -> None:
         """OPT_peek: write the weights OPT would produce to ``out``; change nothing else."""
         raise NotImplementedError
 
     def update_and_peek(
-        self, weights: Tensor, state: SegmentState, hp: HyperParams, terms: Mapping[str, Any],
-        peek_terms: Mapping[str, Any], out: Tensor,
+        self, weights: Tensor, state: SegmentState, hp: HyperParams, spec: GradientSpec,
+        peek: GradientSpec, out: Tensor,
     ) -> None:
-        """OPT, then OPT_peek from the updated weights and state into ``out`` (weight prediction).
+        """OPT, then OPT_peek of ``peek`` from the updated weights and state into ``out`` (weight
+        prediction).
 
-        Both run in the update's single pass over memory (``ops.FusedPeek``): the prediction
-        costs one extra read per term of its gradient and the write of ``out``, not a second
-        pass over the weights and state. ``peek_terms`` (a ``GradientRecipe``'s) may say
-        ``delta_is_step``: DC with Δ = x_t − x_{t−1}, the step this very update takes (wp3), so
-        no weight history is read. The outer DC form's coefficient needs the whole step's dot
-        products first: then the update also sums them (``step_dots``) and a second call peeks.
+        Both run in the update's single pass over memory (``peek=`` of the ops' fused entry
+        points): the prediction costs one extra read per term of its gradient and the write of
+        ``out``, not a second pass over the weights and state. ``peek.delta_is_step``: DC with
+        Δ = x_t − x_{t−1}, the step this very update takes (wp3), so no weight history is read.
+        The outer DC form's coefficient needs the whole step's dot products first: then the
+        update also sums them (into ``peek.dots``) and a second call peeks given them.
         """
-        peek_terms = dict(peek_terms)
-        on_step = peek_terms.pop("delta_is_step", False)
-        if not on_step and peek_terms.get("delta") is not None:  # an explicit Δ: two calls
-            self.update(weights, state, hp, terms)
-            self.peek(weights, state, hp, peek_terms, out)
-            return
-        form = peek_terms["form"] if on_step else None
-        fused = dict(
-            grad=peek_terms["grad"], prev_local=peek_terms.get("prev_local"), lam=peek_terms.get("lam", 0.0),
-            world_size=peek_terms.get("world_size", 1),
-        )
-        if form == "outer":
+        if peek.delta is not None:  # an explicit Δ: two calls
+            self.update(weights, state, hp, spec)
+            self.peek(weights, state, hp, peek, out)
+        elif peek.delta_is_step and peek.form == "outer":
             dots = state.scratch.get("step_dots")
-            if dots is None or dots.numel() != len(peek_terms["lengths"]):  # allocated once per segment
-                dots = torch.empty(len(peek_terms["lengths"]), dtype=torch.float64, device=weights.device)
+            if dots is None or dots.numel() != len(peek.lengths):  # allocated once per segment
+                dots = torch.empty(len(peek.lengths), dtype=torch.float64, device=weights.device)
                 state.scratch["step_dots"] = dots
-            self.update(weights, state, hp, dict(terms, peek=ops.FusedPeek(None, **fused), step_dots=dots))
-            peek_terms.update(delta=None, delta_ref=None, dots=dots)
-            self.peek(weights, state, hp, peek_terms, out)
+            self._update(weights, state, hp, spec, peek.with_dots(dots))
+            self.peek(weights, state, hp, peek.replace(delta_is_step=False, dots=dots), out)
         else:
-            peek = ops.FusedPeek(out, local=peek_terms.get("local"), form=form, **fused)
-            self.update(weights, state, hp, dict(terms, peek=peek))
+            self._update(weights, state, hp, spec, peek, out)
+
+    def _update(
+        self, weights: Tensor, state: SegmentState, hp: HyperParams, spec: GradientSpec,
+        peek: Optional[GradientSpec] = None, out: Optional[Tensor] = None,
+    ) -> None:
+        """OPT in place, with the state's bookkeeping; a ``peek`` (and its ``out``) rides along."""
+        raise NotImplementedError
 
 
 def _reject(group: Mapping[str, Any], option: str, why: str) -> None:
@@ -117,22 +111,18 @@ class SGDRule(OptimizerRule):
         hp.update(lr=float(group["lr"]), maximize=bool(group.get("maximize", False)))
         return hp
 
-    def _run(self, weights, state, hp, terms, out=None):
-        ops.sgd_fused(
-            weights, terms["grad"], state.buffers["momentum_buffer"],
-            lr=hp["lr"], momentum=hp["momentum"], dampening=hp["dampening"],
-            nesterov=hp["nesterov"], weight_decay=hp["weight_decay"], maximize=hp["maximize"],
-            first=not state.momentum_started, out=out, **{k: v for k, v in terms.items() if k != "grad"},
-        )
+    def _run(self, weights, state, hp, spec, peek=None, out=None):
+        hyper = ops.SGDHyperParams(**hp, first=not state.momentum_started)
+        ops.sgd_fused(weights, state.buffers["momentum_buffer"], hyper, spec, peek=peek, out=out)
 
-    def update(self, weights, state, hp, terms):
-        self._run(weights, state, hp, terms)
+    def _update(self, weights, state, hp, spec, peek=None, out=None):
+        self._run(weights, state, hp, spec, peek, out)
         # torch seeds the momentum buffer with the first gradient seen while momentum != 0.
         state.momentum_started = state.momentum_started or hp["momentum"] != 0
         state.steps += 1
 
-    def peek(self, weights, state, hp, terms, out):
-        self._run(weights, state, hp, terms, out=out)
+    def peek(self, weights, state, hp, spec, out):
+        self._run(weights, state, hp, spec, out=out)
 
 
 class AdamRule(OptimizerRule):
@@ -152,20 +142,18 @@ class AdamRule(OptimizerRule):
             "maximize": bool(group.get("maximize", False)),
         }
 
-    def _run(self, weights, state, hp, terms, step, out=None):
+    def _run(self, weights, state, hp, spec, step, peek=None, out=None):
+        hyper = ops.AdamHyperParams(step=step, **hp)
         ops.adam_fused(
-            weights, terms["grad"], state.buffers["exp_avg"], state.buffers["exp_avg_sq"], step=step,
-            lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
-            weight_decay=hp["weight_decay"], decoupled=hp["decoupled"], maximize=hp["maximize"],
-            out=out, **{k: v for k, v in terms.items() if k != "grad"},
+            weights, state.buffers["exp_avg"], state.buffers["exp_avg_sq"], hyper, spec, peek=peek, out=out
         )
 
-    def update(self, weights, state, hp, terms):
+    def _update(self, weights, state, hp, spec, peek=None, out=None):
         state.steps += 1
-        self._run(weights, state, hp, terms, state.steps)
+        self._run(weights, state, hp, spec, state.steps, peek, out)
 
-    def peek(self, weights, state, hp, terms, out):
-        self._run(weights, state, hp, terms, state.steps + 1, out=out)
+    def peek(self, weights, state, hp, spec, out):
+        self._run(weights, state, hp, spec, state.steps + 1, out=out)
 
 
 _RULES: List[OptimizerRule] = [SGDRule(), AdamRule()]

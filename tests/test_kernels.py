@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from sapipe import _ext, ops
+from sapipe.gradient_spec import GradientSpec
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 
@@ -243,9 +244,9 @@ def test_delay_compensate_outer(device, dtype, n, no_fallback):
     for lengths in partitions(n):
         lam = 0.5
         # exact comparison: the reference given the (float64) per-tensor dots
-        dots = REF["reference_dc_dots"](up(g), up(d), lengths)
+        dots = REF["reference_dc_dots"](GradientSpec(up(g), delta=up(d), lengths=lengths))
         expected = REF["reference_compose_gradient"](
-            up(g), out=up(g), delta=up(d), lam=lam, form="outer", lengths=lengths, dots=dots
+            GradientSpec(up(g), delta=up(d), lam=lam, form="outer", lengths=lengths, dots=dots), up(g)
         )
         out = poisoned(n, device, dtype)
         ops.delay_compensate(g, d, lam, "outer", lengths, out=out)
@@ -273,7 +274,7 @@ def test_dc_dots(device, dtype, n, no_fallback):
         partitions(n), itertools.product((False, True), repeat=2)
     ):
         kw = dict(delta_ref=r if use_ref else None, prev_local=p if use_prev else None, world_size=3)
-        got = ops.dc_dots(g, d, lengths, **kw)
+        got = ops.dc_dots(GradientSpec(g, delta=d, lengths=lengths, **kw))
         assert got.dtype == F64 and got.shape == (len(lengths),)
         # reference on the same h = g - p/n and D = d - r, rounded as the kernel rounds them
         # (to the dtype; float32 for the 16-bit dtypes, which the kernels compute in). They
@@ -282,8 +283,8 @@ def test_dc_dots(device, dtype, n, no_fallback):
         gc, pc, dc, rc = (up(t).cpu() for t in (g, p, d, r))
         h = (gc - pc / 3 if use_prev else gc).to(device=device, dtype=F64)
         dd = (dc - rc if use_ref else dc).to(device=device, dtype=F64)
-        expected = REF["reference_dc_dots"](h, dd, lengths)
-        bound = REF["reference_dc_dots"](h.abs(), dd.abs(), lengths)
+        expected = REF["reference_dc_dots"](GradientSpec(h, delta=dd, lengths=lengths))
+        bound = REF["reference_dc_dots"](GradientSpec(h.abs(), delta=dd.abs(), lengths=lengths))
         err = (got - expected).abs()
         assert bool((err <= 1e-13 * bound + 1e-300).all()), (lengths, use_ref, use_prev, err.max())
         empty = torch.tensor([x == 0 for x in lengths], device=device)
@@ -308,12 +309,13 @@ def test_dots_do_not_depend_on_thread_count(no_fallback):
     n = 300001
     g, d = rand(n, "cpu", F32, gen), rand(n, "cpu", F32, gen)
     lengths = [100000, 0, 150001, 50000]
+    spec = GradientSpec(g, delta=d, lam=0.5, lengths=lengths)
     with _threads(1):
-        one = ops.dc_dots(g, d, lengths)
-        out1 = ops.compose_gradient(g, out=torch.empty(n), delta=d, lam=0.5, lengths=lengths)
+        one = ops.dc_dots(spec)
+        out1 = ops.compose_gradient(spec, torch.empty(n))
     with _threads(max(2, torch.get_num_threads())):
-        many = ops.dc_dots(g, d, lengths)
-        out2 = ops.compose_gradient(g, out=torch.empty(n), delta=d, lam=0.5, lengths=lengths)
+        many = ops.dc_dots(spec)
+        out2 = ops.compose_gradient(spec, torch.empty(n))
     assert torch.equal(one, many)
     assert torch.equal(out1, out2)
 
@@ -353,10 +355,7 @@ def _ref_kw(grad, kw):
     """
     r = {k: (up(v) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     if r.get("form") == "outer" and "delta" in r:
-        r["dots"] = REF["reference_dc_dots"](
-            up(grad), r["delta"], r["lengths"], delta_ref=r.get("delta_ref"),
-            prev_local=r.get("prev_local"), world_size=r["world_size"],
-        )
+        r["dots"] = REF["reference_dc_dots"](GradientSpec(up(grad), **r))
     return r
 
 
@@ -369,19 +368,18 @@ def test_compose_gradient(device, dtype, n, no_fallback):
     for spec, lengths in itertools.product(SPECS, partitions(n)[-2:]):
         kw = _spec_inputs(spec, n, device, dtype, gen, lengths)
         r = _ref_kw(g, kw)
-        expected = REF["reference_compose_gradient"](up(g), out=poisoned(n, device, ref_dtype(dtype)), **r)
+        expected = REF["reference_compose_gradient"](GradientSpec(up(g), **r), poisoned(n, device, ref_dtype(dtype)))
         out = poisoned(n, device, dtype)
-        assert ops.compose_gradient(g, out=out, **kw) is out
+        assert ops.compose_gradient(GradientSpec(g, **kw), out) is out
         close(out, expected, dtype, f"compose {spec[0]} lengths {lengths}")
         # out aliasing grad, and caller-supplied dots
         g2 = g.clone()
-        ops.compose_gradient(g2, out=g2, **kw)
+        ops.compose_gradient(GradientSpec(g2, **kw), g2)
         close(g2, expected, dtype, f"compose {spec[0]} in place")
         if kw.get("form") == "outer":
-            dots = ops.dc_dots(g, kw["delta"], lengths, delta_ref=kw.get("delta_ref"),
-                               prev_local=kw.get("prev_local"), world_size=kw["world_size"])
+            dots = ops.dc_dots(GradientSpec(g, **kw))
             out3 = poisoned(n, device, dtype)
-            ops.compose_gradient(g, out=out3, dots=dots, **kw)
+            ops.compose_gradient(GradientSpec(g, dots=dots, **kw), out3)
             assert torch.equal(out3, out)
 
 
@@ -405,10 +403,6 @@ ADAM_GRID = [
 ]
 
 
-def _run_sgd(fn, param, grad, buf, hp, out, extra):
-    fn(param, grad, buf, lr=0.1, out=out, **hp, **extra)
-
-
 def _check_sgd(device, dtype, n, hp, spec_kw, gen, peek, fused):
     p, g, b = (rand(n, device, dtype, gen) for _ in range(3))
     rp, rg, rb = up(p), up(g), up(b)
@@ -417,8 +411,8 @@ def _check_sgd(device, dtype, n, hp, spec_kw, gen, peek, fused):
     rout = poisoned(n, device, ref_dtype(dtype)) if peek else None
     if fused:
         r = _ref_kw(g, spec_kw)
-        REF["reference_sgd_fused"](rp, rg, rb, lr=0.1, out=rout, **hp, **r)
-        ops.sgd_fused(p, g, b, lr=0.1, out=out, **hp, **spec_kw)
+        REF["reference_sgd_fused"](rp, rb, ops.SGDHyperParams(lr=0.1, **hp), GradientSpec(rg, **r), out=rout)
+        ops.sgd_fused(p, b, ops.SGDHyperParams(lr=0.1, **hp), GradientSpec(g, **spec_kw), out=out)
     else:
         REF["reference_sgd"](rp, rg, rb, lr=0.1, out=rout, **hp)
         ops.sgd(p, g, b, lr=0.1, out=out, **hp)
@@ -466,8 +460,9 @@ def _check_adam(device, dtype, n, hp, spec_kw, gen, peek, fused):
     hp = dict(hp)
     if fused:
         r = _ref_kw(g, spec_kw)
-        REF["reference_adam_fused"](rp, rg, rm, rv, **{**common, "out": rout}, **hp, **r)
-        ops.adam_fused(p, g, m, v, **{**common, "out": out}, **hp, **spec_kw)
+        ahp = ops.AdamHyperParams(lr=1e-2, beta2=0.999, eps=1e-8, **hp)
+        REF["reference_adam_fused"](rp, rm, rv, ahp, GradientSpec(rg, **r), out=rout)
+        ops.adam_fused(p, m, v, ahp, GradientSpec(g, **spec_kw), out=out)
     else:
         REF["reference_adam"](rp, rg, rm, rv, **{**common, "out": rout}, **hp)
         ops.adam(p, g, m, v, **{**common, "out": out}, **hp)
@@ -514,17 +509,19 @@ def test_fused_dc_update_with_delta_aliasing_param(device, dtype, rule, no_fallb
     s2 = rand(n, device, dtype, gen, positive=True)
     rp, rs1, rs2 = up(p), up(s1), up(s2)
     dc = dict(lam=0.5, form="outer", lengths=lengths)
-    dots = REF["reference_dc_dots"](up(g), rp, lengths, delta_ref=up(x_old))
+    dots = REF["reference_dc_dots"](GradientSpec(up(g), delta=rp, delta_ref=up(x_old), lengths=lengths))
+    rspec = GradientSpec(up(g), delta=rp, delta_ref=up(x_old), dots=dots, **dc)
+    spec = GradientSpec(g, delta=p, delta_ref=x_old, **dc)
     if rule == "sgd":
         hp = dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=1e-2,
                   maximize=False, first=False)
-        REF["reference_sgd_fused"](rp, up(g), rs1, delta=rp, delta_ref=up(x_old), dots=dots, **hp, **dc)
-        ops.sgd_fused(p, g, s1, delta=p, delta_ref=x_old, **hp, **dc)
+        REF["reference_sgd_fused"](rp, rs1, ops.SGDHyperParams(**hp), rspec)
+        ops.sgd_fused(p, s1, ops.SGDHyperParams(**hp), spec)
     else:
         hp = dict(step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
                   decoupled=True, maximize=False)
-        REF["reference_adam_fused"](rp, up(g), rs1, rs2, delta=rp, delta_ref=up(x_old), dots=dots, **hp, **dc)
-        ops.adam_fused(p, g, s1, s2, delta=p, delta_ref=x_old, **hp, **dc)
+        REF["reference_adam_fused"](rp, rs1, rs2, ops.AdamHyperParams(**hp), rspec)
+        ops.adam_fused(p, s1, s2, ops.AdamHyperParams(**hp), spec)
         close(s2, rs2, dtype, "exp_avg_sq")
     close(p, rp, dtype, "param")
     close(s1, rs1, dtype, "state")
@@ -539,10 +536,10 @@ EXTRA_CASES = ["hist", "hist_aliasing_delta_ref", "peek_wp1", "peek_wp2", "peek_
                "dots_wp3_outer", "all"]
 
 
-def _extras_case(case, t, world_size):
-    """(update terms, hist, FusedPeek or None, wants step dots) for ``case``; ``t`` holds the
-    tensors (kernel or reference copies alike)."""
-    upd, hist, peek, dots = {}, None, None, False
+def _extras_case(case, t, world_size, lengths):
+    """(update terms, hist, peek GradientSpec or None, its out or None, wants step dots) for
+    ``case``; ``t`` holds the tensors (kernel or reference copies alike)."""
+    upd, hist, peek, out, dots = {}, None, None, None, False
     n = world_size
     if case == "hist":
         hist = t["hist"]
@@ -550,21 +547,24 @@ def _extras_case(case, t, world_size):
         upd = dict(delta=t["p"], delta_ref=t["x_old"], lam=0.5, form="diagonal")
         hist = t["x_old"]
     elif case == "peek_wp1":
-        peek = ops.FusedPeek(t["out"], t["local"], world_size=n)
+        peek, out = GradientSpec(t["local"], world_size=n), t["out"]
     elif case == "peek_wp2":
-        peek = ops.FusedPeek(t["out"], t["g"], world_size=n)
+        peek, out = GradientSpec(t["g"], world_size=n), t["out"]
     elif case == "peek_wp3_diagonal":
-        peek = ops.FusedPeek(t["out"], t["g"], prev_local=t["prev"], local=t["local"], form="diagonal",
-                             lam=0.7, world_size=n)
+        peek = GradientSpec(t["g"], prev_local=t["prev"], local=t["local"], form="diagonal", lam=0.7,
+                            world_size=n, delta_is_step=True, lengths=lengths)
+        out = t["out"]
     elif case == "dots_wp3_outer":
-        peek = ops.FusedPeek(None, t["g"], prev_local=t["prev"], world_size=n)
+        peek = GradientSpec(t["g"], prev_local=t["prev"], local=t["local"], form="outer", lam=0.7,
+                            world_size=n, delta_is_step=True, lengths=lengths)
         dots = True
     elif case == "all":
         hist = t["hist"]
-        peek = ops.FusedPeek(t["out"], t["g"], prev_local=t["prev"], local=t["local"], form="diagonal",
-                             lam=0.3, world_size=n)
+        peek = GradientSpec(t["g"], prev_local=t["prev"], local=t["local"], form="diagonal", lam=0.3,
+                            world_size=n, delta_is_step=True, lengths=lengths)
+        out = t["out"]
         dots = True
-    return upd, hist, peek, dots
+    return upd, hist, peek, out, dots
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
@@ -593,18 +593,22 @@ def test_update_extras(device, dtype, n, rule, no_fallback):
         k["s2"] = rand(n, device, dtype, gen, positive=True)
         k["hist"], k["out"] = poisoned(n, device, dtype), poisoned(n, device, dtype)
         r = {name: up(v) for name, v in k.items()}
-        upd, hist, peek, want_dots = _extras_case(case, k, world_size)
+        upd, hist, peek, pout, want_dots = _extras_case(case, k, world_size, lengths)
         step_dots = torch.full((len(lengths),), float("nan"), dtype=F64, device=device) if want_dots else None
+        if want_dots:
+            peek = peek.with_dots(step_dots)
         # kernel
         state = (k["s1"],) if rule == "sgd" else (k["s1"], k["s2"])
         fused = ops.sgd_fused if rule == "sgd" else ops.adam_fused
-        fused(k["p"], k["g"], *state, **hp, **upd, lengths=lengths, hist=hist, peek=peek, step_dots=step_dots)
+        Hyper = ops.SGDHyperParams if rule == "sgd" else ops.AdamHyperParams
+        fused(k["p"], *state, Hyper(**hp), GradientSpec(k["g"], lengths=lengths, hist=hist, **upd),
+              peek=peek, out=pout)
         # plain references, one after the other
-        rupd, _, rpeek, _ = _extras_case(case, r, world_size)
+        rupd, _, rpeek, _, _ = _extras_case(case, r, world_size, lengths)
         rstate = (r["s1"],) if rule == "sgd" else (r["s1"], r["s2"])
         rfused = REF["reference_sgd_fused"] if rule == "sgd" else REF["reference_adam_fused"]
         before = r["p"].clone()
-        rfused(r["p"], r["g"], *rstate, **hp, **rupd, lengths=lengths)
+        rfused(r["p"], *rstate, Hyper(**hp), GradientSpec(r["g"], lengths=lengths, **rupd))
         close(k["p"], r["p"], dtype, what + " param")
         for a, b in zip(state, rstate, strict=True):
             if rule == "adam" or hp["momentum"] != 0:
@@ -614,20 +618,23 @@ def test_update_extras(device, dtype, n, rule, no_fallback):
         if want_dots:
             # over the step the kernel took and stored, x_t - x_{t-1}: for 16-bit weights the
             # reference's float32 x_t is not that (the step is far below one 16-bit ulp of x)
-            expected = REF["reference_dc_dots"](rpeek.grad, up(k["p"]), lengths, delta_ref=before,
-                                                prev_local=rpeek.prev_local, world_size=world_size)
+            expected = REF["reference_dc_dots"](GradientSpec(
+                rpeek.grad, delta=up(k["p"]), delta_ref=before, prev_local=rpeek.prev_local,
+                world_size=world_size, lengths=lengths))
             close(step_dots, expected, F64 if dtype == F64 else F32, what + " step_dots")
             if device == "cpu":  # bit for bit the separate dots pass
-                separate = ops.dc_dots(peek.grad, k["p"], lengths, delta_ref=before.to(dtype),
-                                       prev_local=peek.prev_local, world_size=world_size)
+                separate = ops.dc_dots(GradientSpec(
+                    peek.grad, delta=k["p"], delta_ref=before.to(dtype), prev_local=peek.prev_local,
+                    world_size=world_size, lengths=lengths))
                 assert torch.equal(step_dots, separate), what + " step_dots vs dc_dots"
-        if peek is not None and peek.out is not None:
-            dc = dict(delta=r["p"], delta_ref=before, lam=rpeek.lam, form="diagonal") if rpeek.form else {}
+        if pout is not None:
+            dc = dict(delta=r["p"], delta_ref=before, lam=rpeek.lam, form="diagonal") if rpeek.delta_is_step else {}
             rout = poisoned(n, device, ref_dtype(dtype))
             peek_hp = dict(hp, first=False) if rule == "sgd" else dict(hp, step=hp["step"] + 1)
-            rfused(r["p"], rpeek.grad, *rstate, **peek_hp, out=rout, prev_local=rpeek.prev_local,
-                   local=rpeek.local, world_size=world_size, lengths=lengths, **dc)
-            close(peek.out, rout, dtype, what + " peek out")
+            rfused(r["p"], *rstate, Hyper(**peek_hp), GradientSpec(
+                rpeek.grad, prev_local=rpeek.prev_local, local=rpeek.local, world_size=world_size,
+                lengths=lengths, **dc), out=rout)
+            close(pout, rout, dtype, what + " peek out")
 
 
 def test_update_extras_reference_path_matches_kernel(no_fallback):
@@ -647,12 +654,14 @@ def test_update_extras_reference_path_matches_kernel(no_fallback):
         results = []
         for t, fn in ((k, ops.sgd_fused if rule == "sgd" else ops.adam_fused),
                       (r, REF["reference_sgd_fused"] if rule == "sgd" else REF["reference_adam_fused"])):
-            upd, hist, peek, want = _extras_case(case, t, 2)
+            upd, hist, peek, pout, want = _extras_case(case, t, 2, lengths)
             dots = torch.full((len(lengths),), float("nan"), dtype=F64) if want else None
             state = (t["s1"],) if rule == "sgd" else (t["s1"], t["s2"])
-            fn(t["p"], t["g"], *state, **hp, **upd, lengths=lengths, hist=hist, peek=peek, step_dots=dots)
+            Hyper = ops.SGDHyperParams if rule == "sgd" else ops.AdamHyperParams
+            fn(t["p"], *state, Hyper(**hp), GradientSpec(t["g"], lengths=lengths, hist=hist, **upd),
+               peek=peek.with_dots(dots) if want else peek, out=pout)
             results.append([t["p"], *state] + ([hist] if hist is not None else [])
-                           + ([peek.out] if peek is not None and peek.out is not None else [])
+                           + ([pout] if pout is not None else [])
                            + ([dots] if dots is not None else []))
         for a, b in zip(*results, strict=True):
             close(a, b, F64, f"{rule} {case}")
@@ -660,14 +669,26 @@ def test_update_extras_reference_path_matches_kernel(no_fallback):
 
 def test_update_extras_bad_arguments(no_fallback):
     _require("cpu")
-    p, g, b, out = (torch.rand(10) for _ in range(4))
-    hp = dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0, maximize=False, first=False)
-    with pytest.raises((ValueError, RuntimeError)):
-        ops.sgd_fused(p, g, b, **hp, step_dots=torch.zeros(1, dtype=F64), lengths=[10])  # no peek
-    with pytest.raises((ValueError, RuntimeError)):
-        ops.sgd_fused(p, g, b, **hp, out=out, hist=torch.zeros(10))  # extras with a peek call
-    with pytest.raises((ValueError, RuntimeError)):
-        ops.sgd_fused(p, g, b, **hp, peek=ops.FusedPeek(out, g, form="outer"), lengths=[10])
+    p, g, b, out, x_old = (torch.rand(10) for _ in range(5))
+    hp = ops.SGDHyperParams(lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0,
+                            maximize=False, first=False)
+    dots = torch.zeros(1, dtype=F64)
+    step = dict(delta_is_step=True, lengths=[10])
+    bad = [  # (update spec, peek, out)
+        (GradientSpec(g), GradientSpec(g), None),  # a peek with neither out nor dots
+        (GradientSpec(g), GradientSpec(g, dots=dots, lengths=[10]), None),  # dots of no step
+        (GradientSpec(g, hist=torch.zeros(10)), None, out),  # extras with a peek call
+        (GradientSpec(g), GradientSpec(g, form="outer", **step), out),  # fused outer peek
+        (GradientSpec(g), GradientSpec(g, delta=p, lam=0.1), out),  # a peek's explicit delta
+        (GradientSpec(g, **step), None, None),  # the update's own step as its Δ
+        (GradientSpec(g, delta=p, delta_ref=x_old, lengths=[10]),  # step dots, outer update
+         GradientSpec(g, dots=dots, **step), None),
+    ]
+    for spec, peek, o in bad:
+        with pytest.raises((ValueError, RuntimeError)):
+            ops.sgd_fused(p, b, hp, spec, peek=peek, out=o)
+    with pytest.raises(ValueError):
+        GradientSpec(g, delta_ref=x_old)  # delta_ref without delta
 
 
 @pytest.mark.parametrize("mode", ["wp1", "wp3"])
@@ -680,7 +701,7 @@ def test_local_gradient_copy_paths_agree(mode, monkeypatch):
     import torch.distributed as dist
 
     import sapipe
-    from sapipe import optimizer as engine
+    from sapipe.runtime import pipeline as engine
 
     if dist.is_initialized():
         pytest.skip("a default process group already exists in this process")
@@ -724,9 +745,10 @@ def test_step_dots_do_not_depend_on_thread_count(no_fallback):
             gen.manual_seed(881)
             p, g, b, prev = (rand(n, "cpu", F32, gen) for _ in range(4))
             dots = torch.empty(len(lengths), dtype=F64)
-            ops.sgd_fused(p, g, b, lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0,
-                          maximize=False, first=False, lengths=lengths,
-                          peek=ops.FusedPeek(None, g, prev_local=prev, world_size=2), step_dots=dots)
+            hp = ops.SGDHyperParams(lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0,
+                                    maximize=False, first=False)
+            peek = GradientSpec(g, prev_local=prev, world_size=2, delta_is_step=True, lengths=lengths, dots=dots)
+            ops.sgd_fused(p, b, hp, GradientSpec(g, lengths=lengths), peek=peek)
             results.append(dots)
     finally:
         torch.set_num_threads(previous)
@@ -782,19 +804,22 @@ def test_cpu_isa_variants_agree_bitwise(no_fallback):
                 v = rand(n, "cpu", dtype, gen, positive=True)
                 wp3 = dict(delta=p, delta_ref=x_old, lam=0.3, lengths=lengths, prev_local=prev,
                            local=local, world_size=3)
-                outs = [ops.dc_dots(g, p, lengths, delta_ref=x_old, prev_local=prev, world_size=3),
-                        ops.dc_dots(g, p, lengths)]
+                outs = [ops.dc_dots(GradientSpec(g, delta=p, delta_ref=x_old, prev_local=prev, world_size=3,
+                                                 lengths=lengths)),
+                        ops.dc_dots(GradientSpec(g, delta=p, lengths=lengths))]
                 for form in ("outer", "diagonal"):
-                    outs.append(ops.compose_gradient(g, out=torch.empty(n, dtype=dtype), form=form, **wp3))
+                    spec = GradientSpec(g, form=form, **wp3)
+                    outs.append(ops.compose_gradient(spec, torch.empty(n, dtype=dtype)))
                     out = torch.empty(n, dtype=dtype)
-                    ops.sgd_fused(p, g, b, lr=0.1, momentum=0.9, dampening=0.1, nesterov=False,
-                                  weight_decay=1e-2, maximize=False, first=False, out=out,
-                                  form=form, **wp3)
+                    ops.sgd_fused(p, b, ops.SGDHyperParams(lr=0.1, momentum=0.9, dampening=0.1, nesterov=False,
+                                                           weight_decay=1e-2, maximize=False, first=False),
+                                  spec, out=out)
                     outs.append(out)
                     out = torch.empty(n, dtype=dtype)
-                    ops.adam_fused(p, g, m, v, step=3, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8,
-                                   weight_decay=1e-2, decoupled=form == "outer", maximize=False,
-                                   out=out, form=form, **wp3)
+                    ops.adam_fused(p, m, v, ops.AdamHyperParams(step=3, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8,
+                                                                weight_decay=1e-2, decoupled=form == "outer",
+                                                                maximize=False),
+                                   spec, out=out)
                     outs.append(out)
                 ops.sgd(p, g, b, lr=0.1, momentum=0.9, dampening=0.0, nesterov=True,
                         weight_decay=1e-2, maximize=True, first=False)
