@@ -1,6 +1,6 @@
 """Flat gradient buckets, the staleness buffer, and the weight history used by DC / wp3.
 
-DESIGN.md §5: gradients are packed into flat buckets in reverse forward order, and the S/N
+docs/design.md §5: gradients are packed into flat buckets in reverse forward order, and the S/N
 boundary is a bucket boundary. Inside a bucket, parameters are ordered by param group and
 then by layer, so each param group is one contiguous *segment* that an optimizer rule can
 update with a single flat call, whatever way the user interleaved groups across layers.
@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from .bucket_layout import bucket_layout
 from .layers import Layer
 from .optim_math import SegmentState
 
@@ -122,7 +123,6 @@ class Bucket:
         self.numel = offset
         self.dtype = params[0].dtype
         self.device = params[0].device
-        self.position = {id(p): i for i, p in enumerate(params)}
 
         # Runtime state, set up by the engine.
         self.grads: Optional[StalenessBuffer] = None
@@ -133,7 +133,6 @@ class Bucket:
         self.history: Optional[WeightHistory] = None
         self.ready = [False] * len(params)
         self.num_ready = 0
-        self.launched = False
         self.pending_update = None  # hyper-parameter snapshot of a deferred sync update
 
     @property
@@ -209,33 +208,9 @@ class Bucket:
 def build_buckets(
     layers: Sequence[Layer], stale_layers: int, cap_bytes: int, group_of: Dict[int, int]
 ) -> List[Bucket]:
-    """Pack layers into buckets in reverse forward order (the order backward produces them).
-
-    A bucket closes when adding the next layer would exceed ``cap_bytes`` (a single larger
-    layer gets a bucket of its own) and always at the boundary between layer k and k+1, so
-    that every bucket is wholly stale or wholly synchronous.
-    """
-    buckets: List[Bucket] = []
-    current: List[Layer] = []
-    current_bytes = 0
-
-    def close() -> None:
-        nonlocal current, current_bytes
-        if current:
-            stale = current[0].index < stale_layers
-            buckets.append(Bucket(len(buckets), current, stale, group_of))
-        current, current_bytes = [], 0
-
-    for layer in reversed(list(layers)):
-        if not layer.params:
-            continue
-        size = sum(p.numel() * p.element_size() for p in layer.params)
-        crosses_boundary = bool(current) and (current[-1].index < stale_layers) != (
-            layer.index < stale_layers
-        )
-        if current and (crosses_boundary or current_bytes + size > cap_bytes):
-            close()
-        current.append(layer)
-        current_bytes += size
-    close()
-    return buckets
+    """The buckets of :func:`sapipe.bucket_layout.bucket_layout` for ``layers`` (forward order)."""
+    sizes = [sum(p.numel() * p.element_size() for p in layer.params) for layer in layers]
+    return [
+        Bucket(index, [layers[i] for i in members], members[0] < stale_layers, group_of)
+        for index, members in enumerate(bucket_layout(sizes, stale_layers, cap_bytes))
+    ]

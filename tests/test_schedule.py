@@ -11,10 +11,10 @@ from typing import List, Tuple
 import numpy as np
 import pytest
 
+from sapipe.bucket_layout import bucket_layout
 from sapipe.schedule import (
     LayerProfile,
     brute_force_k,
-    build_bucket_layout,
     choose_k,
     closed_form_k,
     events_from_tracer,
@@ -71,35 +71,90 @@ def test_closed_form_matches_brute_force():
 # --------------------------------------------------------------------------- buckets
 
 
-def test_bucket_layout_mirrors_runtime():
-    """The simulator packs buckets exactly like sapipe.buckets.build_buckets."""
+def check_bucket_layout(nbytes: List[int], k: int, cap: float, buckets: List[List[int]]) -> None:
+    """The layout rule, stated as properties of its result (docs/design.md §5)."""
+    m = len(nbytes)
+    where = (nbytes, k, cap, buckets)
+    assert all(buckets), where  # no empty bucket
+    flat = [i for bucket in buckets for i in bucket]
+    assert sorted(flat) == list(range(m)), where  # every layer exactly once
+    assert flat == list(reversed(range(m))), where  # buckets and their layers in reverse forward order
+    for bucket in buckets:
+        assert len({i < k for i in bucket}) == 1, where  # wholly stale or wholly sync
+        assert sum(nbytes[i] for i in bucket) <= cap or len(bucket) == 1, where  # over the cap: alone
+    for bucket, following in zip(buckets, buckets[1:]):
+        nxt = following[0]  # greedy: the next layer could not have joined
+        crosses = (bucket[-1] < k) != (nxt < k)
+        assert crosses or sum(nbytes[i] for i in bucket) + nbytes[nxt] > cap, where
+
+
+def test_bucket_layout_properties():
+    rng = np.random.default_rng(1)
+    closed_by_cap = closed_at_boundary = oversized = 0
+    for _ in range(300):
+        m = int(rng.integers(0, 14))
+        nbytes = [int(x) * int(rng.choice([0, 1, 4])) for x in rng.integers(1, 60, m)]  # some zero-size layers
+        cap = float(rng.choice([0, int(rng.integers(1, 200)), 1e12]))
+        for k in range(m + 1):
+            buckets = bucket_layout(nbytes, k, cap)
+            check_bucket_layout(nbytes, k, cap, buckets)
+            closed_at_boundary += any((a[-1] < k) != (b[0] < k) for a, b in zip(buckets, buckets[1:]))
+            closed_by_cap += any(sum(nbytes[i] for i in a) + nbytes[b[0]] > cap and (a[-1] < k) == (b[0] < k)
+                                 for a, b in zip(buckets, buckets[1:]))
+            oversized += any(sum(nbytes[i] for i in b) > cap for b in buckets)
+    assert min(closed_by_cap, closed_at_boundary, oversized) > 0  # the random cases reach every rule
+    assert bucket_layout([], 0, 100) == []
+    assert bucket_layout([8, 0, 8], 0, 8) == [[2, 1], [0]]  # a zero-size layer joins a full bucket
+    assert bucket_layout([4, 4, 4, 4], 2, 1e9) == [[3, 2], [1, 0]]  # the S/N boundary always closes
+
+
+def test_bucket_layout_property_check_can_fail():
+    """The property check rejects layouts that break each rule."""
+    for nbytes, k, cap, wrong in [
+        ([4, 4], 0, 100, [[1]]),  # a layer missing
+        ([4, 4], 0, 100, [[0, 1]]),  # forward order
+        ([4, 4], 1, 100, [[1, 0]]),  # stale and sync mixed
+        ([4, 4], 0, 4, [[1, 0]]),  # two layers over the cap
+        ([4, 4], 0, 100, [[1], [0]]),  # closed although layer 0 fitted
+    ]:
+        with pytest.raises(AssertionError):
+            check_bucket_layout(nbytes, k, cap, wrong)
+
+
+def test_runtime_buckets_are_the_layout():
+    """sapipe.buckets.build_buckets builds exactly bucket_layout's buckets, with their stale flags."""
     torch = pytest.importorskip("torch")
     from sapipe.buckets import build_buckets
     from sapipe.layers import Layer
 
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(2)
+    dtypes = [torch.float32, torch.float64, torch.float16]
     for _ in range(30):
         m = int(rng.integers(1, 12))
-        sizes = [int(s) for s in rng.integers(1, 50, m)]
-        layers = [Layer(i, f"l{i}", torch.nn.Identity(), [torch.nn.Parameter(torch.zeros(s))])
-                  for i, s in enumerate(sizes)]
-        group_of = {id(layer.params[0]): 0 for layer in layers}
+        layers = [Layer(i, f"l{i}", torch.nn.Identity(),
+                        [torch.nn.Parameter(torch.zeros(int(s), dtype=dtypes[int(rng.integers(0, 3))]))
+                         for s in rng.integers(1, 50, int(rng.integers(1, 3)))])
+                  for i in range(m)]
+        nbytes = [sum(p.numel() * p.element_size() for p in layer.params) for layer in layers]
+        group_of = {id(p): 0 for layer in layers for p in layer.params}
         cap = int(rng.integers(1, 400))
         for k in range(m + 1):
-            runtime = [[layer.index for layer in bucket.layers] for bucket in build_buckets(layers, k, cap, group_of)]
-            assert build_bucket_layout([4 * s for s in sizes], k, cap) == runtime
+            expected = bucket_layout(nbytes, k, cap)
+            check_bucket_layout(nbytes, k, cap, expected)
+            runtime = build_buckets(layers, k, cap, group_of)
+            assert [[layer.index for layer in bucket.layers] for bucket in runtime] == expected
+            assert [bucket.stale for bucket in runtime] == [members[0] < k for members in expected]
+            assert [bucket.index for bucket in runtime] == list(range(len(expected)))
 
 
 # --------------------------------------------------------------------------- simulator
 
 
-@pytest.mark.parametrize("priority", [False, True])
-def test_no_communication_costs_nothing(priority):
+def test_no_communication_costs_nothing():
     rng = np.random.default_rng(2)
     profiles, nbytes, _ = random_profiles(rng, 8, 1.0)
     for k in (0, 3, 8):
-        r = simulate(profiles, k, bucket_cap_bytes=10_000, alpha=0.0, beta=0.0, bytes_per_layer=nbytes,
-                     priority=priority)
+        r = simulate(profiles, k, bucket_cap_bytes=10_000, alpha=0.0, beta=0.0, bytes_per_layer=nbytes)
         assert r.iteration_time == pytest.approx(r.compute_time, rel=1e-12)
         assert r.stall == pytest.approx(0.0, abs=1e-12)
         assert r.compute_time == pytest.approx(sum(p.forward + p.backward for p in profiles))
@@ -115,11 +170,10 @@ def test_huge_bandwidth_chooses_k0():
     assert "k=0 of 10" in d.summary()
 
 
-@pytest.mark.parametrize("priority", [False, True])
-def test_communication_bound(priority):
+def test_communication_bound():
     rng = np.random.default_rng(4)
     profiles, nbytes, beta = random_profiles(rng, 10, 2.0)
-    d = choose_k(profiles, bucket_cap_bytes=0, alpha=0.0, beta=beta, bytes_per_layer=nbytes, priority=priority)
+    d = choose_k(profiles, bucket_cap_bytes=0, alpha=0.0, beta=beta, bytes_per_layer=nbytes)
     total_comm = sum(p.comm for p in profiles)
     assert d.comm_bound
     assert d.iteration_time_all_stale == pytest.approx(total_comm, rel=1e-6)  # the link never idles
@@ -197,13 +251,11 @@ def test_simulated_k_is_never_below_closed_form():
         m = int(rng.integers(1, 12))
         profiles, nbytes, beta = random_profiles(rng, m, comm_ratio=float(rng.uniform(0.05, 1.4)))
         cf = closed_form_k(profiles)
-        for priority in (False, True):
-            d = choose_k(profiles, bucket_cap_bytes=0, alpha=0.0, beta=beta, bytes_per_layer=nbytes,
-                         priority=priority, tolerance=1e-9)
-            assert d.comm_bound == (cf is None), (trial, priority, cf, d.summary())
-            if cf is not None:
-                assert d.k >= cf, (trial, priority, cf, d.summary())
-                larger += d.k > cf
+        d = choose_k(profiles, bucket_cap_bytes=0, alpha=0.0, beta=beta, bytes_per_layer=nbytes, tolerance=1e-9)
+        assert d.comm_bound == (cf is None), (trial, cf, d.summary())
+        if cf is not None:
+            assert d.k >= cf, (trial, cf, d.summary())
+            larger += d.k > cf
     assert larger > 0
 
 
@@ -216,8 +268,7 @@ def test_closed_form_is_not_sufficient():
     assert d.k == 1 and d.stalls[0] == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("priority", [False, True])
-def test_chosen_k_is_the_smallest_without_stall(priority):
+def test_chosen_k_is_the_smallest_without_stall():
     """Stall at every k below the chosen one, none (within tolerance) at it; bucketed, α > 0."""
     rng = np.random.default_rng(6)
     checked = 0
@@ -226,7 +277,7 @@ def test_chosen_k_is_the_smallest_without_stall(priority):
         profiles, nbytes, beta = random_profiles(rng, m, comm_ratio=float(rng.uniform(0.2, 0.95)))
         alpha = 0.002 * sum(p.forward for p in profiles)
         cap = int(rng.choice([0, 8_000, 40_000]))
-        kw = dict(bucket_cap_bytes=cap, alpha=alpha, beta=beta, bytes_per_layer=nbytes, priority=priority)
+        kw = dict(bucket_cap_bytes=cap, alpha=alpha, beta=beta, bytes_per_layer=nbytes)
         d = choose_k(profiles, tolerance=0.01, **kw)
         if d.comm_bound:
             continue
@@ -239,20 +290,6 @@ def test_chosen_k_is_the_smallest_without_stall(priority):
         stale_numel = sum(p.numel for p in profiles[: d.k])
         assert d.kappa == pytest.approx(stale_numel / sum(p.numel for p in profiles))
     assert checked >= 20
-
-
-def test_priority_never_beats_fifo():
-    """Sync-before-stale priority cannot help in this model: a stale all-reduce that a sync
-    one could overtake belongs to the previous iteration, and its deadline (this iteration's
-    step()) comes before the sync one's (a forward of the next iteration)."""
-    rng = np.random.default_rng(7)
-    for _ in range(60):
-        m = int(rng.integers(1, 10))
-        profiles, nbytes, beta = random_profiles(rng, m, comm_ratio=float(rng.uniform(0.1, 1.5)))
-        for k in range(m + 1):
-            fifo = per_layer(profiles, k, nbytes, beta)
-            prio = per_layer(profiles, k, nbytes, beta, priority=True)
-            assert prio.iteration_time >= fifo.iteration_time * (1 - 1e-9)
 
 
 # --------------------------------------------------------------------------- chrome trace
@@ -360,7 +397,7 @@ def test_shared_link_is_work_conserving():
     for _ in range(50):
         issues = np.sort(rng.uniform(0, 5, int(rng.integers(1, 12))))
         spec = [(float(t), bool(rng.integers(0, 2)), float(rng.uniform(0.01, 1.5))) for t in issues]
-        shared, serial = SharedLink(), Link(priority=False)
+        shared, serial = SharedLink(), Link()
         for link in (shared, serial):
             link.submit([_transfer(0, i, stale, comm, t) for i, (t, stale, comm) in enumerate(spec)])
         assert max(tr.end for tr in shared.placed) == pytest.approx(max(tr.end for tr in serial.placed))
@@ -379,8 +416,6 @@ def test_shared_link_delays_sync_traffic_behind_concurrent_stale_traffic():
     assert shared.iteration_time > fifo.iteration_time + 0.5
     assert shared.forward_wait > fifo.forward_wait
     assert shared.comm_time == pytest.approx(fifo.comm_time)
-    with pytest.raises(ValueError):
-        simulate(profiles, 1, bucket_cap_bytes=0, alpha=None, beta=None, shared_link=True, priority=True)
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -394,7 +429,7 @@ def test_vanishing_slowdown_reproduces_the_model_without(shared):
         cap = int(rng.choice([0, 8_000, 40_000]))
         for k in range(m + 1):
             kw = dict(bucket_cap_bytes=cap, alpha=0.01, beta=beta, bytes_per_layer=nbytes, step_time=0.2,
-                      shared_link=shared, priority=False)
+                      shared_link=shared)
             exact = simulate(profiles, k, **kw)
             tiny = simulate(profiles, k, slowdown=1e-12, **kw)
             assert tiny.iteration_time == pytest.approx(exact.iteration_time, rel=1e-9, abs=1e-9)
@@ -443,7 +478,7 @@ def test_choice_under_slowdown_is_the_smallest_k_near_the_best():
 # --------------------------------------------------------------------------- identification (profiler)
 
 
-def _synthetic_raw(u, b, comm, probe=None, contended=None, step=0.1):
+def _synthetic_raw(u, b, comm, step=0.1):
     """A LayerTimer.raw() of iterations with the given per-layer times (no noise).
 
     Each iteration: forward layers back to back from 0, backward from there, then one
@@ -465,40 +500,7 @@ def _synthetic_raw(u, b, comm, probe=None, contended=None, step=0.1):
         spans.append((fs, bs))
         comms.append([[0, 4000, t + lo, t + hi] for lo, hi in comm])
     return {"forward": forward, "backward": backward, "step_times": [step] * 2, "comm": comms, "spans": spans,
-            "step_spans": [(0.0, step, [])] * 2, "contended": contended}
-
-
-def test_slowdown_is_identified_from_the_contended_iteration():
-    from sapipe.schedule import profiler
-
-    sigma = 0.6
-    u, b = [1.0, 2.0, 1.0, 0.5], [1.0, 1.0, 1.0, 1.0]
-    lo, hi = 0.5, 3.0  # the dummy transfer's flight, in the contended iteration's time
-    # fluid model: a layer runs at 1/(1+σ) while the transfer flies
-    spans, seen, t = [], [], 0.0
-    for x in u:
-        start, work = t, x
-        if t < lo:
-            done = min(work, lo - t)
-            t += done
-            work -= done
-        if work > 0 and t < hi:
-            slowed = min(work * (1 + sigma), hi - t)
-            t += slowed
-            work -= slowed / (1 + sigma)
-        t += work
-        spans.append((start, t))
-        seen.append(t - start)
-    contended = {"forward": seen, "backward": list(b), "forward_spans": spans,
-                 "backward_spans": [(t + 10, t + 11)] * 4, "own_comm_from": 99.0, "probe": [4000, lo, hi]}
-    timer = profiler.LayerTimer.from_raw(_synthetic_raw(u, b, [], contended=contended))
-    extra, overlap = timer.slowdown_sample()
-    assert overlap == pytest.approx(hi - lo)
-    assert profiler.slowdown_from([(extra, overlap)]) == pytest.approx(sigma)
-    assert profiler.slowdown_from([(extra, overlap), (0.0, 0.0)]) == pytest.approx(sigma)  # a rank without a sample
-    assert profiler.slowdown_from([(-0.1, 1.0)]) == 0.0  # noise that made it faster: no slow-down
-    # No probe -> no sample
-    assert profiler.LayerTimer.from_raw(_synthetic_raw(u, b, [])).slowdown_sample() == (0.0, 0.0)
+            "step_spans": [(0.0, step, [])] * 2}
 
 
 def test_medians_take_the_slowdown_out_of_overlapped_samples():
@@ -545,7 +547,7 @@ def test_combined_profile_prefers_the_slower_link():
     assert math.isnan(p.beta_observed) and p.beta == pytest.approx(1e-9)
 
 
-def test_timer_times_all_reduces_and_keeps_the_contended_iteration_apart():
+def test_timer_times_all_reduces():
     """Driven like the optimizer drives it, with fake work objects whose futures we complete."""
     torch = pytest.importorskip("torch")
     from sapipe.schedule import profiler
@@ -560,17 +562,9 @@ def test_timer_times_all_reduces_and_keeps_the_contended_iteration_apart():
         def wait(self):
             return True
 
-    probe_work = Work()
-    prepared = []
-
-    def prepare():
-        prepared.append(True)
-        return lambda: (probe_work, 1234)
-
-    timer = profiler.LayerTimer(2, contention_probe=prepare)
-    works = []
-    for contention in (False, False, True):
-        timer.begin_iteration(contention=contention)
+    timer = profiler.LayerTimer(2)
+    for _ in range(2):
+        timer.begin_iteration()
         timer.layer_forward(0)
         timer.layer_forward(1)
         timer.forward_end()
@@ -578,21 +572,50 @@ def test_timer_times_all_reduces_and_keeps_the_contended_iteration_apart():
         timer.gradient_released(0)
         work = Work()
         timer.comm_started(0, 4000, work)  # a raw work object...
-        works.append(work)
         timer.end_iteration()
         work.future.set_result(None)  # completes after the iteration, like a real all-reduce
     timer.comm_started(0, 4000, Work())  # not profiling: ignored
-    probe_work.future.set_result(None)
-    assert prepared == [True] and timer.samples == 2  # the contended iteration is kept apart
+    assert timer.samples == 2
     samples = timer.link_samples()
     assert [(c, n) for _, c, n in samples] == [(1, 4000), (1, 4000)]
     assert all(busy > 0 for busy, _, _ in samples)
-    assert timer.contended is not None and timer.contended["probe"][0] == 1234
-    assert timer.contended["probe"][2] >= timer.contended["probe"][1]  # its completion was seen
     # A back-end handle without futures: the transfer is not timed, nothing else breaks.
     timer.begin_iteration()
     timer.comm_started(0, 4000, object())
     assert timer._iter_comm == []
+
+
+def test_measure_gathers_only_the_profile(monkeypatch):
+    """measure() on a one-rank fake process group: its collectives are the timed all-reduces
+    and the three gathers of the profile (rows, sample count, link samples), nothing else;
+    σ is not measured."""
+    torch = pytest.importorskip("torch")
+    from sapipe.schedule import profiler
+
+    calls = []
+
+    class FakeDist:
+        def get_world_size(self, group):
+            return 1
+
+        def get_rank(self, group):
+            return 0
+
+        def all_gather(self, out, local, group):
+            calls.append("all_gather")
+            out[0].copy_(local)
+
+        def __getattr__(self, name):  # any other collective is a failure
+            raise AssertionError(f"measure() called torch.distributed.{name}")
+
+    monkeypatch.setattr(profiler, "dist", FakeDist())
+    monkeypatch.setattr(profiler, "time_allreduce", lambda group, nbytes, dtype, device: 1e-4 + 1e-9 * nbytes)
+    timer = profiler.LayerTimer.from_raw(_synthetic_raw([1.0, 2.0], [3.0, 4.0], [(0.0, 0.5)]))
+    profile = profiler.measure(timer, None, [1 << 20], torch.float32, torch.device("cpu"))
+    assert calls == ["all_gather"] * 3
+    assert profile.slowdown == 0.0 and "slowdown_sample" not in profile.raw
+    assert profile.forward == pytest.approx([1.0, 2.0]) and profile.backward == pytest.approx([3.0, 4.0])
+    assert (profile.alpha, profile.beta_isolated) == (pytest.approx(1e-4), pytest.approx(1e-9))
 
 
 def test_timer_keeps_deferred_updates_apart(monkeypatch):

@@ -1,4 +1,4 @@
-"""The scheduler: how many layers to make stale (DESIGN.md §4), and traces to check it.
+"""The scheduler: how many layers to make stale (docs/design.md §4), and traces to check it.
 
 * :func:`choose_k` simulates the runtime's pipeline for every k and picks the smallest k
   with no predicted stall; :func:`closed_form_k` is the paper's program, kept as reference.
@@ -7,11 +7,15 @@
   the pipeline still waits for communication.
 * :func:`write_chrome_trace` writes simulated or recorded (:func:`events_from_tracer`)
   timelines for Perfetto.
+* :mod:`~sapipe.schedule.profiler` times the running job (per-layer compute, the link) and
+  runs collectives to time the link and to combine the ranks' measurements.
 
-Pure Python: nothing here needs torch or torch.distributed.
+The simulator, solver, tuner and Chrome traces are pure Python (no torch, no
+torch.distributed) and are what this package imports; only the profiler, imported on its
+own, needs torch and a process group.
 """
 from .chrome_trace import CATEGORIES, TraceEvent, chrome_trace_dict, events_from_tracer, write_chrome_trace
-from .simulator import BucketPlan, SimResult, build_bucket_layout, plan_buckets, simulate
+from .simulator import BucketPlan, SimResult, plan_buckets, simulate
 from .solver import Decision, LayerProfile, brute_force_k, choose_k, closed_form_k
 from .tuner import Trial, Tuner
 
@@ -26,7 +30,6 @@ __all__ = [
     "simulate",
     "SimResult",
     "BucketPlan",
-    "build_bucket_layout",
     "plan_buckets",
     "TraceEvent",
     "CATEGORIES",

@@ -1,4 +1,4 @@
-"""Measure u_i, b_i, the link and the CPU's share of it on the running job (DESIGN.md §4).
+"""Measure u_i, b_i and the link on the running job (docs/design.md §4).
 
 Everything below is measured during the profiled warm-up iterations, which run with k = 0
 (fully synchronous, real all-reduces in flight), and then by a few timed all-reduces.
@@ -30,25 +30,20 @@ Everything below is measured during the profiled warm-up iterations, which run w
   threads and copies competing with step() and the next batch for the CPU: all in). On
   this project's 2-core host it was 1.2–1.6× the isolated β at full loopback speed and
   equal to it on a rate-limited link. The slower of the two is used.
-* **Compute slow-down σ while the link is busy** (optional, off by default): given a
-  ``contention_probe``, the last profiled iteration starts a dummy all-reduce (as many
-  bytes as all gradients, on a separate process group, result discarded) with the first
-  layer's forward; the layers it overlaps, against their medians in the other profiled
-  iterations, give σ (a layer that overlapped a transfer for o seconds took o·σ/(1+σ)
-  longer). On this project's 2-core CPU host one such sample per rank proved too noisy to
-  use -- σ came out anywhere from 0 to 2 for the same job, the slow-down arriving in bursts
-  of several ms (the scheduler handing a core to a communication thread) rather than
-  evenly -- so the runtime does not run it. It fits σ to the measured search's trials
-  instead (:func:`sapipe.schedule.tuner.fit_slowdown`), for its final predictions.
-  With σ > 0, :meth:`LayerTimer.medians` takes the slow-down out of samples that
-  overlapped the job's own all-reduces, and the simulator puts it back where its timeline
-  has a transfer in flight.
+* **Compute slow-down σ while the link is busy** is not measured here: one profiled
+  sample per rank proved too noisy to use on this project's 2-core CPU host (the slow-down
+  arrives in bursts of several ms, a core handed to a communication thread, not evenly).
+  :attr:`Profile.slowdown` is 0; the runtime fits σ to the measured search's trials
+  instead (:func:`sapipe.schedule.tuner.fit_slowdown`), for its final predictions. Given a
+  σ, :meth:`LayerTimer.medians` takes the slow-down out of samples that overlapped the
+  job's own all-reduces, and the simulator puts it back where its timeline has a transfer
+  in flight.
 
 Each rank measures; the profile is then combined over ranks so every rank decides the same
 k from the same numbers (:func:`combine`, pure, so a saved run can be replayed offline):
-MAX for compute and the probes (the slowest rank sets the pace of a synchronous job), per
-iteration MIN for the observed link (a rank that issued an all-reduce early waits for its
-peers inside it; the one that issued last sees the link alone), pooled for σ.
+MAX for compute and the timed all-reduces (the slowest rank sets the pace of a synchronous
+job), per iteration MIN for the observed link (a rank that issued an all-reduce early waits
+for its peers inside it; the one that issued last sees the link alone).
 """
 from __future__ import annotations
 
@@ -64,14 +59,14 @@ import torch.distributed as dist
 
 @dataclass
 class Profile:
-    """Per-layer median times in forward order (seconds), the link model and σ."""
+    """Per-layer median times in forward order (seconds) and the link model."""
 
     forward: List[float]
     backward: List[float]
     step_time: float  # serial compute between backward and the next forward
     alpha: float  # seconds per all-reduce
     beta: float  # seconds per byte: the one the model uses (max of isolated and observed)
-    slowdown: float = 0.0  # σ: compute runs at 1/(1+σ) while a transfer is in flight
+    slowdown: float = 0.0  # σ: compute runs at 1/(1+σ) while a transfer is in flight (not measured: 0)
     beta_isolated: float = math.nan  # from the timed blocking all-reduces alone
     beta_observed: float = math.nan  # from the profiled iterations' all-reduces (nan: none seen)
     update_time: float = 0.0  # deferred optimizer updates per iteration, all layers synchronous
@@ -84,19 +79,11 @@ class LayerTimer:
     ``executed[i]`` says whether layer i runs its own forward (a module whose parameters
     its parent uses directly, like ``nn.MultiheadAttention.out_proj``, never does: its
     forward time is part of the layer before it, and its u is 0).
-
-    ``contention_probe``, if given, prepares a dummy collective (allocates its buffer) and
-    returns a function that starts it, returning (work, bytes) with ``work`` a
-    ``torch.distributed`` work object; it is prepared in ``begin_iteration(contention=True)``
-    and started at that iteration's first layer forward. That iteration measures σ and is
-    left out of the medians and of the link fit.
     """
 
-    def __init__(self, num_layers: int, executed: Optional[Sequence[bool]] = None,
-                 contention_probe: Optional[Callable[[], Any]] = None):
+    def __init__(self, num_layers: int, executed: Optional[Sequence[bool]] = None):
         self.num_layers = num_layers
         self.executed = list(executed) if executed is not None else [True] * num_layers
-        self._first = next((i for i in range(num_layers) if self.executed[i]), 0)
         self._forward: List[List[float]] = []
         self._backward: List[List[float]] = []
         self._comm: List[List[List[Any]]] = []  # per iteration: [bucket, nbytes, issue, done]
@@ -112,25 +99,15 @@ class LayerTimer:
         self._iter_comm: List[List[Any]] = []
         self._step_times: List[float] = []
         self._last_release: Optional[float] = None  # of the previous profiled iteration
-        self._probe_prepare = contention_probe
-        self._probe_start: Optional[Callable[[], Tuple[Any, int]]] = None
-        self._contention = False
-        self._probe: Optional[List[Any]] = None  # [nbytes, issue, done] of the running probe
-        self._probe_work: Any = None
-        self.contended: Optional[Dict[str, Any]] = None  # the contention iteration, raw
         self.active = False
 
-    def begin_iteration(self, contention: bool = False) -> None:
+    def begin_iteration(self) -> None:
         self._starts.clear()
         self._waits.clear()
         self._updated.clear()
         self._releases.clear()
         self._forward_end = None
         self._iter_comm = []
-        self._contention = contention and self._probe_prepare is not None
-        if self._contention:
-            assert self._probe_prepare is not None
-            self._probe_start = self._probe_prepare()  # allocation is not charged to a layer
         self.active = True
 
     def layer_forward(self, layer: int, waited: float = 0.0, updated: float = 0.0) -> None:
@@ -150,24 +127,6 @@ class LayerTimer:
                 self._step_times.append(max(0.0, now - self._last_release - waited - updated))
                 self._step_spans.append((self._last_release, now - waited - updated, self._last_comm))
                 self._last_release = None
-            if self._contention and layer == self._first and self._probe is None:
-                self._start_probe()
-
-    def _start_probe(self) -> None:
-        assert self._probe_start is not None
-        record: List[Any] = [0, time.perf_counter(), math.nan]
-        work, nbytes = self._probe_start()
-        record[0] = nbytes  # [nbytes, issue, done]
-        self._probe, self._probe_work = record, work
-        if not _on_completion(work, lambda: record.__setitem__(2, time.perf_counter())):
-            self._probe = None  # no completion time to be had: no σ
-
-    def finish_probe(self) -> None:
-        """Wait for the contention probe's collective, if one is in flight (call before
-        using the group it runs on, and before :func:`measure`)."""
-        work, self._probe_work = self._probe_work, None
-        if work is not None:
-            work.wait()
 
     def comm_started(self, bucket: int, nbytes: int, handle: Any) -> None:
         """Bucket ``bucket`` (``nbytes``) was handed to the back-end; time it to completion."""
@@ -212,13 +171,6 @@ class LayerTimer:
         previous = [self._forward_end] + release[::-1][:-1]
         gaps_reversed = [max(0.0, r - p) for r, p in zip(release[::-1], previous)]
         backward = gaps_reversed[::-1]
-        if self._contention:
-            first_issue = min((c[2] for c in self._iter_comm), default=math.inf)
-            back_spans = [(release[i + 1] if i + 1 < m else self._forward_end, release[i]) for i in range(m)]
-            self.contended = {"forward": forward, "backward": backward, "forward_spans": spans,
-                              "backward_spans": back_spans, "own_comm_from": first_issue, "probe": self._probe}
-            self._contention = False
-            return
         self._forward.append(forward)
         self._backward.append(backward)
         self._updates.append(math.fsum(self._updated.values()))
@@ -272,31 +224,12 @@ class LayerTimer:
             out.append((busy, len(records), sum(r[1] for r in records)))
         return out
 
-    def slowdown_sample(self) -> Tuple[float, float]:
-        """(E, O) from the contention iteration: extra compute time E of the layers the
-        dummy transfer overlapped for O seconds in all; σ = E / (O − E). (0, 0) if none."""
-        c = self.contended
-        if c is None or c["probe"] is None or math.isnan(c["probe"][2]) or not self._forward:
-            return 0.0, 0.0
-        u, b, _ = self.medians()
-        lo, hi = c["probe"][1], min(c["probe"][2], c["own_comm_from"])  # own traffic would muddle it
-        extra = overlap = 0.0
-        for spans, clean, seen in ((c["forward_spans"], u, c["forward"]), (c["backward_spans"], b, c["backward"])):
-            for i, (start, end) in enumerate(spans):
-                if math.isnan(start) or end <= start:
-                    continue
-                o = max(0.0, min(end, hi) - max(start, lo))
-                if o > 0:
-                    extra += seen[i] - clean[i]
-                    overlap += o
-        return extra, overlap
-
     @classmethod
     def from_raw(cls, raw: Dict[str, Any], executed: Optional[Sequence[bool]] = None) -> "LayerTimer":
         """A timer holding the measurements of :meth:`raw` (for offline analysis)."""
         timer = cls(len(raw["forward"][0]) if raw["forward"] else 0, executed)
         timer._forward, timer._backward, timer._step_times = raw["forward"], raw["backward"], raw["step_times"]
-        timer._comm, timer.contended = raw["comm"], raw["contended"]
+        timer._comm = raw["comm"]
         timer._updates = list(raw.get("updates", []))  # absent in raw files older than the field
         timer._spans = [tuple(x) for x in raw["spans"]]
         timer._step_spans = [tuple(x) for x in raw["step_spans"]]
@@ -306,7 +239,7 @@ class LayerTimer:
         """Everything measured, for offline analysis (JSON-serialisable)."""
         return {"forward": self._forward, "backward": self._backward, "step_times": self._step_times,
                 "comm": self._comm, "spans": self._spans, "step_spans": self._step_spans,
-                "contended": self.contended, "updates": self._updates}
+                "updates": self._updates}
 
 
 def _intervals(records: Sequence[Sequence[Any]]) -> List[Tuple[float, float]]:
@@ -396,20 +329,9 @@ def observed_beta(alpha: float, per_rank: Sequence[Sequence[Tuple[float, int, in
     return statistics.median(betas) if betas else math.nan
 
 
-def slowdown_from(samples: Sequence[Tuple[float, float]]) -> float:
-    """σ from contention samples (E, O), one per rank: compute that overlapped a transfer
-    for O seconds took E seconds longer, so it ran at 1/(1+σ) = (O − E)/O of its speed.
-    Pooled over ranks (Σ E / Σ (O − E)): each rank's single sample is noisy. 0 without data."""
-    extra = math.fsum(e for e, o in samples if o > 0)
-    overlap = math.fsum(o for e, o in samples if o > 0)
-    if overlap <= 0 or extra <= 0:
-        return 0.0
-    return extra / max(overlap - extra, 1e-3 * overlap)
-
-
 def combine(
     rows: Sequence[Sequence[float]], m: int, sizes: Sequence[int], link: Sequence[Sequence[Tuple[float, int, int]]],
-    slowdown: float,
+    slowdown: float = 0.0,
 ) -> "Profile":
     """The job's profile from every rank's ``u + b + [step] + probe times [+ [update]]`` row
     and link samples.
@@ -417,6 +339,8 @@ def combine(
     MAX over ranks for compute, deferred updates and the probes (the slowest rank sets the pace of a
     synchronous job); :func:`observed_beta` for the link seen in training. Pure: every rank,
     and an offline analysis of a saved run, computes the same profile from the same inputs.
+    ``slowdown`` is σ as the caller knows it (the samples in ``rows`` should have been cleaned
+    with it, :meth:`LayerTimer.medians`); :func:`measure` leaves it 0.
     """
     values = [max(col) for col in zip(*rows)]
     alpha, beta_isolated = fit_alpha_beta(sizes, values[2 * m + 1 : 2 * m + 1 + len(sizes)])
@@ -457,25 +381,10 @@ def probe_sizes(bucket_bytes: Sequence[int]) -> List[int]:
     return sorted({4096, max(4096, largest // 16), max(8192, largest // 4), max(16384, largest)})
 
 
-def dummy_allreduce(group, nbytes: int, dtype: torch.dtype, device: torch.device) -> Callable[[], Tuple[Any, int]]:
-    """A contention probe for :class:`LayerTimer`: allocates ``nbytes`` of zeros now and
-    returns the function that starts their all-reduce on ``group`` (result never used)."""
-    element = torch.empty((), dtype=dtype).element_size()
-    buffer = torch.zeros(max(1, nbytes // element), dtype=dtype, device=device)
-    return lambda: (dist.all_reduce(buffer, group=group, async_op=True), buffer.numel() * element)
-
-
 def measure(
     timer: LayerTimer, group, bucket_bytes: Sequence[int], dtype: torch.dtype, device: torch.device
 ) -> Profile:
     """The job's profile, identical on every rank (see the module docstring for reductions)."""
-
-    def reduce(values: List[float], op) -> List[float]:
-        tensor = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
-        dist.all_reduce(tensor, op=op, group=group)
-        return tensor.cpu().tolist()
-
-    timer.finish_probe()
     world = dist.get_world_size(group)
 
     def gather(values: List[float]) -> List[List[float]]:
@@ -484,9 +393,7 @@ def measure(
         dist.all_gather(out, local, group=group)
         return [t.cpu().tolist() for t in out]
 
-    extra, overlap = timer.slowdown_sample()
-    slowdown = slowdown_from([tuple(r) for r in gather([extra, overlap])])
-    u, b, step = timer.medians(slowdown)
+    u, b, step = timer.medians()
     sizes = probe_sizes(bucket_bytes)
     comm = [time_allreduce(group, s, dtype, device) for s in sizes]
     rows = gather(u + b + [step] + comm + [timer.update_time()])
@@ -495,7 +402,7 @@ def measure(
     padded = samples + [(math.nan, -1, -1)] * (longest - len(samples))
     flat = gather([x for sample in padded for x in sample])
     link = [[(r[3 * i], int(r[3 * i + 1]), int(r[3 * i + 2])) for i in range(longest)] for r in flat]
-    profile = combine(rows, len(u), sizes, link, slowdown)
+    profile = combine(rows, len(u), sizes, link)
     profile.raw = dict(timer.raw(), probe_sizes=sizes, probe_times=comm, link_samples=samples,
-                       slowdown_sample=[extra, overlap], row=rows[dist.get_rank(group)])
+                       row=rows[dist.get_rank(group)])
     return profile

@@ -2,30 +2,30 @@
 
 The paper's closed form (``solver.closed_form_k``) ignores bucketing, launch order, the
 latency term of the α–β model and stale traffic left over from the previous iteration.
-This module simulates what the runtime actually does (DESIGN.md §4–§5), so the solver can
+This module simulates what the runtime actually does (docs/design.md §4–§5), so the solver can
 predict the iteration time of every k and pick the smallest one with no stall.
 
 Model (one rank; every rank is assumed identical):
 
 * **Compute** is one serial stream: forward of layers 1..m, then backward of m..1, then
   ``step()``. Layer i takes ``u_i`` forward and ``b_i`` backward.
-* **Buckets** pack whole layers in reverse forward order exactly as
-  ``sapipe.buckets.build_buckets`` does: a bucket closes when the next layer would push it
+* **Buckets** pack whole layers in reverse forward order with the runtime's own rule
+  (:func:`sapipe.bucket_layout.bucket_layout`, which ``sapipe.buckets.build_buckets``
+  calls too): a bucket closes when the next layer would push it
   over ``bucket_cap_bytes`` (a larger layer gets a bucket of its own) and always at the
   S/N boundary between layers k and k+1. Layers 1..k (stale set S) are the last buckets.
 * **Launch**: bucket j's all-reduce is issued when the backward of all its layers is done
   *and* bucket j-1 has been issued (collectives are issued in index order on every rank).
 * **Link**: one shared link. By default (:class:`Link`) it runs one all-reduce at a time,
-  never pre-empting a running one. The next to run is the earliest issued (FIFO), or with
-  ``priority=True`` the earliest issued *sync* bucket if any is waiting, else the earliest
-  stale one. With ``shared_link=True`` (:class:`SharedLink`) sync and stale buckets go on
+  never pre-empting a running one; the next to run is the earliest issued (FIFO). With
+  ``shared_link=True`` (:class:`SharedLink`) sync and stale buckets go on
   two process groups, as the runtime sends them: each group is a FIFO queue, and while
   both have a transfer running they split the bandwidth evenly (fluid processor sharing).
   A bucket takes ``alpha + beta * bytes`` of the link at full rate (or, with
   ``alpha = beta = None``, the sum of its layers' profiled ``comm`` times).
 * **Compute slow-down**: with ``slowdown`` σ > 0, compute runs at 1/(1+σ) of its speed
   while the link carries any transfer (on a CPU host the communication threads and the
-  kernel's copies take cores from compute, DESIGN.md §6). Transfers are not slowed in
+  kernel's copies take cores from compute, docs/design.md §6). Transfers are not slowed in
   turn: ``beta`` should be the link as seen under training (``profiler`` fits it there).
 * **Sync bucket** of iteration t: the forward of its first layer (in forward order) in
   iteration t+1 waits for its all-reduce, then applies its deferred update
@@ -47,10 +47,9 @@ flight per process group (Gloo runs two at once per group; NCCL queues them), ra
 (every rank is assumed identical) and noise. With σ = 0 and ``shared_link=False`` this is
 exactly the one-at-a-time model above, the paper's setting plus bucketing and launch order.
 
-A consequence worth knowing: sync-before-stale ``priority`` never shortens the iteration
-here. The only stale all-reduce a sync one can overtake is from the previous iteration, and
-its deadline (this iteration's ``step()``) comes before the sync one's (a forward of the
-next iteration), so FIFO is already earliest-deadline-first.
+FIFO is also earliest-deadline-first here: the only stale all-reduce a sync one could
+overtake is from the previous iteration, and its deadline (this iteration's ``step()``)
+comes before the sync one's (a forward of the next iteration).
 """
 from __future__ import annotations
 
@@ -58,12 +57,13 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
+from ..bucket_layout import bucket_layout
 from .chrome_trace import TraceEvent
 
 if TYPE_CHECKING:  # pragma: no cover
     from .solver import LayerProfile
 
-__all__ = ["BucketPlan", "SimResult", "build_bucket_layout", "plan_buckets", "simulate"]
+__all__ = ["BucketPlan", "SimResult", "plan_buckets", "simulate"]
 
 DEFAULT_ITERATIONS = 30
 _LONGEST_CYCLE = 4  # periodic patterns up to this many iterations are detected
@@ -88,31 +88,6 @@ class BucketPlan:
         return min(self.layers)
 
 
-def build_bucket_layout(bytes_per_layer: Sequence[int], k: int, bucket_cap_bytes: float) -> List[List[int]]:
-    """Layers of each bucket, mirroring ``sapipe.buckets.build_buckets``.
-
-    Walk layers in reverse forward order; close the open bucket when adding the next layer
-    would exceed ``bucket_cap_bytes`` (so a single larger layer ends up alone) and always at
-    the S/N boundary (layer index ``k - 1`` | ``k``, 0-based). Returns 0-based layer indices,
-    each bucket listed in backward order. A cap of 0 gives one layer per bucket as long as
-    every layer has a positive size (zero-size layers join their neighbour's bucket).
-    """
-    buckets: List[List[int]] = []
-    current: List[int] = []
-    current_bytes = 0
-    for i in reversed(range(len(bytes_per_layer))):
-        size = bytes_per_layer[i]
-        crosses_boundary = bool(current) and ((current[-1] < k) != (i < k))
-        if current and (crosses_boundary or current_bytes + size > bucket_cap_bytes):
-            buckets.append(current)
-            current, current_bytes = [], 0
-        current.append(i)
-        current_bytes += size
-    if current:
-        buckets.append(current)
-    return buckets
-
-
 def plan_buckets(
     profiles: Sequence["LayerProfile"],
     k: int,
@@ -122,7 +97,8 @@ def plan_buckets(
     beta: Optional[float],
     bytes_per_layer: Optional[Sequence[int]] = None,
 ) -> List[BucketPlan]:
-    """Buckets for k stale layers with their all-reduce times.
+    """Buckets for k stale layers with their all-reduce times, laid out by
+    :func:`sapipe.bucket_layout.bucket_layout` as the runtime lays them out.
 
     ``bytes_per_layer`` defaults to 4 bytes per element (``profile.numel``). Communication
     time is ``alpha + beta * bytes`` when both are given, or the sum of the layers' profiled
@@ -132,7 +108,7 @@ def plan_buckets(
     if (alpha is None) != (beta is None):
         raise ValueError("sapipe.schedule: give both alpha and beta (α–β model) or neither (use profiled comm)")
     plans = []
-    for index, layers in enumerate(build_bucket_layout(nbytes, k, bucket_cap_bytes)):
+    for index, layers in enumerate(bucket_layout(nbytes, k, bucket_cap_bytes)):
         size = sum(nbytes[i] for i in layers)
         if alpha is None:
             comm = math.fsum(profiles[i].comm for i in layers)
@@ -179,8 +155,7 @@ class Link:
     from τ on keeps every transfer that started before τ and re-places the rest.
     """
 
-    def __init__(self, priority: bool):
-        self.priority = priority
+    def __init__(self) -> None:
         self.placed: List[Transfer] = []  # in start order (= end order: the link is serial)
 
     def submit(self, transfers: Sequence[Transfer]) -> None:
@@ -207,15 +182,7 @@ class Link:
         now = free
         while waiting:
             now = max(now, waiting[0].issue)
-            nxt = waiting[0]  # FIFO: the earliest launched
-            if self.priority and nxt.bucket.stale:  # the earliest launched sync one, if any is waiting
-                for tr in waiting:
-                    if tr.issue > now:
-                        break
-                    if not tr.bucket.stale:
-                        nxt = tr
-                        break
-            waiting.remove(nxt)
+            nxt = waiting.pop(0)  # FIFO: the earliest launched
             nxt.start = now
             nxt.end = now + nxt.bucket.comm_time
             now = nxt.end
@@ -436,7 +403,6 @@ def simulate(
     alpha: Optional[float],
     beta: Optional[float],
     bytes_per_layer: Optional[Sequence[int]] = None,
-    priority: bool = False,
     iterations: int = DEFAULT_ITERATIONS,
     record_events: bool = True,
     step_time: float = 0.0,
@@ -452,8 +418,7 @@ def simulate(
     all-reduces sit at the same offsets from the next iteration's start as c = 1..4
     iterations before; the iteration time is then the mean period over that cycle -- or
     for ``iterations`` at most. If it has not settled by then (a backlog still growing on a
-    saturated link, or a saturated link whose order of transfers never settles under
-    ``priority``), the iteration time is estimated as the mean period of the second half
+    saturated link), the iteration time is estimated as the mean period of the second half
     of the run, but no less than the link's busy time per iteration.
 
     ``step_time`` is serial compute between the end of backward (and of ``step()``'s wait
@@ -467,7 +432,7 @@ def simulate(
     ``slowdown`` σ ≥ 0: compute runs at 1/(1+σ) of its speed while the link carries a
     transfer (0: communication costs compute nothing, the paper's and the old model).
     ``shared_link``: sync and stale all-reduces run on two process groups that share the
-    link (:class:`SharedLink`) instead of one at a time (:class:`Link`); not with ``priority``.
+    link (:class:`SharedLink`) instead of one at a time (:class:`Link`).
 
     ``events`` (if ``record_events``) is the last simulated iteration, shifted to start at
     0: its compute, waits, its own all-reduces (some run on into the next iteration) and
@@ -480,9 +445,6 @@ def simulate(
         raise ValueError(f"sapipe.schedule: slowdown must be finite and >= 0; got {slowdown}")
     if not update_per_element >= 0.0 or math.isinf(update_per_element):
         raise ValueError(f"sapipe.schedule: update_per_element must be finite and >= 0; got {update_per_element}")
-    if shared_link and priority:
-        raise ValueError("sapipe.schedule: shared_link (two process groups) has no priority between them")
-    iterations = max(iterations, 2)
     buckets = plan_buckets(profiles, k, bucket_cap_bytes=bucket_cap_bytes, alpha=alpha, beta=beta,
                            bytes_per_layer=bytes_per_layer)
     update_work = {b.index: update_per_element * sum(profiles[i].numel for i in b.layers) for b in buckets}
@@ -490,11 +452,46 @@ def simulate(
     compute = (math.fsum(p.forward for p in profiles) + math.fsum(p.backward for p in profiles) + step_time
                + update_per_element * sum(p.numel for p in profiles))
     comm = math.fsum(b.comm_time for b in buckets)
-    link = SharedLink() if shared_link else Link(priority)
+    link = SharedLink() if shared_link else Link()
+    history, cycle = _run_iterations(profiles, buckets, link, update_work, step_work, slowdown,
+                                     max(iterations, 2), compute + comm)
+    iteration_time, busy = _period(history, cycle, comm)
+    last = history[-1]
+    return SimResult(
+        k=k,
+        iteration_time=iteration_time,
+        compute_time=compute,
+        stall=max(iteration_time - compute, 0.0),
+        comm_time=comm,
+        forward_wait=last.forward_wait,
+        step_wait=_step_wait(last, step_work, slowdown),
+        converged=bool(cycle),
+        cycle=cycle,
+        iterations=len(history),
+        buckets=buckets,
+        events=_last_iteration_events(link, history) if record_events else [],
+        wait=max(iteration_time - busy, 0.0) if slowdown > 0.0 else max(iteration_time - compute, 0.0),
+    )
+
+
+def _run_iterations(
+    profiles: Sequence["LayerProfile"],
+    buckets: Sequence[BucketPlan],
+    link,
+    update_work: Dict[int, float],
+    step_work: float,
+    slowdown: float,
+    iterations: int,
+    scale: float,
+) -> Tuple[List[_Iteration], int]:
+    """Simulate iterations until the pipeline repeats itself (or ``iterations`` of them).
+
+    Returns the iterations' timelines and the cycle length (0: not converged). ``scale``
+    (a typical iteration time) sets the tolerance of "repeats".
+    """
     history: List[_Iteration] = []
     sent: List[Dict[int, Transfer]] = []  # per iteration: bucket index -> its all-reduce
     states: List[Tuple[float, ...]] = []
-    cycle = 0
     start = 0.0
     for t in range(iterations):
         it, transfers = _run_forward_backward(t, start, profiles, buckets, sent[t - 1] if t else {}, link, slowdown,
@@ -514,39 +511,33 @@ def simulate(
         history.append(it)
         start = it.step_end
         states.append(_state(transfers, start))
-        cycle = _cycle(states, compute + comm)
+        cycle = _cycle(states, scale)
         if cycle:
-            break
+            return history, cycle
+    return history, 0
 
+
+def _period(history: Sequence[_Iteration], cycle: int, comm: float) -> Tuple[float, float]:
+    """Steady-state iteration time and compute-busy time per iteration."""
     starts = [history[0].start] + [it.step_end for it in history]
-    if cycle:  # periodic: the mean period over one cycle (cycles longer than 1 are rare, priority only)
+    if cycle:  # periodic: the mean period over one cycle (cycles longer than 1 are rare)
         iteration_time = (starts[-1] - starts[-1 - cycle]) / cycle
         busy = math.fsum(it.busy for it in history[-cycle:]) / cycle
-    else:  # e.g. a saturated link whose order of transfers never settles: average the second half,
-        half = len(history) // 2  # and the link's busy time per iteration is a floor
-        iteration_time = max((starts[-1] - starts[half]) / (len(history) - half), comm)
-        busy = math.fsum(it.busy for it in history[half:]) / (len(history) - half)
+        return iteration_time, busy
+    # not settled (e.g. a backlog still growing on a saturated link): average the second
+    # half, and the link's busy time per iteration is a floor
+    half = len(history) // 2
+    iteration_time = max((starts[-1] - starts[half]) / (len(history) - half), comm)
+    busy = math.fsum(it.busy for it in history[half:]) / (len(history) - half)
+    return iteration_time, busy
+
+
+def _last_iteration_events(link, history: Sequence[_Iteration]) -> List[TraceEvent]:
+    """The last iteration's compute and communication events, shifted to start at 0."""
     last = history[-1]
-    events: List[TraceEvent] = []
-    if record_events:
-        raw = last.events + _comm_events(link, last.start, last.step_end, len(history) - 1)
-        events = sorted((TraceEvent(e.name, e.category, e.start - last.start, e.end - last.start, e.args)
-                         for e in raw), key=lambda e: (e.start, e.end))
-    return SimResult(
-        k=k,
-        iteration_time=iteration_time,
-        compute_time=compute,
-        stall=max(iteration_time - compute, 0.0),
-        comm_time=comm,
-        forward_wait=last.forward_wait,
-        step_wait=_step_wait(last, step_work, slowdown),
-        converged=bool(cycle),
-        cycle=cycle,
-        iterations=len(history),
-        buckets=buckets,
-        events=events,
-        wait=max(iteration_time - busy, 0.0) if slowdown > 0.0 else max(iteration_time - compute, 0.0),
-    )
+    raw = last.events + _comm_events(link, last.start, last.step_end, len(history) - 1)
+    return sorted((TraceEvent(e.name, e.category, e.start - last.start, e.end - last.start, e.args)
+                   for e in raw), key=lambda e: (e.start, e.end))
 
 
 def _step_wait(it: _Iteration, step_time: float, slowdown: float) -> float:

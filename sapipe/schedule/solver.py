@@ -1,4 +1,4 @@
-"""Choosing k, the number of stale layers (DESIGN.md §4, SAPipe paper §3.1).
+"""Choosing k, the number of stale layers (docs/design.md §4, SAPipe paper §3.1).
 
 Two answers are kept side by side:
 
@@ -8,7 +8,7 @@ Two answers are kept side by side:
       (1)  Σ_i v_i ≤ Σ_i b_i + Σ_i u_i
       (2)  Σ_{i=k+1..m} v_i ≤ Σ_{i=1..m-1} b_i + Σ_{i=1..k} u_i
 
-  (indices as in both the paper and DESIGN.md). (1) says the link can carry one
+  (indices as in both the paper and docs/design.md). (1) says the link can carry one
   iteration's traffic in one iteration's compute; (2) says the sync layers' traffic fits
   between the end of the last layer's backward and the start of layer k+1's forward in the
   next iteration. Both are *necessary* for a stall-free pipeline but not sufficient: (2)
@@ -166,7 +166,6 @@ def choose_k(
     alpha: Optional[float] = None,
     beta: Optional[float] = None,
     bytes_per_layer: Optional[Sequence[int]] = None,
-    priority: bool = False,
     tolerance: float = 0.01,
     iterations: int = DEFAULT_ITERATIONS,
     step_time: float = 0.0,
@@ -202,7 +201,7 @@ def choose_k(
     def sim(k: int) -> SimResult:
         if k not in cache:
             cache[k] = simulate(profiles, k, bucket_cap_bytes=bucket_cap_bytes, alpha=alpha, beta=beta,
-                                bytes_per_layer=bytes_per_layer, priority=priority, iterations=iterations,
+                                bytes_per_layer=bytes_per_layer, iterations=iterations,
                                 record_events=False, step_time=step_time, slowdown=slowdown,
                                 shared_link=shared_link, update_per_element=update_per_element)
         return cache[k]
