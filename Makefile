@@ -54,7 +54,7 @@ test: venv
 demo: venv
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples/demo.py $(DEMO_ARGS)
 
-# Throughput sweep (DESIGN.md §6). tc/ip come from iproute2; install it when missing.
+# Throughput sweep (docs/design.md §6; benchmarks/throughput_bench/). tc/ip come from iproute2; install it when missing.
 bench: venv
 	@command -v tc >/dev/null && command -v unshare >/dev/null || \
 	  { echo "installing iproute2 (tc) and util-linux (unshare)"; \

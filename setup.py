@@ -118,7 +118,7 @@ setup(
     long_description=_long_description(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=find_packages(include=["sapipe", "sapipe.*", "launcher", "launcher.*"]),
+    packages=find_packages(include=["sapipe", "sapipe.*"]),
     install_requires=[
         "torch>=2.1",  # unpinned on purpose: satisfied by the torch already installed
         "numpy",
@@ -126,8 +126,8 @@ setup(
     extras_require={"dev": ["pytest"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    # `sapipe-launch`: torchrun + --emulate-net + BytePS-style env (launcher/main.py)
-    entry_points={"console_scripts": ["sapipe-launch = launcher.main:main"]},
+    # `sapipe-launch`: torchrun + --emulate-net + BytePS-style env (sapipe/launch/main.py)
+    entry_points={"console_scripts": ["sapipe-launch = sapipe.launch.main:main"]},
     zip_safe=False,
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -42,7 +42,7 @@ MODES = [("none", "outer"), ("dc", "outer"), ("dc", "diagonal"), ("wp1", "outer"
 
 def floor_streams(label: str, optimizer: str) -> int:
     """The fewest extra passes over the stale parameters (float32 reads + writes per element,
-    per step) that a mode needs beyond ``none``'s update, by its definition (DESIGN.md §3, s = 1),
+    per step) that a mode needs beyond ``none``'s update, by its definition (docs/design.md §3, s = 1),
     for any implementation, however fused:
 
     * ``dc`` diagonal: Δ's reference — read it, and store this step's for the next (+2);
@@ -213,7 +213,8 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "a") as f:
         f.write(f"\n## {time.strftime('%Y-%m-%d %H:%M')} — `{command}`\n\nbackends: `{fused['backend']}` vs "
-                f"`{plain['backend']}`; k for κ ≥ {args.kappa}, one process, {args.rounds} interleaved rounds of {args.steps} steps "
+                f"`{plain['backend']}`; base optimizer: torch's with `fused=True` (bench_models); "
+                f"k for κ ≥ {args.kappa}, one process, {args.rounds} interleaved rounds of {args.steps} steps "
                 f"per mode (ms/step: median of the rounds' medians; overhead: median over rounds of the "
                 f"ratio to `none` in the same round; floor: the mode's inherent extra passes over the stale "
                 f"parameters (`floor_streams`) × one pass (a cold `torch` copy's time / 2, timed in each round), "

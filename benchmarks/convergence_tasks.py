@@ -164,9 +164,9 @@ def _classifier_task(name, title, build_model, *, lr, momentum, steps, quick_ste
     return Task(
         name=name, title=title, metric="test accuracy (%)", higher_is_better=True,
         steps=steps, quick_steps=quick_steps, eval_every=eval_every, batch=batch, lr=lr,
-        optimizer=f"SGD(lr={lr}, momentum={momentum})",
+        optimizer=f"SGD(lr={lr}, momentum={momentum}, fused=True)",
         build_model=build_model,
-        build_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum),
+        build_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum, fused=True),
         load=load_digits_split, sample=sample, loss=loss, evaluate=evaluate, notes=notes,
     )
 
@@ -205,9 +205,9 @@ def _lm_task(*, lr=3e-3, steps=300, quick_steps=20, eval_every=25, batch=16, con
     return Task(
         name="lm", title="Transformer LM (stdlib source, bytes)", metric="test perplexity",
         higher_is_better=False, steps=steps, quick_steps=quick_steps, eval_every=eval_every,
-        batch=batch, lr=lr, optimizer=f"Adam(lr={lr})",
+        batch=batch, lr=lr, optimizer=f"Adam(lr={lr}, fused=True)",
         build_model=lambda: CharLM(context=context),
-        build_optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=lr),
+        build_optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=lr, fused=True),
         load=load, sample=sample, loss=loss, evaluate=evaluate,
         notes=(f"byte-level, context {context}, 2 blocks, width 64; held-out set = "
                f"{eval_windows} fixed windows of the last 10 % of the text"),

@@ -1,7 +1,7 @@
 """Where does a sapipe iteration's time go? Measured trace vs the scheduler's prediction.
 
 For one model × emulated bandwidth, one ``torchrun`` job (2 ranks, in a rate-limited
-network namespace as DESIGN.md §6) trains with ``stale_layers="auto"`` and then, freshly,
+network namespace as docs/design.md §6) trains with ``stale_layers="auto"`` and then, freshly,
 with k = m (Pipe-SGD), both with sapipe's runtime tracer on. For the timed iterations of
 each it splits the iteration time (rank 0) into
 
@@ -10,8 +10,8 @@ each it splits the iteration time (rank 0) into
 * **step waits**: ``step()`` waiting for the previous iteration's stale all-reduces,
 
 and sets the same split of the scheduler's simulated iteration beside it. A gap in
-*compute* is the CPU that communication takes from computation on this host (DESIGN.md
-§6), which the scheduler's model does not charge; a gap in *waits* is the link model.
+*compute* is the CPU that communication takes from computation on this host
+(docs/design.md §6), which the scheduler's model does not charge; a gap in *waits* is the link model.
 
     python benchmarks/explain_auto.py --model vgg16 --size small --rate 25gbit
 """
@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import hostenv  # noqa: E402
-import netem  # noqa: E402
+from sapipe.launch import netns  # noqa: E402
 
 
 def _split(events, first_iteration: int):
@@ -88,16 +88,14 @@ def worker(args) -> None:
         train(args.steps)
         measured = _split(chrome_trace.events_from_tracer(opt.tracer.events()), 0)
         row = {"k": opt.stale_layers, "measured": measured}
-        if opt.tuner is not None:
-            row["tuning"] = opt.tuner.summary()
-        if opt.decision is not None:
-            alpha, beta, layer_bytes, step_time = opt._link  # noqa: SLF001 - the decision's own inputs
-            sim = simulator.simulate(opt._profiles, opt.decision.k, alpha=alpha, beta=beta,  # noqa: SLF001
-                                     bytes_per_layer=layer_bytes, step_time=step_time,
-                                     bucket_cap_bytes=int(args.bucket_cap_mb * 1024 * 1024),
-                                     **opt._sim_options)  # noqa: SLF001
+        auto = opt.auto  # None for the k = m run
+        if auto is not None and auto.tuner is not None:
+            row["tuning"] = auto.tuner.summary()
+        if auto is not None and auto.decision is not None:
+            # the decision's own inputs: its layer profiles and the simulator's other arguments
+            sim = simulator.simulate(auto.layer_profiles, auto.decision.k, **auto.simulator_arguments())
             row["predicted"] = _predicted(sim.events)
-            row["summary"] = opt.decision.summary()
+            row["summary"] = auto.decision.summary()
         out[label] = row
         k = opt.num_layers  # the second run: every layer stale (Pipe-SGD)
         opt.close()
@@ -112,7 +110,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="vgg16")
     p.add_argument("--size", default="small")
-    p.add_argument("--rate", default="25gbit", help="loopback rate in the namespace, or 'unlimited'")
+    p.add_argument("--rate", default="25gbit",
+                   help="loopback RATE[,LATENCY] in the namespace, e.g. 25gbit, 1gbit,2ms or unlimited")
     p.add_argument("--steps", type=int, default=20, help="timed iterations per run")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -128,7 +127,7 @@ def main() -> None:
                "--model", args.model, "--size", args.size, "--steps", str(args.steps),
                "--bucket-cap-mb", str(args.bucket_cap_mb), "--out", out]
         env = hostenv.worker_env(OMP_NUM_THREADS="1")
-        proc = subprocess.run(netem.wrap(cmd, netem.parse_rate(args.rate)), capture_output=True, text=True, env=env)
+        proc = subprocess.run(netns.wrap(cmd, netns.parse_spec(args.rate)), capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             sys.exit(f"job failed:\n{proc.stderr[-3000:]}")
         with open(out) as f:

@@ -1,11 +1,11 @@
 """How well does the scheduler predict? Predicted vs measured iteration time, k = 0 / auto / m.
 
 For each model × emulated bandwidth one ``torchrun`` job runs inside a rate-limited network
-namespace (DESIGN.md §6, via ``benchmarks/netem.py``). In that job:
+namespace (docs/design.md §6, via :mod:`sapipe.launch.netns`). In that job:
 
 1. a ``stale_layers="auto"`` run profiles its warm-up, the model picks k and the run
    measures that k on the job (``sapipe.schedule.tuner``), and its final decision predicts
-   the iteration time for k = 0, the chosen k and k = m (the simulator, DESIGN.md §4, with
+   the iteration time for k = 0, the chosen k and k = m (the simulator, docs/design.md §4, with
    the compute slow-down σ fitted to the search's trials where a search ran);
 2. the same auto run is then timed once its k is final, and fresh runs with k = 0 and
    k = m are timed too — all in the same process group and network, interleaved in
@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import hostenv  # noqa: E402
-import netem  # noqa: E402
+from sapipe.launch import netns  # noqa: E402
 
 
 def worker(args) -> None:
@@ -100,20 +100,17 @@ def worker(args) -> None:
                 elif kind == "comm_done" and key in begun:
                     spans.append(((begun.pop(key) - t0) / 1e9, (at - t0) / 1e9, key[1], key[0]))
             spans += [((s - t0) / 1e9, math.nan, key[1], key[0]) for key, s in begun.items()]
-        for bucket in opt.buckets:  # the last stale all-reduce must not overlap the next run's steps
-            for handle in bucket.grads.in_flight:
-                if handle is not None and hasattr(handle.token, "wait"):
-                    handle.token.wait()  # the torch work object: waiting again later is a no-op
+        opt.wait_for_communication()  # the last stale all-reduce must not overlap the next run's steps
         return times
 
-    auto = setup("auto")
-    d = auto[0].decision
-    tuner = auto[0].tuner
+    auto_run = setup("auto")
+    auto_opt, controller = auto_run[0], auto_run[0].auto  # controller: the public auto-k state
+    d, tuner = controller.decision, controller.tuner
     results = {"m": d.m, "k": d.k, "kappa": d.kappa, "comm_bound": d.comm_bound, "summary": d.summary(),
                "model_k": tuner.first_k if tuner else d.k,
                "tuning": tuner.summary() if tuner else "not measured (model's k is 0 or m)"}
     results["predicted"] = {"0": d.iteration_time_sync, "auto": d.iteration_time, "m": d.iteration_time_all_stale}
-    runs = {str(d.k): auto}
+    runs = {str(d.k): auto_run}
     for expr in ["0", "m"] + list(filter(None, args.sweep_k.split(","))):
         k = min(d.m, max(0, int(round(eval(expr, {"m": d.m})))))  # noqa: S307 - our own CLI, e.g. "m/2"
         if str(k) not in runs:
@@ -128,16 +125,15 @@ def worker(args) -> None:
     # The mean: a saturated link often alternates long and short iterations; only the mean is the rate.
     mean = {key: statistics.fmean(ts) for key, ts in times.items()}
     results["measured"] = {"0": mean["0"], "auto": mean[str(d.k)], "m": mean[str(d.m)]}
-    auto = auto[0]
+    prof = controller.profile  # what the decision was made from
     ranks = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, auto.profile.raw)
-    prof = auto.profile
+    dist.all_gather_object(ranks, prof.raw)
     element = next(spec.make_model().parameters()).element_size()
     results["raw"] = {
-        "layers": [layer.name for layer in auto.layers],
-        "layer_bytes": [layer.numel * element for layer in auto.layers],
-        "numel": [layer.numel for layer in auto.layers],
-        "bucket_cap_bytes": int(auto.settings.bucket_cap_mb * 1024 * 1024),
+        "layers": [layer.name for layer in auto_opt.layers],
+        "layer_bytes": [layer.numel * element for layer in auto_opt.layers],
+        "numel": [layer.numel for layer in auto_opt.layers],
+        "bucket_cap_bytes": int(auto_opt.settings.bucket_cap_mb * 1024 * 1024),
         "profile": {"forward": prof.forward, "backward": prof.backward, "step_time": prof.step_time,
                     "alpha": prof.alpha, "beta": prof.beta, "slowdown": prof.slowdown,
                     "beta_isolated": prof.beta_isolated, "beta_observed": prof.beta_observed,
@@ -180,7 +176,7 @@ def replay(path: str, variants) -> str:
         raw = r["raw"]
         m = len(raw["layers"])
         timers = [profiler.LayerTimer.from_raw(rank) for rank in raw["ranks"]]
-        sigma = profiler.slowdown_from([tuple(rank["slowdown_sample"]) for rank in raw["ranks"]])
+        sigma = _slowdown(raw["ranks"])
         predictions = {}
         for name in variants:
             fit, slow, shared = VARIANTS[name]
@@ -208,6 +204,18 @@ def replay(path: str, variants) -> str:
     return "\n".join(lines)
 
 
+def _slowdown(ranks) -> float:
+    """σ from a raw file's contention samples (E, O), one per rank: compute that overlapped a
+    transfer for O seconds took E seconds longer. Pooled over ranks, Σ E / Σ (O − E); 0 without
+    samples (sapipe's profiler no longer takes them: only older raw files have them)."""
+    samples = [tuple(rank["slowdown_sample"]) for rank in ranks if "slowdown_sample" in rank]
+    extra = math.fsum(e for e, o in samples if o > 0)
+    overlap = math.fsum(o for e, o in samples if o > 0)
+    if overlap <= 0 or extra <= 0:
+        return 0.0
+    return extra / max(overlap - extra, 1e-3 * overlap)
+
+
 def _jsonable(value):
     return None if value is None else float(value)
 
@@ -222,7 +230,7 @@ def launch(model: str, size: str, rate: str, args) -> dict:
             "--profile-steps", str(args.profile_steps), "--sweep-k", args.sweep_k, "--rounds", str(args.rounds),
         ] + (["--trace-comm"] if args.trace_comm else [])
         env = hostenv.worker_env(OMP_NUM_THREADS="1")
-        proc = subprocess.run(netem.wrap(cmd, netem.parse_rate(rate)), capture_output=True, text=True, env=env)
+        proc = subprocess.run(netns.wrap(cmd, netns.parse_spec(rate)), capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"{model} @ {rate} failed:\n{proc.stderr[-3000:]}")
         with open(out) as f:
@@ -256,7 +264,7 @@ def main() -> None:
     if args.replay:
         print(replay(args.replay, args.variants.split(",")))
         return
-    ok, why = netem.check()
+    ok, why = netns.check()
     if not ok:
         sys.exit(f"cannot emulate a network here: {why}")
     rows = []
@@ -287,7 +295,8 @@ def main() -> None:
     command = "python benchmarks/schedule_accuracy.py " + " ".join(sys.argv[1:])
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "a") as f:
-        f.write(f"\n## {time.strftime('%Y-%m-%d %H:%M')} — `{command}`\n\n{table}\n")
+        f.write(f"\n## {time.strftime('%Y-%m-%d %H:%M')} — `{command}`\n\n"
+                f"Optimizers: torch's with `fused=True` (bench_models).\n\n{table}\n")
 
 
 if __name__ == "__main__":

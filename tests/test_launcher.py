@@ -10,11 +10,7 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # `launcher` is a top-level package of the repository
-    sys.path.insert(0, ROOT)
-
-from launcher import LaunchError, byteps_flags, netns, plan  # noqa: E402
+from sapipe.launch import LaunchError, byteps_flags, netns, plan
 
 PY = sys.executable
 TORCHRUN = [PY, "-m", "torch.distributed.run"]
@@ -23,8 +19,7 @@ BPS = {"DMLC_NUM_WORKER": "4", "DMLC_WORKER_ID": "2", "DMLC_PS_ROOT_URI": "10.0.
 
 
 def _cli_env(**extra):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in list(env):
         if k.startswith(("DMLC_", "BYTEPS_", "PET_")):
             del env[k]
@@ -169,7 +164,7 @@ def test_rate_and_latency_units():
 # --- the CLI ------------------------------------------------------------------------------
 
 def test_cli_help():
-    out = subprocess.run([PY, "-m", "launcher", "--help"], capture_output=True, text=True,
+    out = subprocess.run([PY, "-m", "sapipe.launch", "--help"], capture_output=True, text=True,
                          env=_cli_env(), timeout=120)
     assert out.returncode == 0
     for word in ("--emulate-net", "DMLC_NUM_WORKER", "multi-node", "examples:", "--nproc-per-node"):
@@ -177,7 +172,7 @@ def test_cli_help():
 
 
 def test_cli_dry_run_and_errors(monkeypatch, capsys):
-    from launcher import main
+    from sapipe.launch import main
 
     for k in list(os.environ):
         if k.startswith(("DMLC_", "BYTEPS_", "PET_")):
@@ -236,7 +231,7 @@ def test_emulate_net_runs_a_job_on_a_shaped_loopback(tmp_path):
         pytest.skip(f"cannot emulate a network here: {why}")
     script, result = tmp_path / "job.py", tmp_path / "result.json"
     script.write_text(JOB)
-    out = subprocess.run([PY, "-m", "launcher", "--emulate-net", "50mbit", "--nproc-per-node=2",
+    out = subprocess.run([PY, "-m", "sapipe.launch", "--emulate-net", "50mbit", "--nproc-per-node=2",
                           "--monitor-interval=0.5", str(script), str(result)],
                          capture_output=True, text=True, env=_cli_env(), timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -252,7 +247,7 @@ def test_emulate_net_latency_for_real(tmp_path):
     ok, why = netns.check(spec)
     if not ok:
         pytest.skip(f"cannot add a netem delay here: {why}")
-    out = subprocess.run([PY, "-m", "launcher", "--emulate-net", "unlimited,5ms", "--no-python",
+    out = subprocess.run([PY, "-m", "sapipe.launch", "--emulate-net", "unlimited,5ms", "--no-python",
                           "--monitor-interval=0.5", "tc", "qdisc", "show", "dev", "lo"],
                          capture_output=True, text=True, env=_cli_env(), timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,5 +1,8 @@
-"""Emulated network for ``sapipe-launch --emulate-net``: a fresh network namespace whose
-loopback is rate-limited (and optionally delayed) by ``tc`` (DESIGN.md §6).
+"""Emulated network on one host: a fresh network namespace whose loopback is rate-limited
+(and optionally delayed) by ``tc`` (docs/design.md §6).
+
+Used by ``sapipe-launch --emulate-net`` and by the benchmarks (``benchmarks/``), which
+import it from the installed package: ``from sapipe.launch import netns``.
 
 The whole ``torchrun`` job (agent and every rank) runs inside one new network namespace:
 ``unshare -n`` as root, ``unshare -rn`` otherwise (a user namespace maps us to root there,
@@ -21,9 +24,6 @@ so that ``tc`` may configure the namespace's own loopback). Inside::
   so the round-trip time grows by 2·D. (tbf's own ``latency`` parameter is not a delay:
   it only bounds the queue, so it is not used.) ``netem`` needs the kernel's
   ``sch_netem``; where it is missing, a LATENCY fails with a clear message.
-
-This module is a self-contained copy of what ``benchmarks/netem.py`` does (the launcher
-must not depend on ``benchmarks/``).
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 __all__ = [
-    "MIN_BURST_BYTES", "QUEUE_LIMIT_BYTES", "NetSpec", "check", "parse_latency", "parse_rate",
-    "parse_spec", "tc_commands", "unshare_flags", "wrap",
+    "MIN_BURST_BYTES", "QUEUE_LIMIT_BYTES", "NetSpec", "check", "format_rate", "parse_latency",
+    "parse_rate", "parse_spec", "tc_commands", "unshare_flags", "wrap",
 ]
 
 QUEUE_LIMIT_BYTES = 32 * 1024 * 1024
@@ -140,7 +140,7 @@ def unshare_flags() -> List[str]:
 
 def _setup_script(spec: NetSpec) -> str:
     steps = " && ".join(shlex.join(c) for c in tc_commands(spec))
-    hint = ("sapipe-launch: --emulate-net: could not shape the loopback of the new network "
+    hint = ("sapipe: emulated network: could not shape the loopback of the new network "
             "namespace (needs iproute2, kernel modules sch_tbf and, for a LATENCY, sch_netem)")
     return (f"{{ {steps}; }} || {{ echo {shlex.quote(hint)} >&2; exit {SETUP_FAILED}; }}; "
             'exec "$@"')

@@ -3,7 +3,7 @@
 Everything that is not a sapipe option is passed to torchrun unchanged. sapipe adds:
 
 * ``--emulate-net RATE[,LATENCY]`` — run the whole single-node job inside a fresh network
-  namespace whose loopback is rate-limited (:mod:`launcher.netns`, DESIGN.md §6);
+  namespace whose loopback is rate-limited (:mod:`sapipe.launch.netns`, docs/design.md §6);
 * BytePS-style job specs — ``DMLC_NUM_WORKER``, ``DMLC_WORKER_ID``, ``DMLC_PS_ROOT_URI``,
   ``DMLC_PS_ROOT_PORT``, ``BYTEPS_LOCAL_SIZE`` / ``NVIDIA_VISIBLE_DEVICES`` — are mapped
   to the torchrun flags the command line does not give (:func:`byteps_flags`);

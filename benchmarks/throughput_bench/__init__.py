@@ -1,0 +1,65 @@
+"""sapipe throughput benchmark: samples/s of sapipe vs DDP (and Horovod) under an emulated network.
+
+Two ways to run it (the entry point is ``benchmarks/throughput.py``):
+
+* **Sweep (one host, emulated network)** — ``python benchmarks/throughput.py`` (``make bench``).
+  For every model and bandwidth it starts one ``torchrun`` job (``--nproc`` ranks, Gloo, CPU)
+  with all ranks inside a fresh network namespace whose loopback is rate-limited with
+  ``tc tbf`` (:mod:`sapipe.launch.netns`, docs/design.md §6). Bandwidths are given explicitly
+  (``--bandwidths 1gbit,300mbit``) or, by default, calibrated per model to hit target
+  ratios T_comm / T_compute (``--ratios 0.3,0.65,1.3``) from a short probe job. Results go
+  to ``benchmarks/results/throughput.md`` and ``throughput_*.png``.
+* **Directly under torchrun** (any device, any number of nodes, no emulation) — e.g.
+  ``torchrun --nnodes 2 --nproc_per_node 8 ... benchmarks/throughput.py --model gpt2 --size full``.
+  Each rank uses ``cuda:LOCAL_RANK`` with NCCL when CUDA is available (Gloo on CPU
+  otherwise), and rank 0 prints the same table.
+
+Every job runs, in the same namespace and process group, these modes (each: warm-up, then
+``--steps`` timed steps; per rank the median step time, the job's T = the slowest rank's
+median, spread = interquartile range / median):
+
+| mode | what |
+| --- | --- |
+| ``local`` | each rank trains alone with the plain optimizer: compute only (T_compute) |
+| ``comm`` | one all-reduce of a buffer the size of all gradients, alone (T_comm) |
+| ``ceiling`` | the local step while that buffer is all-reduced on a second process group, started at the top of the step and waited for at its end: perfect overlap (T_ceiling) |
+| ``ddp`` | ``torch.nn.parallel.DistributedDataParallel`` |
+| ``sapipe k=K`` | ``sapipe.DistributedOptimizer(stale_layers=K, compensation="none")`` for each ``--k`` |
+| ``pipesgd`` | sapipe with k = m (all layers stale), ``none`` |
+| ``sapipe-auto`` | ``stale_layers="auto"`` (skipped with a note while sapipe refuses it) |
+| ``sapipe-<comp>`` | each ``--compensations`` mode at the auto k, or, without auto, at the *oracle* k: the smallest measured k within 3 % of pipesgd |
+| ``horovod`` | ``horovod.torch.DistributedOptimizer`` over Gloo (skipped with a note when not installed; ``make peers``) |
+
+Every mode's optimizer is torch's ``fused=True`` SGD / Adam (``bench_models``), so that the
+baselines step with the fastest update torch has, as their best users would run them; sapipe
+wraps the same optimizer and updates with its own fused kernels.
+
+Reported per mode: samples/s, speedup over DDP (T_ddp / T), efficiency T_ceiling / T, k and
+κ (the fraction of parameters that are stale), and for sapipe modes the time per step blocked on
+communication (``DistributedOptimizer.communication_wait``); per job: possible speedup
+T_ddp / T_ceiling. sapipe-auto against pipesgd is also given per round (the median of the
+ratios within each round), which cancels the host's drifts between rounds.
+
+Modules, one job each:
+
+| module | job |
+| --- | --- |
+| :mod:`.cli` | the command line and ``main()`` (worker, sweep or re-render) |
+| :mod:`.rank` | one rank's process groups, barriers and progress events |
+| :mod:`.stats` | step-time statistics (median, IQR, per-round medians, paired ratios) |
+| :mod:`.runners` | one mode each: set up, step, pause between rounds, describe |
+| :mod:`.job` | all modes of one model in one process group, interleaved in rounds; the worker |
+| :mod:`.orchestration` | the sweep: calibration probes and one ``torchrun`` job per model × bandwidth |
+| :mod:`.report` | tables and ``throughput.md`` |
+| :mod:`.plots` | ``throughput_speedup.png`` and ``throughput_efficiency.png`` |
+"""
+import os
+
+#: benchmarks/ (on sys.path: ``bench_models`` and ``hostenv`` are imported from it)
+BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(BENCH_DIR)
+#: the script torchrun runs on every rank
+ENTRY = os.path.join(BENCH_DIR, "throughput.py")
+RESULTS_DIR = os.path.join(BENCH_DIR, "results")
+#: a worker's progress events on stdout start with this (see :meth:`rank.Ctx.say`)
+PROGRESS_TAG = "@@bench "

@@ -1,0 +1,65 @@
+"""One rank of a benchmark job: its device, process groups, barriers and progress events."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import sys
+from typing import Any, Dict
+
+from . import PROGRESS_TAG
+
+
+class Ctx:
+    """Per-job state of one rank."""
+
+    def __init__(self, args):
+        import torch
+        import torch.distributed as dist
+
+        self.args = args
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+            self.backend = "nccl"
+        else:
+            self.device = torch.device("cpu")
+            self.backend = "gloo"
+            torch.set_num_threads(args.threads)
+        timeout = _dt.timedelta(seconds=args.timeout)
+        dist.init_process_group(self.backend, timeout=timeout)
+        # Control traffic (barriers, gathering results) on its own Gloo group.
+        self.ctrl = dist.new_group(backend="gloo", timeout=timeout) if self.backend != "gloo" else dist.group.WORLD
+        # The second group that `ceiling` all-reduces on, created once, in the same order on every rank.
+        self.side = dist.new_group(backend=self.backend, timeout=timeout)
+
+    def sync(self):
+        import torch
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self):
+        import torch.distributed as dist
+        dist.barrier(group=self.ctrl)
+
+    def gather(self, obj) -> list:
+        import torch.distributed as dist
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.ctrl)
+        return out
+
+    def say(self, event: Dict[str, Any]):
+        """Rank 0: a progress event (machine-readable for the sweep, readable by people)."""
+        if self.rank != 0:
+            return
+        if os.environ.get("SAPIPE_BENCH_PROGRESS"):
+            print(PROGRESS_TAG + json.dumps(event), flush=True)
+        elif event.get("event") == "mode":
+            r = event["result"]
+            t = f"{1e3 * r['t']:8.1f} ms" if r.get("t") else "  skipped"
+            print(f"[{event['model']}] {event['i']:3d}/{event['n']} round {event['round']}/{event['rounds']} "
+                  f"{r['mode']:<14s} {t}  {r.get('note', '')}",
+                  file=sys.stderr, flush=True)

@@ -1,0 +1,333 @@
+"""Tables of a sweep's results and ``throughput.md``."""
+from __future__ import annotations
+
+import os
+import shlex
+import statistics
+from typing import Any, Dict, List, Optional
+
+from .stats import paired_ratio
+
+_OPTIMIZERS = {"sgd": "SGD", "adam": "Adam"}  # bench_models.ModelSpec.optimizer -> torch.optim class
+
+
+def _ref(job, mode):
+    for r in job["results"]:
+        if r["mode"] == mode and r.get("t"):
+            return r
+    return None
+
+
+def derived(job) -> Dict[str, Optional[float]]:
+    loc, comm, ceil, ddp = (_ref(job, m) for m in ("local", "comm", "ceiling", "ddp"))
+    d = {
+        "t_local": loc and loc["t"], "t_comm": comm and comm["t"], "t_ceiling": ceil and ceil["t"],
+        "t_ddp": ddp and ddp["t"],
+    }
+    d["ratio"] = d["t_comm"] / d["t_local"] if d["t_comm"] and d["t_local"] else None
+    d["possible"] = d["t_ddp"] / d["t_ceiling"] if d["t_ddp"] and d["t_ceiling"] else None
+    return d
+
+
+def headline(job) -> Optional[Dict[str, Any]]:
+    """The sapipe result a user would get: auto when it ran, else the oracle-k run."""
+    auto = _ref(job, "sapipe-auto")
+    if auto:
+        return auto
+    k = job.get("oracle_k")
+    for r in job["results"]:
+        if isinstance(k, int) and r.get("t") and r.get("k") == k and r["mode"] in (f"sapipe k={k}", "pipesgd"):
+            return r
+    return None
+
+
+def _ms(t):
+    return "–" if t is None else f"{1e3 * t:.1f}"
+
+
+# ----------------------------------------------------------------------------- one job
+
+
+def format_job(job) -> str:
+    d = derived(job)
+    lines = [
+        f"### {job['model']} ({job['size']}) — {job['rate']}" + (
+            f", T_comm/T_compute = {d['ratio']:.2f}" if d["ratio"] else ""),
+        "",
+        f"{job['params'] / 1e6:.2f} M parameters ({job['grad_bytes'] / 2**20:.1f} MiB of gradients), "
+        f"m = {job['m']} layers, largest: "
+        + ", ".join(f"#{i} {n} ({s:.0%})" for i, n, s in job["largest_layers"])
+        + f". {job['world']} ranks × {job['batch']} samples, {job['device']}, {job['backend']}"
+        + (f", {job['threads']} thread(s)/rank" if job.get("threads") else "") + ".",
+        "",
+        f"T_compute (local) {_ms(d['t_local'])} ms · T_comm {_ms(d['t_comm'])} ms · "
+        f"T_ceiling {_ms(d['t_ceiling'])} ms · T_ddp {_ms(d['t_ddp'])} ms · possible speedup "
+        f"T_ddp/T_ceiling = {d['possible']:.2f}×" if d["possible"] else "(references incomplete)",
+        "",
+        "| mode | k | κ | step ms (median) | IQR | min ms | waits ms/step | samples/s | × DDP | efficiency |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    lines += [_mode_row(r, d, job["world"] * job["batch"]) for r in job["results"]]
+    notes = list(job["notes"]) + [f"{r['mode']}: {r['note']}" for r in job["results"] if r.get("note") and r.get("t")]
+    notes += [f"{r['mode']} scheduler: {r['decision']}" for r in job["results"] if r.get("decision")][:1]
+    if notes:
+        lines += [""] + [f"* {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def _mode_row(r, d, samples: int) -> str:
+    """One mode's row of :func:`format_job`'s table."""
+    if not r.get("t"):
+        return f"| {r['mode']} | | | {r.get('note', 'skipped')} | | | | | | |"
+    if r["mode"] == "comm":
+        return (f"| comm | | | {_ms(r['t'])} | {r['iqr']:.0%} | {_ms(r['min'])} | | | | (one all-reduce of "
+                f"{r['bytes'] / 2**20:.1f} MiB) |")
+    k, kappa = r.get("k"), r.get("kappa")
+    sps = samples / r["t"]
+    x = f"{d['t_ddp'] / r['t']:.2f}" if d["t_ddp"] and r["mode"] not in ("local",) else ""
+    eff = f"{d['t_ceiling'] / r['t']:.2f}" if d["t_ceiling"] and r["mode"] not in ("local", "ceiling") else ""
+    return (f"| {r['mode']}{' ⚠' if r.get('note') else ''} | {'' if k is None else k} | "
+            f"{'' if kappa is None else f'{kappa:.2f}'} | {_ms(r['t'])} | {r['iqr']:.0%} | {_ms(r['min'])} | "
+            f"{_ms(r['wait']) if 'wait' in r else ''} | {sps:.1f} | {x} | {eff} |")
+
+
+# ----------------------------------------------------------------------------- all jobs
+
+
+def summary_rows(jobs) -> List[Dict[str, Any]]:
+    return [_summary_row(job) for job in jobs]
+
+
+def _summary_row(job) -> Dict[str, Any]:
+    d = derived(job)
+    h = headline(job)
+    pipe = _ref(job, "pipesgd")
+    row = dict(model=job["model"], rate=job["rate"], rate_bits=job.get("rate_bits"), **d)
+    row["headline"] = h and h["mode"]
+    row["k"] = h and h.get("k")
+    row["kappa"] = h and h.get("kappa")
+    row["speedup"] = d["t_ddp"] / h["t"] if h and d["t_ddp"] else None
+    row["eff"] = d["t_ceiling"] / h["t"] if h and d["t_ceiling"] else None
+    row["pipe_speedup"] = d["t_ddp"] / pipe["t"] if pipe and d["t_ddp"] else None
+    row["vs_pipe"] = h["t"] / pipe["t"] - 1 if h and pipe else None
+    row["vs_pipe_paired"] = paired_ratio(h, pipe) if h and pipe else None
+    row["t"] = h and h["t"]
+    row["wait"] = h and h.get("wait")
+    row["pipe_wait"] = pipe and pipe.get("wait")
+    sap = [r for r in job["results"] if r.get("t") and (r["mode"].startswith("sapipe") or r["mode"] == "pipesgd")]
+    row["best_speedup"] = max((d["t_ddp"] / r["t"] for r in sap), default=None) if d["t_ddp"] else None
+    hv = _ref(job, "horovod")
+    row["horovod"] = d["t_ddp"] / hv["t"] if hv and d["t_ddp"] else None
+    row["comps"] = {r["mode"]: d["t_ddp"] / r["t"] for r in sap if r.get("compensation") not in (None, "none")
+                    and d["t_ddp"]}
+    return row
+
+
+def format_summary(jobs) -> str:
+    lines = [
+        "| model | rate | T_comm/T_compute | possible (T_ddp/T_ceil) | sapipe config | k | κ | × DDP | efficiency "
+        "| vs pipesgd | vs pipesgd, per round | waits ms/step (sapipe / pipesgd) | pipesgd × DDP | horovod × DDP |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    f = lambda v, fmt: ("–" if v is None else format(v, fmt))  # noqa: E731
+    for r in summary_rows(jobs):
+        lines.append(
+            f"| {r['model']} | {r['rate']} | {f(r['ratio'], '.2f')} | {f(r['possible'], '.2f')} | "
+            f"{r['headline'] or '–'} | {f(r['k'], '')} | {f(r['kappa'], '.2f')} | {f(r['speedup'], '.2f')} | "
+            f"{f(r['eff'], '.2f')} | {f(r['vs_pipe'], '+.1%')} | {f(r['vs_pipe_paired'], '+.1%')} | "
+            f"{_ms(r['wait'])} / {_ms(r['pipe_wait'])} | {f(r['pipe_speedup'], '.2f')} | {f(r['horovod'], '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+def format_targets(jobs) -> str:
+    rows = summary_rows(jobs)
+    out = [line for line in (_efficiency_target(rows), _gpt2_target(rows), _k0_overhead(jobs), _auto_target(rows))
+           if line is not None]
+    no_auto = [r["model"] + " @ " + r["rate"] for r in rows if r["headline"] != "sapipe-auto"]
+    if no_auto:
+        out.append("* sapipe-auto did not run (see the per-job notes) in: " + ", ".join(no_auto) + ".")
+    return "\n".join(out) + "\n"
+
+
+def _efficiency_target(rows) -> Optional[str]:
+    bound = [r for r in rows if r["ratio"] is not None and r["ratio"] <= 1.0 and r["eff"] is not None]
+    if not bound:
+        return None
+    miss = [r for r in bound if r["eff"] < 0.95 or r["speedup"] < 1.0]
+    return (f"* **Efficiency ≥ 0.95 and never slower than DDP where T_comm ≤ T_compute**: "
+            f"{len(bound) - len(miss)}/{len(bound)} jobs meet it." + (" Misses: " + "; ".join(
+                f"{r['model']} @ {r['rate']} (ratio {r['ratio']:.2f}): efficiency {r['eff']:.2f}, "
+                f"{r['speedup']:.2f}× DDP{_wait_evidence(r)}" for r in miss) if miss else ""))
+
+
+def _gpt2_target(rows) -> Optional[str]:
+    g = [r for r in rows if r["model"] == "gpt2" and r["ratio"] and r["speedup"]]
+    if not g:
+        return None
+    r = min(g, key=lambda r: abs(r["ratio"] - 0.65))
+    return (f"* **GPT-2 ≈ 1.4× DDP at T_comm ≈ 0.65 T_compute**: at ratio {r['ratio']:.2f} sapipe "
+            f"({r['headline']}) is {r['speedup']:.2f}× DDP; the possible speedup there is "
+            f"{r['possible']:.2f}× (T_ddp/T_ceiling)." if r["possible"] else "")
+
+
+def _k0_overhead(jobs) -> Optional[str]:
+    over = [_ref(j, "sapipe k=0")["t"] / _ref(j, "ddp")["t"] - 1 for j in jobs if _ref(j, "sapipe k=0") and _ref(j, "ddp")]
+    if not over:
+        return None
+    return (f"* sapipe k=0 (fully synchronous) vs DDP, step time: median {statistics.median(over):+.1%} "
+            f"(range {min(over):+.1%} … {max(over):+.1%}; positive = sapipe slower). With k = 0 sapipe "
+            "communicates what DDP does, so this is its runtime overhead, plus noise.")
+
+
+def _auto_target(rows) -> Optional[str]:
+    a = [r for r in rows if r["vs_pipe"] is not None and r["headline"] == "sapipe-auto"]
+    if not a:
+        return None
+    gap = {id(r): r["vs_pipe_paired"] if r["vs_pipe_paired"] is not None else r["vs_pipe"] for r in a}
+    within = [r for r in a if gap[id(r)] <= 0.03]
+    fewer = [r for r in a if r["kappa"] is not None and r["kappa"] < 1.0]
+    both = [r for r in within if r in fewer]
+    missed = [r for r in a if r not in within]
+    kappas = [r['kappa'] for r in a if r['kappa'] is not None] or [float('nan')]
+    return (f"* **sapipe-auto within 3 % of pipesgd while staling fewer layers** (step time, median over "
+            f"rounds of the ratio within a round): within 3 % in "
+            f"{len(within)}/{len(a)} jobs, κ < 1 in {len(fewer)}/{len(a)}, both in {len(both)}/{len(a)} "
+            f"(median κ {statistics.median(kappas):.2f}; "
+            f"auto vs pipesgd: " + ", ".join(f"{r['model']} {gap[id(r)]:+.0%}" for r in a) + ")."
+            + (" Misses: " + "; ".join(f"{r['model']} @ {r['rate']} {gap[id(r)]:+.1%} (k = {r['k']}, "
+                                       f"κ {r['kappa']:.2f}){_wait_evidence(r, pipe=True)}" for r in missed)
+               if missed else ""))
+
+
+def _wait_evidence(row: Dict[str, Any], pipe: bool = False) -> str:
+    """Where a miss's time went: the step's communication wait (sapipe's own counter,
+    ``DistributedOptimizer.communication_wait``) against the rest of the step."""
+    if row.get("wait") is None or not row.get("t"):
+        return ""
+    text = f": waits {_ms(row['wait'])} of {_ms(row['t'])} ms/step"
+    if pipe and row.get("pipe_wait") is not None and row.get("pipe_speedup") and row.get("t_ddp"):
+        text += f" (pipesgd {_ms(row['pipe_wait'])} of {_ms(row['t_ddp'] / row['pipe_speedup'])})"
+    return text
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def report(args, jobs, calib, out_dir, meta) -> int:
+    """Print every table, draw the plots and write ``throughput.md`` into ``out_dir``."""
+    from .plots import plot
+
+    for job in jobs:
+        print("\n" + format_job(job))
+    print(format_summary(jobs))
+    print(format_targets(jobs))
+    pngs = plot(jobs, out_dir)
+    md = write_markdown(args, jobs, calib, pngs, out_dir, meta)
+    print(f"wrote {md}" + "".join(f", {p}" for p in pngs))
+    return 0
+
+
+def write_markdown(args, jobs, calib, pngs, out_dir, meta) -> str:
+    lines = _header(args, jobs, meta) + _calibration(args, calib)
+    lines += ["## Summary", "",
+              "sapipe config = `sapipe-auto` when sapipe supports `stale_layers=\"auto\"`, else the *oracle* k "
+              "(the smallest measured k within 3 % of pipesgd, compensation `none`); vs pipesgd = its step time "
+              "relative to pipesgd's.", "", format_summary(jobs), "## Targets", "", format_targets(jobs)]
+    for p in pngs:
+        lines += [f"![{os.path.basename(p)}]({os.path.basename(p)})", ""]
+    lines += ["## Per job", ""]
+    for job in jobs:
+        lines += [format_job(job), ""]
+    path = os.path.join(out_dir, "throughput.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
+
+
+def _header(args, jobs, meta) -> List[str]:
+    """Title, the exact command, the host, how each mode was timed, and the definitions."""
+    argv, seconds = meta["argv"], meta["seconds"]
+    cmd = ("python benchmarks/throughput.py " + shlex.join(argv)) if argv else \
+        "make bench   # = python benchmarks/throughput.py"
+    j0 = jobs[0]
+    lines = [
+        "# Throughput: sapipe vs DDP under an emulated network",
+        "",
+        f"Generated {meta['finished']} on {j0['host']} ({meta['cpus']} CPUs), torch {j0['torch']}, "
+        f"in {seconds / 60:.1f} min (load average {meta['load'][0][0]:.1f} at the start, "
+        f"{meta['load'][1][0]:.1f} at the end) by:",
+        "",
+        "```sh",
+        cmd,
+        "```",
+        "",
+    ]
+    if meta["load"][0][0] > 0.75 * meta["cpus"] or meta["load"][1][0] > 0.75 * meta["cpus"]:
+        lines += [
+            f"> **Noisy run.** The host was busy with other work (load average {meta['load'][0][0]:.1f} / "
+            f"{meta['load'][1][0]:.1f} on {meta['cpus']} CPUs), so each rank got a fraction of a core and step "
+            "times vary by up to several × (see the IQR and min columns); ratios between modes, the "
+            "calibrated T_comm/T_compute and the scheduler's own profile are unreliable. Rerun `make bench` "
+            "on a quiet machine before drawing conclusions.",
+            "",
+        ]
+    return lines + _method(args, j0) + _optimizer_note(jobs) + _definitions()
+
+
+def _method(args, j0) -> List[str]:
+    return [
+        f"{j0['world']} ranks per job ({j0['device']}, {j0['backend']}, "
+        f"{j0.get('threads')} thread(s) per rank), all in one fresh network namespace whose loopback is shaped by "
+        "`tc qdisc add dev lo root tbf rate R` (sapipe/launch/netns.py): R is the aggregate rate of all ranks, and "
+        "a ring all-reduce of S bytes puts 2(n−1)·S bytes through it. Each mode: "
+        f"{j0['warmup']} warm-up steps (auto: untimed until its k is final, then {args.auto_warmup}), then "
+        f"{j0['steps']} timed steps, split into "
+        f"{j0.get('rounds', 3)} rounds that interleave all modes of the job (alternating order, one extra untimed "
+        "step per round), so that load drifts hit every mode alike; "
+        "T = the slowest rank's median step time, IQR = its interquartile range / median. Synthetic data.",
+        "",
+    ]
+
+
+def _optimizer_note(jobs) -> List[str]:
+    """Which torch optimizer every mode stepped with: fused (the default) or not (older results)."""
+    names = " / ".join(sorted({f"torch.optim.{_OPTIMIZERS.get(j['optimizer'], j['optimizer'])}" for j in jobs}))
+    if all(j.get("fused") for j in jobs):
+        return [f"**Baselines use fused optimizers.** Every mode's optimizer is {names} with `fused=True`: "
+                "`local`, `ceiling`, DDP and Horovod step with torch's fastest update kernel, as their best "
+                "users would run them, so × DDP measures the overlap, not the update kernel. sapipe wraps "
+                "the same optimizer and updates with its own fused kernels.", ""]
+    return [f"**Baselines use torch's default (unfused) optimizers** ({names}, not `fused=True`): part of "
+            "every × DDP is then sapipe's fused update kernel, not the overlap.", ""]
+
+
+def _definitions() -> List[str]:
+    return [
+        "Definitions (docs/design.md §6): T_compute = `local` (each rank trains alone, no communication); "
+        "T_comm = one all-reduce of all gradients alone; T_ceiling = the local step while a buffer of all "
+        "gradients is all-reduced on a second process group (perfect overlap; on a CPU host the busy link "
+        "costs CPU, so this, not `local`, is the best any overlapping schedule can do). "
+        "× DDP = T_ddp / T; efficiency = T_ceiling / T; possible speedup = T_ddp / T_ceiling; "
+        "κ = fraction of parameters in the k stale layers. "
+        "vs pipesgd = T / T_pipesgd − 1; *per round*: the median over rounds of the same ratio taken within "
+        "each round (both modes timed minutes apart at most, so the host's slower drifts cancel). "
+        "waits = the median time per step that sapipe blocked on its all-reduces "
+        "(`DistributedOptimizer.communication_wait`): a slow step with few waits ran slow in compute, "
+        "not for the network.",
+        "",
+    ]
+
+
+def _calibration(args, calib) -> List[str]:
+    if not calib:
+        return []
+    lines = ["Bandwidths were calibrated per model for target ratios T_comm/T_compute = "
+             f"{args.ratios} from a probe job (T_compute and the unshaped all-reduce time):", "",
+             "| model | probe T_compute ms | all-reduce floor ms | gradients MiB |", "| --- | --- | --- | --- |"]
+    for m, p in calib.items():
+        lines.append(f"| {m} | {1e3 * p['t_local']:.1f} | {1e3 * p['t_comm_floor']:.1f} | "
+                     f"{p['grad_bytes'] / 2**20:.1f} |")
+    return lines + [""]

@@ -1,6 +1,0 @@
-"""``python -m launcher`` is ``sapipe-launch``."""
-import sys
-
-from .main import main
-
-sys.exit(main())
