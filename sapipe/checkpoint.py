@@ -18,11 +18,12 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import ConfigurationError
-from .optimizer import DistributedOptimizer, per_rank_path
+from .optimizer import DistributedOptimizer
+from .runtime.timeline import per_rank_path
 
 
 def _path(path: str, optimizer: DistributedOptimizer) -> str:
-    return per_rank_path(path, optimizer._rank, optimizer._world_size)  # noqa: SLF001
+    return per_rank_path(path, optimizer.rank, optimizer.world_size)
 
 
 def save_checkpoint(path: str, model: nn.Module, optimizer: DistributedOptimizer, **extra: Any) -> str:
@@ -101,8 +102,8 @@ class Checkpointer:
     def resume(self) -> Tuple[int, Dict[str, Any]]:
         """Load the newest step every rank has; ``(step, extra)``, or ``(0, {})`` if there is none."""
         mine = set(self.steps())
-        everyone: List[Any] = [None] * self.optimizer._world_size  # noqa: SLF001
-        dist.all_gather_object(everyone, mine, group=self.optimizer._group)  # noqa: SLF001
+        everyone: List[Any] = [None] * self.optimizer.world_size
+        dist.all_gather_object(everyone, mine, group=self.optimizer.process_group)
         common = set.intersection(*everyone)
         if not common:
             return 0, {}

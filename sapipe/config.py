@@ -1,17 +1,20 @@
-"""sapipe's settings: strict validation, and the fingerprint ranks compare at construction.
+"""sapipe's settings, each declared once: its default, its check, and its place in the fingerprint.
 
-Every invalid value raises :class:`ConfigurationError` naming the argument, the value and
-what is allowed. Ranks compare fingerprints before any bucket collective, so a rank
-configured differently fails fast on every rank instead of deadlocking later.
+Every keyword argument of :class:`sapipe.DistributedOptimizer` other than the optimizer,
+the model, the process group and tracing is a field of :class:`Settings`. The field's
+metadata holds the check that validates it, so validation, the defaults and the list of
+what ranks must agree on all come from this one declaration. Every invalid value raises
+:class:`ConfigurationError` naming the argument, the value and what is allowed.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from numbers import Real
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from .comm import BACKENDS
 from .compensation import MODES
@@ -25,27 +28,122 @@ AUTO = "auto"
 UNPROFILED_STEPS = 5
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigurationError(f"sapipe: {message}")
+
+
+def _int_at_least(low: int) -> Callable[[str, Any], int]:
+    def check(name: str, value: Any) -> int:
+        _require(_is_int(value) and value >= low, f"{name} must be an int >= {low}; got {value!r}")
+        return value
+    return check
+
+
+def _positive_number(name: str, value: Any) -> float:
+    _require(_is_number(value) and value > 0, f"{name} must be a number > 0; got {value!r}")
+    return float(value)
+
+
+def _non_negative_number(name: str, value: Any) -> float:
+    _require(_is_number(value) and value >= 0, f"{name} must be a finite number >= 0; got {value!r}")
+    return float(value)
+
+
+def _one_of(choices) -> Callable[[str, Any], Any]:
+    def check(name: str, value: Any) -> Any:
+        _require(isinstance(value, str) and value in choices, f"{name} must be one of {sorted(choices)}; got {value!r}")
+        return value
+    return check
+
+
+def _stale_layers(name: str, value: Any) -> Union[int, str]:
+    # Its range [0, m] needs the model's m: checked in Settings._check_together.
+    return value
+
+
+def parse_timeout(name: str, value: Union[None, Real, timedelta]) -> Optional[timedelta]:
+    """``None`` (inherit the process group's), seconds > 0, or a positive timedelta."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    else:
+        _require(isinstance(value, Real) and not isinstance(value, bool),
+                 f"{name} must be None, seconds or a timedelta; got {value!r}")
+        seconds = float(value)
+    _require(math.isfinite(seconds) and seconds > 0, f"{name} must be > 0 seconds; got {value!r}")
+    return timedelta(seconds=seconds)
+
+
+def _setting(default: Any, check: Callable[[str, Any], Any], *, resume: bool = True) -> Any:
+    """A field of :class:`Settings`; ``resume=False``: a checkpoint may be resumed with another value."""
+    return field(default=default, metadata={"check": check, "resume": resume})
+
+
 @dataclass(frozen=True)
 class Settings:
-    """The validated keyword arguments of :class:`sapipe.DistributedOptimizer`."""
+    """The validated keyword arguments of :class:`sapipe.DistributedOptimizer` (defaults included)."""
 
-    stale_layers: Union[int, str]  # an int k, or "auto" (the scheduler picks k)
-    compensation: str
-    dc_lambda: float
-    dc_form: str
-    staleness: int
-    warmup_steps: int
-    bucket_cap_mb: float
-    lr_ramp_steps: int
-    timeout: Optional[timedelta]
-    profile_steps: int
-    backend: str = "torch"
-    partition_mb: float = 4.0
-    tune_steps: int = 10
+    stale_layers: Union[int, str] = _setting(0, _stale_layers)
+    compensation: str = _setting("none", _one_of(MODES))
+    dc_lambda: float = _setting(0.2, _non_negative_number)
+    dc_form: str = _setting("outer", _one_of(DC_FORMS))
+    staleness: int = _setting(1, _int_at_least(1))
+    warmup_steps: int = _setting(0, _int_at_least(0))
+    bucket_cap_mb: float = _setting(25.0, _positive_number)
+    timeout: Optional[timedelta] = _setting(None, parse_timeout, resume=False)
+    lr_ramp_steps: int = _setting(0, _int_at_least(0))
+    profile_steps: int = _setting(5, _int_at_least(1))
+    backend: str = _setting("torch", _one_of(BACKENDS))
+    partition_mb: float = _setting(4.0, _positive_number)
+    tune_steps: int = _setting(10, _int_at_least(0), resume=False)
+
+    @classmethod
+    def names(cls) -> List[str]:
+        """Every setting's name, in declaration order."""
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def validate(cls, num_layers: int, **arguments: Any) -> "Settings":
+        """Check every argument against its declared range; the typed settings."""
+        unknown = sorted(set(arguments) - set(cls.names()))
+        _require(not unknown, f"unknown settings {unknown}")
+        values = {f.name: f.metadata["check"](f.name, arguments.get(f.name, f.default)) for f in dataclasses.fields(cls)}
+        settings = cls(**values)
+        settings._check_together(num_layers)
+        return settings
+
+    def _check_together(self, num_layers: int) -> None:
+        """The checks that involve two settings, or the model."""
+        k = self.stale_layers
+        _require(k == AUTO or (_is_int(k) and 0 <= k <= num_layers),
+                 f"stale_layers must be 'auto' or an int in [0, m] where m={num_layers} is the number of "
+                 f"layers (modules that directly own trainable parameters); got {self.stale_layers!r}")
+        limit = MODES[self.compensation].max_staleness
+        _require(limit is None or self.staleness <= limit,
+                 f"compensation={self.compensation!r} is defined for staleness 1 only (docs/design.md §3); "
+                 f"got staleness={self.staleness}. Use 'none' or 'dc' for staleness > 1")
 
     @property
     def auto(self) -> bool:
         return self.stale_layers == AUTO
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return int(self.bucket_cap_mb * 1024 * 1024)
+
+    @property
+    def partition_bytes(self) -> int:
+        return max(1, int(self.partition_mb * 1024 * 1024))
 
     @property
     def effective_warmup(self) -> int:
@@ -57,100 +155,9 @@ class Settings:
         """
         return max(self.warmup_steps, self.profile_steps + UNPROFILED_STEPS) if self.auto else self.warmup_steps
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigurationError(f"sapipe: {message}")
-
-
-def validate(
-    *,
-    stale_layers: Any,
-    compensation: Any,
-    dc_lambda: Any,
-    dc_form: Any,
-    staleness: Any,
-    warmup_steps: Any,
-    bucket_cap_mb: Any,
-    lr_ramp_steps: Any,
-    timeout: Any,
-    num_layers: int,
-    profile_steps: Any = 5,
-    backend: Any = "torch",
-    partition_mb: Any = 4.0,
-    tune_steps: Any = 10,
-) -> Settings:
-    """Check every argument against its documented range; return the typed settings."""
-    _require(
-        stale_layers == AUTO or (_is_int(stale_layers) and 0 <= stale_layers <= num_layers),
-        f"stale_layers must be 'auto' or an int in [0, m] where m={num_layers} is the number of "
-        f"layers (modules that directly own trainable parameters); got {stale_layers!r}",
-    )
-    _require(
-        compensation in MODES,
-        f"compensation must be one of {sorted(MODES)}; got {compensation!r}",
-    )
-    _require(
-        isinstance(dc_lambda, Real) and not isinstance(dc_lambda, bool)
-        and math.isfinite(dc_lambda) and dc_lambda >= 0,
-        f"dc_lambda must be a finite number >= 0; got {dc_lambda!r}",
-    )
-    _require(dc_form in DC_FORMS, f"dc_form must be one of {list(DC_FORMS)}; got {dc_form!r}")
-    _require(_is_int(staleness) and staleness >= 1, f"staleness must be an int >= 1; got {staleness!r}")
-    limit = MODES[compensation].max_staleness
-    _require(
-        limit is None or staleness <= limit,
-        f"compensation={compensation!r} is defined for staleness 1 only (DESIGN.md §3); "
-        f"got staleness={staleness}. Use 'none' or 'dc' for staleness > 1",
-    )
-    _require(_is_int(warmup_steps) and warmup_steps >= 0, f"warmup_steps must be an int >= 0; got {warmup_steps!r}")
-    _require(
-        isinstance(bucket_cap_mb, Real) and not isinstance(bucket_cap_mb, bool)
-        and math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0,
-        f"bucket_cap_mb must be a number > 0; got {bucket_cap_mb!r}",
-    )
-    _require(_is_int(lr_ramp_steps) and lr_ramp_steps >= 0, f"lr_ramp_steps must be an int >= 0; got {lr_ramp_steps!r}")
-    _require(_is_int(profile_steps) and profile_steps >= 1, f"profile_steps must be an int >= 1; got {profile_steps!r}")
-    _require(_is_int(tune_steps) and tune_steps >= 0, f"tune_steps must be an int >= 0; got {tune_steps!r}")
-    _require(backend in BACKENDS, f"backend must be one of {list(BACKENDS)}; got {backend!r}")
-    _require(
-        isinstance(partition_mb, Real) and not isinstance(partition_mb, bool)
-        and math.isfinite(partition_mb) and partition_mb > 0,
-        f"partition_mb must be a number > 0; got {partition_mb!r}",
-    )
-    return Settings(
-        stale_layers=stale_layers,
-        compensation=compensation,
-        dc_lambda=float(dc_lambda),
-        dc_form=dc_form,
-        staleness=staleness,
-        warmup_steps=warmup_steps,
-        bucket_cap_mb=float(bucket_cap_mb),
-        lr_ramp_steps=lr_ramp_steps,
-        timeout=parse_timeout(timeout),
-        profile_steps=profile_steps,
-        backend=backend,
-        partition_mb=float(partition_mb),
-        tune_steps=tune_steps,
-    )
-
-
-def parse_timeout(timeout: Union[None, Real, timedelta]) -> Optional[timedelta]:
-    """``None`` (inherit the process group's), seconds > 0, or a positive timedelta."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, Real) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise ConfigurationError(f"sapipe: timeout must be None, seconds or a timedelta; got {timeout!r}")
-    _require(math.isfinite(seconds) and seconds > 0, f"timeout must be > 0 seconds; got {timeout!r}")
-    return timedelta(seconds=seconds)
+    def resume_fingerprint(self) -> Dict[str, str]:
+        """What a checkpoint must agree on (not the timeout, nor the search's trial length)."""
+        return describe({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["resume"]})
 
 
 def describe(args: Dict[str, Any]) -> Dict[str, str]:
@@ -173,4 +180,4 @@ def mismatches(fingerprints: List[Dict[str, str]]) -> List[str]:
     return lines
 
 
-__all__ = ["Settings", "validate", "parse_timeout", "describe", "mismatches"]
+__all__ = ["AUTO", "Settings", "parse_timeout", "describe", "mismatches"]

@@ -1,6 +1,6 @@
 """Layers in forward-execution order, and which layer owns each parameter.
 
-DESIGN.md §2: a layer is a module that directly owns parameters; layers are numbered
+docs/design.md §2: a layer is a module that directly owns parameters; layers are numbered
 1..m in the order they first *execute* in forward, and a parameter registered in several
 modules (tied weights) belongs to the first of them that runs. The order is recorded by
 forward pre-hooks during the first forward pass after construction.

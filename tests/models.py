@@ -68,7 +68,7 @@ class TiedResidualNet(nn.Module):
     Registration order: head, block_b, block_a, embed.
     Execution order:    embed, block_a.{norm, fc1, fc2}, block_b.{fc1, fc2}, head.
     The tied weight appears in ``named_parameters()`` as ``head.weight`` (first registered
-    name) but belongs (by DESIGN §2) to layer ``embed``, which executes first.
+    name) but belongs (by docs/design.md §2) to layer ``embed``, which executes first.
     """
 
     loss_fn = staticmethod(tied_loss_fn)

@@ -1,10 +1,10 @@
-"""Independent float64 reference of sapipe's update rules (DESIGN.md §2–§3).
+"""Independent float64 reference of sapipe's update rules (docs/design.md §2–§3).
 
 A single process simulates ALL ranks of a data-parallel job. It deliberately shares no
 code with ``sapipe``: the optimizer math is done by the real ``torch.optim`` optimizers,
 layer ordering by its own forward pre-hooks, and every rule is written out literally.
 
-Notation (DESIGN.md): n ranks; user iteration ``it`` = 1, 2, ...; with ``W`` warm-up
+Notation (docs/design.md): n ranks; user iteration ``it`` = 1, 2, ...; with ``W`` warm-up
 iterations the pipeline step is ``t = it - W``. l_t^r: rank r's local gradient, g_t: their
 mean. S: parameters of layers 1..k (stale), N: the rest (synchronous).
 

@@ -8,7 +8,7 @@
    equal the reference's drain-and-restart, k going up and down, for staleness 1 and 2.
 2. Decisions on real networks: with ample bandwidth (plain loopback) the scheduler keeps
    the job synchronous (k = 0); on a slow link — all ranks inside a fresh network
-   namespace whose loopback is rate-limited with ``tc`` (DESIGN.md §6) — it stales layers.
+   namespace whose loopback is rate-limited with ``tc`` (docs/design.md §6) — it stales layers.
    Skipped, with the reason, where namespaces or ``tc`` are unavailable.
 """
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _pinned(rank, world_size, kind, mode, k, staleness=1, path=(), tune_steps=0,
     )
     _ScriptedTuner.path = path
     tuner.Tuner = _ScriptedTuner
-    sapipe.optimizer.TRIAL_MAX_ROUNDS = 1  # trials of exactly tune_steps: restarts at known iterations
+    sapipe.auto.controller.TRIAL_MAX_ROUNDS = 1  # trials of exactly tune_steps: restarts at known iterations
     model = make_model("tied", seed=rank, dtype=torch.float64)
     opt = sapipe.DistributedOptimizer(
         make_optimizer(kind, model.parameters()), model, stale_layers="auto", compensation=mode,
@@ -152,7 +152,7 @@ def _search_resumed(rank, world_size, path, split, steps=18):
     )
     _ScriptedTuner.path = (7, 5)
     tuner.Tuner = _ScriptedTuner
-    sapipe.optimizer.TRIAL_MAX_ROUNDS = 1
+    sapipe.auto.controller.TRIAL_MAX_ROUNDS = 1
     batches = make_batches("tied", steps, world_size, dtype=torch.float64)
 
     def new(seed):
@@ -212,7 +212,7 @@ def _traced(rank, world_size, path):
         opt.zero_grad()
         loss_fn_for("tied")(model(x), y).backward()
         opt.step()
-    opt._write_trace_at_exit()  # what atexit does; called here to inspect the files now
+    opt.write_trace_files()  # what atexit does; called here to inspect the files now
     return [layer.name for layer in opt.layers]
 
 

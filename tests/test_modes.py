@@ -2,7 +2,7 @@
 
 Two ranks train ``TiedResidualNet`` (residual blocks, a tied embedding/head, registration
 order != execution order) in float64 with sapipe; ``tests/reference.py`` simulates both
-ranks of DESIGN.md §3 with real ``torch.optim`` optimizers. After every configuration the
+ranks of docs/design.md §3 with real ``torch.optim`` optimizers. After every configuration the
 real weights x and each rank's held weights (x̃ under weight prediction) must agree to
 ~1e-10, so any deviation from the rules (wrong Δ, wrong slot, wrong LR of a deferred
 update, state advancing at t=1, ...) fails.

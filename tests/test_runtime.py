@@ -12,6 +12,25 @@ STEPS = 6
 SLOW_ITERATION = 3
 
 
+def _train_with_a_slow_rank(model, opt, rank, world_size, steps, slow_iteration, sleep):
+    """Train the "mlp" model; rank 1 sleeps in the first layer's backward of ``slow_iteration``,
+    so the all-reduce of that layer's bucket starts ``sleep`` seconds late on every rank."""
+    iteration = {"t": 0}
+
+    def slow_backward(module, args, output):
+        if rank == 1 and iteration["t"] == slow_iteration:
+            output.register_hook(lambda grad: time.sleep(sleep))
+
+    model[0].register_forward_hook(slow_backward)
+    batches = make_batches("mlp", steps, world_size)
+    for t in range(1, steps + 1):
+        iteration["t"] = t
+        x, y = batches[t - 1][rank]
+        opt.zero_grad()
+        loss_fn_for("mlp")(model(x), y).backward()
+        opt.step()
+
+
 def _overlap(rank, world_size):
     """Rank 1 sleeps inside the stale layer's backward of iteration 3.
 
@@ -26,21 +45,7 @@ def _overlap(rank, world_size):
     opt = sapipe.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05), model, stale_layers=1, trace=True, bucket_cap_mb=0.0001
     )
-    first = model[0]
-    iteration = {"t": 0}
-
-    def slow_backward(module, args, output):
-        if rank == 1 and iteration["t"] == SLOW_ITERATION:
-            output.register_hook(lambda grad: time.sleep(0.6))
-
-    first.register_forward_hook(slow_backward)
-    batches = make_batches("mlp", STEPS, world_size)
-    for t in range(1, STEPS + 1):
-        iteration["t"] = t
-        x, y = batches[t - 1][rank]
-        opt.zero_grad()
-        loss_fn_for("mlp")(model(x), y).backward()
-        opt.step()
+    _train_with_a_slow_rank(model, opt, rank, world_size, STEPS, slow_iteration=SLOW_ITERATION, sleep=0.6)
     opt.synchronize()
     return {
         "events": [(ts, kind, dict(fields)) for ts, kind, fields in opt.tracer.events()],
@@ -150,3 +155,29 @@ def _close(rank, world_size):
 def test_close_drains_collectives_and_detaches():
     for r in run_ranks(_close, world_size=2):
         assert r["in_flight"] > 0 and r["after"] == 0 and r["unchanged"]
+
+
+def _wait_for_communication(rank, world_size):
+    """Rank 1 sleeps in the stale layer's backward of the last iteration, so its stale
+    all-reduce starts late; rank 0's wait_for_communication() after step() must block
+    until then, and leave the result pending for the step that consumes it."""
+    import sapipe
+
+    model = make_model("mlp", seed=0)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), model, stale_layers=1, bucket_cap_mb=0.0001
+    )
+    _train_with_a_slow_rank(model, opt, rank, world_size, 3, slow_iteration=3, sleep=0.5)
+    start = time.perf_counter()
+    opt.wait_for_communication()
+    blocked = time.perf_counter() - start
+    pending = sum(h is not None for b in opt.buckets for h in b.grads.in_flight)
+    opt.close()
+    return {"blocked": blocked, "pending": pending}
+
+
+def test_wait_for_communication_blocks_until_in_flight_all_reduces_arrive():
+    out = run_ranks(_wait_for_communication, world_size=2)
+    assert out[0]["blocked"] > 0.3, out  # rank 0 waited for rank 1's late stale all-reduce
+    assert out[1]["blocked"] < 0.3, out
+    assert out[0]["pending"] > 0 and out[1]["pending"] > 0  # nothing consumed: still the step's to apply

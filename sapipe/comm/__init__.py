@@ -20,7 +20,8 @@ from ..errors import ConfigurationError, SapipeError
 from ..trace import Tracer
 from .base import CommBackend, Handle
 from .pushpull import DEFAULT_PARTITION_BYTES, PushPull
-from .torch_backend import AllReduce, new_group_like, release_group
+from .groups import new_group_like, release_group
+from .torch_backend import AllReduce
 
 BACKENDS = ("torch", "pushpull", "horovod", "byteps")
 

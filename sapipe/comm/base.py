@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..errors import CommunicationError, ConfigurationError
 from ..trace import Tracer
+from .groups import release_group
 
 
 @dataclass
@@ -195,8 +196,6 @@ class LibraryBackend(CommBackend):
         return f"{self._limit:g}s"
 
     def close(self) -> None:
-        from .torch_backend import release_group
-
         release_group(self.group)
 
 

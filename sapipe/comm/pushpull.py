@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..trace import Tracer
 from .base import CommBackend, Handle
-from .torch_backend import release_group
+from .groups import release_group
 
 DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024  # BytePS's default partition size
 _JOIN_SECONDS = 10.0  # how long close() waits for an idle worker to exit

@@ -16,34 +16,7 @@ import torch.distributed as dist
 
 from ..trace import Tracer
 from .base import CommBackend, Handle
-
-
-# Groups over a strict subset of the world (created with local synchronisation). torch
-# names those by hashing their ranks with the number of live groups, so destroying one and
-# creating another can reuse a name, and the new group's rendezvous then meets the old
-# one's keys in the store and hangs. They are therefore kept until the job ends.
-_SUBSET_GROUPS: "set[str]" = set()
-
-
-def new_group_like(process_group, timeout: Optional[timedelta], backend: Optional[str] = None):
-    """A new process group over the same ranks as ``process_group`` (collective), on the
-    same back-end unless ``backend`` names another (e.g. ``"gloo"`` for small CPU messages)."""
-    ranks = dist.get_process_group_ranks(process_group)
-    subset = len(ranks) != dist.get_world_size()
-    kwargs = {"ranks": ranks, "backend": backend or dist.get_backend(process_group),
-              "use_local_synchronization": subset}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
-    group = dist.new_group(**kwargs)
-    if subset:
-        _SUBSET_GROUPS.add(group.group_name)
-    return group
-
-
-def release_group(group) -> None:
-    """Destroy a group made by :func:`new_group_like` (subset groups are kept, see above)."""
-    if group.group_name not in _SUBSET_GROUPS:
-        dist.destroy_process_group(group)
+from .groups import release_group
 
 
 class AllReduce(CommBackend):

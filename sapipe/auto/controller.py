@@ -1,0 +1,249 @@
+"""``stale_layers="auto"``: profile the warm-up, choose k with the model, then check it on the job.
+
+Three phases (docs/design.md §4):
+
+1. **profiling** — the last ``profile_steps`` warm-up iterations are timed per layer and
+   the link is fitted (:mod:`sapipe.schedule.profiler`);
+2. **trials** — at the end of warm-up the simulator's k is laid out and, unless it is 0 or
+   m, measured on the running job; if the pipeline still waits, other k are measured
+   (:class:`sapipe.schedule.tuner.Tuner`), each trial restarting the pipeline;
+3. **decided** — k is final.
+
+The controller only decides. It changes the runtime through two calls of its
+:class:`Runtime`: ``relayout(k)`` (new buckets for k, between iterations, nothing in flight
+on stale buckets) and ``restart(k, iteration, hyperparams)`` (drain the pipeline, then start
+it anew with k stale layers).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import statistics
+import time
+from typing import Any, Dict, List, Optional, Protocol
+
+import torch
+
+from ..config import Settings
+from ..layers import Layer
+from ..rendezvous import ControlChannel
+from ..runtime.pipeline import GradientPipeline
+from ..schedule import profiler, simulator, solver, tuner
+
+log = logging.getLogger("sapipe")
+
+#: A predicted stall below this fraction of compute counts as none. Profiles taken on a
+#: live job carry a few percent of noise, and staling a layer costs some accuracy, so
+#: "auto" only makes layers stale for a gain larger than that.
+STALL_TOLERANCE = 0.03
+
+#: A trial of the measured search for k lasts ``tune_steps`` iterations, and is extended by
+#: as many again, up to this many times in all, while its time is too noisy to resolve
+#: ``STALL_TOLERANCE`` (the median's standard error above half of it).
+TRIAL_MAX_ROUNDS = 4
+
+
+class Runtime(Protocol):
+    """What the controller may ask of the optimizer's runtime."""
+
+    def relayout(self, k: int) -> None: ...
+
+    def restart(self, k: int, iteration: int, hyperparams: List[Dict[str, Any]]) -> None: ...
+
+
+class AutoController:
+    """The scheduler's side of ``stale_layers="auto"``: what it measured, what it decided."""
+
+    def __init__(self, settings: Settings, control: ControlChannel, pipeline: GradientPipeline,
+                 runtime: Runtime, rank: int):
+        self._settings = settings
+        self._control = control
+        self._pipeline = pipeline
+        self._runtime = runtime
+        self._rank = rank
+        self.timer: Optional[profiler.LayerTimer] = None  # while the warm-up is profiled
+        self.profile: Optional[profiler.Profile] = None  # what the decision was made from
+        self.layer_profiles: Optional[List[solver.LayerProfile]] = None
+        self.link: Optional[tuple] = None  # (alpha, beta, bytes per layer, step time)
+        self.sim_options: Dict[str, Any] = {}  # slowdown, shared_link, update_per_element
+        self.decision: Optional[solver.Decision] = None
+        self.tuner: Optional[tuner.Tuner] = None  # the measured search, once the model chose
+        self.decided = False  # k is final (decided now, or restored from a checkpoint)
+        self._trial_start = 0  # the iteration the current trial's pipeline began after
+        self._trial_times: List[float] = []  # per measured iteration: forward start to step end
+        self._trial_waits: List[float] = []  # per measured iteration: seconds waited for comm
+
+    # ------------------------------------------------------------------ profiling
+
+    def start_profiling(self, layers: List[Layer]) -> None:
+        """The layer order is known: time the warm-up's last iterations per layer."""
+        if not self.decided and self.tuner is None:
+            self.timer = profiler.LayerTimer(len(layers), [layer.executed for layer in layers])
+            self._pipeline.timer = self.timer
+
+    def profiles(self, iteration: int) -> bool:
+        """Whether ``iteration`` is one of the profiled warm-up iterations."""
+        origin = self._pipeline.origin
+        return self.timer is not None and origin - self._settings.profile_steps < iteration <= origin
+
+    def end_step(self, iteration: int, hyperparams: List[Dict[str, Any]], forward_start: Optional[float]) -> None:
+        """After ``step()`` of ``iteration``: profile, decide at warm-up's end, or measure a trial."""
+        if self.timer is not None:
+            self.timer.end_iteration()
+            if iteration == self._pipeline.origin:
+                self._decide()
+        elif self.tuner is not None and not self.decided:
+            self._measure_trial(iteration, hyperparams, forward_start)
+
+    # ------------------------------------------------------------------ the model's decision
+
+    def _decide(self) -> None:
+        """End of warm-up: profile, choose k, re-lay the buckets out for it."""
+        assert self.timer is not None and self._pipeline.layout is not None
+        layout, sync_group = self._pipeline.layout, self._pipeline.sync_comm.group
+        first = layout.buckets[0]
+        self.profile = profiler.measure(self.timer, sync_group if sync_group is not None else self._control.group,
+                                        [b.nbytes for b in layout.buckets], first.dtype, first.device)
+        self.timer = self._pipeline.timer = None
+        self._set_model_inputs(layout.layers, first.params[0].element_size())
+        self.decision = solver.choose_k(self.layer_profiles, tolerance=STALL_TOLERANCE, **self.simulator_arguments())
+        self._runtime.relayout(self.decision.k)
+        m = len(layout.layers)
+        if self._settings.tune_steps > 0 and 0 < self.decision.k < m:
+            # k = 0 and k = m need no check: the profile was measured at k = 0, and
+            # nothing hides more communication than k = m.
+            self.tuner = tuner.Tuner(self.decision.k, m, STALL_TOLERANCE)
+            self._begin_trial(self._pipeline.origin)
+        else:
+            self._finish()
+
+    def _set_model_inputs(self, layers: List[Layer], element_size: int) -> None:
+        """The simulator's inputs from the measured profile."""
+        profile = self.profile
+        assert profile is not None
+        layer_bytes = [layer.numel * element_size for layer in layers]
+        self.layer_profiles = [
+            solver.LayerProfile(layer.name, u, b, profile.alpha + profile.beta * nbytes, layer.numel)
+            for layer, u, b, nbytes in zip(layers, profile.forward, profile.backward, layer_bytes)
+        ]
+        self.link = (profile.alpha, profile.beta, layer_bytes, profile.step_time)
+        # The runtime's link: sync and stale traffic on two process groups, sharing it; no
+        # compute slow-down unless the profile measured one; the measured search, if it runs,
+        # fits one for the final predictions. Every layer was synchronous while profiling:
+        # its deferred updates covered all of them.
+        numel = sum(layer.numel for layer in layers)
+        self.sim_options = {"slowdown": profile.slowdown, "shared_link": True,
+                            "update_per_element": profile.update_time / numel if numel else 0.0}
+
+    def simulator_arguments(self) -> Dict[str, Any]:
+        """The simulator's and solver's keyword arguments besides the profiles (one builder for both)."""
+        assert self.link is not None
+        alpha, beta, layer_bytes, step_time = self.link
+        return dict(bucket_cap_bytes=self._settings.bucket_cap_bytes, alpha=alpha, beta=beta,
+                    bytes_per_layer=layer_bytes, step_time=step_time, **self.sim_options)
+
+    def predict(self, k: int, slowdown: Optional[float] = None, record_events: bool = True) -> simulator.SimResult:
+        """The model's steady-state iteration at ``k`` (with compute slow-down σ = ``slowdown``)."""
+        assert self.layer_profiles is not None
+        arguments = self.simulator_arguments()
+        if slowdown is not None:
+            arguments["slowdown"] = slowdown
+        return simulator.simulate(self.layer_profiles, k, record_events=record_events, **arguments)
+
+    def _finish(self) -> None:
+        self.decided = True
+        if self._rank == 0 and self.decision is not None:
+            tuned = (f"; {self.tuner.summary()}; predictions with the compute slow-down that fits them best, "
+                     f"sigma={self.sim_options['slowdown']:g}" if self.tuner is not None else "")
+            log.info("sapipe: %s%s", self.decision.summary(), tuned)
+
+    # ------------------------------------------------------------------ the measured search
+
+    def _begin_trial(self, iteration: int) -> None:
+        """The pipeline (re)started after ``iteration``: measure the trial's iterations from here."""
+        self._trial_start = iteration
+        self._trial_times = []
+        self._trial_waits = []
+
+    def _measure_trial(self, iteration: int, hyperparams: List[Dict[str, Any]], forward_start: Optional[float]) -> None:
+        """Record one iteration of the trial; after ``tune_steps`` of them, report and move on.
+
+        The pipeline's first s steps are not measured (no stale update waits in them yet).
+        An iteration runs from its first forward to the end of its ``step()``, so what the
+        training loop does between steps does not count. On CUDA the host does not block on
+        communication, so an iteration synchronises the device before it is timed and its
+        waits count as unknown (the search then always measures k = m).
+        """
+        assert self.tuner is not None
+        if iteration - self._trial_start <= self._settings.staleness:
+            return
+        device = self._pipeline.buckets[0].device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = forward_start if forward_start is not None else time.perf_counter()
+        self._trial_times.append(time.perf_counter() - start)
+        self._trial_waits.append(math.inf if device.type == "cuda" else self._pipeline.waited)
+        if len(self._trial_times) % self._settings.tune_steps == 0:
+            self._judge_trial(iteration, hyperparams)
+
+    def _judge_trial(self, iteration: int, hyperparams: List[Dict[str, Any]]) -> None:
+        """The trial's value, agreed over ranks: the slowest rank's median of the means of
+        consecutive pairs of iterations (a saturated link often alternates long and short
+        iterations, which a plain median misreads). Too noisy to tell 3% apart: measure on."""
+        assert self.tuner is not None
+        pairs = _pair_means(self._trial_times)
+        median = statistics.median(pairs)
+        # the median's standard error, relative (≈ 1.25 σ / √n for a roughly normal sample)
+        noise = 1.25 * statistics.stdev(pairs) / math.sqrt(len(pairs)) / median if len(pairs) > 1 else 0.0
+        iteration_time, waits, noise = self._control.agree_on_max(
+            [median, statistics.median(_pair_means(self._trial_waits)), noise], "the scheduler's measurements"
+        )
+        if noise > STALL_TOLERANCE / 2 and len(self._trial_times) < TRIAL_MAX_ROUNDS * self._settings.tune_steps:
+            return  # every rank measures on (they agreed on the noise)
+        self.tuner.record(iteration_time, waits)
+        if self.tuner.trial is None:
+            if self.tuner.final != self._pipeline.layout.k:
+                self._runtime.restart(self.tuner.final, iteration, hyperparams)
+            self.sim_options["slowdown"] = tuner.fit_slowdown(
+                self.tuner.trials, lambda k, sigma: self.predict(k, sigma, record_events=False).iteration_time)
+            self.decision = solver.choose_k(self.layer_profiles, tolerance=STALL_TOLERANCE,
+                                            only_k=self.tuner.final, **self.simulator_arguments())
+            self._finish()
+        else:
+            self._runtime.restart(self.tuner.trial, iteration, hyperparams)
+            self._begin_trial(iteration)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Whether k is final, and, while the search runs, where it stands and the model's inputs."""
+        searching = not self.decided and self.tuner is not None
+        return {"decided": self.decided, "search": None if not searching else {
+            "tuner": self.tuner.state_dict(), "trial_start": self._trial_start,
+            "times": list(self._trial_times), "waits": list(self._trial_waits),
+            # the model's inputs, so the resumed job predicts the final k as this one would
+            "profiles": [dataclasses.asdict(p) for p in self.layer_profiles or []], "link": self.link,
+            "sim_options": dict(self.sim_options), "decision": dataclasses.asdict(self.decision),
+        }}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.decided = state["decided"]
+        search = state["search"]
+        self.tuner = tuner.Tuner.from_state(search["tuner"]) if search else None
+        if search:
+            self._trial_start = search["trial_start"]
+            self._trial_times, self._trial_waits = list(search["times"]), list(search["waits"])
+            self.layer_profiles = [solver.LayerProfile(**p) for p in search["profiles"]] or None
+            self.link, self.sim_options = tuple(search["link"]), dict(search["sim_options"])
+            self.decision = solver.Decision(**search["decision"])
+        if self.decided or self.tuner is not None:
+            self.timer = self._pipeline.timer = None
+
+
+def _pair_means(values: List[float]) -> List[float]:
+    """Means of consecutive pairs (a lone last value is its own pair)."""
+    return [statistics.fmean(values[i : i + 2]) for i in range(0, len(values), 2)]
+
+
+__all__ = ["AutoController", "Runtime", "STALL_TOLERANCE", "TRIAL_MAX_ROUNDS"]

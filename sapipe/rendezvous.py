@@ -1,0 +1,139 @@
+"""Agreement between ranks: what each rank checks alone, what all must share, and rank 0's state.
+
+Construction must fail on every rank or on none: a rank that raised while the others went
+on into a collective would leave them waiting forever. So each rank validates locally,
+keeps its error, compares a fingerprint of its configuration with every other rank, and
+only then raises (a difference between ranks first, since it explains a local error too).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple, Type
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import comm, config
+from .errors import CommunicationError, ConfigurationError, SapipeError, UnsupportedOptimizerError
+from .layers import LayerRecorder
+from .optim_math import OptimizerRule, rule_for
+
+
+def check_locally(
+    optimizer: Any, model: Any, arguments: Dict[str, Any], wrapper: Type
+) -> Tuple[OptimizerRule, List[nn.Parameter], LayerRecorder, config.Settings]:
+    """Everything that can be checked without the other ranks; raises :class:`SapipeError`.
+
+    Returns the optimizer's update rule, the trainable parameters (optimizer order, each
+    once), the recorder that will find the layer order, and the validated settings.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UnsupportedOptimizerError(
+            f"sapipe: optimizer must be a torch.optim.Optimizer instance; got {type(optimizer).__name__}"
+        )
+    if isinstance(optimizer, wrapper):
+        raise ConfigurationError(f"sapipe: the optimizer is already a sapipe.{wrapper.__name__}")
+    if not isinstance(model, nn.Module):
+        raise ConfigurationError(f"sapipe: model must be an nn.Module; got {type(model).__name__}")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ConfigurationError("sapipe: pass the plain model, not a DistributedDataParallel wrapper")
+    rule = rule_for(optimizer)
+    params = _trainable_parameters(optimizer, model)
+    recorder = LayerRecorder(model, params)
+    settings = config.Settings.validate(num_layers=recorder.max_layers, **arguments)
+    return rule, params, recorder, settings
+
+
+def _trainable_parameters(optimizer: torch.optim.Optimizer, model: nn.Module) -> List[nn.Parameter]:
+    model_params = {id(p) for p in model.parameters()}
+    params: List[nn.Parameter] = []
+    seen = set()
+    for group_index, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in model_params:
+                raise ConfigurationError(
+                    f"sapipe: the optimizer's param group {group_index} holds a parameter of shape "
+                    f"{tuple(p.shape)} that is not a parameter of the model"
+                )
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    if not params:
+        raise ConfigurationError("sapipe: the optimizer holds no trainable parameters of the model")
+    kinds = {(p.dtype, p.device) for p in params}
+    if len(kinds) > 1:
+        raise ConfigurationError(
+            f"sapipe: all trainable parameters must share one dtype and device; found {sorted(map(str, kinds))}"
+        )
+    return params
+
+
+def describe_job(optimizer: Any, model: Any) -> Dict[str, Any]:
+    """What must agree across ranks besides the arguments: optimizer and model shapes."""
+    try:
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} | {"shapes": [tuple(p.shape) for p in g["params"]]}
+            for g in optimizer.param_groups
+        ]
+    except Exception:  # noqa: BLE001 - a broken optimizer is reported by local validation
+        groups = []
+    shapes = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()] if isinstance(model, nn.Module) else []
+    return {"optimizer": type(optimizer).__name__, "param_groups": groups, "model_parameters": shapes}
+
+
+def agree(group, arguments: Dict[str, Any], optimizer: Any, model: Any, local_error: Optional[SapipeError]) -> None:
+    """Compare every rank's configuration (collective); raise on every rank if any differs,
+    else raise this rank's ``local_error`` (every rank has one then: they agree)."""
+    backend = arguments.get("backend")
+    unavailable = comm.availability(backend) if backend in comm.BACKENDS else None
+    if local_error is None and unavailable is not None:
+        local_error = ConfigurationError(unavailable)
+    job = dict(describe_job(optimizer, model), backend_available=unavailable is None)
+    fingerprint = config.describe(dict(arguments, **job))
+    gathered: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, fingerprint, group=group)
+    differences = config.mismatches(gathered)
+    if differences:
+        raise ConfigurationError("sapipe: ranks were configured differently: " + "; ".join(differences[:10]))
+    if local_error is not None:
+        raise local_error
+
+
+@torch.no_grad()
+def broadcast_from_first_rank(model: nn.Module, group) -> None:
+    """Copy rank 0's parameters and buffers to every rank (one collective per dtype and device)."""
+    src = dist.get_global_rank(group, 0)
+    by_kind: Dict[tuple, List[torch.Tensor]] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for same in by_kind.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+class ControlChannel:
+    """Small agreements during training (a GradScaler verdict, the scheduler's measurements)
+    on a process group of their own, so they never queue behind gradient traffic."""
+
+    def __init__(self, group, timeout, device: torch.device):
+        self.group = comm.new_group_like(group, timeout)
+        self._device = device if device.type == "cuda" else torch.device("cpu")
+
+    def agree_on_max(self, values: List[float], what: str) -> List[float]:
+        """The maximum over ranks of each of ``values`` (float64); ``what`` names it in errors."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=self._device)
+        try:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise CommunicationError(f"sapipe: agreeing on {what} failed: {exc}") from exc
+        return tensor.cpu().tolist()
+
+    def close(self) -> None:
+        comm.release_group(self.group)
+
+
+__all__ = ["check_locally", "describe_job", "agree", "broadcast_from_first_rank", "ControlChannel"]

@@ -1,0 +1,36 @@
+"""What a sapipe checkpoint is, and whether this job can continue one.
+
+A checkpoint is per rank: it holds stale gradients and (under weight prediction) per-rank
+predictions, which cannot be re-partitioned, so it resumes only on the same rank of a job
+with the same world size and the same settings (docs/design.md §5).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from . import config
+from .errors import ConfigurationError
+
+CHECKPOINT_FORMAT = "sapipe-checkpoint/2"  # /2: pipeline restarts and the search for k
+
+
+def check_resumable(state: Any, rank: int, world_size: int, fingerprint: Dict[str, str]) -> None:
+    """Refuse, naming the difference, a checkpoint this rank cannot continue."""
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ConfigurationError(f"sapipe: not a sapipe checkpoint (expected format {CHECKPOINT_FORMAT!r})")
+    if state["world_size"] != world_size:
+        raise ConfigurationError(
+            f"sapipe: the checkpoint was written by a job of {state['world_size']} ranks; this job has "
+            f"{world_size}. Stale gradients and per-rank predictions cannot be re-partitioned"
+        )
+    if state["rank"] != rank:
+        raise ConfigurationError(f"sapipe: rank {rank} was given rank {state['rank']}'s checkpoint")
+    differences = config.mismatches([state["settings"], fingerprint])
+    if differences:
+        raise ConfigurationError(
+            "sapipe: the checkpoint's configuration differs from this optimizer's: "
+            + "; ".join(d.replace("rank 1", "this job").replace("rank 0", "the checkpoint") for d in differences)
+        )
+
+
+__all__ = ["CHECKPOINT_FORMAT", "check_resumable"]

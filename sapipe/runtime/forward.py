@@ -1,0 +1,84 @@
+"""What happens in forward: deferred sync updates just before each layer, and its timing.
+
+A sync bucket's update is applied in the forward pre-hook of the bucket's first layer, so
+the bucket's all-reduce had the rest of backward and the forward of every earlier layer
+to arrive (docs/design.md §5). The same hooks feed the scheduler's profiler and the tracer.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+from torch import nn
+
+from ..layers import Layer
+from ..trace import Tracer
+from .engine import Runtime
+from .timeline import BackwardSpans
+
+
+class ForwardHooks:
+    """The bodies of the model- and layer-level forward hooks the optimizer registers.
+
+    ``next_iteration()`` gives the iteration the forward belongs to; ``profiling(iteration)``
+    whether the scheduler times it.
+    """
+
+    def __init__(self, runtime: Runtime, tracer: Tracer, spans: Optional[BackwardSpans],
+                 next_iteration: Callable[[], int], profiling: Callable[[int], bool]):
+        self._runtime = runtime
+        self._tracer = tracer
+        self._spans = spans
+        self._next_iteration = next_iteration
+        self._profiling = profiling
+        self.forward_start: Optional[float] = None  # this iteration's first forward began
+        self._root_wait = self._root_update = 0.0  # deferred work before the first layer
+
+    def before_model(self, module: nn.Module, args) -> None:
+        iteration = self._next_iteration()
+        if self.forward_start is None:
+            self.forward_start = time.perf_counter()
+        self._tracer.record("forward_start", iteration=iteration)
+        timer = self._runtime.pipeline.timer
+        if timer is not None and self._profiling(iteration):
+            timer.begin_iteration()
+        if self._runtime.pipeline.layout is None:
+            return
+        start = time.perf_counter()
+        waited = sum(self._runtime.apply_deferred(bucket) for bucket in self._runtime.layout.eager)
+        # before the first layer, for the profiler: a stall, and update compute that followed it
+        self._root_wait, self._root_update = waited, time.perf_counter() - start - waited
+
+    def after_model(self) -> None:
+        if self._runtime.pipeline.timer is not None:
+            self._runtime.pipeline.timer.forward_end()
+        if self._spans is not None:
+            self._spans.forward_ended()
+
+    def before_layer(self, layer: Layer) -> Callable[[nn.Module, tuple], None]:
+        """The pre-hook of ``layer`` (or of its host, for a layer that never runs its own forward)."""
+        index = layer.index
+
+        def hook(module: nn.Module, args) -> None:
+            bucket = self._runtime.layout.bucket_of_layer.get(index)
+            waited = updated = 0.0
+            if bucket is not None and bucket.pending_update is not None:
+                start = time.perf_counter()
+                waited = self._runtime.apply_deferred(bucket)
+                updated = time.perf_counter() - start - waited
+            timer = self._runtime.pipeline.timer
+            if timer is not None:
+                if index == 0:
+                    waited += self._root_wait
+                    updated += self._root_update
+                timer.layer_forward(index, waited, updated)
+            self._tracer.record("layer_forward_start", layer=layer.name, iteration=self._next_iteration())
+        return hook
+
+    def after_layer(self, layer: Layer) -> Callable[[nn.Module, tuple, object], None]:
+        def hook(module: nn.Module, args, output) -> None:
+            self._tracer.record("layer_forward_end", layer=layer.name, iteration=self._next_iteration())
+        return hook
+
+
+__all__ = ["ForwardHooks"]

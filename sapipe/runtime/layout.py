@@ -1,0 +1,89 @@
+"""Where every parameter lives: layers, buckets, the lookup maps, and optimizer state on relayout.
+
+A :class:`Layout` is fixed for one k (the number of stale layers). The scheduler may choose
+another k while training; :meth:`Layout.relaid` then builds the new buckets and moves every
+parameter's optimizer state from its old place to its new one (docs/design.md §5).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..buckets import Bucket, StalenessBuffer, build_buckets
+from ..compensation import Compensation
+from ..layers import Layer
+from ..optim_math import OptimizerRule
+
+
+class Layout:
+    """The buckets of ``layers`` for ``k`` stale layers, with their gradient buffers."""
+
+    def __init__(self, layers: List[Layer], k: int, cap_bytes: int, group_of: Dict[int, int],
+                 staleness: int, compensation: Compensation):
+        self.layers = layers
+        self.k = k
+        self._cap_bytes, self._group_of = cap_bytes, group_of
+        self._staleness, self._compensation = staleness, compensation
+        self.buckets: List[Bucket] = build_buckets(layers, k, cap_bytes, group_of)
+        self.layer_of: Dict[int, int] = {id(p): layer.index for layer in layers for p in layer.params}
+        self.slot_of: Dict[int, Tuple[Bucket, int]] = {}  # id(param) -> (its bucket, its position there)
+        self.bucket_of_layer: Dict[int, Bucket] = {}
+        for bucket in self.buckets:
+            self._add_buffers(bucket)
+            for i, p in enumerate(bucket.params):
+                self.slot_of[id(p)] = (bucket, i)
+            for layer in bucket.layers:
+                self.bucket_of_layer[layer.index] = bucket
+        # Buckets with a layer no layer's pre-forward covers are updated when the model starts.
+        self.eager = [b for b in self.buckets if any(not l.executed and l.host is None for l in b.layers)]
+
+    def _add_buffers(self, bucket: Bucket) -> None:
+        """The staleness double (or deeper) buffer, and this rank's own gradients where kept."""
+        depth = self._staleness + 1 if bucket.stale else 1
+        bucket.grads = StalenessBuffer(bucket.numel, bucket.dtype, bucket.device, depth)
+        if bucket.stale and self._compensation.needs_local:
+            bucket.local = torch.zeros_like(bucket.grads.slots[0])
+        if bucket.stale and self._compensation.needs_prev_local:
+            bucket.prev_local = torch.zeros_like(bucket.grads.slots[0])
+
+    def relaid(self, k: int) -> "Layout":
+        """The same layers laid out for ``k`` stale layers (no weights or state moved yet)."""
+        return Layout(self.layers, k, self._cap_bytes, self._group_of, self._staleness, self._compensation)
+
+    @torch.no_grad()
+    def allocate_state(self, rule: OptimizerRule, previous: Optional["Layout"] = None) -> None:
+        """Flatten the weights (parameters become views of each bucket's buffer) and create the
+        optimizer state; with ``previous``, every parameter's state moves over from it."""
+        moved = _state_places(previous.buckets) if previous is not None else {}
+        for bucket in self.buckets:
+            bucket.flatten_weights()
+            bucket.real = bucket.weights
+            for segment in bucket.segments:
+                segment.state = rule.new_state(segment.of(bucket.weights))
+                for p, offset in zip(bucket.params, bucket.offsets):
+                    if id(p) in moved and segment.start <= offset < segment.end:
+                        _move_state(moved[id(p)], segment, offset - segment.start, p)
+
+
+def _state_places(buckets: List[Bucket]) -> Dict[int, tuple]:
+    """id(param) -> (its segment, its offset in that segment)."""
+    places: Dict[int, tuple] = {}
+    for bucket in buckets:
+        for segment in bucket.segments:
+            for p, offset in zip(bucket.params, bucket.offsets):
+                if segment.start <= offset < segment.end:
+                    places[id(p)] = (segment, offset - segment.start)
+    return places
+
+
+def _move_state(old_place: tuple, segment, start: int, p: nn.Parameter) -> None:
+    old, old_start = old_place
+    segment.state.steps = old.state.steps
+    segment.state.momentum_started = old.state.momentum_started
+    for name, buffer in segment.state.buffers.items():
+        buffer[start : start + p.numel()].copy_(old.state.buffers[name][old_start : old_start + p.numel()])
+
+
+__all__ = ["Layout"]

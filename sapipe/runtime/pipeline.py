@@ -1,0 +1,205 @@
+"""Gradient intake and communication: backward's gradients into buckets, buckets onto the wire.
+
+Every trainable parameter's gradient is copied into its bucket's slot as soon as backward
+produces it; a full bucket starts its all-reduce, strictly in bucket order, so every rank
+issues the same collectives in the same sequence whatever order its hooks fire in. Stale
+buckets rotate through ``staleness + 1`` slots (a gradient of iteration t is consumed at
+t + s while newer ones fill the other slots); sync and stale traffic run on separate
+back-end instances, each with process groups of its own (docs/design.md §5).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from .. import comm
+from ..buckets import Bucket
+from ..config import Settings
+from ..errors import UsageError
+from ..schedule.profiler import LayerTimer
+from ..trace import Tracer
+from .layout import Layout
+
+#: Mean elements per parameter from which backward writes a kept local gradient into both
+#: ``bucket.local`` and the communication slot (a second copy per parameter, its source still in
+#: cache) rather than copying the flat ``local`` into the slot at launch (one call, one more read
+#: of the bucket). Measured on this project's CPU models: a torch copy call costs ~4 µs, the
+#: read it saves ~0.12 ns per float32 element, so the second copy pays from ~32K elements on.
+#: On CUDA it never pays: each copy is a kernel launch, and the flat copy's extra read runs at
+#: device bandwidth (ResNet-50 on an H100, wp1 at k = m: +8.8% / +6.3% per step with the
+#: per-parameter copies, +0.1% / -6.3% with the flat one; benchmarks/RESULTS.md).
+MIRROR_LOCAL_MIN_MEAN_NUMEL = 32768
+
+
+def mirrors_local(bucket: Bucket) -> bool:
+    """Whether backward writes a kept local gradient into the communication slot too."""
+    return bucket.device.type == "cpu" and bucket.numel >= MIRROR_LOCAL_MIN_MEAN_NUMEL * len(bucket.params)
+
+
+class GradientPipeline:
+    """Backward's gradients in, all-reduces out, and the waits for them counted.
+
+    ``before_reuse(bucket)`` is called when a bucket's first gradient of an iteration arrives
+    while the bucket still has a deferred update pending (its buffer is about to be reused).
+    """
+
+    def __init__(self, settings: Settings, group, tracer: Tracer, before_reuse: Callable[[Bucket], None]):
+        self._tracer = tracer
+        self._before_reuse = before_reuse
+        self.sync_comm = self._new_comm(settings, group, "sync")
+        needs_stale = settings.auto or settings.stale_layers > 0
+        self.stale_comm = self._new_comm(settings, group, "stale") if needs_stale else None
+        self.layout: Optional[Layout] = None
+        self.origin = settings.effective_warmup  # the pipeline starts after this iteration
+        self.timer: Optional[LayerTimer] = None  # the scheduler's profiler, while it profiles
+        self.waited = 0.0  # seconds this iteration waited for all-reduces so far
+        self.waited_total = 0.0  # seconds waited since construction
+        self._next_launch = 0
+
+    def _new_comm(self, settings: Settings, group, name: str) -> comm.CommBackend:
+        return comm.create(settings.backend, group, name, settings.timeout, self._tracer,
+                           partition_bytes=settings.partition_bytes)
+
+    @property
+    def buckets(self) -> List[Bucket]:
+        return self.layout.buckets if self.layout is not None else []
+
+    @property
+    def in_backward(self) -> bool:
+        """Some gradient of the current iteration has arrived (backward has begun)."""
+        return any(b.num_ready for b in self.buckets)
+
+    def in_pipeline(self, bucket: Bucket, iteration: int) -> bool:
+        """Whether ``bucket``'s gradient of ``iteration`` is stale (consumed ``staleness`` later)."""
+        return bucket.stale and iteration > self.origin
+
+    def slot(self, bucket: Bucket, iteration: int) -> int:
+        if not self.in_pipeline(bucket, iteration):
+            return 0
+        assert bucket.grads is not None
+        return bucket.grads.index(iteration - self.origin)
+
+    def gradient_targets(self, bucket: Bucket, iteration: int) -> List[torch.Tensor]:
+        """Where backward's gradient of ``bucket`` goes: its communication slot, or, when this
+        rank's own l_t is kept (wp1, wp3), ``bucket.local`` — and then also the slot if the
+        bucket's parameters are large on average (:func:`mirrors_local`); else :meth:`_launch`
+        copies the whole flat ``local`` into the slot in one call."""
+        assert bucket.grads is not None
+        slot = bucket.grads.slots[self.slot(bucket, iteration)]
+        if self.in_pipeline(bucket, iteration) and bucket.local is not None:
+            return [bucket.local, slot] if mirrors_local(bucket) else [bucket.local]
+        return [slot]
+
+    @torch.no_grad()
+    def take(self, param: torch.Tensor, iteration: int) -> None:
+        """``param.grad`` of ``iteration`` into its bucket; launch what is complete."""
+        assert self.layout is not None
+        bucket, i = self.layout.slot_of[id(param)]
+        if bucket.ready[i]:
+            raise UsageError(
+                "sapipe: a parameter received a second gradient before step(). For gradient "
+                "accumulation, run every backward but the last inside `with opt.no_sync():`"
+            )
+        if bucket.num_ready == 0 and bucket.pending_update is not None:
+            self._before_reuse(bucket)
+        offset, n = bucket.offsets[i], param.numel()
+        grad = param.grad.reshape(-1)
+        for target in self.gradient_targets(bucket, iteration):  # the 2nd read hits cache
+            target[offset : offset + n].copy_(grad)
+        bucket.ready[i] = True
+        bucket.num_ready += 1
+        if self.timer is not None:
+            self.timer.gradient_released(self.layout.layer_of[id(param)])
+        if bucket.num_ready == len(bucket.params):
+            self._launch_ready(iteration)
+
+    def _launch_ready(self, iteration: int) -> None:
+        """Start the complete buckets, strictly in index order."""
+        buckets = self.buckets
+        while self._next_launch < len(buckets):
+            bucket = buckets[self._next_launch]
+            if bucket.num_ready < len(bucket.params):
+                return
+            self._launch(bucket, iteration)
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket, iteration: int) -> None:
+        assert bucket.grads is not None
+        slot = self.slot(bucket, iteration)
+        buffer = bucket.grads.slots[slot]
+        pipelined = self.in_pipeline(bucket, iteration)
+        if pipelined and bucket.local is not None and not mirrors_local(bucket):
+            buffer.copy_(bucket.local)  # backward wrote l_t into local only
+        backend = self.stale_comm if pipelined else self.sync_comm
+        assert backend is not None
+        # Priority: the forward index of the bucket's first layer (needed soonest when lowest).
+        bucket.grads.in_flight[slot] = backend.start(
+            buffer, f"{bucket.describe()} of iteration {iteration}", priority=min(layer.index for layer in bucket.layers)
+        )
+        if self.timer is not None:
+            self.timer.comm_started(bucket.index, bucket.nbytes, bucket.grads.in_flight[slot])
+
+    @torch.no_grad()
+    def flush(self, iteration: int) -> None:
+        """Start the buckets backward did not complete (parameters without gradients).
+
+        Missing gradients count as zero. Starting them here, in index order, keeps the
+        collective sequence identical on every rank.
+        """
+        for bucket in self.buckets[self._next_launch :]:
+            if bucket.num_ready == 0 and bucket.pending_update is not None:
+                self._before_reuse(bucket)
+            targets = self.gradient_targets(bucket, iteration)
+            for i, p in enumerate(bucket.params):
+                if not bucket.ready[i]:
+                    for target in targets:
+                        target[bucket.offsets[i] : bucket.offsets[i] + p.numel()].zero_()
+                    bucket.ready[i] = True
+            bucket.num_ready = len(bucket.params)
+        self._launch_ready(iteration)
+
+    def end_iteration(self) -> None:
+        """Every bucket empty again, for the next backward."""
+        for bucket in self.buckets:
+            bucket.ready = [False] * len(bucket.params)
+            bucket.num_ready = 0
+        self._next_launch = 0
+        self.waited = 0.0
+
+    def take_arrived(self, bucket: Bucket, slot: int) -> Tuple[torch.Tensor, float]:
+        """(the summed gradient in ``bucket``'s ``slot``, seconds blocked on it); the slot is free after."""
+        assert bucket.grads is not None
+        handle, bucket.grads.in_flight[slot] = bucket.grads.in_flight[slot], None
+        start = time.perf_counter()
+        summed = handle.wait()
+        waited = time.perf_counter() - start
+        self.waited += waited
+        self.waited_total += waited
+        return summed, waited
+
+    def wait_for_communication(self) -> None:
+        """Block until every all-reduce in flight has arrived (each stays pending for its consumer)."""
+        for bucket in self.buckets:
+            if bucket.grads is not None:
+                for handle in bucket.grads.in_flight:
+                    if handle is not None:
+                        handle.wait()
+
+    def close(self) -> None:
+        """Wait for what is in flight (the last stale all-reduces are never consumed), then
+        release the back-ends and their process groups."""
+        for bucket in self.buckets:
+            if bucket.grads is not None:
+                for i, handle in enumerate(bucket.grads.in_flight):
+                    if handle is not None:
+                        handle.wait()
+                        bucket.grads.in_flight[i] = None
+            bucket.pending_update = None
+        for backend in (self.sync_comm, self.stale_comm):
+            if backend is not None:
+                backend.close()
+
+
+__all__ = ["GradientPipeline", "MIRROR_LOCAL_MIN_MEAN_NUMEL", "mirrors_local"]

@@ -1,0 +1,190 @@
+"""The updates: deferred synchronous ones, stale ones with their compensation, and GradScaler.
+
+* A **sync** bucket's update x_t = OPT(x_{t-1}, g_t) is recorded at ``step()`` with that
+  step's hyper-parameters and applied just before the bucket's first layer runs forward
+  again (or at ``synchronize()``), so its all-reduce overlaps the rest of backward.
+* A **stale** bucket is updated at ``step()`` of pipeline step t with the averaged gradient
+  of t − s, compensated (``dc``) or followed by a weight prediction (``wp1``–``wp3``).
+* With a GradScaler, whether an iteration's gradients are finite is agreed over all ranks;
+  each gradient is unscaled with its own iteration's scale wherever it is consumed, and
+  dropped there if it was not finite (docs/design.md §3).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..buckets import Bucket, WeightHistory
+from ..compensation import Compensation, StaleStep
+from ..config import Settings
+from ..gradient_spec import GradientSpec
+from ..optim_math import OptimizerRule
+from .pipeline import GradientPipeline
+
+Hyperparams = List[Dict[str, Any]]  # one dict per param group, as the rule reads them
+
+
+class Updater:
+    """Applies every update of the runtime, with the optimizer's own rule and state."""
+
+    def __init__(self, rule: OptimizerRule, compensation: Compensation, settings: Settings,
+                 world_size: int, pipeline: GradientPipeline):
+        self.rule = rule
+        self.compensation = compensation
+        self._settings = settings
+        self._world_size = world_size
+        self._pipeline = pipeline
+        #: iteration -> (gradients finite on every rank, 1 / loss scale); only with a GradScaler
+        self.scaling: Dict[int, Tuple[bool, float]] = {}
+
+    # ------------------------------------------------------------------ GradScaler
+
+    def agree_on_scaling(self, iteration: int, grad_scaler, optimizer, control) -> None:
+        """Decide over all ranks whether ``iteration``'s gradients are finite; tell the scaler.
+
+        The scaler's private per-device check is the one it uses itself for optimizers that
+        handle scaling: it records whether this rank's ``p.grad`` holds inf/NaN.
+        """
+        found = grad_scaler._check_inf_per_device(optimizer)  # noqa: SLF001
+        local = max((float(t.item()) for t in found.values()), default=0.0)
+        (flag,) = control.agree_on_max([local], "non-finite gradients")
+        for tensor in found.values():
+            tensor.fill_(flag)  # scaler.update() backs off on every rank or on none
+        self.scaling[iteration] = (flag == 0.0, 1.0 / grad_scaler.get_scale())
+        self.scaling.pop(iteration - self._settings.staleness - 2, None)
+
+    def _unscale(self, grad: torch.Tensor, iteration: int) -> Optional[torch.Tensor]:
+        """The summed gradient of ``iteration`` as a mean, unscaled; None if it was not finite."""
+        finite, inverse_scale = self.scaling.get(iteration, (True, 1.0))
+        if not finite:
+            return None
+        grad.div_(self._world_size)
+        return grad if inverse_scale == 1.0 else grad.mul_(inverse_scale)
+
+    def _arrived_mean(self, bucket: Bucket, slot: int, iteration: int) -> Tuple[Optional[torch.Tensor], float]:
+        """(the averaged, unscaled gradient of ``iteration`` in ``slot`` or None, seconds waited)."""
+        summed, waited = self._pipeline.take_arrived(bucket, slot)
+        return self._unscale(summed, iteration), waited
+
+    # ------------------------------------------------------------------ sync buckets
+
+    @torch.no_grad()
+    def apply_deferred(self, bucket: Bucket) -> float:
+        """x_t = OPT(x_{t-1}, g_t) for a synchronously-behaving bucket, if one is pending.
+
+        Returns the seconds spent waiting for its all-reduce (a stall, for the profiler).
+        """
+        pending, bucket.pending_update = bucket.pending_update, None
+        if pending is None:
+            return 0.0
+        hyperparams, iteration = pending
+        assert bucket.weights is not None
+        grad, waited = self._arrived_mean(bucket, 0, iteration)
+        if grad is not None:  # else a step GradScaler skipped
+            for segment in bucket.segments:
+                self.rule.update(segment.of(bucket.weights), segment.state, hyperparams[segment.group],
+                                 GradientSpec.plain(segment.of(grad)))
+        return waited
+
+    # ------------------------------------------------------------------ stale buckets
+
+    def stale_hyperparams(self, hyperparams: Hyperparams, pipeline_step: int) -> Hyperparams:
+        """PipeMare T1: lr / s^{p_t}, p_t = 1 − min(t/K, 1), for staleness s > 1."""
+        s, ramp = self._settings.staleness, self._settings.lr_ramp_steps
+        if s == 1 or ramp == 0:
+            return hyperparams
+        divisor = s ** (1.0 - min(pipeline_step / ramp, 1.0))
+        return [dict(hp, lr=hp["lr"] / divisor) for hp in hyperparams]
+
+    @torch.no_grad()
+    def stale_update(self, bucket: Bucket, t: int, hyperparams: Hyperparams, iteration: int) -> None:
+        """``step()`` of pipeline step t (user iteration ``iteration``) for a stale bucket."""
+        comp, s = self.compensation, self._settings.staleness
+        assert bucket.grads is not None and bucket.weights is not None
+        if t == 1:  # the pipeline starts: real weights and history begin at x_0
+            bucket.real = bucket.weights.clone() if comp.predicts else bucket.weights
+            if comp.history_length:
+                bucket.history = WeightHistory(bucket.real, comp.history_length)
+        grad = self._arrived_mean(bucket, bucket.grads.index(t - s), iteration - s)[0] if t > s else None
+        view = self._stale_view(bucket, grad, iteration)
+        hyperparams = self.stale_hyperparams(hyperparams, t)
+        # x̃_{t+1} = OPT_peek(x_t, g̃); recipes only describe, so g̃ can be known up front
+        predictor = comp.prediction_gradient(view) if comp.predicts else None
+        if grad is not None:
+            self._real_update(bucket, view, hyperparams, predictor)
+        else:
+            self._no_update(bucket, hyperparams, predictor)
+        if comp.predicts and predictor is None:
+            bucket.weights.copy_(bucket.real)  # no prediction: x̃_{t+1} = x_t
+        if comp.needs_prev_local:
+            bucket.local, bucket.prev_local = bucket.prev_local, bucket.local
+
+    def _stale_view(self, bucket: Bucket, grad: Optional[torch.Tensor], iteration: int) -> StaleStep:
+        """What the compensation sees at this step: ĝ, x, this rank's l_t and l_{t−1}, Δx's reference."""
+        local, prev_local = bucket.local, bucket.prev_local
+        if local is not None and self.scaling:
+            finite, inverse_scale = self.scaling.get(iteration, (True, 1.0))
+            local = local.mul_(inverse_scale) if finite else None
+            if prev_local is not None and not self.scaling.get(iteration - 1, (True, 1.0))[0]:
+                prev_local = None
+        history, settings = bucket.history, self._settings
+        return StaleStep(
+            g=grad, x=bucket.real, local=local, prev_local=prev_local,
+            x_oldest=history.oldest() if history else None,
+            world_size=self._world_size, lam=settings.dc_lambda, form=settings.dc_form,
+        )
+
+    def _real_update(self, bucket: Bucket, view: StaleStep, hyperparams: Hyperparams, predictor) -> None:
+        """x_t = OPT(x_{t-1}, ĝ) in one pass over memory with what else this step writes: x_t
+        into the history's oldest slot (the Δx reference it reads), and the prediction from
+        the freshly updated weights and state."""
+        recipe = self.compensation.real_gradient(view)
+        history = bucket.history
+        for segment in bucket.segments:
+            spec = recipe.slice(segment.start, segment.end, segment.lengths)
+            if history is not None:
+                spec = spec.with_history(segment.of(history.oldest()))
+            if predictor is None:
+                self.rule.update(segment.of(bucket.real), segment.state, hyperparams[segment.group], spec)
+            else:
+                self.rule.update_and_peek(
+                    segment.of(bucket.real), segment.state, hyperparams[segment.group], spec,
+                    predictor.slice(segment.start, segment.end, segment.lengths), out=segment.of(bucket.weights),
+                )
+        if history is not None:
+            history.advance()  # x_t is in the oldest slot: it becomes the newest
+
+    def _no_update(self, bucket: Bucket, hyperparams: Hyperparams, predictor) -> None:
+        """A step without a gradient yet (t ≤ s): only a prediction (wp1/wp2 at t = 1), and x_t = x_{t-1}."""
+        if predictor is not None:
+            assert not predictor.delta_is_step
+            for segment in bucket.segments:
+                self.rule.peek(
+                    segment.of(bucket.real), segment.state, hyperparams[segment.group],
+                    predictor.slice(segment.start, segment.end, segment.lengths), out=segment.of(bucket.weights),
+                )
+        if bucket.history is not None:
+            bucket.history.push(bucket.real)  # x_t = x_{t-1} joins; the oldest is dropped
+
+    @torch.no_grad()
+    def drain_stale(self, bucket: Bucket, t: int, hyperparams: Hyperparams, origin: int) -> None:
+        """Apply ``bucket``'s stale gradients still in flight after pipeline step t, oldest first,
+        as plain updates (no compensation: its correction assumes a next step that will not
+        come); the model then holds the real weights. Used when the pipeline restarts."""
+        assert bucket.grads is not None and bucket.real is not None and bucket.weights is not None
+        hyperparams = self.stale_hyperparams(hyperparams, t)
+        for j in range(max(t - self._settings.staleness + 1, 1), t + 1):
+            grad = self._arrived_mean(bucket, bucket.grads.index(j), origin + j)[0]
+            if grad is None:
+                continue
+            for segment in bucket.segments:
+                self.rule.update(
+                    segment.of(bucket.real), segment.state, hyperparams[segment.group],
+                    GradientSpec.plain(segment.of(grad)),
+                )
+        if bucket.real is not bucket.weights:
+            bucket.weights.copy_(bucket.real)  # the parameters are views of weights: re-laid out next
+
+
+__all__ = ["Updater", "Hyperparams"]
