@@ -11,6 +11,10 @@ the same round) − 1, so a burst of load from elsewhere spoils a round, not the
 run is done twice, in separate processes: with the compiled kernels (``cpu-ext``) and with
 ``SAPIPE_DISABLE_EXT=1`` (the pure-PyTorch path).
 
+A last row, ``torch fused=True, no sapipe``, trains the same model with the same torch
+optimizer (``fused=True``, as its best users run it) and no sapipe at all: its ratio to
+``none`` is what sapipe's runtime costs on one process beyond the optimizer step itself.
+
 Each mode is also given its *floor*: the extra memory passes over the stale parameters its
 definition needs beyond ``none`` (:func:`floor_streams`), times the time of one pass measured
 in the same round, relative to ``none``'s step. No implementation can go below it; the
@@ -37,6 +41,9 @@ sys.path.insert(0, HERE)
 
 import hostenv  # noqa: E402
 
+#: The baseline without sapipe: the same model and torch optimizer (``fused=True``), one process.
+TORCH_FUSED = "torch fused=True, no sapipe"
+
 MODES = [("none", "outer"), ("dc", "outer"), ("dc", "diagonal"), ("wp1", "outer"), ("wp2", "outer"), ("wp3", "outer")]
 
 
@@ -61,7 +68,7 @@ def floor_streams(label: str, optimizer: str) -> int:
     mode = label.split("/")[0]
     if mode == "dc":
         return 2 if label.endswith("diagonal") else 4
-    return {"none": 0, "wp1": 3, "wp2": 1, "wp3": 9 if optimizer == "adam" else 8}[mode]
+    return {"none": 0, "wp1": 3, "wp2": 1, "wp3": 9 if optimizer == "adam" else 8, TORCH_FUSED: 0}[mode]
 
 
 def synchronize(device) -> None:
@@ -132,6 +139,8 @@ def worker(args) -> None:
                 spec.make_optimizer(model.parameters()), model, stale_layers=k, compensation=mode, dc_form=form
             )
             runs.append((f"{mode}/{form}" if mode == "dc" else mode, model, opt, []))
+        plain_model = spec.make_model().to(device)
+        runs.append((TORCH_FUSED, plain_model, spec.make_optimizer(plain_model.parameters()), []))
         for round_ in range(args.rounds + 1):
             for label, model, opt, rounds in runs:
                 times = []
@@ -161,7 +170,7 @@ def worker(args) -> None:
         out["models"][name]["m"] = m
         out["models"][name]["k"] = k
         out["models"][name]["kappa"] = sum(sizes[:k]) / sum(sizes)
-        for _, _, opt, _ in runs:
+        for _, _, opt, _ in runs[:-1]:  # the sapipe modes
             opt.close()
     print(json.dumps(out))
 
