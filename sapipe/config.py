@@ -84,28 +84,70 @@ def parse_timeout(name: str, value: Union[None, Real, timedelta]) -> Optional[ti
     return timedelta(seconds=seconds)
 
 
-def _setting(default: Any, check: Callable[[str, Any], Any], *, resume: bool = True) -> Any:
-    """A field of :class:`Settings`; ``resume=False``: a checkpoint may be resumed with another value."""
-    return field(default=default, metadata={"check": check, "resume": resume})
+def _setting(default: Any, check: Callable[[str, Any], Any], help: str, *, resume: bool = True) -> Any:
+    """A field of :class:`Settings`: its default, its check, its documentation; ``resume=False``:
+    a checkpoint may be resumed with another value."""
+    return field(default=default, metadata={"check": check, "help": help, "resume": resume})
 
 
 @dataclass(frozen=True)
 class Settings:
     """The validated keyword arguments of :class:`sapipe.DistributedOptimizer` (defaults included)."""
 
-    stale_layers: Union[int, str] = _setting(0, _stale_layers)
-    compensation: str = _setting("none", _one_of(MODES))
-    dc_lambda: float = _setting(0.2, _non_negative_number)
-    dc_form: str = _setting("outer", _one_of(DC_FORMS))
-    staleness: int = _setting(1, _int_at_least(1))
-    warmup_steps: int = _setting(0, _int_at_least(0))
-    bucket_cap_mb: float = _setting(25.0, _positive_number)
-    timeout: Optional[timedelta] = _setting(None, parse_timeout, resume=False)
-    lr_ramp_steps: int = _setting(0, _int_at_least(0))
-    profile_steps: int = _setting(5, _int_at_least(1))
-    backend: str = _setting("torch", _one_of(BACKENDS))
-    partition_mb: float = _setting(4.0, _positive_number)
-    tune_steps: int = _setting(10, _int_at_least(0), resume=False)
+    stale_layers: Union[int, str] = _setting(
+        0, _stale_layers,
+        'k, the leading layers (forward order) on stale gradients: 0 equals DDP, m is Pipe-SGD; ``"auto"``: the scheduler picks k (:mod:`sapipe.auto`).',
+    )
+    compensation: str = _setting(
+        "none", _one_of(MODES),
+        '``"none"``, ``"dc"``, ``"wp1"``, ``"wp2"`` or ``"wp3"`` for the stale layers (see :mod:`sapipe.compensation`).',
+    )
+    dc_lambda: float = _setting(
+        0.2, _non_negative_number,
+        "λ ≥ 0 of delay compensation (``dc`` and ``wp3``).",
+    )
+    dc_form: str = _setting(
+        "outer", _one_of(DC_FORMS),
+        """``"outer"`` (the paper's rank-one form) or ``"diagonal"`` (DC-ASGD).""",
+    )
+    staleness: int = _setting(
+        1, _int_at_least(1),
+        "s ≥ 1, iterations of delay of stale gradients (> 1 with none/dc only).",
+    )
+    warmup_steps: int = _setting(
+        0, _int_at_least(0),
+        "iterations run fully synchronously before the stale layers switch.",
+    )
+    bucket_cap_mb: float = _setting(
+        25.0, _positive_number,
+        "bucket size cap; a layer larger than the cap gets its own bucket.",
+    )
+    timeout: Optional[timedelta] = _setting(
+        None, parse_timeout,
+        "seconds (or a ``timedelta``) after which a collective a peer never joins raises :class:`~sapipe.errors.CommunicationError`; default: the group's.",
+        resume=False,
+    )
+    lr_ramp_steps: int = _setting(
+        0, _int_at_least(0),
+        "PipeMare's T1 for staleness > 1: the stale layers' LR is divided by ``s ** (1 - min(t / K, 1))`` over the first K steps of each start of the pipeline.",
+    )
+    profile_steps: int = _setting(
+        5, _int_at_least(1),
+        'with ``"auto"``, warm-up iterations profiled (warm-up then lasts ``max(warmup_steps, profile_steps + 5)``: the first 5 are never profiled).',
+    )
+    backend: str = _setting(
+        "torch", _one_of(BACKENDS),
+        """how buckets are summed (:mod:`sapipe.comm`): ``"torch"`` (one all-reduce per bucket, NCCL or Gloo), ``"pushpull"`` (BytePS's chunked reduce-scatter/all-gather, most urgent first), ``"horovod"`` (``hvd.init()`` first) or ``"byteps"``.""",
+    )
+    partition_mb: float = _setting(
+        4.0, _positive_number,
+        """chunk size of ``backend="pushpull"`` (BytePS's default: 4 MB).""",
+    )
+    tune_steps: int = _setting(
+        10, _int_at_least(0),
+        """with ``"auto"``, iterations per trial of the measured search for k (:mod:`sapipe.auto.controller`); 0 keeps the model's k unmeasured.""",
+        resume=False,
+    )
 
     @classmethod
     def names(cls) -> List[str]:
@@ -160,6 +202,16 @@ class Settings:
         return describe({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["resume"]})
 
 
+def settings_help(indent: int = 0) -> str:
+    """The settings' documentation, one entry per field, for a docstring."""
+    pad = " " * indent
+    lines = ["", "", pad + "Settings (keyword arguments, with their defaults):"]
+    for f in dataclasses.fields(Settings):
+        default = f.default if not isinstance(f.default, str) else repr(f.default)
+        lines.append(f"{pad}    {f.name} (default {default}): {f.metadata['help']}")
+    return "\n".join(lines) + "\n"
+
+
 def describe(args: Dict[str, Any]) -> Dict[str, str]:
     """A rank's configuration as comparable strings (large items hashed)."""
     out = {}
@@ -180,4 +232,4 @@ def mismatches(fingerprints: List[Dict[str, str]]) -> List[str]:
     return lines
 
 
-__all__ = ["AUTO", "Settings", "parse_timeout", "describe", "mismatches"]
+__all__ = ["AUTO", "Settings", "parse_timeout", "settings_help", "describe", "mismatches"]

@@ -55,31 +55,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             Its ``param_groups`` are shared with this object (LR schedulers keep working);
             every update uses the hyper-parameters of the step it belongs to.
         model: the plain ``nn.Module`` (not DDP); its first forward defines the layers.
-        stale_layers: k, the leading layers (forward order) on stale gradients: 0 equals DDP,
-            m is Pipe-SGD; ``"auto"``: the scheduler picks k (:mod:`sapipe.auto`).
-        compensation: ``"none"``, ``"dc"``, ``"wp1"``, ``"wp2"`` or ``"wp3"`` for the stale
-            layers (see :mod:`sapipe.compensation`).
-        dc_lambda: λ ≥ 0 of delay compensation (``dc`` and ``wp3``).
-        dc_form: ``"outer"`` (the paper's rank-one form) or ``"diagonal"`` (DC-ASGD).
-        staleness: s ≥ 1, iterations of delay of stale gradients (> 1 with none/dc only).
-        warmup_steps: iterations run fully synchronously before the stale layers switch.
-        bucket_cap_mb: bucket size cap; a layer larger than the cap gets its own bucket.
         process_group: the group to train over (default: the world).
-        timeout: seconds (or a ``timedelta``) after which a collective a peer never joins
-            raises :class:`~sapipe.errors.CommunicationError`; default: the group's.
-        lr_ramp_steps: PipeMare's T1 for staleness > 1: the stale layers' LR is divided by
-            ``s ** (1 - min(t / K, 1))`` over the first K steps of each start of the pipeline.
-        profile_steps: with ``"auto"``, warm-up iterations profiled (warm-up then lasts
-            ``max(warmup_steps, profile_steps + 5)``: the first 5 are never profiled).
-        backend: how buckets are summed (:mod:`sapipe.comm`): ``"torch"`` (one all-reduce per
-            bucket, NCCL or Gloo), ``"pushpull"`` (BytePS's chunked reduce-scatter/all-gather,
-            most urgent first), ``"horovod"`` (``hvd.init()`` first) or ``"byteps"``.
-        partition_mb: chunk size of ``backend="pushpull"`` (BytePS's default: 4 MB).
-        tune_steps: with ``"auto"``, iterations per trial of the measured search for k
-            (:mod:`sapipe.auto.controller`); 0 keeps the model's k unmeasured.
         trace: ``True`` records runtime events in ``opt.tracer``; a path also writes them at
             exit as Chrome traces, ``{rank}`` replaced by the rank (else ``.rank<r>`` added).
             Default: ``$SAPIPE_TRACE``.
+
+    The other keyword arguments are sapipe's settings (:class:`sapipe.config.Settings`),
+    listed below.
 
     Construction is collective: every rank of ``process_group`` must call it. It checks that
     all ranks were configured identically (else raises on every rank, naming the
@@ -423,13 +405,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "(modules owning trainable parameters not tied to an earlier layer)"
             )
         self._recorder = None
-        for layer in layers:
-            # A layer that never runs its own forward is updated when its host starts.
-            target = layer.module if layer.executed else layer.host
-            if target is not None:
-                self._hooks.append(target.register_forward_pre_hook(self._forward.before_layer(layer)))
-            if self.tracer.enabled and layer.executed:
-                self._hooks.append(layer.module.register_forward_hook(self._forward.after_layer(layer)))
+        self._hooks += self._forward.hook_layers(layers)
         self._runtime.lay_out(layers, k)
         if self.auto is not None:
             self.auto.start_profiling(layers)
@@ -448,5 +424,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._spans is not None:
             self._spans.gradient_arrived(layout.layers[layout.layer_of[id(param)]], iteration)
 
+
+DistributedOptimizer.__doc__ += config.settings_help(indent=4)
 
 __all__ = ["DistributedOptimizer", "CHECKPOINT_FORMAT"]

@@ -7,9 +7,10 @@ to arrive (docs/design.md §5). The same hooks feed the scheduler's profiler and
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..layers import Layer
 from ..trace import Tracer
@@ -54,6 +55,18 @@ class ForwardHooks:
             self._runtime.pipeline.timer.forward_end()
         if self._spans is not None:
             self._spans.forward_ended()
+
+    def hook_layers(self, layers: List[Layer]) -> List[RemovableHandle]:
+        """Install the per-layer hooks; the handles, to remove them at ``close()``."""
+        handles = []
+        for layer in layers:
+            # A layer that never runs its own forward is updated when its host starts.
+            target = layer.module if layer.executed else layer.host
+            if target is not None:
+                handles.append(target.register_forward_pre_hook(self.before_layer(layer)))
+            if self._tracer.enabled and layer.executed:
+                handles.append(layer.module.register_forward_hook(self.after_layer(layer)))
+        return handles
 
     def before_layer(self, layer: Layer) -> Callable[[nn.Module, tuple], None]:
         """The pre-hook of ``layer`` (or of its host, for a layer that never runs its own forward)."""
