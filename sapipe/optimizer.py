@@ -233,6 +233,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if iteration == 1:
             self._pipeline.layout.allocate_state(self._updater.rule)
         self.tracer.record("step_start", iteration=iteration)
+        self._pipeline.check_gradients_untouched()
         self._pipeline.flush(iteration)
         if grad_scaler is not None:
             self._updater.agree_on_scaling(iteration, grad_scaler, self, self._control)

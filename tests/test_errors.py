@@ -154,3 +154,42 @@ def test_surviving_rank_raises_when_a_peer_fails(how, backend):
     operation = {"torch": "all-reduce", "pushpull": "push-pull"}[backend]
     assert "peer rank" in survivor["error"] and operation in survivor["error"]
     assert survivor["elapsed"] < 20, f"took {survivor['elapsed']:.1f}s (timeout=4s)"
+
+
+GRADIENT_CHANGES = {
+    "clip_grad_norm_": lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3),
+    "clip_grad_value_": lambda model: torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4),
+    "assignment": lambda model: setattr(model[0].weight, "grad", torch.zeros_like(model[0].weight)),
+    "read only (norm logging)": lambda model: torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]),
+}
+
+
+def _change_gradients(rank, world_size):
+    """Each way of touching p.grad between backward and step, at k = 0 and k = 1: a change
+    must raise (it could not reach the update), a read must not."""
+    results = {}
+    for k in (0, 1):
+        for case, change in GRADIENT_CHANGES.items():
+            model = make_model("mlp")
+            opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                              stale_layers=k, timeout=20)
+            x, y = make_batches("mlp", 1, world_size)[0][rank]
+            loss_fn_for("mlp")(model(x), y).backward()
+            change(model)
+            try:
+                opt.step()
+                results[(k, case)] = "no error"
+            except sapipe.UsageError as exc:
+                results[(k, case)] = str(exc)
+            opt.close()
+    return results
+
+
+def test_a_gradient_changed_between_backward_and_step_raises():
+    for results in run_ranks(_change_gradients, world_size=2):
+        for (k, case), outcome in results.items():
+            if case.startswith("read only"):
+                assert outcome == "no error", (k, case, outcome)
+            else:
+                assert "changed between backward() and step()" in outcome, (k, case, outcome)
+                assert "clipping is not supported yet" in outcome

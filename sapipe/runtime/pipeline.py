@@ -57,6 +57,8 @@ class GradientPipeline:
         self.waited = 0.0  # seconds this iteration waited for all-reduces so far
         self.waited_total = 0.0  # seconds waited since construction
         self._next_launch = 0
+        # (parameter, its .grad, that tensor's version) as each gradient was taken in
+        self._taken: List[Tuple[torch.Tensor, torch.Tensor, int]] = []
 
     def _new_comm(self, settings: Settings, group, name: str) -> comm.CommBackend:
         return comm.create(settings.backend, group, name, settings.timeout, self._tracer,
@@ -110,6 +112,7 @@ class GradientPipeline:
             target[offset : offset + n].copy_(grad)
         bucket.ready[i] = True
         bucket.num_ready += 1
+        self._taken.append((param, param.grad, param.grad._version))
         if self.timer is not None:
             self.timer.gradient_released(self.layout.layer_of[id(param)])
         if bucket.num_ready == len(bucket.params):
@@ -167,6 +170,22 @@ class GradientPipeline:
             bucket.num_ready = 0
         self._next_launch = 0
         self.waited = 0.0
+        self._taken.clear()
+
+    def check_gradients_untouched(self) -> None:
+        """Raise if a gradient changed after backward handed it over (clipping, unscaling, or an
+        assignment to ``p.grad`` between ``backward()`` and ``step()``): the change could not
+        reach the update, and applying the gradient as taken would silently differ from DDP."""
+        for param, grad, version in self._taken:
+            if param.grad is not grad or grad._version != version:
+                layer = self.layout.layers[self.layout.layer_of[id(param)]]
+                raise UsageError(
+                    f"sapipe: the gradient of a parameter of layer {layer.name or '<root>'!r} (shape "
+                    f"{tuple(param.shape)}) was changed between backward() and step() (clip_grad_norm_, "
+                    "clip_grad_value_, GradScaler.unscale_ or an assignment to p.grad). sapipe sends each "
+                    "gradient to its all-reduce as soon as backward produces it, so the change cannot reach "
+                    "the update; gradient clipping is not supported yet (README, 'Known limitations')"
+                )
 
     def take_arrived(self, bucket: Bucket, slot: int) -> Tuple[torch.Tensor, float]:
         """(the summed gradient in ``bucket``'s ``slot``, seconds blocked on it); the slot is free after."""
