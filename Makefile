@@ -30,7 +30,7 @@ STAMP := $(VENV)/.sapipe-installed
 # Re-install when packaging changes, when the package first appears
 # (sapipe/__init__.py decides what the editable finder maps), or when csrc/ changes
 # (once the extension is built by setup.py).
-STAMP_DEPS := setup.py pyproject.toml requirements-dev.txt \
+STAMP_DEPS := setup.py pyproject.toml requirements-dev.txt MANIFEST.in $(wildcard build_backend/*.py) \
               $(wildcard sapipe/__init__.py) $(wildcard csrc/*)
 
 .PHONY: venv test demo clean distclean bench peers convergence gpu-check

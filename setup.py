@@ -1,17 +1,24 @@
 """Packaging for sapipe.
 
-Install (torch first, so pip never resolves torch itself):
+Install torch first (so pip never resolves torch itself), then sapipe, which compiles its
+kernels (csrc/) against that torch:
 
     pip install torch==2.13.0
-    pip install --no-build-isolation -e .
+    pip install --no-build-isolation .        # or -e . ; plain `pip install .` works too
 
-`make venv` does exactly this.
+`make venv` does this (editable). The build goes through the in-tree PEP 517 backend
+build_backend/sapipe_build.py, which lets pip's isolated build see the installed torch and
+fails with instructions when there is none; SAPIPE_NO_EXT=1 builds without kernels.
 """
 import os
+import sys
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "build_backend"))
+import sapipe_build  # noqa: E402  (the in-tree PEP 517 backend: SAPIPE_NO_EXT, the torch message)
 
 
 def _long_description():
@@ -32,24 +39,41 @@ def _long_description():
 #                   optional: a failed CUDA build is reported and skipped, the CUDA path
 #                   then runs in pure PyTorch.
 #
-# torch.utils.cpp_extension needs torch at build time, which is why the package is installed
-# with --no-build-isolation (torch must never be a build-system requirement: pip would
-# resolve and download CUDA wheels). sapipe/ops.py falls back to pure PyTorch when an
-# extension is absent (one warning).
+# torch.utils.cpp_extension needs torch at build time, and torch must never be a
+# build-system requirement (pip would resolve and download CUDA wheels and build against
+# those). build_backend/sapipe_build.py makes pip's isolated build see the installed torch;
+# without torch (and without SAPIPE_NO_EXT=1) the build FAILS with instructions rather than
+# silently installing no kernels. sapipe/ops.py falls back to pure PyTorch when an extension
+# is absent (one warning). The sdist carries every csrc file (MANIFEST.in).
 # ---------------------------------------------------------------------------
+def _csrc(pattern):
+    import glob
+
+    return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", pattern)))
+
+
+def _no_torch(why):
+    """sapipe._C as a placeholder whose build fails with the install instructions (an sdist
+    or metadata build still works without torch; build_ext does not)."""
+    message = sapipe_build.missing_torch(why)
+
+    class NoTorchBuildExt(build_ext):
+        def run(self):
+            raise SystemExit(message)
+
+    cuda_only = {"csrc/cuda_bindings.cpp"}
+    ext = Extension("sapipe._C", [s for s in _csrc("*.cpp") if s not in cuda_only])
+    return [ext], {"build_ext": NoTorchBuildExt}
+
+
 def _extensions():
-    if os.environ.get("SAPIPE_NO_EXT", "") not in ("", "0"):
+    if sapipe_build.ext_disabled():
         return [], {}
     try:
         import torch
         from torch.utils import cpp_extension
-    except ImportError:  # torch not installed yet: build the pure-Python package
-        return [], {}
-    import glob
-    import sys
-
-    def rel(pattern):
-        return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", pattern)))
+    except ImportError as exc:
+        return _no_torch(f"{type(exc).__name__}: {exc}")
 
     cxx = ["-O3", "-g0", "-fno-math-errno"]
     link = []
@@ -60,7 +84,7 @@ def _extensions():
     exts = [
         cpp_extension.CppExtension(
             "sapipe._C",
-            [s for s in rel("*.cpp") if s not in cuda_only],
+            [s for s in _csrc("*.cpp") if s not in cuda_only],
             extra_compile_args={"cxx": cxx},
             extra_link_args=link,
         )
@@ -75,7 +99,7 @@ def _extensions():
         try:
             cuda_ext = cpp_extension.CUDAExtension(
                 "sapipe._C_cuda",
-                sorted(cuda_only) + rel("*.cu"),
+                sorted(cuda_only) + _csrc("*.cu"),
                 extra_compile_args={"cxx": ["-O3", "-g0"], "nvcc": ["-O3"]},
             )
         except (OSError, RuntimeError) as exc:  # e.g. no CUDA toolkit found
@@ -88,8 +112,12 @@ def _extensions():
         def build_extension(self, ext):
             try:
                 super().build_extension(ext)
-            except Exception as exc:  # noqa: BLE001 - optional extension only
+            except Exception as exc:  # noqa: BLE001 - re-raised unless optional
                 if not getattr(ext, "sapipe_optional", False):
+                    print(f"sapipe: ERROR: building {ext.name} against torch {torch.__version__} "
+                          f"failed ({exc}). It needs a C++20 compiler (g++ >= 10 or clang); "
+                          "`SAPIPE_NO_EXT=1 pip install .` installs sapipe without compiled "
+                          "kernels (pure-PyTorch kernels).", file=sys.stderr)
                     raise
                 ext.sapipe_failed = True
                 print(f"sapipe: WARNING: optional extension {ext.name} failed to build "
