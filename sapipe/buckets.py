@@ -10,7 +10,7 @@ A bucket's parameters become views into one flat weight buffer (done once, at th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -40,10 +40,16 @@ class StalenessBuffer:
     Backward writes iteration i's gradient into slot ``i % depth`` while the all-reduces
     of the previous ``depth - 1`` iterations are still in flight in the other slots. Slots
     are allocated once; nothing is allocated per step.
+
+    What a slot's collective carries (``wire``) is its gradient (``slots``) followed by one
+    flag per parameter (``flags``): whether this rank used the parameter (sapipe.runtime.unused).
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, depth: int):
-        self.slots = [torch.zeros(numel, dtype=dtype, device=device) for _ in range(depth)]
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, depth: int, flags: int = 0):
+        self.wire = [torch.zeros(numel + flags, dtype=dtype, device=device) for _ in range(depth)]
+        self.slots = [w[:numel] for w in self.wire]
+        self.flags = [w[numel:] for w in self.wire]
+        self.unused_here: List[List[int]] = [[] for _ in range(depth)]  # parameters this rank had no gradient for
         self.in_flight: List[Optional[object]] = [None] * depth  # comm handles per slot
 
     @property
@@ -145,6 +151,11 @@ class Bucket:
         kind = "stale" if self.stale else "sync"
         return f"{kind} bucket {self.index} [{names}{more}]"
 
+    def segment_params(self, segment: Segment) -> List[Tuple[nn.Parameter, int]]:
+        """The parameters of ``segment``, each with its offset inside the segment."""
+        return [(p, offset - segment.start) for p, offset in zip(self.params, self.offsets)
+                if segment.start <= offset < segment.end]
+
     def flatten_weights(self) -> None:
         """Make every parameter a view into one flat buffer (values unchanged)."""
         flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
@@ -169,12 +180,10 @@ class Bucket:
         return {
             "layers": [layer.name for layer in self.layers],
             "stale": self.stale,
-            "segments": [
-                {"steps": seg.state.steps, "momentum_started": seg.state.momentum_started,
-                 "buffers": {k: v.clone() for k, v in seg.state.buffers.items()}}
-                for seg in self.segments if seg.state is not None
-            ],
+            "segments": [seg.state.state_dict() for seg in self.segments if seg.state is not None],
             "slots": slots,
+            "flags": [flags.clone() for flags in self.grads.flags],
+            "unused_here": [list(unused) for unused in self.grads.unused_here],
             "arrived": arrived,
             "real": None if self.real is None or self.real is self.weights else self.real.clone(),
             "local": None if self.local is None else self.local.clone(),
@@ -188,13 +197,13 @@ class Bucket:
         assert self.grads is not None and self.weights is not None
         for seg, saved in zip(self.segments, state["segments"]):
             assert seg.state is not None
-            seg.state.steps = saved["steps"]
-            seg.state.momentum_started = saved["momentum_started"]
-            for name, buffer in seg.state.buffers.items():
-                buffer.copy_(saved["buffers"][name])
+            seg.state.load_state_dict(saved)
         for i, (slot, arrived) in enumerate(zip(state["slots"], state["arrived"])):
             self.grads.slots[i].copy_(slot)
             self.grads.in_flight[i] = Arrived(self.grads.slots[i], f"{self.describe()} (restored)") if arrived else None
+        for i, (flags, unused) in enumerate(zip(state.get("flags", []), state.get("unused_here", []))):
+            self.grads.flags[i].copy_(flags)
+            self.grads.unused_here[i] = list(unused)
         if state["real"] is not None:
             self.real = state["real"].clone()
         for name in ("local", "prev_local"):

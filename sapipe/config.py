@@ -65,6 +65,11 @@ def _one_of(choices) -> Callable[[str, Any], Any]:
     return check
 
 
+def _boolean(name: str, value: Any) -> bool:
+    _require(isinstance(value, bool), f"{name} must be True or False; got {value!r}")
+    return value
+
+
 def _stale_layers(name: str, value: Any) -> Union[int, str]:
     # Its range [0, m] needs the model's m: checked in Settings._check_together.
     return value
@@ -146,6 +151,11 @@ class Settings:
     tune_steps: int = _setting(
         10, _int_at_least(0),
         """with ``"auto"``, iterations per trial of the measured search for k (:mod:`sapipe.auto.controller`); 0 keeps the model's k unmeasured.""",
+        resume=False,
+    )
+    broadcast_buffers: bool = _setting(
+        True, _boolean,
+        """as DDP's: rank 0's module buffers (BatchNorm running statistics, ...) are copied to every rank before a forward whose previous forward ran with gradients outside ``no_sync()`` (:mod:`sapipe.runtime.buffers`); ``False``: each rank keeps its own.""",
         resume=False,
     )
 

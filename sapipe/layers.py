@@ -63,6 +63,13 @@ class LayerRecorder:
     def _on_pre_forward(self, module: nn.Module, args) -> None:
         self._seen.setdefault(id(module), len(self._seen))
 
+    def _executed_owners(self) -> List[tuple]:
+        return sorted((o for o in self._owners if id(o[1]) in self._seen), key=lambda o: self._seen[id(o[1])])
+
+    def executed(self) -> List[str]:
+        """Names of the owning modules that have run, in the order they first ran."""
+        return [name for name, _ in self._executed_owners()]
+
     def finish(self, order: Optional[Sequence[str]] = None) -> List[Layer]:
         """Stop recording; layers in execution order (modules that never ran go last).
 
@@ -78,9 +85,7 @@ class LayerRecorder:
             if unknown:
                 raise ValueError(f"modules {unknown} of the saved layer order are not layers of this model")
             self._seen = {id(dict(self._owners)[name]): i for i, name in enumerate(order)}
-        executed = sorted(
-            (o for o in self._owners if id(o[1]) in self._seen), key=lambda o: self._seen[id(o[1])]
-        )
+        executed = self._executed_owners()
         # A module that never ran (e.g. nn.MultiheadAttention.out_proj, whose parent calls
         # F.linear on its weight) is used during its nearest executed ancestor's forward:
         # it goes just before that ancestor, so it is updated (and, in the scheduler's

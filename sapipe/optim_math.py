@@ -1,16 +1,20 @@
-"""OPT and OPT_peek (docs/design.md §2) for the optimizers sapipe supports, on flat buffers.
+"""OPT and OPT_peek (docs/design.md §2) as rules on flat segments; the fused ones for SGD/Adam/AdamW.
 
 sapipe applies updates itself, per bucket, at the moment the staleness rules demand
-(deferred to a layer's pre-forward, or with a stale gradient at ``step()``), so it needs
-the optimizer's arithmetic as a function rather than ``optimizer.step()``. A rule reads
+(deferred to a layer's pre-forward, or with a stale gradient at ``step()``). A rule reads
 hyper-parameters from the wrapped optimizer's ``param_groups`` (snapshotted at each
-``step()`` so LR schedulers keep working) and keeps its state (momentum, moments, step
-count) in flat buffers owned by the bucket.
+``step()`` so LR schedulers keep working). The fused rules here (:class:`SGDRule`,
+:class:`AdamRule`) run sapipe's kernels and keep the state (momentum, moments, step count)
+in flat buffers owned by the bucket, taken over from the wrapped optimizer's own
+``state[p]`` when it already holds some (state in) and given back as a ``torch.optim``
+state (:meth:`OptimizerRule.export_state`, state out). Every other optimizer takes the
+generic path (:mod:`sapipe.optim_generic`, which also chooses the path: ``rule_for``).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Type
 
 import torch
 from torch import Tensor
@@ -30,6 +34,43 @@ class SegmentState:
     steps: int = 0  # real updates applied so far (Adam's bias-correction count)
     momentum_started: bool = False  # SGD: the momentum buffer holds data
     scratch: Dict[str, Tensor] = field(default_factory=dict)  # reused work space; never saved
+    #: offset in the segment -> (steps, momentum_started) of a parameter whose counters differ
+    #: from the segment's: updates skipped it, unused (docs/design.md §3.9, sapipe.runtime.unused)
+    param_counters: Dict[int, Tuple[int, bool]] = field(default_factory=dict)
+
+    def counters_at(self, offset: int) -> Tuple[int, bool]:
+        """(steps, momentum_started) of the parameter at ``offset`` in the segment."""
+        return self.param_counters.get(offset, (self.steps, self.momentum_started))
+
+    def part(self, lo: int, hi: int, counters: Tuple[int, bool]) -> "SegmentState":
+        """The state of the slice [lo, hi) of the segment (whole parameters, all at ``counters``),
+        its buffers views of this one's: to update a run of parameters (sapipe.runtime.unused)."""
+        return dataclasses.replace(self, buffers={k: v[lo:hi] for k, v in self.buffers.items()}, steps=counters[0],
+                                   momentum_started=counters[1], scratch={}, param_counters={})
+
+    def state_dict(self) -> Dict[str, Any]:
+        """A copy, for a sapipe checkpoint."""
+        return {"steps": self.steps, "momentum_started": self.momentum_started, "param_counters": dict(self.param_counters),
+                "buffers": {k: v.clone() for k, v in self.buffers.items()}}
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        if "buffers" not in saved:
+            raise UnsupportedOptimizerError("sapipe: the checkpoint's optimizer state was kept by the "
+                                            "generic update path; this job takes the fused one")
+        self.steps, self.momentum_started = saved["steps"], saved["momentum_started"]
+        self.param_counters = dict(saved.get("param_counters", {}))
+        for name, buffer in self.buffers.items():
+            buffer.copy_(saved["buffers"][name])
+
+    def move_from(self, old: "SegmentState", old_start: int, start: int, numel: int) -> None:
+        """One parameter's state, at ``old_start`` in ``old``, moves to ``start`` here (relayout)."""
+        self.steps, self.momentum_started = self.param_counters[start] = old.counters_at(old_start)  # settled at the next update
+        for name, buffer in self.buffers.items():
+            buffer[start : start + numel].copy_(old.buffers[name][old_start : old_start + numel])
+
+
+#: the parameters of one segment with their offsets in it
+Places = Sequence[Tuple[Tensor, int]]
 
 
 class OptimizerRule:
@@ -37,18 +78,80 @@ class OptimizerRule:
 
     #: torch.optim classes this rule reproduces exactly.
     classes: Tuple[Type[torch.optim.Optimizer], ...] = ()
-    #: names of the flat state buffers a segment needs.
+    #: names of the flat state buffers a segment needs (also the keys of ``torch.optim``'s state).
     buffer_names: Tuple[str, ...] = ()
+    #: "fused" (sapipe's kernels) or "generic" (the optimizer's own ``step()``)
+    path = "fused"
 
-    def check_group(self, group: Mapping[str, Any]) -> None:
-        """Raise UnsupportedOptimizerError for options this rule cannot reproduce."""
+    def __init__(self, optimizer: Optional[torch.optim.Optimizer] = None):
+        self.optimizer = optimizer  # the wrapped optimizer: its groups, and its state to take over
+
+    def unsupported(self) -> Optional[str]:
+        """Why this rule cannot reproduce the wrapped optimizer exactly (an option, or state its
+        segments cannot hold: one step count per segment), or None."""
+        assert self.optimizer is not None
+        for index, group in enumerate(self.optimizer.param_groups):
+            option = next((name for name in self._unsupported_options if group.get(name)), None)
+            if option is not None:
+                return f"{option}=True has no fused rule"
+            points = {self._point(self.optimizer.state.get(p) or {}) for p in group["params"]}
+            if len(points) > 1:
+                return f"its state holds the parameters of param group {index} at different steps ({sorted(points)})"
+        return None
+
+    #: options of the optimizer the fused kernels do not implement
+    _unsupported_options: Tuple[str, ...] = ()
+
+    def _point(self, torch_state: Mapping[str, Any]) -> Any:
+        """How far ``torch.optim`` state of one parameter is (its step count, or whether the
+        momentum buffer exists): what must agree for all parameters of a segment; falsy: no state."""
+        raise NotImplementedError
+
+    def _resume_at(self, state: SegmentState, point: Any) -> None:
+        """Set the segment's counters from the parameters' common ``_point``."""
+
+    def _torch_counters(self, state: SegmentState) -> Optional[Dict[str, Any]]:
+        """The non-buffer entries of one parameter's ``torch.optim`` state (fresh objects), or
+        None while the segment has taken no step ``torch.optim`` would keep state for."""
+        raise NotImplementedError
 
     def hyperparams(self, group: Mapping[str, Any]) -> Dict[str, Any]:
         """The numbers this rule needs from one param group, copied at ``step()`` time."""
         raise NotImplementedError
 
-    def new_state(self, like: Tensor) -> SegmentState:
-        return SegmentState({name: torch.zeros_like(like) for name in self.buffer_names})
+    def new_state(self, like: Tensor, params: Places = ()) -> SegmentState:
+        """A segment's state: zeros, or (state in) the wrapped optimizer's own state of its
+        ``params``, which moves here: it leaves ``optimizer.state``."""
+        state = SegmentState({name: torch.zeros_like(like) for name in self.buffer_names})
+        if self.optimizer is None or not params:
+            return state
+        held = [self.optimizer.state.get(p) or {} for p, _ in params]
+        points = {self._point(s) for s in held}
+        if len(points) > 1:
+            raise UnsupportedOptimizerError(
+                f"sapipe: the optimizer's state holds the parameters of one bucket segment at different "
+                f"steps ({sorted(points)}); load such state before wrapping, so they take the generic path"
+            )
+        point = points.pop()
+        if point:
+            for (p, offset), torch_state in zip(params, held):
+                for name, buffer in state.buffers.items():
+                    buffer[offset : offset + p.numel()].copy_(torch_state[name].reshape(-1))
+                del self.optimizer.state[p]
+            self._resume_at(state, point)
+        return state
+
+    def export_state(self, state: SegmentState, params: Places) -> Dict[Tensor, Dict[str, Any]]:
+        """State out: each parameter's ``torch.optim`` state (copies), as the wrapped optimizer
+        would hold it after the same updates; none for a parameter before its first (each at its
+        own step count: updates skip unused parameters, docs/design.md §3.9)."""
+        exported = {}
+        for p, offset in params:
+            mine = state.part(offset, offset + p.numel(), state.counters_at(offset))
+            counters = self._torch_counters(mine)
+            if counters is not None:
+                exported[p] = dict(counters, **{name: b.view_as(p).clone() for name, b in mine.buffers.items()})
+        return exported
 
     def update(self, weights: Tensor, state: SegmentState, hp: HyperParams, spec: GradientSpec) -> None:
         """OPT: apply one step of the gradient ``spec`` (evaluated inside the fused kernel;
@@ -94,17 +197,18 @@ class OptimizerRule:
         raise NotImplementedError
 
 
-def _reject(group: Mapping[str, Any], option: str, why: str) -> None:
-    if group.get(option):
-        raise UnsupportedOptimizerError(f"sapipe does not support {option}=True: {why}")
-
-
 class SGDRule(OptimizerRule):
     classes = (torch.optim.SGD,)
     buffer_names = ("momentum_buffer",)
 
-    def check_group(self, group):
-        _reject(group, "differentiable", "updates are applied outside autograd")
+    def _point(self, torch_state):
+        return torch_state.get("momentum_buffer") is not None
+
+    def _resume_at(self, state, point):
+        state.momentum_started = True
+
+    def _torch_counters(self, state):
+        return {} if state.momentum_started else None
 
     def hyperparams(self, group):
         hp = {k: group[k] for k in ("momentum", "dampening", "nesterov", "weight_decay")}
@@ -128,10 +232,20 @@ class SGDRule(OptimizerRule):
 class AdamRule(OptimizerRule):
     classes = (torch.optim.Adam, torch.optim.AdamW)
     buffer_names = ("exp_avg", "exp_avg_sq")
+    _unsupported_options = ("amsgrad",)
 
-    def check_group(self, group):
-        _reject(group, "amsgrad", "only Adam/AdamW without amsgrad have a staleness-aware rule")
-        _reject(group, "differentiable", "updates are applied outside autograd")
+    def _point(self, torch_state):
+        return int(torch_state["step"]) if "step" in torch_state else 0
+
+    def _resume_at(self, state, point):
+        state.steps = point
+
+    def _torch_counters(self, state):
+        if state.steps == 0:
+            return None
+        # torch.optim's scalar dtype for "step" (load_state_dict moves it where fused/capturable want it)
+        dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        return {"step": torch.tensor(float(state.steps), dtype=dtype)}
 
     def hyperparams(self, group):
         beta1, beta2 = group["betas"]
@@ -156,22 +270,5 @@ class AdamRule(OptimizerRule):
         self._run(weights, state, hp, spec, state.steps + 1, out=out)
 
 
-_RULES: List[OptimizerRule] = [SGDRule(), AdamRule()]
-SUPPORTED = "torch.optim.SGD, torch.optim.Adam (amsgrad=False), torch.optim.AdamW (amsgrad=False)"
-
-
-def rule_for(optimizer: torch.optim.Optimizer) -> OptimizerRule:
-    """The rule that reproduces ``optimizer`` exactly, or a clear refusal.
-
-    Only the exact classes are accepted (not subclasses): a subclass may change ``step()``
-    in ways sapipe cannot see, which would be silent wrong math.
-    """
-    for rule in _RULES:
-        if type(optimizer) in rule.classes:
-            for group in optimizer.param_groups:
-                rule.check_group(group)
-            return rule
-    raise UnsupportedOptimizerError(
-        f"sapipe cannot wrap {type(optimizer).__module__}.{type(optimizer).__qualname__}: "
-        f"staleness-aware updates are implemented for {SUPPORTED}."
-    )
+#: the fused rules; each takes only the exact classes it names (a subclass may change step())
+FUSED_RULES = (SGDRule, AdamRule)

@@ -35,13 +35,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import config, rendezvous
+from . import config, rendezvous, torch_state
 from .auto import AutoController
 from .buckets import Bucket
 from .errors import ConfigurationError, SapipeError, UsageError
 from .layers import Layer, LayerRecorder
 from .resume import CHECKPOINT_FORMAT, check_resumable
 from .runtime import ForwardHooks, Runtime
+from .runtime.buffers import BufferBroadcast
+from .runtime.shutdown import close_at_exit
 from .runtime.timeline import BackwardSpans, TraceFiles
 from .schedule import solver, tuner
 from .trace import Tracer
@@ -51,7 +53,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` for partial-staleness data-parallel training of ``model``.
 
     Args:
-        optimizer: a ``torch.optim.SGD``, ``Adam`` or ``AdamW`` over ``model``'s parameters.
+        optimizer: any ``torch.optim.Optimizer`` over ``model``'s parameters, state kept (design §3.10).
             Its ``param_groups`` are shared with this object (LR schedulers keep working);
             every update uses the hyper-parameters of the step it belongs to.
         model: the plain ``nn.Module`` (not DDP); its first forward defines the layers.
@@ -87,6 +89,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         backend: str = "torch",
         partition_mb: float = 4.0,
         tune_steps: int = 10,
+        broadcast_buffers: bool = True,
         trace: Union[None, bool, str] = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -130,13 +133,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._accumulating = False  # inside no_sync()
         self._closed = False
         self._forward = ForwardHooks(self._runtime, self.tracer, self._spans, lambda: self._iteration + 1,
-                                     self.auto.profiles if self.auto is not None else lambda _: False)
+                                     self.auto.profiles if self.auto is not None else lambda _: False,
+                                     BufferBroadcast.of(settings, model, self._control, lambda: self._accumulating))
         self._hooks = [
             model.register_forward_pre_hook(self._forward.before_model),
             model.register_forward_hook(self._after_model_forward),
         ]
         self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
         recorder.start()
+        close_at_exit(self)  # a job that never calls close() still exits cleanly (design §5.4)
 
     # ------------------------------------------------------------------ public API
 
@@ -209,6 +214,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def process_group(self) -> dist.ProcessGroup:
         """The group this optimizer trains over."""
         return self._group
+
+    @property
+    def update_path(self) -> str:
+        """"fused" (sapipe's kernels) or "generic" (the wrapped optimizer's own step()); design §3.10."""
+        return self._updater.rule.path
 
     # GradScaler hands itself to step() (see step's docstring) instead of unscaling p.grad.
     _step_supports_amp_scaling = True
@@ -294,7 +304,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         all-reduce is never consumed), remove sapipe's hooks from the model, and destroy
         the process groups sapipe created. The model keeps its current weights; under
         weight prediction call this outside ``real_weights()`` after copying what you need.
-        Collective: every rank calls it. Idempotent.
+        Collective: every rank calls it. Idempotent; run at exit if the job did not (design §5.4).
         """
         if self._closed:
             return
@@ -366,6 +376,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         configuration. Load before the first forward of the resumed job (or any time
         between ``step()`` and the next forward).
         """
+        if "format" not in state_dict and "param_groups" in state_dict:  # a plain torch.optim state dict
+            self._updater.rule = torch_state.load(self.optimizer, state_dict, stepped=self._iteration > 0)
+            return
         state = state_dict
         check_resumable(state, self._rank, self._world_size, self._settings_fingerprint())
         if self._pipeline.in_backward:
@@ -384,6 +397,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._updater.scaling = dict(state["scaling"])
         self._pipeline.end_iteration()
 
+    def torch_state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's plain ``state_dict()`` of the real weights, for it under DDP (pending sync
+        updates applied first; stale gradients in flight are not in it). Reverse: :meth:`load_state_dict`."""
+        self.synchronize()
+        return torch_state.export(self.optimizer, self._updater.rule, self._pipeline.buckets)
+
     def _settings_fingerprint(self) -> Dict[str, str]:
         return dict(self.settings.resume_fingerprint(), **config.describe({"optimizer": type(self.optimizer).__name__}))
 
@@ -395,10 +414,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._forward.after_model()
 
     def _build_layout(self, order: Optional[List[str]] = None, k: Optional[int] = None) -> None:
-        """After the first forward (or from a checkpoint's ``order``): fix the layer order,
-        hook the layers, lay out buckets."""
+        """After the first forward (rank 0's order, so a layer unused on some rank cannot split the
+        layouts) or from a checkpoint's ``order``: fix the layer order, hook the layers, lay out buckets."""
         assert self._recorder is not None
-        layers = self._recorder.finish(order)
+        layers = self._recorder.finish(order or self._control.from_first_rank(self._recorder.executed(), "layer order"))
         k = self._k if k is None else k
         if k > len(layers):
             raise ConfigurationError(

@@ -7,16 +7,19 @@ only then raises (a difference between ranks first, since it explains a local er
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple, Type
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import comm, config
 from .errors import CommunicationError, ConfigurationError, SapipeError, UnsupportedOptimizerError
 from .layers import LayerRecorder
-from .optim_math import OptimizerRule, rule_for
+from .optim_generic import rule_for
+from .optim_math import OptimizerRule
 
 
 def check_locally(
@@ -102,17 +105,30 @@ def agree(group, arguments: Dict[str, Any], optimizer: Any, model: Any, local_er
 @torch.no_grad()
 def broadcast_from_first_rank(model: nn.Module, group) -> None:
     """Copy rank 0's parameters and buffers to every rank (one collective per dtype and device)."""
+    broadcast_coalesced(list(model.parameters()) + list(model.buffers()), group)
+
+
+@torch.no_grad()
+def broadcast_coalesced(tensors: List[torch.Tensor], group) -> None:
+    """Copy rank 0's ``tensors`` to every rank of ``group``, one broadcast per dtype and device."""
     src = dist.get_global_rank(group, 0)
     by_kind: Dict[tuple, List[torch.Tensor]] = {}
-    for t in list(model.parameters()) + list(model.buffers()):
+    for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
     for same in by_kind.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        flat = _flatten_dense_tensors([t.detach() for t in same])
         dist.broadcast(flat, src=src, group=group)
-        offset = 0
-        for t in same:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        if dist.get_rank() != src:  # the source's own tensors hold these values already
+            torch._foreach_copy_(same, _unflatten_dense_tensors(flat, same))
+
+
+@contextlib.contextmanager
+def _failure_named(what: str) -> Iterator[None]:
+    """A failed control-group collective raises :class:`CommunicationError` saying what it was."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - re-raised with context
+        raise CommunicationError(f"sapipe: {what} failed: {exc}") from exc
 
 
 class ControlChannel:
@@ -126,14 +142,25 @@ class ControlChannel:
     def agree_on_max(self, values: List[float], what: str) -> List[float]:
         """The maximum over ranks of each of ``values`` (float64); ``what`` names it in errors."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self._device)
-        try:
+        with _failure_named(f"agreeing on {what}"):
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
-        except Exception as exc:  # noqa: BLE001 - re-raised with context
-            raise CommunicationError(f"sapipe: agreeing on {what} failed: {exc}") from exc
         return tensor.cpu().tolist()
+
+    def from_first_rank(self, value: Any, what: str) -> Any:
+        """Rank 0's ``value`` (a small picklable object) on every rank."""
+        box = [value]
+        with _failure_named(f"taking rank 0's {what}"):
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group,
+                                       device=self._device)
+        return box[0]
+
+    def broadcast(self, tensors: List[torch.Tensor], what: str) -> None:
+        """Rank 0's ``tensors`` into every rank's, in place (one collective per dtype and device)."""
+        with _failure_named(f"broadcasting {what}"):
+            broadcast_coalesced(tensors, self.group)
 
     def close(self) -> None:
         comm.release_group(self.group)
 
 
-__all__ = ["check_locally", "describe_job", "agree", "broadcast_from_first_rank", "ControlChannel"]
+__all__ = ["check_locally", "describe_job", "agree", "broadcast_from_first_rank", "broadcast_coalesced", "ControlChannel"]

@@ -9,12 +9,20 @@ iterations the pipeline step is ``t = it - W``. l_t^r: rank r's local gradient, 
 mean. S: parameters of layers 1..k (stale), N: the rest (synchronous).
 
 Interpretations made here (kept explicit so a test failure can be judged):
-* Two optimizers are built with ``optimizer_factory``: one over S, one over N. All three
-  supported optimizers (SGD, Adam, AdamW) are per-parameter, so this equals one optimizer.
+* Two optimizers are built with ``optimizer_factory``: one over S, one over N. Every
+  optimizer sapipe accepts is per-parameter (SGD/Adam/AdamW, and any other on its generic
+  path: RMSprop, Lion, ...; docs/design.md §3.10), so this equals one optimizer.
   During warm-up both are stepped with g_t (S state advances during warm-up).
 * x_j for j <= 0 (pipeline numbering) is the pipeline's start weights x_0 (= weights after
   warm-up). Hence Δ = x_{t-1} - x_{t-1-s} is zero at the first real update.
-* A parameter that gets no gradient (its module did not run) is given a zero gradient.
+* A parameter that gets no gradient on a rank (its module did not run there) contributes a
+  zero gradient to the mean. One that got no gradient on ANY rank in an iteration is unused
+  (docs/design.md §3.9): wherever that iteration's gradient is applied (a sync or warm-up
+  step, a stale step s iterations later, a restart's drain) it is handed to the optimizer
+  with ``grad = None``, so ``torch.optim`` skips it (weights, state and its own step count
+  untouched, as under DDP with find_unused_parameters=True). Under WP such a parameter is
+  not predicted at that step either (x̃_{t+1} = x_t); at steps without a real update (t <= s)
+  predictions are not masked.
 * OPT_peek uses the optimizer's hyper-parameters as set for the current iteration.
 * A layer whose every parameter was already claimed by an earlier-executed layer (a module
   holding only a tied weight) is not a layer (it owns nothing); it is not counted in k.
@@ -122,15 +130,15 @@ def opt_peek(optimizer_factory, opt: torch.optim.Optimizer, params: Sequence[tor
     tmp_opt = optimizer_factory(tmp)
     tmp_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     for p, g in zip(tmp, grads):
-        p.grad = g.detach().clone()
+        p.grad = None if g is None else g.detach().clone()
     tmp_opt.step()
     return [p.detach().clone() for p in tmp]
 
 
-def _step(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]):
-    """OPT: one real step of ``opt`` with the given gradients."""
+def _step(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]):
+    """OPT: one real step of ``opt`` with the given gradients (None: the parameter is skipped)."""
     for p, g in zip(params, grads):
-        p.grad = g.detach().clone()
+        p.grad = None if g is None else g.detach().clone()
     opt.step()
     for p in params:
         p.grad = None
@@ -230,6 +238,7 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
     for it in range(1, len(batches) + 1):
         # -- 1. every rank: forward/backward at the weights its model holds ---------------
         local: List[Tensors] = []
+        used: List[Dict[str, bool]] = []
         for r in range(n):
             with torch.no_grad():
                 for nm in names:
@@ -238,9 +247,13 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
                     model_params[nm].grad = None
             inputs, targets = batches[it - 1][r]
             loss_fn(net(inputs), targets).backward()
+            used.append({nm: model_params[nm].grad is not None for nm in names})
             local.append({nm: (model_params[nm].grad.detach().clone() if model_params[nm].grad is not None
                                else torch.zeros_like(model_params[nm])) for nm in names})
         g = {nm: sum(l[nm] for l in local) / n for nm in names}
+        for nm in names:  # no rank used it: the optimizer skips it wherever g is applied
+            if not any(used[r][nm] for r in range(n)):
+                g[nm] = None
         res.local_grads.append(local)
         res.global_grads.append(g)
 
@@ -272,8 +285,8 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
                 if compensation == "dc":
                     x_prev = X[t - 1]
                     x_back = X[max(t - 1 - s, 0)]
-                    g_hat = {nm: dc_correct(g_old[nm], x_prev[nm] - x_back[nm], dc_lambda, dc_form)
-                             for nm in S}
+                    g_hat = {nm: None if g_old[nm] is None else
+                             dc_correct(g_old[nm], x_prev[nm] - x_back[nm], dc_lambda, dc_form) for nm in S}
                 else:  # none, wp1, wp2, wp3: the real update uses g_{t-1}
                     g_hat = g_old
                 _step(opt_S, [x[nm] for nm in S], [g_hat[nm] for nm in S])
@@ -290,14 +303,16 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
                     elif compensation == "wp2":
                         g_tilde = G[t - 1]
                     else:  # wp3
-                        g_tilde = {nm: dc_correct(G[t - 1][nm] - L[t - 1][r][nm] / n,
-                                                  X[t][nm] - X[t - 1][nm], dc_lambda, dc_form)
+                        g_tilde = {nm: None if G[t - 1][nm] is None else  # skipped: no prediction
+                                   dc_correct(G[t - 1][nm] - L[t - 1][r][nm] / n,
+                                              X[t][nm] - X[t - 1][nm], dc_lambda, dc_form)
                                    + L[t][r][nm] / n for nm in S}
                     if g_tilde is None:
                         pred.append(cur(S))
                     else:
+                        skipped = {nm for nm in S if t > s and G[t - s][nm] is None}
                         peeked = opt_peek(optimizer_factory, opt_S, [x[nm] for nm in S],
-                                          [g_tilde[nm] for nm in S])
+                                          [None if nm in skipped else g_tilde[nm] for nm in S])
                         pred.append(dict(zip(S, peeked)))
 
         # -- restart: drain the stale gradients in flight, then a new pipeline ------------

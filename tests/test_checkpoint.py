@@ -8,6 +8,7 @@ import torch
 import sapipe
 from dist_utils import run_ranks
 from models import loss_fn_for, make_batches, make_model
+from optimizers import GENERIC
 
 STEPS, SPLIT = 10, 6
 # (optimizer, stale_layers, compensation, staleness, warmup)
@@ -17,15 +18,18 @@ CASES = [
     ("adam", 3, "wp1", 1, 2),
     ("adam", 4, "wp3", 1, 0),
     ("sgd", 0, "none", 1, 0),
+    ("rmsprop", 7, "dc", 2, 1),  # the generic path: the optimizer's own state[p] in the checkpoint
+    ("rmsprop", 4, "wp3", 1, 0),
 ]
 
 
 def _setup(kind, k, mode, s, warmup, seed):
     model = make_model("tied", seed=seed)
-    base = (
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
-        if kind == "sgd" else torch.optim.Adam(model.parameters(), lr=0.01)
-    )
+    base = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+        "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+        "rmsprop": GENERIC["rmsprop"],
+    }[kind](model.parameters())
     opt = sapipe.DistributedOptimizer(
         base, model, stale_layers=k, compensation=mode, staleness=s, warmup_steps=warmup,
         bucket_cap_mb=0.001, timeout=60,

@@ -37,9 +37,11 @@ def _optimizer(case, model):
     if case == "foreign parameter":
         return torch.optim.SGD(list(model.parameters()) + [torch.nn.Parameter(torch.zeros(3))], lr=0.1)
     if case == "unsupported optimizer":
-        return torch.optim.RMSprop(model.parameters(), lr=0.1)
-    if case == "amsgrad":
-        return torch.optim.Adam(model.parameters(), amsgrad=True)
+        return torch.optim.LBFGS(model.parameters(), lr=0.1)
+    if case == "sparse optimizer":
+        return torch.optim.SparseAdam(model.parameters())
+    if case == "differentiable":
+        return torch.optim.RMSprop(model.parameters(), differentiable=True)
     return torch.optim.SGD(model.parameters(), lr=0.1)
 
 
@@ -61,7 +63,8 @@ def _cases():
     cases = {name: [kw, kw] for name, (kw, _, _) in BAD_ARGUMENTS.items()}
     cases["foreign parameter"] = [{}, {}]
     cases["unsupported optimizer"] = [{}, {}]
-    cases["amsgrad"] = [{}, {}]
+    cases["sparse optimizer"] = [{}, {}]
+    cases["differentiable"] = [{}, {}]
     cases["ranks disagree on k"] = [{"stale_layers": 0}, {"stale_layers": 1}]
     cases["ranks disagree on mode"] = [{"stale_layers": 1, "compensation": c} for c in ("dc", "wp1")]
     return cases
@@ -69,8 +72,9 @@ def _cases():
 
 EXPECTED = {name: (cls, text) for name, (_, cls, text) in BAD_ARGUMENTS.items()} | {
     "foreign parameter": ("ConfigurationError", "not a parameter of the model"),
-    "unsupported optimizer": ("UnsupportedOptimizerError", "torch.optim.SGD"),
-    "amsgrad": ("UnsupportedOptimizerError", "amsgrad"),
+    "unsupported optimizer": ("UnsupportedOptimizerError", "LBFGS: its step() needs a closure"),
+    "sparse optimizer": ("UnsupportedOptimizerError", "SparseAdam: it takes sparse gradients"),
+    "differentiable": ("UnsupportedOptimizerError", "differentiable=True"),
     "ranks disagree on k": ("ConfigurationError", "rank 1 has stale_layers=1 but rank 0 has stale_layers=0"),
     "ranks disagree on mode": ("ConfigurationError", "compensation="),
 }

@@ -20,10 +20,11 @@ import torch
 
 from dist_utils import assert_close_dicts, run_ranks
 from models import loss_fn_for, make_batches, make_model
+from optimizers import GENERIC
 from reference import run_reference
 
 STEPS = 8
-BASE_LR = {"sgd": 0.05, "adam": 0.01, "adamw": 0.01}
+BASE_LR = {"sgd": 0.05, "adam": 0.01, "adamw": 0.01, "rmsprop": 0.01, "lion": 0.002}
 
 
 def lr_factor(epoch: int) -> float:
@@ -36,6 +37,8 @@ def make_optimizer(kind: str, params):
     plain = [p for p in params if p.ndim <= 1]
     groups = [g for g in ({"params": decay}, {"params": plain, "weight_decay": 0.0}) if g["params"]]
     lr = BASE_LR[kind]
+    if kind in GENERIC:  # the generic path: the optimizer's own step() per segment (design §3.10)
+        return GENERIC[kind](groups, lr=lr)
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=0.9, nesterov=True, weight_decay=1e-2)
     if kind == "adam":
@@ -108,7 +111,7 @@ def config_id(config) -> str:
     return "k{}-{}-{}-s{}-w{}-r{}".format(*config)
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw", "rmsprop", "lion"])
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_mode_matches_reference(kind, config):
     per_rank = _distributed(kind)

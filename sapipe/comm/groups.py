@@ -36,9 +36,18 @@ def new_group_like(process_group, timeout: Optional[timedelta], backend: Optiona
 
 
 def release_group(group) -> None:
-    """Destroy a group made by :func:`new_group_like` (subset groups are kept, see above)."""
-    if group.group_name not in _SUBSET_GROUPS:
+    """Destroy a group made by :func:`new_group_like` (subset groups are kept, see above).
+
+    A job that ended with ``dist.destroy_process_group()`` has already dropped every group,
+    sapipe's included, from torch's registry (the group itself lives on, unregistered, until
+    sapipe lets go of it): there is nothing left to destroy then.
+    """
+    if group.group_name in _SUBSET_GROUPS or not dist.is_initialized():
+        return
+    try:
         dist.destroy_process_group(group)
+    except ValueError:  # "Invalid process group": torch's registry was torn down and rebuilt since
+        pass
 
 
 __all__ = ["new_group_like", "release_group"]

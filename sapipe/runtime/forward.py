@@ -14,6 +14,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..layers import Layer
 from ..trace import Tracer
+from .buffers import BufferBroadcast
 from .engine import Runtime
 from .timeline import BackwardSpans
 
@@ -22,12 +23,14 @@ class ForwardHooks:
     """The bodies of the model- and layer-level forward hooks the optimizer registers.
 
     ``next_iteration()`` gives the iteration the forward belongs to; ``profiling(iteration)``
-    whether the scheduler times it.
+    whether the scheduler times it; ``buffers``: rank 0's buffers before a forward, or None.
     """
 
     def __init__(self, runtime: Runtime, tracer: Tracer, spans: Optional[BackwardSpans],
-                 next_iteration: Callable[[], int], profiling: Callable[[int], bool]):
+                 next_iteration: Callable[[], int], profiling: Callable[[int], bool],
+                 buffers: Optional[BufferBroadcast] = None):
         self._runtime = runtime
+        self._buffers = buffers
         self._tracer = tracer
         self._spans = spans
         self._next_iteration = next_iteration
@@ -40,6 +43,8 @@ class ForwardHooks:
         if self.forward_start is None:
             self.forward_start = time.perf_counter()
         self._tracer.record("forward_start", iteration=iteration)
+        if self._buffers is not None:
+            self._buffers.before_forward()
         timer = self._runtime.pipeline.timer
         if timer is not None and self._profiling(iteration):
             timer.begin_iteration()
@@ -51,6 +56,8 @@ class ForwardHooks:
         self._root_wait, self._root_update = waited, time.perf_counter() - start - waited
 
     def after_model(self) -> None:
+        if self._buffers is not None:
+            self._buffers.after_forward()
         if self._runtime.pipeline.timer is not None:
             self._runtime.pipeline.timer.forward_end()
         if self._spans is not None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from torch import nn
 
 from ..buckets import Bucket, StalenessBuffer, build_buckets
 from ..compensation import Compensation
@@ -42,7 +41,7 @@ class Layout:
     def _add_buffers(self, bucket: Bucket) -> None:
         """The staleness double (or deeper) buffer, and this rank's own gradients where kept."""
         depth = self._staleness + 1 if bucket.stale else 1
-        bucket.grads = StalenessBuffer(bucket.numel, bucket.dtype, bucket.device, depth)
+        bucket.grads = StalenessBuffer(bucket.numel, bucket.dtype, bucket.device, depth, flags=len(bucket.params))
         if bucket.stale and self._compensation.needs_local:
             bucket.local = torch.zeros_like(bucket.grads.slots[0])
         if bucket.stale and self._compensation.needs_prev_local:
@@ -61,10 +60,12 @@ class Layout:
             bucket.flatten_weights()
             bucket.real = bucket.weights
             for segment in bucket.segments:
-                segment.state = rule.new_state(segment.of(bucket.weights))
-                for p, offset in zip(bucket.params, bucket.offsets):
-                    if id(p) in moved and segment.start <= offset < segment.end:
-                        _move_state(moved[id(p)], segment, offset - segment.start, p)
+                params = bucket.segment_params(segment)
+                segment.state = rule.new_state(segment.of(bucket.weights), params)
+                for p, offset in params:
+                    if id(p) in moved:
+                        old, old_offset = moved[id(p)]
+                        segment.state.move_from(old.state, old_offset, offset, p.numel())
 
 
 def _state_places(buckets: List[Bucket]) -> Dict[int, tuple]:
@@ -72,18 +73,9 @@ def _state_places(buckets: List[Bucket]) -> Dict[int, tuple]:
     places: Dict[int, tuple] = {}
     for bucket in buckets:
         for segment in bucket.segments:
-            for p, offset in zip(bucket.params, bucket.offsets):
-                if segment.start <= offset < segment.end:
-                    places[id(p)] = (segment, offset - segment.start)
+            for p, offset in bucket.segment_params(segment):
+                places[id(p)] = (segment, offset)
     return places
-
-
-def _move_state(old_place: tuple, segment, start: int, p: nn.Parameter) -> None:
-    old, old_start = old_place
-    segment.state.steps = old.state.steps
-    segment.state.momentum_started = old.state.momentum_started
-    for name, buffer in segment.state.buffers.items():
-        buffer[start : start + p.numel()].copy_(old.state.buffers[name][old_start : old_start + p.numel()])
 
 
 __all__ = ["Layout"]

@@ -10,7 +10,7 @@ back-end instances, each with process groups of its own (docs/design.md §5).
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -20,6 +20,7 @@ from ..config import Settings
 from ..errors import UsageError
 from ..schedule.profiler import LayerTimer
 from ..trace import Tracer
+from . import unused
 from .layout import Layout
 
 #: Mean elements per parameter from which backward writes a kept local gradient into both
@@ -59,6 +60,7 @@ class GradientPipeline:
         self._next_launch = 0
         # (parameter, its .grad, that tensor's version) as each gradient was taken in
         self._taken: List[Tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._missing: Dict[int, List[int]] = {}  # bucket index -> parameters flush found without a gradient
 
     def _new_comm(self, settings: Settings, group, name: str) -> comm.CommBackend:
         return comm.create(settings.backend, group, name, settings.timeout, self._tracer,
@@ -137,9 +139,12 @@ class GradientPipeline:
             buffer.copy_(bucket.local)  # backward wrote l_t into local only
         backend = self.stale_comm if pipelined else self.sync_comm
         assert backend is not None
+        missing = bucket.grads.unused_here[slot] = self._missing.pop(bucket.index, [])
+        unused.write_flags(bucket.grads.flags[slot], missing)  # they travel behind the gradient
         # Priority: the forward index of the bucket's first layer (needed soonest when lowest).
         bucket.grads.in_flight[slot] = backend.start(
-            buffer, f"{bucket.describe()} of iteration {iteration}", priority=min(layer.index for layer in bucket.layers)
+            bucket.grads.wire[slot], f"{bucket.describe()} of iteration {iteration}",
+            priority=min(layer.index for layer in bucket.layers),
         )
         if self.timer is not None:
             self.timer.comm_started(bucket.index, bucket.nbytes, bucket.grads.in_flight[slot])
@@ -148,8 +153,11 @@ class GradientPipeline:
     def flush(self, iteration: int) -> None:
         """Start the buckets backward did not complete (parameters without gradients).
 
-        Missing gradients count as zero. Starting them here, in index order, keeps the
-        collective sequence identical on every rank.
+        A parameter whose hook did not fire but that holds a gradient (accumulated inside
+        ``no_sync()``, or kept by ``zero_grad(set_to_none=False)``) contributes it, as in DDP;
+        one with ``p.grad`` None contributes zeros and is flagged unused here (docs/design.md
+        §3.9). Starting them here, in index order, keeps the collective sequence identical on
+        every rank.
         """
         for bucket in self.buckets[self._next_launch :]:
             if bucket.num_ready == 0 and bucket.pending_update is not None:
@@ -157,8 +165,14 @@ class GradientPipeline:
             targets = self.gradient_targets(bucket, iteration)
             for i, p in enumerate(bucket.params):
                 if not bucket.ready[i]:
+                    if p.grad is None:
+                        self._missing.setdefault(bucket.index, []).append(i)
                     for target in targets:
-                        target[bucket.offsets[i] : bucket.offsets[i] + p.numel()].zero_()
+                        part = target[bucket.offsets[i] : bucket.offsets[i] + p.numel()]
+                        if p.grad is None:
+                            part.zero_()
+                        else:
+                            part.copy_(p.grad.reshape(-1))
                     bucket.ready[i] = True
             bucket.num_ready = len(bucket.params)
         self._launch_ready(iteration)
@@ -169,6 +183,7 @@ class GradientPipeline:
             bucket.ready = [False] * len(bucket.params)
             bucket.num_ready = 0
         self._next_launch = 0
+        self._missing.clear()
         self.waited = 0.0
         self._taken.clear()
 
@@ -192,7 +207,8 @@ class GradientPipeline:
         assert bucket.grads is not None
         handle, bucket.grads.in_flight[slot] = bucket.grads.in_flight[slot], None
         start = time.perf_counter()
-        summed = handle.wait()
+        handle.wait()  # summed in place (the back-end contract), flags behind the gradient
+        summed = bucket.grads.slots[slot]
         waited = time.perf_counter() - start
         self.waited += waited
         self.waited_total += waited
@@ -208,17 +224,25 @@ class GradientPipeline:
 
     def close(self) -> None:
         """Wait for what is in flight (the last stale all-reduces are never consumed), then
-        release the back-ends and their process groups."""
+        release the back-ends and their process groups. A wait that fails (a dead peer; each is
+        bounded by the groups' timeout) abandons that result but not the rest: everything is
+        waited for and released, then the first failure is raised."""
+        failure: Optional[Exception] = None
         for bucket in self.buckets:
             if bucket.grads is not None:
                 for i, handle in enumerate(bucket.grads.in_flight):
-                    if handle is not None:
-                        handle.wait()
-                        bucket.grads.in_flight[i] = None
+                    bucket.grads.in_flight[i] = None
+                    try:
+                        if handle is not None:
+                            handle.wait()
+                    except Exception as exc:  # noqa: BLE001 - raised below, after the release
+                        failure = failure or exc
             bucket.pending_update = None
         for backend in (self.sync_comm, self.stale_comm):
             if backend is not None:
                 backend.close()
+        if failure is not None:
+            raise failure
 
 
 __all__ = ["GradientPipeline", "MIRROR_LOCAL_MIN_MEAN_NUMEL", "mirrors_local"]

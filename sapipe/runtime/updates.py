@@ -20,6 +20,7 @@ from ..compensation import Compensation, StaleStep
 from ..config import Settings
 from ..gradient_spec import GradientSpec
 from ..optim_math import OptimizerRule
+from . import unused
 from .pipeline import GradientPipeline
 
 Hyperparams = List[Dict[str, Any]]  # one dict per param group, as the rule reads them
@@ -82,7 +83,7 @@ class Updater:
         assert bucket.weights is not None
         grad, waited = self._arrived_mean(bucket, 0, iteration)
         if grad is not None:  # else a step GradScaler skipped
-            for segment in bucket.segments:
+            for segment in unused.pieces(bucket, unused.unused_everywhere(bucket.grads, 0)):
                 self.rule.update(segment.of(bucket.weights), segment.state, hyperparams[segment.group],
                                  GradientSpec.plain(segment.of(grad)))
         return waited
@@ -107,12 +108,13 @@ class Updater:
             if comp.history_length:
                 bucket.history = WeightHistory(bucket.real, comp.history_length)
         grad = self._arrived_mean(bucket, bucket.grads.index(t - s), iteration - s)[0] if t > s else None
+        skip = unused.unused_everywhere(bucket.grads, bucket.grads.index(t - s)) if grad is not None else []
         view = self._stale_view(bucket, grad, iteration)
         hyperparams = self.stale_hyperparams(hyperparams, t)
         # x̃_{t+1} = OPT_peek(x_t, g̃); recipes only describe, so g̃ can be known up front
         predictor = comp.prediction_gradient(view) if comp.predicts else None
         if grad is not None:
-            self._real_update(bucket, view, hyperparams, predictor)
+            self._real_update(bucket, view, hyperparams, predictor, skip)
         else:
             self._no_update(bucket, hyperparams, predictor)
         if comp.predicts and predictor is None:
@@ -135,13 +137,20 @@ class Updater:
             world_size=self._world_size, lam=settings.dc_lambda, form=settings.dc_form,
         )
 
-    def _real_update(self, bucket: Bucket, view: StaleStep, hyperparams: Hyperparams, predictor) -> None:
+    def _real_update(self, bucket: Bucket, view: StaleStep, hyperparams: Hyperparams, predictor,
+                     skip: List[int]) -> None:
         """x_t = OPT(x_{t-1}, ĝ) in one pass over memory with what else this step writes: x_t
         into the history's oldest slot (the Δx reference it reads), and the prediction from
-        the freshly updated weights and state."""
+        the freshly updated weights and state. The ``skip`` parameters (no rank used them in
+        ĝ's iteration) keep x_t = x_{t-1}, their state, and no prediction: x̃_{t+1} = x_t."""
         recipe = self.compensation.real_gradient(view)
         history = bucket.history
-        for segment in bucket.segments:
+        for lo, hi in unused.skipped_ranges(bucket, skip):
+            if history is not None:
+                history.oldest()[lo:hi].copy_(bucket.real[lo:hi])
+            if predictor is not None:
+                bucket.weights[lo:hi].copy_(bucket.real[lo:hi])
+        for segment in unused.pieces(bucket, skip):
             spec = recipe.slice(segment.start, segment.end, segment.lengths)
             if history is not None:
                 spec = spec.with_history(segment.of(history.oldest()))
@@ -159,7 +168,7 @@ class Updater:
         """A step without a gradient yet (t ≤ s): only a prediction (wp1/wp2 at t = 1), and x_t = x_{t-1}."""
         if predictor is not None:
             assert not predictor.delta_is_step
-            for segment in bucket.segments:
+            for segment in unused.pieces(bucket):
                 self.rule.peek(
                     segment.of(bucket.real), segment.state, hyperparams[segment.group],
                     predictor.slice(segment.start, segment.end, segment.lengths), out=segment.of(bucket.weights),
@@ -178,7 +187,7 @@ class Updater:
             grad = self._arrived_mean(bucket, bucket.grads.index(j), origin + j)[0]
             if grad is None:
                 continue
-            for segment in bucket.segments:
+            for segment in unused.pieces(bucket, unused.unused_everywhere(bucket.grads, bucket.grads.index(j))):
                 self.rule.update(
                     segment.of(bucket.real), segment.state, hyperparams[segment.group],
                     GradientSpec.plain(segment.of(grad)),

@@ -1,0 +1,57 @@
+"""State in and out: the wrapped optimizer's plain ``torch.optim`` state dict (docs/design.md §3.10).
+
+*In.* A wrapped optimizer that already holds state (trained before, or given a DDP job's
+``optimizer.state_dict()`` by ``load_state_dict`` before or after wrapping) continues from
+it: the fused rules take each parameter's state into their flat segments at the first
+``step()`` (it leaves ``optimizer.state``); the generic path uses it where it is.
+
+*Out.* :func:`export` is the wrapped optimizer's own ``state_dict()`` with every
+parameter's state as it stands after the updates applied so far (the real weights'): what
+the same optimizer would hold under DDP, loadable into it there.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Dict, Sequence
+
+import torch
+
+from .buckets import Bucket
+from .errors import UsageError
+from .optim_generic import rule_for
+from .optim_math import OptimizerRule
+
+
+def export(optimizer: torch.optim.Optimizer, rule: OptimizerRule, buckets: Sequence[Bucket]) -> Dict[str, Any]:
+    """``optimizer.state_dict()`` with the state the fused segments hold put back per parameter."""
+    table = defaultdict(dict, optimizer.state)  # the generic path's, and untrained parameters'
+    for bucket in buckets:
+        for segment in bucket.segments:
+            if segment.state is not None:
+                table.update(rule.export_state(segment.state, bucket.segment_params(segment)))
+    live, optimizer.state = optimizer.state, table
+    try:
+        return optimizer.state_dict()
+    finally:
+        optimizer.state = live
+
+
+def load(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any], stepped: bool) -> OptimizerRule:
+    """``optimizer.load_state_dict(state_dict)`` into the wrapped optimizer before the first
+    ``step()``, keeping the param-group dicts that sapipe and LR schedulers share; returns the
+    rule for the loaded state (state whose parameters are at different steps takes the
+    generic path)."""
+    if stepped:
+        raise UsageError(
+            "sapipe: load a torch.optim state dict before the first step() (or into the optimizer before "
+            "wrapping it); to resume a sapipe job mid-training, load its own state_dict()"
+        )
+    groups = optimizer.param_groups
+    optimizer.load_state_dict(state_dict)  # checks the groups' sizes, casts to the parameters
+    for mine, loaded in zip(groups, optimizer.param_groups):
+        mine.update({k: v for k, v in loaded.items() if k != "params"})
+    optimizer.param_groups = groups
+    return rule_for(optimizer)
+
+
+__all__ = ["export", "load"]

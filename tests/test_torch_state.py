@@ -1,0 +1,175 @@
+"""Which update path an optimizer takes, and its state in and out (docs/design.md §3.10).
+
+* In: a DDP job's optimizer state, loaded into the torch optimizer before wrapping or into
+  sapipe after, continues exactly: DDP 5 steps, then sapipe (k = 0) 5 steps, equals DDP 10
+  steps to 1e-6 (without the state it does not).
+* Out: ``opt.torch_state_dict()`` after 5 sapipe steps is DDP's own state dict after 5, and
+  DDP continues from it to DDP's 10 steps.
+* State whose parameters are at different steps (stale layers' state) takes the generic path.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import sapipe
+from dist_utils import run_ranks
+from models import loss_fn_for, make_batches, make_model
+from optimizers import GENERIC, GroupStepAdam
+from sapipe.optim_generic import rule_for
+
+STEPS, SPLIT = 10, 5
+FACTORIES = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.05),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3),
+    "rmsprop": GENERIC["rmsprop"],
+}
+
+
+def _train(model, opt, forward, rank, steps):
+    batches = make_batches("tied", STEPS, 2)
+    for t in steps:
+        x, y = batches[t][rank]
+        opt.zero_grad()
+        loss_fn_for("tied")(forward(x), y).backward()
+        opt.step()
+
+
+def _distance(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _ddp(kind, rank, steps, weights=None, state=None):
+    """A DDP job of ``steps`` from ``weights`` and optimizer ``state`` (fresh when None)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = make_model("tied")
+    if weights is not None:
+        model.load_state_dict(weights)
+    opt = FACTORIES[kind](model.parameters())
+    if state is not None:
+        opt.load_state_dict(copy.deepcopy(state))  # torch.optim's loaded state may share its tensors
+    _train(model, opt, DDP(model), rank, steps)
+    return model, opt
+
+
+def _state_in(rank, world_size, kind, how):
+    first, ddp_opt = _ddp(kind, rank, range(SPLIT))
+    weights, state = copy.deepcopy(first.state_dict()), copy.deepcopy(ddp_opt.state_dict())
+    reference, _ = _ddp(kind, rank, range(SPLIT, STEPS), weights, state)
+    out = {}
+    for variant in (how, "no state"):
+        model = make_model("tied", seed=rank + 3)
+        model.load_state_dict(weights)
+        base = FACTORIES[kind](model.parameters())
+        if variant == "before wrapping":
+            base.load_state_dict(copy.deepcopy(state))
+        opt = sapipe.DistributedOptimizer(base, model, bucket_cap_mb=0.0004)
+        if variant == "sapipe load_state_dict":
+            opt.load_state_dict(copy.deepcopy(state))
+        _train(model, opt, model, rank, range(SPLIT, STEPS))
+        opt.synchronize()
+        out[variant] = {"diff": _distance(model, reference), "path": opt.update_path}
+        opt.close()
+    return out
+
+
+@pytest.mark.parametrize("how", ["before wrapping", "sapipe load_state_dict"])
+@pytest.mark.parametrize("kind", sorted(FACTORIES))
+def test_ddp_state_continues_exactly(kind, how):
+    for rank, out in enumerate(run_ranks(_state_in, world_size=2, args=(kind, how))):
+        assert out[how]["path"] == ("generic" if kind == "rmsprop" else "fused")
+        assert out[how]["diff"] <= 1e-6, f"rank {rank}: max |sapipe - DDP| = {out[how]['diff']:.3e}"
+        assert out["no state"]["diff"] > 1e-4, "restarting the optimizer's state must show"
+
+
+def _state_out(rank, world_size, kind):
+    ddp_first, ddp_opt = _ddp(kind, rank, range(SPLIT))
+    reference, _ = _ddp(kind, rank, range(STEPS))
+    model = make_model("tied", seed=rank)
+    opt = sapipe.DistributedOptimizer(FACTORIES[kind](model.parameters()), model, bucket_cap_mb=0.0004)
+    _train(model, opt, model, rank, range(SPLIT))
+    exported = opt.torch_state_dict()
+    ours, theirs = exported["state"], ddp_opt.state_dict()["state"]
+    state_diff = max(
+        (ours[i][key] - value).abs().max().item() if torch.is_tensor(value) else abs(ours[i][key] - value)
+        for i in theirs for key, value in theirs[i].items()
+    )
+    continued, _ = _ddp(kind, rank, range(SPLIT, STEPS), copy.deepcopy(model.state_dict()), exported)
+    return {
+        "same keys": {i: sorted(s) for i, s in ours.items()} == {i: sorted(s) for i, s in theirs.items()},
+        "groups": exported["param_groups"] == ddp_opt.state_dict()["param_groups"],
+        "state diff": state_diff, "diff": _distance(continued, reference),
+    }
+
+
+@pytest.mark.parametrize("kind", sorted(FACTORIES))
+def test_torch_state_dict_continues_under_ddp(kind):
+    for rank, out in enumerate(run_ranks(_state_out, world_size=2, args=(kind,))):
+        assert out["same keys"] and out["groups"], out
+        assert out["state diff"] <= 1e-6, f"rank {rank}: state differs from DDP's by {out['state diff']:.3e}"
+        assert out["diff"] <= 1e-6, f"rank {rank}: max |DDP from sapipe's state - DDP| = {out['diff']:.3e}"
+
+
+def _stale_state_round_trip(rank, world_size):
+    """After k = 3 the stale layers' state is one step behind: loaded into a fresh AdamW it
+    takes the generic path, and continues as DDP does from the same state."""
+    model = make_model("tied", seed=rank)
+    opt = sapipe.DistributedOptimizer(FACTORIES["adamw"](model.parameters()), model, stale_layers=3,
+                                      bucket_cap_mb=0.0004)
+    _train(model, opt, model, rank, range(SPLIT))
+    exported = opt.torch_state_dict()
+    with opt.real_weights():
+        weights = copy.deepcopy(model.state_dict())
+    opt.close()
+    steps = sorted({int(s["step"]) for s in exported["state"].values()})
+    reference, _ = _ddp("adamw", rank, range(SPLIT, STEPS), weights, exported)
+    model = make_model("tied")
+    model.load_state_dict(weights)
+    opt = sapipe.DistributedOptimizer(FACTORIES["adamw"](model.parameters()), model, bucket_cap_mb=0.0004)
+    opt.load_state_dict(copy.deepcopy(exported))
+    _train(model, opt, model, rank, range(SPLIT, STEPS))
+    opt.synchronize()
+    return {"steps": steps, "path": opt.update_path, "diff": _distance(model, reference)}
+
+
+def test_state_at_different_steps_takes_the_generic_path():
+    for rank, out in enumerate(run_ranks(_stale_state_round_trip, world_size=2)):
+        assert out["steps"] == [SPLIT - 1, SPLIT], out  # stale layers: no update at pipeline step 1
+        assert out["path"] == "generic"
+        assert out["diff"] <= 1e-6, f"rank {rank}: max |sapipe - DDP| = {out['diff']:.3e}"
+
+
+def _group_state(rank, world_size):
+    model = make_model("tied")
+    opt = sapipe.DistributedOptimizer(GroupStepAdam(model.parameters(), lr=0.01), model, timeout=20)
+    try:
+        _train(model, opt, model, rank, range(2))
+        opt.synchronize()
+    except sapipe.UnsupportedOptimizerError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_state_kept_in_param_groups_is_refused():
+    for message in run_ranks(_group_state, world_size=2):
+        assert "GroupStepAdam" in message and "['group_step']" in message and "once per bucket" in message, message
+
+
+def test_which_path():
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(2))]
+    assert rule_for(torch.optim.AdamW(params)).path == "fused"
+    assert rule_for(torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True)).path == "fused"
+    for optimizer in (torch.optim.Adam(params, amsgrad=True), torch.optim.Adafactor(params),
+                      torch.optim.ASGD(params), torch.optim.Rprop(params), GENERIC["sgd-subclass"](params)):
+        assert rule_for(optimizer).path == "generic", type(optimizer)
+    partly = torch.optim.Adam(params, lr=0.1)
+    params[0].grad = torch.ones_like(params[0])
+    partly.step()  # state for one parameter only: one step count per segment cannot hold it
+    assert rule_for(partly).path == "generic"
+    horovod_like = type("SGD", (torch.optim.SGD,), {"__module__": "horovod.torch.optimizer"})
+    for optimizer, text in ((torch.optim.LBFGS(params), "LBFGS"), (horovod_like(params, lr=0.1), "distributed")):
+        with pytest.raises(sapipe.UnsupportedOptimizerError, match=text):
+            rule_for(optimizer)

@@ -1,0 +1,356 @@
+"""DDP's semantics where training scripts rely on them (docs/design.md §3.9).
+
+* **Unused parameters.** ``BranchNet`` routes each batch by a code in its last input column:
+  ``sometimes`` runs on every rank at some iterations only (so it is unused everywhere at the
+  others, its first iteration included), ``mine`` runs on rank 0 only (unused on one rank:
+  averaged with rank 1's zeros; it also makes the ranks' first forwards differ, so the
+  layer order must be rank 0's), ``never`` never runs. Against
+  ``DistributedDataParallel(find_unused_parameters=True)`` at k = 0 (float32, 1e-6; also
+  with a gradient accumulated inside ``no_sync()`` only, which DDP counts as used) and
+  against the float64 reference (tests/reference.py, same rule) at k > 0 for every mode;
+  a checkpoint taken with skipped gradients in flight resumes bit-identically.
+* **broadcast_buffers.** A BatchNorm model with different data per rank, evaluation
+  forwards under ``no_grad`` and ``no_sync()`` micro-batches in between (DDP broadcasts
+  before a forward only when the previous one ran with gradients outside ``no_sync()``):
+  parameters, every rank's buffers and the evaluation outputs equal DDP's, for
+  ``broadcast_buffers`` True and False.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dist_utils import assert_close_dicts, run_ranks
+from reference import run_reference
+
+STEPS = 12
+
+
+def route(t: int, rank: int) -> int:
+    """Bit 0: ``sometimes`` runs (every rank, iterations 1, 4, 7, ...); bit 1: ``mine`` runs (rank 0)."""
+    return (1 if t % 3 == 1 else 0) | (2 if rank == 0 else 0)
+
+
+class BranchNet(nn.Module):
+    """Features x[:, :-1]; x[0, -1] is the route (registration order != execution order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.sometimes = nn.Linear(8, 8)
+        self.mine = nn.Linear(8, 8)
+        self.never = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        code = int(x[0, -1].item())
+        h = torch.tanh(self.inp(x[:, :-1]))
+        if code & 1:
+            h = h + torch.tanh(self.sometimes(h))
+        if code & 2:
+            h = h + torch.tanh(self.mine(h))
+        return self.out(h)
+
+
+def branch_net(seed: int, dtype=torch.float32) -> BranchNet:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return BranchNet().to(dtype)
+
+
+def branch_batches(steps: int, world_size: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for t in range(steps):
+        per_rank = []
+        for r in range(world_size):
+            x = torch.randn(4, 6, generator=g, dtype=torch.float64)
+            x = torch.cat([x, torch.full((4, 1), float(route(t, r)), dtype=torch.float64)], dim=1)
+            per_rank.append((x.to(dtype), torch.randn(4, 3, generator=g, dtype=torch.float64).to(dtype)))
+        batches.append(per_rank)
+    return batches
+
+
+BASE_LR = {"sgd": 0.05, "adam": 0.01, "adamw": 0.01, "rmsprop": 0.01}
+
+
+def make_optimizer(kind: str, params):
+    params = list(params)
+    groups = [{"params": [p for p in params if p.ndim > 1]},
+              {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+    if kind == "sgd":  # dampening: a momentum buffer seeded at the wrong step would show
+        return torch.optim.SGD(groups, lr=BASE_LR[kind], momentum=0.9, dampening=0.1, weight_decay=1e-2)
+    if kind == "adam":
+        return torch.optim.Adam(groups, lr=BASE_LR[kind], betas=(0.8, 0.95), weight_decay=1e-2)
+    if kind == "rmsprop":  # the generic path: the optimizer's own step() over the used parameters
+        return torch.optim.RMSprop(groups, lr=BASE_LR[kind], momentum=0.5, weight_decay=1e-2)
+    return torch.optim.AdamW(groups, lr=BASE_LR[kind], weight_decay=0.05)
+
+
+def lr_factor(epoch: int) -> float:
+    return 1.0 / (1.0 + 0.15 * epoch)
+
+
+def _named(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ------------------------------------------------------------------ unused parameters vs DDP
+
+
+def _micro_batches(x, y, t, accumulate):
+    """One batch, or (accumulate, every 2nd iteration) two micro-batches where only the first
+    runs ``sometimes``: a gradient accumulated inside no_sync() that DDP counts as used."""
+    if not accumulate or t % 2 == 0:
+        return [(x, y)]
+    second = x.clone()
+    second[:, -1] = float(int(x[0, -1].item()) & ~1)
+    return [(x, y), (second, y)]
+
+
+def _train_vs_ddp(rank, world_size, kind, bucket_cap_mb, accumulate=False):
+    import sapipe
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    batches = branch_batches(STEPS, world_size)
+    ddp_model = branch_net(seed=0)
+    ddp = DDP(ddp_model, find_unused_parameters=True)
+    ddp_opt = make_optimizer(kind, ddp_model.parameters())
+    ddp_sched = torch.optim.lr_scheduler.LambdaLR(ddp_opt, lr_factor)
+    model = branch_net(seed=rank)  # construction broadcasts rank 0's weights
+    opt = sapipe.DistributedOptimizer(make_optimizer(kind, model.parameters()), model, bucket_cap_mb=bucket_cap_mb)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    for t in range(STEPS):
+        micro = _micro_batches(*batches[t][rank], t, accumulate)
+        for net, optimizer, scheduler in ((ddp, ddp_opt, ddp_sched), (model, opt, sched)):
+            optimizer.zero_grad()
+            for j, (x, y) in enumerate(micro):
+                no_sync = net.no_sync if net is ddp else optimizer.no_sync
+                with no_sync() if j < len(micro) - 1 else contextlib.nullcontext():
+                    (F.mse_loss(net(x), y) / len(micro)).backward()
+            optimizer.step()
+            scheduler.step()
+    opt.synchronize()
+    return {"ddp": _named(ddp_model), "sapipe": _named(model), "initial": _named(branch_net(seed=0)),
+            "buckets": len(opt.buckets)}
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw", "rmsprop"])
+@pytest.mark.parametrize("bucket_cap_mb", [25, 0.0004])
+def test_unused_parameters_equal_ddp(kind, bucket_cap_mb):
+    out = run_ranks(_train_vs_ddp, world_size=2, args=(kind, bucket_cap_mb))
+    assert out[0]["buckets"] == (1 if bucket_cap_mb > 1 else 4)
+    for rank, r in enumerate(out):
+        assert_close_dicts(r["sapipe"], r["ddp"], rtol=0, atol=1e-6, what=f"rank {rank} {kind} sapipe vs DDP")
+        for name in ("never.weight", "never.bias"):  # untouched, to the bit, as under DDP
+            assert (r["sapipe"][name] == r["initial"][name]).all(), f"rank {rank}: {name} moved"
+            assert (r["ddp"][name] == r["initial"][name]).all()
+        for name in ("sometimes.weight", "mine.weight"):
+            assert abs(r["sapipe"][name] - r["initial"][name]).max() > 1e-3, f"{name} must train"
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_gradient_accumulated_in_no_sync_counts_as_used_as_in_ddp(kind):
+    for rank, r in enumerate(run_ranks(_train_vs_ddp, world_size=2, args=(kind, 0.0004, True))):
+        assert_close_dicts(r["sapipe"], r["ddp"], rtol=0, atol=1e-6, what=f"rank {rank} {kind} no_sync vs DDP")
+
+
+# ------------------------------------------------------------------ k > 0 vs the float64 reference
+
+# (stale_layers, compensation, staleness, warmup); rank 0's layer order: inp, mine, out, then
+# the layers its first forward did not run: sometimes, never (m = 5)
+CONFIGS = [
+    (2, "none", 1, 0),
+    (5, "none", 1, 0),
+    (3, "none", 2, 1),
+    (5, "dc", 1, 0),
+    (3, "dc", 2, 2),
+    (2, "wp1", 1, 0),
+    (5, "wp1", 1, 2),
+    (5, "wp2", 1, 0),
+    (5, "wp3", 1, 1),
+]
+
+
+def _train_stale(rank, world_size, kind, configs):
+    import sapipe
+
+    batches = branch_batches(STEPS, world_size, torch.float64)
+    results = []
+    for k, mode, s, warmup in configs:
+        model = branch_net(seed=rank, dtype=torch.float64)
+        opt = sapipe.DistributedOptimizer(
+            make_optimizer(kind, model.parameters()), model, stale_layers=k, compensation=mode, staleness=s,
+            warmup_steps=warmup, dc_lambda=0.7, bucket_cap_mb=0.0006, timeout=60,
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+        for t in range(STEPS):
+            x, y = batches[t][rank]
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            sched.step()
+        opt.synchronize()
+        held = _named(model)
+        with opt.real_weights():
+            real = _named(model)
+        results.append({"real": real, "held": held, "order": [layer.name for layer in opt.layers]})
+        opt.close()
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def _stale_runs(kind: str):
+    return run_ranks(_train_stale, world_size=2, args=(kind, CONFIGS), timeout=300)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "k{}-{}-s{}-w{}".format(*c))
+def test_unused_parameters_stale_match_reference(kind, config):
+    k, mode, s, warmup = config
+    per_rank = [r[CONFIGS.index(config)] for r in _stale_runs(kind)]
+    ref = run_reference(
+        branch_net(seed=0, dtype=torch.float64), functools.partial(make_optimizer, kind),
+        branch_batches(STEPS, 2, torch.float64), F.mse_loss, stale_layers=k, compensation=mode,
+        staleness=s, warmup_steps=warmup, dc_lambda=0.7,
+        lr_at=lambda it: BASE_LR[kind] * lr_factor(it - 1),
+    )
+    initial = _named(branch_net(seed=0, dtype=torch.float64))
+    for rank, got in enumerate(per_rank):
+        assert got["order"] == ref.order == ["inp", "mine", "out", "sometimes", "never"]
+        assert_close_dicts(got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real x")
+        assert_close_dicts(got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
+        assert (got["real"]["never.weight"] == initial["never.weight"]).all()
+
+
+# ------------------------------------------------------------------ broadcast_buffers vs DDP
+
+
+class NormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 10)
+        self.bn = nn.BatchNorm1d(10)
+        self.fc2 = nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
+def _train_buffers(rank, world_size, broadcast):
+    import sapipe
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    g = torch.Generator().manual_seed(1)
+    data = [[(torch.randn(8, 6, generator=g) * (1 + r) + r, torch.randn(8, 3, generator=g))
+             for r in range(world_size)] for _ in range(STEPS + 1)]
+    probe = torch.randn(5, 6, generator=g)
+
+    def build(seed):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return NormNet()
+
+    ddp_model = build(0)
+    ddp = DDP(ddp_model, broadcast_buffers=broadcast)
+    ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.05, momentum=0.9)
+    model = build(rank)
+    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                                      broadcast_buffers=broadcast)
+    evals = {"ddp": [], "sapipe": []}
+    for t in range(STEPS):
+        micro = [data[t][rank], data[t + 1][rank]] if t % 4 == 3 else [data[t][rank]]
+        for key, net, module, optimizer in (("ddp", ddp, ddp_model, ddp_opt), ("sapipe", model, model, opt)):
+            optimizer.zero_grad()
+            for j, (x, y) in enumerate(micro):
+                no_sync = net.no_sync if key == "ddp" else optimizer.no_sync
+                with no_sync() if j < len(micro) - 1 else contextlib.nullcontext():
+                    (F.mse_loss(net(x), y) / len(micro)).backward()
+            optimizer.step()
+            if t % 3 == 2:  # evaluation: running statistics are used
+                module.eval()
+                with torch.no_grad():
+                    evals[key].append(net(probe).clone())
+                    evals[key].append(net(probe).clone())
+                module.train()
+    opt.synchronize()
+    return {
+        "ddp": dict(_named(ddp_model), **{"buf." + n: b.clone() for n, b in ddp_model.named_buffers()}),
+        "sapipe": dict(_named(model), **{"buf." + n: b.clone() for n, b in model.named_buffers()}),
+        "evals": {key: torch.stack(v) for key, v in evals.items()},
+    }
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_broadcast_buffers_equals_ddp(broadcast):
+    out = run_ranks(_train_buffers, world_size=2, args=(broadcast,))
+    for rank, r in enumerate(out):
+        assert_close_dicts(r["sapipe"], r["ddp"], rtol=0, atol=1e-6, what=f"rank {rank} broadcast_buffers={broadcast}")
+        assert abs(r["evals"]["sapipe"] - r["evals"]["ddp"]).max() <= 1e-6, f"rank {rank}: evaluation outputs differ"
+    # every rank evaluates with rank 0's running statistics exactly when they are broadcast
+    evals_differ = abs(out[0]["evals"]["sapipe"] - out[1]["evals"]["sapipe"]).max()
+    assert (evals_differ == 0) if broadcast else (evals_differ > 1e-3)
+
+
+# ------------------------------------------------------------------ checkpoints keep what §3.9 needs
+
+RESUME_CASES = [("adamw", 3, "dc", 2, 1), ("adamw", 5, "wp1", 1, 0), ("sgd", 0, "none", 1, 0)]
+
+
+def _resume(rank, world_size, cases):
+    """Uninterrupted vs state_dict() after 6 steps into a fresh optimizer: flags still in flight,
+    per-parameter step counts."""
+    import copy
+
+    import sapipe
+
+    batches = branch_batches(STEPS, world_size)
+
+    def setup(kind, k, mode, s, warmup):
+        model = branch_net(seed=0)
+        opt = sapipe.DistributedOptimizer(make_optimizer(kind, model.parameters()), model, stale_layers=k,
+                                          compensation=mode, staleness=s, warmup_steps=warmup, bucket_cap_mb=0.0004)
+        return model, opt
+
+    def train(model, opt, steps):
+        for t in steps:
+            x, y = batches[t][rank]
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+
+    def weights(model, opt):
+        held = _named(model)
+        opt.synchronize()
+        with opt.real_weights():
+            return {"held": held, "real": _named(model)}
+
+    out = []
+    for case in cases:
+        model, opt = setup(*case)
+        train(model, opt, range(STEPS))
+        whole = weights(model, opt)
+        opt.close()
+        model, opt = setup(*case)
+        train(model, opt, range(6))
+        saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+        opt.close()
+        model, opt = setup(*case)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        train(model, opt, range(6, STEPS))
+        out.append({"whole": whole, "resumed": weights(model, opt)})
+        opt.close()
+    return out
+
+
+def test_resume_keeps_unused_flags_and_step_counts():
+    for rank, per_case in enumerate(run_ranks(_resume, world_size=2, args=(RESUME_CASES,))):
+        for case, r in zip(RESUME_CASES, per_case):
+            for which in ("held", "real"):
+                assert_close_dicts(r["resumed"][which], r["whole"][which], rtol=0, atol=0, what=f"rank {rank} {case} {which}")
