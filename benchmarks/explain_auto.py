@@ -6,7 +6,8 @@ with k = m (Pipe-SGD), both with sapipe's runtime tracer on. For the timed itera
 each it splits the iteration time (rank 0) into
 
 * **compute**: forward + backward + ``step()`` (everything that is not a wait),
-* **forward waits**: layers waiting for their synchronous all-reduce (deferred updates),
+* **forward waits**: waiting for synchronous all-reduces: before each layer's next forward
+  (deferred updates), or, with ``expose_gradients`` (the default), at the end of backward,
 * **step waits**: ``step()`` waiting for the previous iteration's stale all-reduces,
 
 and sets the same split of the scheduler's simulated iteration beside it. A gap in
@@ -47,10 +48,14 @@ def _split(events, first_iteration: int):
 
 
 def _predicted(events):
-    """(total, compute, forward waits, step waits) in ms of the simulated steady-state iteration."""
-    compute = sum(e.end - e.start for e in events if e.category in ("forward", "backward", "step"))
-    forward = sum(e.end - e.start for e in events if e.category == "wait" and e.name.startswith("wait sync"))
-    step = sum(e.end - e.start for e in events if e.category == "wait" and e.name.startswith("step:"))
+    """(total, compute, forward waits, step waits) in ms of the simulated steady-state iteration.
+
+    As :func:`_split` does, waits are told apart by what they wait for: a sync all-reduce
+    ("wait sync bucket N" before a forward, or "step: wait sync all-reduces" at the end of
+    backward when the simulator models ``expose_gradients``) or a stale one."""
+    compute = sum(e.end - e.start for e in events if e.category in ("forward", "backward", "update", "step"))
+    forward = sum(e.end - e.start for e in events if e.category == "wait" and "wait sync" in e.name)
+    step = sum(e.end - e.start for e in events if e.category == "wait" and "wait stale" in e.name)
     return [1e3 * x for x in (compute + forward + step, compute, forward, step)]
 
 

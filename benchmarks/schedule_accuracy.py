@@ -134,6 +134,7 @@ def worker(args) -> None:
         "layer_bytes": [layer.numel * element for layer in auto_opt.layers],
         "numel": [layer.numel for layer in auto_opt.layers],
         "bucket_cap_bytes": int(auto_opt.settings.bucket_cap_mb * 1024 * 1024),
+        "expose_gradients": bool(auto_opt.settings.expose_gradients),  # the simulator's sync_at_step
         "profile": {"forward": prof.forward, "backward": prof.backward, "step_time": prof.step_time,
                     "alpha": prof.alpha, "beta": prof.beta, "slowdown": prof.slowdown,
                     "beta_isolated": prof.beta_isolated, "beta_observed": prof.beta_observed,
@@ -194,7 +195,9 @@ def replay(path: str, variants) -> str:
                 k: simulate(profiles, int(k), bucket_cap_bytes=raw["bucket_cap_bytes"], alpha=prof.alpha, beta=beta,
                             bytes_per_layer=raw["layer_bytes"], step_time=prof.step_time, slowdown=s,
                             shared_link=shared, record_events=False,
-                            update_per_element=prof.update_time / sum(raw["numel"])).iteration_time
+                            update_per_element=prof.update_time / sum(raw["numel"]),
+                            # files from before the setting ran the old timeline
+                            sync_at_step=raw.get("expose_gradients", False)).iteration_time
                 for k in raw["measured_times"]}
         for k in sorted(raw["measured_times"], key=int):
             meas = statistics.fmean(raw["measured_times"][k])

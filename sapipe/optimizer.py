@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import time
 from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional, Union
 
@@ -90,6 +89,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         partition_mb: float = 4.0,
         tune_steps: int = 10,
         broadcast_buffers: bool = True,
+        expose_gradients: bool = True,
         trace: Union[None, bool, str] = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -243,10 +243,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if iteration == 1:
             self._pipeline.layout.allocate_state(self._updater.rule)
         self.tracer.record("step_start", iteration=iteration)
-        self._pipeline.check_gradients_untouched()
-        self._pipeline.flush(iteration)
-        if grad_scaler is not None:
-            self._updater.agree_on_scaling(iteration, grad_scaler, self, self._control)
+        self._runtime.take_gradients(iteration, grad_scaler, self, self._control)
         self._runtime.end_step(iteration, hyperparams)
         self._iteration = iteration
         if self.auto is not None:
@@ -271,6 +268,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         that consumes it. Useful before timing something else on the same link.
         """
         self._pipeline.wait_for_communication()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradient this step applies, all of ``p.grad`` as one vector, to ``max_norm``;
+        return its total norm before clipping (FSDP's convention). Between backward and step();
+        equals ``torch.nn.utils.clip_grad_norm_`` over the model's parameters (design §3.11)."""
+        self._runtime.check_exposed(self._iteration + 1, "opt.clip_grad_norm_()")
+        params = [p for group in self.param_groups for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -354,19 +359,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise UsageError("sapipe: checkpoint between step() and the next forward, not during backward")
         auto = self.auto.state_dict() if self.auto is not None else {"decided": False, "search": None}
         return {
-            "format": CHECKPOINT_FORMAT,
-            "rank": self._rank,
-            "world_size": self._world_size,
-            "settings": self._settings_fingerprint(),
-            "iteration": self._iteration,
-            "k": self._k,
-            "pipeline_origin": self._pipeline.origin,
-            **auto,
-            "order": [layer.name for layer in self.layers if layer.executed],
-            "layers": [layer.name for layer in self.layers],
-            "buckets": [bucket.state_dict() for bucket in self._pipeline.buckets],
+            "format": CHECKPOINT_FORMAT, "rank": self._rank, "world_size": self._world_size,
+            "settings": self._settings_fingerprint(), "iteration": self._iteration, **auto,
+            **self._runtime.checkpoint(),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-            "scaling": dict(self._updater.scaling),
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
@@ -385,17 +381,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise UsageError("sapipe: load a checkpoint between step() and the next forward, not during backward")
         if self.auto is not None:
             self.auto.load_state_dict({"decided": state["decided"], "search": state["search"]})
-        self._pipeline.origin = state["pipeline_origin"]
         if self._pipeline.layout is None:
             self._build_layout(state["order"], k=state["k"])
-        if [layer.name for layer in self.layers] != state["layers"]:
-            raise ConfigurationError("sapipe: the checkpoint's layer order differs from this model's")
-        self._runtime.restore(state["k"], state["buckets"], state_allocated=self._iteration > 0)
+        self._runtime.restore(state, state_allocated=self._iteration > 0)
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
         self._iteration = state["iteration"]
-        self._updater.scaling = dict(state["scaling"])
-        self._pipeline.end_iteration()
 
     def torch_state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's plain ``state_dict()`` of the real weights, for it under DDP (pending sync
@@ -441,6 +432,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         iteration = self._iteration + 1
         self._pipeline.take(param, iteration)
+        if self._runtime.exposure is not None:
+            self._runtime.exposure.arm(iteration)
         if self._spans is not None:
             self._spans.gradient_arrived(layout.layers[layout.layer_of[id(param)]], iteration)
 

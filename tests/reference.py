@@ -26,6 +26,11 @@ Interpretations made here (kept explicit so a test failure can be judged):
 * OPT_peek uses the optimizer's hyper-parameters as set for the current iteration.
 * A layer whose every parameter was already claimed by an earlier-executed layer (a module
   holding only a tied weight) is not a layer (it owns nothing); it is not counted in k.
+* ``clip`` (a function of {name: gradient}, e.g. :func:`clip_by_norm`): the gradient one step
+  applies is clipped as a whole — the sync layers' g_t together with the stale layers'
+  g_{t-s} (none while the pipeline fills; all of g_t during warm-up); parameters no rank
+  used are not in it. The clipped g_{t-s} is what the stale update, delay compensation and
+  wp2/wp3's predictions use; this rank's own l_t (wp1, wp3) is not clipped.
 * ``restarts`` [(I, k'), ...]: after user iteration I's step, the stale gradients still
   in flight (pipeline steps t-s+1..t) are applied oldest first as plain OPT steps with
   that step's learning rate, the held weights become the real ones, and the pipeline
@@ -42,7 +47,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-__all__ = ["ReferenceResult", "run_reference", "layer_order", "opt_peek", "dc_correct"]
+__all__ = ["ReferenceResult", "run_reference", "layer_order", "opt_peek", "dc_correct", "clip_by_norm", "clip_by_value"]
 
 Tensors = Dict[str, torch.Tensor]
 
@@ -144,6 +149,31 @@ def _step(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], grads: Seq
         p.grad = None
 
 
+def _clipped(clip: Callable[[Tensors], Tensors], sync: Dict[str, Optional[torch.Tensor]],
+             stale: Dict[str, Optional[torch.Tensor]]) -> Dict[str, Optional[torch.Tensor]]:
+    """``clip`` applied to the gradients of one step as a whole (None entries: not applied, not
+    clipped); returns new tensors, the inputs are left as they are."""
+    both = {**sync, **stale}
+    present = {nm: v.clone() for nm, v in both.items() if v is not None}
+    out = clip(present) if present else {}
+    return {nm: out.get(nm) if both[nm] is not None else None for nm in both}
+
+
+def clip_by_norm(max_norm: float, norm_type: float = 2.0) -> Callable[[Tensors], Tensors]:
+    """torch.nn.utils.clip_grad_norm_'s rule, written out: g * min(1, c / (||g|| + 1e-6))."""
+    def clip(grads: Tensors) -> Tensors:
+        norms = torch.stack([v.norm(norm_type) for v in grads.values()])
+        total = norms.max() if norm_type == float("inf") else norms.norm(norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        return {nm: v * coef for nm, v in grads.items()}
+    return clip
+
+
+def clip_by_value(limit: float) -> Callable[[Tensors], Tensors]:
+    """torch.nn.utils.clip_grad_value_'s rule: every element clamped to [-limit, limit]."""
+    return lambda grads: {nm: v.clamp(-limit, limit) for nm, v in grads.items()}
+
+
 def _to64(obj):
     if torch.is_tensor(obj):
         return obj.to(torch.float64) if obj.is_floating_point() else obj
@@ -166,6 +196,7 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
                   dc_form: str = "outer", staleness: int = 1, warmup_steps: int = 0,
                   lr_at: Optional[Callable[[int], float]] = None, lr_ramp_steps: int = 0,
                   restarts: Sequence[Tuple[int, int]] = (),
+                  clip: Optional[Callable[[Tensors], Tensors]] = None,
                   ) -> ReferenceResult:
     if compensation not in _MODES:
         raise ValueError(f"compensation must be one of {_MODES}, got {compensation!r}")
@@ -259,19 +290,28 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
 
         if it <= W:
             # -- warm-up: fully synchronous (k = 0) ---------------------------------------
+            g_warm = _clipped(clip, g, {}) if clip is not None else g
             for opt, nms in ((opt_S, S), (opt_N, N)):
                 if opt is not None:
                     set_lr(opt, it)
-                    _step(opt, [x[nm] for nm in nms], [g[nm] for nm in nms])
+                    _step(opt, [x[nm] for nm in nms], [g_warm[nm] for nm in nms])
         else:
             t = it - W  # pipeline step
             if t == 1:
                 X.append(cur(S))  # x_0: pipeline start
 
+            # -- 1b. clipping: the gradient this step applies, sync g_t and stale g_{t-s}, as one
+            g_sync = {nm: g[nm] for nm in N}
+            if clip is not None:
+                clipped = _clipped(clip, g_sync, G[t - s] if t > s else {})
+                g_sync = {nm: clipped[nm] for nm in N}
+                if t > s:
+                    G[t - s] = {nm: clipped[nm] for nm in S}  # what is applied (and predicted from)
+
             # -- 2. sync set N: x_t = OPT(x_{t-1}, g_t) -----------------------------------
             if opt_N is not None:
                 set_lr(opt_N, it)
-                _step(opt_N, [x[nm] for nm in N], [g[nm] for nm in N])
+                _step(opt_N, [x[nm] for nm in N], [g_sync[nm] for nm in N])
 
             # -- 3. stale set S --------------------------------------------------------
             G[t] = {nm: g[nm] for nm in S}

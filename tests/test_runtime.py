@@ -73,10 +73,10 @@ def test_stale_allreduce_overlaps_next_forward():
         "the stale all-reduce of iteration 3 must still be running when the forward of "
         f"iteration 4 starts: start={started}, forward={next_forward}, done={done}"
     )
-    # ... and it is waited for in step() of iteration 4, not earlier.
+    # ... and it is waited for once the backward of iteration 4 ends (p.grad then holds it), not earlier.
     waited = when("comm_wait", what=what)
     step4 = when("step_start", iteration=SLOW_ITERATION + 1)
-    assert next_forward < step4 <= waited
+    assert next_forward < waited <= step4
     # That wait is what communication_wait reports: rank 0 blocked for most of rank 1's
     # 0.6 s sleep; rank 1, whose peers were all ahead of it, hardly blocked at all.
     assert out[0]["waited"] > 0.3, out[0]["waited"]

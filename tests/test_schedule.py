@@ -726,3 +726,100 @@ def test_tuner_refuses_input_after_the_end_and_bad_arguments():
     with pytest.raises(ValueError, match="tolerance"):
         Tuner(1, 3, 1.5)
     assert "k=1" in tuner.summary() and "-> k=1" in tuner.summary()
+
+
+# --------------------------------------------------------------------------- sync all-reduces waited for at step()
+
+
+def _exposed_profiles():
+    """Three layers (u = b = 1, 16 parameters each; update 1/64 per parameter: 0.25 a layer),
+    one per bucket: l3's all-reduce (0.5) is issued at 4, l2's (2.0) at 5, l1's (0.5) at 6,
+    when backward ends. So l2's ends at 7.0: after the end of backward and, under the old
+    timeline, after the next iteration's start (6 + l1's stale update 0.25 + step 0.25)."""
+    profiles = [LayerProfile("l1", 1.0, 1.0, 0.5, numel=16), LayerProfile("l2", 1.0, 1.0, 2.0, numel=16),
+                LayerProfile("l3", 1.0, 1.0, 0.5, numel=16)]
+    return profiles, dict(bucket_cap_bytes=0, alpha=None, beta=None, step_time=0.25, update_per_element=1 / 64)
+
+
+def test_sync_at_step_waits_at_the_end_of_backward_then_updates_in_step():
+    """k = 0 with ``sync_at_step``: the end of backward waits for the last sync all-reduce,
+    then step() runs every update and the step time: F + B + wait + updates + step."""
+    profiles = [LayerProfile("l1", 1.0, 1.0, 0.5, numel=16), LayerProfile("l2", 1.0, 1.0, 2.5, numel=16)]
+    step_time, per_element = 0.5, 1 / 64
+    r = simulate(profiles, 0, bucket_cap_bytes=0, alpha=None, beta=None, step_time=step_time,
+                 update_per_element=per_element, sync_at_step=True)
+    forward, backward = sum(p.forward for p in profiles), sum(p.backward for p in profiles)
+    # l2's bucket is issued after its backward (u1 + u2 + b2 = 3), l1's at the end of backward (4),
+    # and the link takes them one after the other
+    l2_end = forward + profiles[1].backward + profiles[1].comm
+    last_end = max(forward + backward, l2_end) + profiles[0].comm
+    updates = per_element * sum(p.numel for p in profiles)
+    expected = forward + backward + max(0.0, last_end - (forward + backward)) + updates + step_time
+    assert expected == 7.0
+    assert abs(r.iteration_time - expected) <= 1e-12
+    assert r.forward_wait == 0.0 and abs(r.step_wait - 2.0) <= 1e-12
+    (wait,) = [e for e in r.events if e.category == "wait"]
+    assert wait.name == "step: wait sync all-reduces"
+    assert (wait.start, wait.end) == pytest.approx((4.0, 6.0), abs=1e-12)
+    assert not [e for e in r.events if e.category == "update"]  # in step() now
+    (step,) = [e for e in r.events if e.category == "step"]
+    assert step.end - step.start == pytest.approx(updates + step_time, abs=1e-12)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_sync_at_step_changes_nothing_when_every_layer_is_stale(shared):
+    rng = np.random.default_rng(21)
+    for _ in range(10):
+        m = int(rng.integers(1, 8))
+        profiles, nbytes, beta = random_profiles(rng, m, comm_ratio=float(rng.uniform(0.2, 1.5)))
+        for slowdown in (0.0, 0.5):
+            kw = dict(bucket_cap_bytes=int(rng.choice([0, 8_000])), alpha=0.01, beta=beta, bytes_per_layer=nbytes,
+                      step_time=0.2, update_per_element=1e-5, slowdown=slowdown, shared_link=shared)
+            old, new = simulate(profiles, m, **kw), simulate(profiles, m, sync_at_step=True, **kw)
+            assert new.iteration_time == old.iteration_time and new.step_wait == old.step_wait
+            assert new.events == old.events
+
+
+def test_sync_at_step_no_longer_hides_the_sync_tail_under_the_next_forward():
+    """k = 1 (l1 stale). Old timeline: l2's all-reduce (ends at 7.0) runs on under step()
+    and l1's next forward, and l2's forward (at 7.5) no longer waits: no stall, 7.0. With
+    ``sync_at_step`` the end of backward (6) waits for it: 6 + 1.0 + updates 0.75 + step 0.25."""
+    profiles, kw = _exposed_profiles()
+    old, new = simulate(profiles, 1, **kw), simulate(profiles, 1, sync_at_step=True, **kw)
+    forward, backward = sum(p.forward for p in profiles), sum(p.backward for p in profiles)
+    assert old.iteration_time == pytest.approx(old.compute_time, abs=1e-12) and old.compute_time == 7.0
+    l2_end = forward + profiles[2].backward + profiles[1].backward + profiles[1].comm  # issued at 5
+    assert l2_end > forward + backward + 16 / 64 + 0.25  # past the next start under the old timeline
+    expected = forward + backward + (l2_end - (forward + backward)) + 3 * 16 / 64 + 0.25
+    assert expected == 8.0 and new.iteration_time > old.iteration_time
+    assert abs(new.iteration_time - expected) <= 1e-12
+    assert new.forward_wait == old.forward_wait == 0.0 and abs(new.step_wait - 1.0) <= 1e-12
+    # the solver forwards the flag
+    d = choose_k(profiles, only_k=1, sync_at_step=True, **kw)
+    assert d.iteration_time == new.iteration_time
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_sync_at_step_with_slowdown(shared):
+    """With σ > 0 the new timeline runs, is no faster than with σ = 0 (on the hand-made
+    profile; on one FIFO link for random ones), and σ → 0 (transfers submitted as issued)
+    reproduces σ = 0 (submitted per iteration)."""
+    profiles, kw = _exposed_profiles()
+    for k in range(len(profiles) + 1):
+        exact = simulate(profiles, k, sync_at_step=True, shared_link=shared, **kw)
+        slowed = simulate(profiles, k, sync_at_step=True, shared_link=shared, slowdown=0.5, **kw)
+        assert slowed.converged and slowed.iteration_time >= exact.iteration_time - 1e-12
+    assert simulate(profiles, 1, sync_at_step=True, slowdown=0.5, shared_link=shared, **kw).iteration_time > 8.0
+    rng = np.random.default_rng(22)
+    for _ in range(15):
+        m = int(rng.integers(1, 8))
+        profiles, nbytes, beta = random_profiles(rng, m, comm_ratio=float(rng.uniform(0.1, 1.5)))
+        for k in range(m + 1):
+            kw = dict(bucket_cap_bytes=int(rng.choice([0, 8_000, 40_000])), alpha=0.01, beta=beta,
+                      bytes_per_layer=nbytes, step_time=0.2, update_per_element=1e-5, shared_link=shared,
+                      sync_at_step=True)
+            exact = simulate(profiles, k, **kw)
+            tiny = simulate(profiles, k, slowdown=1e-12, **kw)
+            assert tiny.iteration_time == pytest.approx(exact.iteration_time, rel=1e-9, abs=1e-9)
+            if not shared:  # shared, slower compute can issue a stale bucket later and so speed a sync one up
+                assert simulate(profiles, k, slowdown=0.5, **kw).iteration_time >= exact.iteration_time - 1e-12

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 import bench_models
 
 from .rank import Ctx
+from .report import fixed_k_results
 from .runners import CommRunner, Runner, Skip, TrainRunner
 from .stats import round_medians, stats
 
@@ -94,7 +95,12 @@ class Job:
                 out.append(TrainRunner(self, "ddp", "ddp"))
             if "sapipe" not in skip:
                 for k in sorted({resolve_k(e, self.m) for e in a.k.split(",") if e.strip()}):
-                    out.append(TrainRunner(self, "pipesgd" if k == self.m else f"sapipe k={k}", "sapipe", k))
+                    mode = "pipesgd" if k == self.m else f"sapipe k={k}"
+                    out.append(TrainRunner(self, mode, "sapipe", k))
+                    if "deferred" not in skip:
+                        # its twin, identical but for p.grad exposure: what the default costs at this k
+                        out.append(TrainRunner(self, f"{mode} deferred", "sapipe", k,
+                                               expose_gradients=False, twin_of=mode))
             if "auto" not in skip:
                 out.append(TrainRunner(self, "sapipe-auto", "sapipe", "auto"))
             comp_k = "auto" if "auto" not in skip else None
@@ -113,15 +119,14 @@ class Job:
         pipe = self.by_mode("pipesgd")
         if pipe is None:
             return None
-        for r in sorted((r for r in self.results if r["mode"].startswith("sapipe k=") and r.get("t")),
-                        key=lambda r: r["k"]):
+        for r in sorted(fixed_k_results(self.results), key=lambda r: r["k"]):
             if r["t"] <= (1 + ORACLE_TOLERANCE) * pipe["t"]:
                 return r["k"]
         return self.m
 
     def fallback_k(self):
         """k for the compensation modes when auto is unavailable: the oracle k (or k >= 1)."""
-        fixed = sorted(r["k"] for r in self.results if r["mode"].startswith("sapipe k=") and r.get("t"))
+        fixed = sorted(r["k"] for r in fixed_k_results(self.results))
         k = self.oracle_k()
         if k is None:
             k = fixed[-1] if fixed else self.m
@@ -217,6 +222,7 @@ class Job:
                 info = {"note": f"info failed: {exc}"}
         r = self._measured(run)
         r.update(info)
+        r.update(run.labels())
         if run.dead:
             r["note"] = run.dead
         self.results.append(r)

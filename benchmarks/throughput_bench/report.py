@@ -11,11 +11,26 @@ from .stats import paired_ratio
 _OPTIMIZERS = {"sgd": "SGD", "adam": "Adam"}  # bench_models.ModelSpec.optimizer -> torch.optim class
 
 
+EXPOSURE_TARGET = 1.02  # T(expose_gradients=True) / T(False) at the same k: overlap lost within 2 %
+
+
 def _ref(job, mode):
     for r in job["results"]:
         if r["mode"] == mode and r.get("t"):
             return r
     return None
+
+
+def is_deferred(r: Dict[str, Any]) -> bool:
+    """A ``deferred`` twin: sapipe run with ``expose_gradients=False`` (only the exposure table reads it)."""
+    return r.get("expose_gradients") is False
+
+
+def fixed_k_results(results) -> List[Dict[str, Any]]:
+    """The measured ``sapipe k=K`` modes (compensation none, the default ``expose_gradients``),
+    without their ``deferred`` twins."""
+    return [r for r in results if r["mode"].startswith("sapipe k=") and r.get("t") and isinstance(r.get("k"), int)
+            and not is_deferred(r)]
 
 
 def derived(job) -> Dict[str, Optional[float]]:
@@ -114,7 +129,8 @@ def _summary_row(job) -> Dict[str, Any]:
     row["t"] = h and h["t"]
     row["wait"] = h and h.get("wait")
     row["pipe_wait"] = pipe and pipe.get("wait")
-    sap = [r for r in job["results"] if r.get("t") and (r["mode"].startswith("sapipe") or r["mode"] == "pipesgd")]
+    sap = [r for r in job["results"] if r.get("t") and (r["mode"].startswith("sapipe") or r["mode"] == "pipesgd")
+           and not is_deferred(r)]
     row["best_speedup"] = max((d["t_ddp"] / r["t"] for r in sap), default=None) if d["t_ddp"] else None
     hv = _ref(job, "horovod")
     row["horovod"] = d["t_ddp"] / hv["t"] if hv and d["t_ddp"] else None
@@ -144,7 +160,8 @@ def format_summary(jobs) -> str:
 
 def format_targets(jobs) -> str:
     rows = summary_rows(jobs)
-    out = [line for line in (_efficiency_target(rows), _gpt2_target(rows), _k0_overhead(jobs), _auto_target(rows))
+    out = [line for line in (_efficiency_target(rows), _gpt2_target(rows), _k0_overhead(jobs), _auto_target(rows),
+                             exposure_summary(jobs))
            if line is not None]
     no_auto = [r["model"] + " @ " + r["rate"] for r in rows if r["headline"] != "sapipe-auto"]
     if no_auto:
@@ -202,6 +219,59 @@ def _auto_target(rows) -> Optional[str]:
                if missed else ""))
 
 
+# ----------------------------------------------------------------------------- p.grad exposure
+
+
+def exposure_rows(jobs) -> List[Dict[str, Any]]:
+    """Per job and fixed k: the default (``expose_gradients=True``) against its ``deferred`` twin."""
+    rows = []
+    for job in jobs:
+        for twin in job["results"]:
+            base = _ref(job, twin["twin_of"]) if twin.get("twin_of") and twin.get("t") else None
+            if base is None or not is_deferred(twin) or is_deferred(base):
+                continue
+            rows.append(dict(model=job["model"], rate=job["rate"], mode=base["mode"], k=base.get("k"),
+                             kappa=base.get("kappa"), t=base["t"], t_deferred=twin["t"],
+                             ratio=base["t"] / twin["t"], paired=paired_ratio(base, twin),
+                             wait=base.get("wait"), wait_deferred=twin.get("wait")))
+    return rows
+
+
+def format_exposure(jobs) -> Optional[str]:
+    """The "p.grad exposure cost" table (None when no deferred twin ran)."""
+    rows = exposure_rows(jobs)
+    if not rows:
+        return None
+    f = lambda v, fmt: ("–" if v is None else format(v, fmt))  # noqa: E731
+    lines = ["| model | rate | mode | k | κ | step ms exposed | step ms deferred | T(exposed)/T(deferred) "
+             "| per round | waits ms/step (exposed / deferred) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        paired = None if r["paired"] is None else 1 + r["paired"]
+        lines.append(f"| {r['model']} | {r['rate']} | {r['mode']} | {f(r['k'], '')} | {f(r['kappa'], '.2f')} | "
+                     f"{_ms(r['t'])} | {_ms(r['t_deferred'])} | {r['ratio']:.3f}"
+                     f"{' ⚠' if r['ratio'] > EXPOSURE_TARGET else ''} | {f(paired, '.3f')} | "
+                     f"{_ms(r['wait'])} / {_ms(r['wait_deferred'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def exposure_summary(jobs) -> Optional[str]:
+    """Median and max of T(exposed)/T(deferred) over all jobs and k, against the 2 % target."""
+    rows = exposure_rows(jobs)
+    if not rows:
+        return None
+    ratios = [r["ratio"] for r in rows]
+    worst = max(rows, key=lambda r: r["ratio"])
+    over = [r for r in rows if r["ratio"] > EXPOSURE_TARGET]
+    paired = [1 + r["paired"] for r in rows if r["paired"] is not None]
+    return (f"* **p.grad exposure costs ≤ 2 % at the same k** (T with `expose_gradients=True`, the default, / T "
+            f"with `False`, its `deferred` twin): median {statistics.median(ratios):.3f}, max {max(ratios):.3f} "
+            f"({worst['model']} @ {worst['rate']}, k = {worst['k']}) over {len(rows)} job × k pairs; "
+            f"≤ {EXPOSURE_TARGET} in {len(rows) - len(over)}/{len(rows)}"
+            + (f"; per round: median {statistics.median(paired):.3f}, max {max(paired):.3f}" if paired else "")
+            + ".")
+
+
 def _wait_evidence(row: Dict[str, Any], pipe: bool = False) -> str:
     """Where a miss's time went: the step's communication wait (sapipe's own counter,
     ``DistributedOptimizer.communication_wait``) against the rest of the step."""
@@ -223,6 +293,9 @@ def report(args, jobs, calib, out_dir, meta) -> int:
     for job in jobs:
         print("\n" + format_job(job))
     print(format_summary(jobs))
+    exposure = format_exposure(jobs)
+    if exposure:
+        print("p.grad exposure cost (expose_gradients=True vs False at the same k):\n" + exposure)
     print(format_targets(jobs))
     pngs = plot(jobs, out_dir)
     md = write_markdown(args, jobs, calib, pngs, out_dir, meta)
@@ -236,6 +309,17 @@ def write_markdown(args, jobs, calib, pngs, out_dir, meta) -> str:
               "sapipe config = `sapipe-auto` when sapipe supports `stale_layers=\"auto\"`, else the *oracle* k "
               "(the smallest measured k within 3 % of pipesgd, compensation `none`); vs pipesgd = its step time "
               "relative to pipesgd's.", "", format_summary(jobs), "## Targets", "", format_targets(jobs)]
+    exposure = format_exposure(jobs)
+    if exposure:
+        lines += ["## p.grad exposure cost", "",
+                  "Each fixed k (`sapipe k=K`, `pipesgd`) also ran as a `deferred` twin, identical but for "
+                  "`expose_gradients=False` (the previous timeline: synchronous updates deferred to each layer's "
+                  "next forward, so a synchronous all-reduce's tail can also overlap `step()` and the first "
+                  "layers' forward), interleaved in the same rounds. T(exposed)/T(deferred) is what the default "
+                  "(`p.grad` holds the averaged gradient once backward ends) costs at that k; target ≤ "
+                  f"{EXPOSURE_TARGET} (the overlap lost within 2 %). *per round*: the median over rounds of the "
+                  "same ratio within each round. The twins take no part in the oracle k, the summary or the plots.",
+                  "", exposure]
     for p in pngs:
         lines += [f"![{os.path.basename(p)}]({os.path.basename(p)})", ""]
     lines += ["## Per job", ""]

@@ -45,6 +45,10 @@ class Runner:
     def info(self) -> Dict[str, Any]:
         return {}
 
+    def labels(self) -> Dict[str, Any]:
+        """Fields the mode's result always carries (also when it was skipped or failed)."""
+        return {}
+
     def waited(self) -> Optional[float]:
         """Seconds this mode has blocked on communication so far (None: not measured)."""
         return None
@@ -57,9 +61,12 @@ class Runner:
 class TrainRunner(Runner):
     """local / ddp / ceiling / sapipe / horovod: a fresh model and optimizer."""
 
-    def __init__(self, job, mode, kind: str, k=None, compensation: str = "none", backend: str = "torch"):
+    def __init__(self, job, mode, kind: str, k=None, compensation: str = "none", backend: str = "torch",
+                 expose_gradients: bool = True, twin_of: Optional[str] = None):
         super().__init__(job, mode)
         self.kind, self.k, self.compensation, self.backend = kind, k, compensation, backend
+        #: sapipe's ``expose_gradients``; False only for a ``deferred`` twin of ``twin_of``
+        self.expose_gradients, self.twin_of = expose_gradients, twin_of
         self.ks: List[Optional[int]] = []
 
     def setup(self):
@@ -100,7 +107,7 @@ class TrainRunner(Runner):
             self.opt = sapipe.DistributedOptimizer(self.base, self.model, stale_layers=self.k,
                                                    compensation=self.compensation,
                                                    bucket_cap_mb=a.bucket_cap_mb, backend=self.backend,
-                                                   trace=bool(a.trace))
+                                                   trace=bool(a.trace), expose_gradients=self.expose_gradients)
         except sapipe.ConfigurationError as exc:
             raise Skip(f"skipped: sapipe refused stale_layers={self.k!r}: {exc}") from exc
 
@@ -141,6 +148,14 @@ class TrainRunner(Runner):
 
     def waited(self) -> Optional[float]:
         return self.opt.communication_wait if self.kind == "sapipe" else None
+
+    def labels(self):
+        if self.kind != "sapipe":
+            return {}
+        out: Dict[str, Any] = {"expose_gradients": self.expose_gradients}
+        if self.twin_of is not None:
+            out["twin_of"] = self.twin_of
+        return out
 
     def info(self):
         if self.kind in ("local", "ceiling"):

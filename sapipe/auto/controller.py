@@ -137,11 +137,17 @@ class AutoController:
                             "update_per_element": profile.update_time / numel if numel else 0.0}
 
     def simulator_arguments(self) -> Dict[str, Any]:
-        """The simulator's and solver's keyword arguments besides the profiles (one builder for both)."""
+        """The simulator's and solver's keyword arguments besides the profiles (one builder for both).
+
+        ``sync_at_step`` follows this job's ``expose_gradients``: it decides where the runtime
+        waits for the sync all-reduces and applies their updates (end of backward and
+        ``step()``, or each bucket's next forward), so the model must follow it too.
+        """
         assert self.link is not None
         alpha, beta, layer_bytes, step_time = self.link
         return dict(bucket_cap_bytes=self._settings.bucket_cap_bytes, alpha=alpha, beta=beta,
-                    bytes_per_layer=layer_bytes, step_time=step_time, **self.sim_options)
+                    bytes_per_layer=layer_bytes, step_time=step_time,
+                    sync_at_step=self._settings.expose_gradients, **self.sim_options)
 
     def predict(self, k: int, slowdown: Optional[float] = None, record_events: bool = True) -> simulator.SimResult:
         """The model's steady-state iteration at ``k`` (with compute slow-down σ = ``slowdown``)."""

@@ -12,10 +12,11 @@ import torch
 from ..buckets import Bucket
 from ..compensation import MODES
 from ..config import Settings
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, UsageError
 from ..layers import Layer
 from ..optim_math import OptimizerRule
 from ..trace import Tracer
+from .exposure import GradientExposure
 from .layout import Layout
 from .pipeline import GradientPipeline
 from .updates import Updater
@@ -31,6 +32,10 @@ class Runtime:
         self.pipeline = GradientPipeline(settings, group, tracer, before_reuse=self.apply_deferred)
         self.updater = Updater(rule, MODES[settings.compensation](settings.staleness), settings,
                                world_size, self.pipeline)
+        self.exposure = (GradientExposure(self.pipeline, world_size, settings.staleness, lambda: self.updater.scaling)
+                         if settings.expose_gradients else None)
+        if self.exposure is not None:
+            self.updater.prepared = self.exposure.prepared
 
     @property
     def layout(self) -> Layout:
@@ -51,14 +56,41 @@ class Runtime:
         for bucket in self.pipeline.buckets:
             self.apply_deferred(bucket)
 
+    def take_gradients(self, iteration: int, grad_scaler, optimizer, control) -> None:
+        """``step()``'s first part: every gradient of ``iteration`` on its way, and what the step
+        applies settled: as ``p.grad`` holds it (exposed), or as backward handed it over."""
+        if self.exposure is None:
+            self.pipeline.check_gradients_untouched()
+            self.pipeline.flush(iteration)
+            if grad_scaler is not None:
+                self.updater.agree_on_scaling(iteration, grad_scaler, optimizer, control)
+            return
+        self.exposure.expose(iteration)  # done already when backward ended
+        if grad_scaler is not None:
+            self.exposure.scaler = grad_scaler
+            self.updater.judge_exposed(iteration, grad_scaler, optimizer, control, self.exposure.prepared)
+        self.exposure.collect()
+
+    def check_exposed(self, iteration: int, what: str) -> None:
+        """Raise unless ``p.grad`` holds the averaged gradients of ``iteration`` (its backward ended)."""
+        if self.exposure is None:
+            raise UsageError(f"sapipe: {what} needs p.grad to hold the averaged gradient; construct the "
+                             "optimizer with expose_gradients=True (the default)")
+        self.exposure.check_exposed(iteration, what)
+
     def end_step(self, iteration: int, hyperparams: List[Dict[str, Any]]) -> None:
-        """``step()``'s updates: stale buckets now, sync buckets deferred to their next forward."""
+        """``step()``'s updates: stale buckets now; sync buckets now as well when ``p.grad`` is
+        exposed (their all-reduces have arrived), else deferred to their next forward."""
         pipeline_step = iteration - self.pipeline.origin
         for bucket in self.pipeline.buckets:
             if bucket.stale and pipeline_step >= 1:
                 self.updater.stale_update(bucket, pipeline_step, hyperparams, iteration)
             else:
                 bucket.pending_update = (hyperparams, iteration)
+                if self.exposure is not None:
+                    self.apply_deferred(bucket)
+        if self.exposure is not None:
+            self.exposure.prepared.clear()
 
     def relayout(self, k: int) -> None:
         """Buckets and optimizer state for ``k`` stale layers; every pending update applied first."""
@@ -81,12 +113,34 @@ class Runtime:
         self.pipeline.origin = iteration
         self.relayout(k)
 
-    def restore(self, k: int, saved_buckets: List[Dict[str, Any]], state_allocated: bool) -> None:
-        """A checkpoint's buckets (see ``Bucket.state_dict``), laid out for its ``k``.
+    def checkpoint(self) -> Dict[str, Any]:
+        """The runtime's part of a checkpoint: k, the pipeline's start, the layer order, every
+        bucket (in-flight gradients waited for), the GradScaler agreements."""
+        layers = self.layout.layers
+        return {
+            "k": self.layout.k, "pipeline_origin": self.pipeline.origin,
+            "order": [layer.name for layer in layers if layer.executed], "layers": [layer.name for layer in layers],
+            "buckets": [bucket.state_dict() for bucket in self.pipeline.buckets],
+            "scaling": dict(self.updater.scaling),
+        }
+
+    def restore(self, state: Dict[str, Any], state_allocated: bool) -> None:
+        """What :meth:`checkpoint` saved, into this layout (its layers already in the saved order).
 
         ``state_allocated``: this job has stepped already, so its optimizer state moves over
         before the checkpoint's overwrites it (a checkpoint may be loaded mid-training).
         """
+        if [layer.name for layer in self.layout.layers] != state["layers"]:
+            raise ConfigurationError("sapipe: the checkpoint's layer order differs from this model's")
+        self.pipeline.origin = state["pipeline_origin"]
+        self.updater.scaling = dict(state["scaling"])
+        self._restore_buckets(state["k"], state["buckets"], state_allocated)
+        self.pipeline.end_iteration()
+        if self.exposure is not None:
+            self.exposure.reset()
+
+    def _restore_buckets(self, k: int, saved_buckets: List[Dict[str, Any]], state_allocated: bool) -> None:
+        """A checkpoint's buckets (see ``Bucket.state_dict``), laid out for its ``k``."""
         previous = self.layout if state_allocated else None
         self.pipeline.layout = self.layout.relaid(k)
         self.layout.allocate_state(self.updater.rule, previous)

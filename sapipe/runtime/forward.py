@@ -54,6 +54,9 @@ class ForwardHooks:
         waited = sum(self._runtime.apply_deferred(bucket) for bucket in self._runtime.layout.eager)
         # before the first layer, for the profiler: a stall, and update compute that followed it
         self._root_wait, self._root_update = waited, time.perf_counter() - start - waited
+        exposure = self._runtime.exposure
+        if exposure is not None:  # the wait for this step's all-reduces when backward ended
+            self._root_wait, exposure.waited = self._root_wait + exposure.waited, 0.0
 
     def after_model(self) -> None:
         if self._buffers is not None:

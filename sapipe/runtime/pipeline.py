@@ -188,18 +188,20 @@ class GradientPipeline:
         self._taken.clear()
 
     def check_gradients_untouched(self) -> None:
-        """Raise if a gradient changed after backward handed it over (clipping, unscaling, or an
-        assignment to ``p.grad`` between ``backward()`` and ``step()``): the change could not
-        reach the update, and applying the gradient as taken would silently differ from DDP."""
+        """With ``expose_gradients=False``: raise if a gradient changed after backward handed it
+        over (clipping, unscaling, or an assignment to ``p.grad`` between ``backward()`` and
+        ``step()``): the change could not reach the update, and applying the gradient as taken
+        would silently differ from DDP."""
         for param, grad, version in self._taken:
             if param.grad is not grad or grad._version != version:
                 layer = self.layout.layers[self.layout.layer_of[id(param)]]
                 raise UsageError(
                     f"sapipe: the gradient of a parameter of layer {layer.name or '<root>'!r} (shape "
                     f"{tuple(param.shape)}) was changed between backward() and step() (clip_grad_norm_, "
-                    "clip_grad_value_, GradScaler.unscale_ or an assignment to p.grad). sapipe sends each "
-                    "gradient to its all-reduce as soon as backward produces it, so the change cannot reach "
-                    "the update; gradient clipping is not supported yet (README, 'Known limitations')"
+                    "clip_grad_value_, GradScaler.unscale_ or an assignment to p.grad). With "
+                    "expose_gradients=False p.grad is this rank's own gradient, already sent to its "
+                    "all-reduce, so the change cannot reach the update; construct the optimizer with "
+                    "expose_gradients=True (the default) for p.grad to hold the averaged gradient step() applies"
                 )
 
     def take_arrived(self, bucket: Bucket, slot: int) -> Tuple[torch.Tensor, float]:

@@ -21,6 +21,7 @@ from ..config import Settings
 from ..gradient_spec import GradientSpec
 from ..optim_math import OptimizerRule
 from . import unused
+from .exposure import ExposedGradient
 from .pipeline import GradientPipeline
 
 Hyperparams = List[Dict[str, Any]]  # one dict per param group, as the rule reads them
@@ -38,6 +39,8 @@ class Updater:
         self._pipeline = pipeline
         #: iteration -> (gradients finite on every rank, 1 / loss scale); only with a GradScaler
         self.scaling: Dict[int, Tuple[bool, float]] = {}
+        #: with ``p.grad`` exposed: this step's gradients as exposed, by (bucket index, slot)
+        self.prepared: Optional[Dict[Tuple[int, int], ExposedGradient]] = None
 
     # ------------------------------------------------------------------ GradScaler
 
@@ -47,13 +50,44 @@ class Updater:
         The scaler's private per-device check is the one it uses itself for optimizers that
         handle scaling: it records whether this rank's ``p.grad`` holds inf/NaN.
         """
-        found = grad_scaler._check_inf_per_device(optimizer)  # noqa: SLF001
+        self._agree(iteration, grad_scaler, grad_scaler._check_inf_per_device(optimizer), control)  # noqa: SLF001
+
+    def _agree(self, iteration: int, grad_scaler, found: Dict[Any, torch.Tensor], control) -> bool:
+        """Whether the gradients are finite on every rank (``found``: this rank's inf flags per
+        device, overwritten with the verdict so every rank's scale evolves alike); recorded."""
         local = max((float(t.item()) for t in found.values()), default=0.0)
         (flag,) = control.agree_on_max([local], "non-finite gradients")
         for tensor in found.values():
             tensor.fill_(flag)  # scaler.update() backs off on every rank or on none
         self.scaling[iteration] = (flag == 0.0, 1.0 / grad_scaler.get_scale())
         self.scaling.pop(iteration - self._settings.staleness - 2, None)
+        return flag == 0.0
+
+    def judge_exposed(self, iteration: int, grad_scaler, optimizer, control,
+                      prepared: Dict[Tuple[int, int], ExposedGradient]) -> None:
+        """With ``p.grad`` exposed (docs/design.md §3.11): the step is skipped when the gradient it
+        applies is not finite, as GradScaler decides for any optimizer. ``p.grad`` is unscaled
+        here unless the script did it (``scaler.unscale_(opt)``, e.g. before clipping)."""
+        per_optimizer = grad_scaler._per_optimizer_states[id(optimizer)]  # noqa: SLF001
+        if per_optimizer["stage"].name == "READY":
+            grad_scaler.unscale_(optimizer)
+        found = per_optimizer["found_inf_per_device"]
+        if not found:  # no p.grad at all this step (every layer stale while the pipeline fills)
+            device = optimizer.param_groups[0]["params"][0].device
+            found[device] = torch.zeros((), dtype=torch.float32, device=device)
+        if not self._agree(iteration, grad_scaler, found, control):
+            for exposed in prepared.values():
+                exposed.grad = None  # nothing of this step is applied
+
+    def _gradient(self, bucket: Bucket, slot: int, iteration: int) -> Tuple[Optional[torch.Tensor], List[int], float]:
+        """(the averaged, unscaled gradient of ``iteration`` in ``slot`` or None, the parameters it
+        leaves alone, seconds waited): as ``p.grad`` exposed it, or as it arrives."""
+        exposed = self.prepared.pop((bucket.index, slot), None) if self.prepared is not None else None
+        if exposed is not None:
+            return exposed.grad, exposed.skip, 0.0
+        summed, waited = self._pipeline.take_arrived(bucket, slot)
+        grad = self._unscale(summed, iteration)
+        return grad, (unused.unused_everywhere(bucket.grads, slot) if grad is not None else []), waited
 
     def _unscale(self, grad: torch.Tensor, iteration: int) -> Optional[torch.Tensor]:
         """The summed gradient of ``iteration`` as a mean, unscaled; None if it was not finite."""
@@ -62,11 +96,6 @@ class Updater:
             return None
         grad.div_(self._world_size)
         return grad if inverse_scale == 1.0 else grad.mul_(inverse_scale)
-
-    def _arrived_mean(self, bucket: Bucket, slot: int, iteration: int) -> Tuple[Optional[torch.Tensor], float]:
-        """(the averaged, unscaled gradient of ``iteration`` in ``slot`` or None, seconds waited)."""
-        summed, waited = self._pipeline.take_arrived(bucket, slot)
-        return self._unscale(summed, iteration), waited
 
     # ------------------------------------------------------------------ sync buckets
 
@@ -81,9 +110,9 @@ class Updater:
             return 0.0
         hyperparams, iteration = pending
         assert bucket.weights is not None
-        grad, waited = self._arrived_mean(bucket, 0, iteration)
+        grad, skip, waited = self._gradient(bucket, 0, iteration)
         if grad is not None:  # else a step GradScaler skipped
-            for segment in unused.pieces(bucket, unused.unused_everywhere(bucket.grads, 0)):
+            for segment in unused.pieces(bucket, skip):
                 self.rule.update(segment.of(bucket.weights), segment.state, hyperparams[segment.group],
                                  GradientSpec.plain(segment.of(grad)))
         return waited
@@ -107,8 +136,7 @@ class Updater:
             bucket.real = bucket.weights.clone() if comp.predicts else bucket.weights
             if comp.history_length:
                 bucket.history = WeightHistory(bucket.real, comp.history_length)
-        grad = self._arrived_mean(bucket, bucket.grads.index(t - s), iteration - s)[0] if t > s else None
-        skip = unused.unused_everywhere(bucket.grads, bucket.grads.index(t - s)) if grad is not None else []
+        grad, skip = self._gradient(bucket, bucket.grads.index(t - s), iteration - s)[:2] if t > s else (None, [])
         view = self._stale_view(bucket, grad, iteration)
         hyperparams = self.stale_hyperparams(hyperparams, t)
         # x̃_{t+1} = OPT_peek(x_t, g̃); recipes only describe, so g̃ can be known up front
@@ -184,10 +212,10 @@ class Updater:
         assert bucket.grads is not None and bucket.real is not None and bucket.weights is not None
         hyperparams = self.stale_hyperparams(hyperparams, t)
         for j in range(max(t - self._settings.staleness + 1, 1), t + 1):
-            grad = self._arrived_mean(bucket, bucket.grads.index(j), origin + j)[0]
+            grad, skip, _ = self._gradient(bucket, bucket.grads.index(j), origin + j)
             if grad is None:
                 continue
-            for segment in unused.pieces(bucket, unused.unused_everywhere(bucket.grads, bucket.grads.index(j))):
+            for segment in unused.pieces(bucket, skip):
                 self.rule.update(
                     segment.of(bucket.real), segment.state, hyperparams[segment.group],
                     GradientSpec.plain(segment.of(grad)),

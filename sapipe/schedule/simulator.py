@@ -30,6 +30,10 @@ Model (one rank; every rank is assumed identical):
 * **Sync bucket** of iteration t: the forward of its first layer (in forward order) in
   iteration t+1 waits for its all-reduce, then applies its deferred update
   (``update_per_element`` × its parameters of compute) and only then runs.
+  With ``sync_at_step`` (the runtime's ``expose_gradients``: once backward ends, ``p.grad``
+  must hold the averaged gradient, as under DDP) the end of iteration t's backward waits
+  for all its sync all-reduces instead, and ``step()`` applies their updates (before
+  ``step_time``); the next forward waits for nothing.
 * **Stale bucket** of iteration t: its all-reduce may run through iteration t+1; the
   ``step()`` at the end of iteration t+1 waits for it, then updates the stale buckets
   (``update_per_element`` × their parameters, before ``step_time``). While in flight it
@@ -49,7 +53,8 @@ exactly the one-at-a-time model above, the paper's setting plus bucketing and la
 
 FIFO is also earliest-deadline-first here: the only stale all-reduce a sync one could
 overtake is from the previous iteration, and its deadline (this iteration's ``step()``)
-comes before the sync one's (a forward of the next iteration).
+comes before the sync one's (a forward of the next iteration; with ``sync_at_step`` the
+same ``step()``, which waits for both, so their order does not matter).
 """
 from __future__ import annotations
 
@@ -295,8 +300,9 @@ class SimResult:
     compute_time: float  # sum(u) + sum(b) + step + updates: the iteration time with no communication
     stall: float  # iteration_time - compute_time: waits and, with a slow-down, compute lost to it
     comm_time: float  # link busy time per iteration (sum of bucket all-reduce times)
-    forward_wait: float  # of the stall: waiting for sync all-reduces before forwards
+    forward_wait: float  # of the stall: waiting for sync all-reduces before forwards (0 with sync_at_step)
     step_wait: float  # of the stall: step() waiting for the previous iteration's stale all-reduces
+    # (and, with sync_at_step, the end of backward waiting for this iteration's sync ones)
     converged: bool  # False: no repeat within `iterations`; iteration_time is an estimate
     cycle: int  # the steady state repeats every `cycle` iterations (0: not converged)
     iterations: int  # iterations simulated
@@ -330,6 +336,8 @@ def _run_forward_backward(
     """Forward (waiting for last iteration's sync all-reduces, then applying their updates)
     and backward of iteration t.
 
+    ``previous``: the all-reduces (by bucket index) whose sync buckets the forward waits
+    for: last iteration's, or none with ``sync_at_step`` (``step()`` consumed them).
     ``update_work``: the seconds of each bucket's optimizer update (by bucket index).
     Returns the timeline and the all-reduces the backward issues. With a slow-down they are
     submitted to ``link`` as they are issued (compute after them depends on them); without,
@@ -409,6 +417,7 @@ def simulate(
     slowdown: float = 0.0,
     shared_link: bool = False,
     update_per_element: float = 0.0,
+    sync_at_step: bool = False,
 ) -> SimResult:
     """Predict the steady-state iteration time with the first ``k`` layers stale.
 
@@ -429,6 +438,11 @@ def simulate(
     each bucket after its all-reduce (sync: before its first layer's next forward; stale:
     in ``step()``, before ``step_time``). It counts as compute.
 
+    ``sync_at_step``: the runtime's timeline with ``expose_gradients`` (its default), where
+    ``p.grad`` must hold the averaged gradient once backward ends, as under DDP: the end of
+    backward waits for this iteration's sync all-reduces, and ``step()`` applies their
+    updates with the stale ones' (serial, before ``step_time``), not before the next forward.
+
     ``slowdown`` σ ≥ 0: compute runs at 1/(1+σ) of its speed while the link carries a
     transfer (0: communication costs compute nothing, the paper's and the old model).
     ``shared_link``: sync and stale all-reduces run on two process groups that share the
@@ -438,23 +452,18 @@ def simulate(
     0: its compute, waits, its own all-reduces (some run on into the next iteration) and
     those carried over from the previous one (negative start times).
     """
-    m = len(profiles)
-    if not 0 <= k <= m:
-        raise ValueError(f"sapipe.schedule: k={k} outside 0..{m}")
-    if not slowdown >= 0.0 or math.isinf(slowdown):
-        raise ValueError(f"sapipe.schedule: slowdown must be finite and >= 0; got {slowdown}")
-    if not update_per_element >= 0.0 or math.isinf(update_per_element):
-        raise ValueError(f"sapipe.schedule: update_per_element must be finite and >= 0; got {update_per_element}")
+    _check_arguments(len(profiles), k, slowdown, update_per_element)
     buckets = plan_buckets(profiles, k, bucket_cap_bytes=bucket_cap_bytes, alpha=alpha, beta=beta,
                            bytes_per_layer=bytes_per_layer)
     update_work = {b.index: update_per_element * sum(profiles[i].numel for i in b.layers) for b in buckets}
-    step_work = math.fsum(update_work[b.index] for b in buckets if b.stale) + step_time
+    # step() updates the stale buckets, and with sync_at_step the sync ones too
+    step_work = math.fsum(update_work[b.index] for b in buckets if b.stale or sync_at_step) + step_time
     compute = (math.fsum(p.forward for p in profiles) + math.fsum(p.backward for p in profiles) + step_time
                + update_per_element * sum(p.numel for p in profiles))
     comm = math.fsum(b.comm_time for b in buckets)
     link = SharedLink() if shared_link else Link()
     history, cycle = _run_iterations(profiles, buckets, link, update_work, step_work, slowdown,
-                                     max(iterations, 2), compute + comm)
+                                     max(iterations, 2), compute + comm, sync_at_step)
     iteration_time, busy = _period(history, cycle, comm)
     last = history[-1]
     return SimResult(
@@ -474,6 +483,16 @@ def simulate(
     )
 
 
+def _check_arguments(m: int, k: int, slowdown: float, update_per_element: float) -> None:
+    """Reject what :func:`simulate` cannot model (k outside 0..m, a negative or infinite σ or update cost)."""
+    if not 0 <= k <= m:
+        raise ValueError(f"sapipe.schedule: k={k} outside 0..{m}")
+    if not slowdown >= 0.0 or math.isinf(slowdown):
+        raise ValueError(f"sapipe.schedule: slowdown must be finite and >= 0; got {slowdown}")
+    if not update_per_element >= 0.0 or math.isinf(update_per_element):
+        raise ValueError(f"sapipe.schedule: update_per_element must be finite and >= 0; got {update_per_element}")
+
+
 def _run_iterations(
     profiles: Sequence["LayerProfile"],
     buckets: Sequence[BucketPlan],
@@ -483,31 +502,29 @@ def _run_iterations(
     slowdown: float,
     iterations: int,
     scale: float,
+    sync_at_step: bool = False,
 ) -> Tuple[List[_Iteration], int]:
     """Simulate iterations until the pipeline repeats itself (or ``iterations`` of them).
 
     Returns the iterations' timelines and the cycle length (0: not converged). ``scale``
-    (a typical iteration time) sets the tolerance of "repeats".
+    (a typical iteration time) sets the tolerance of "repeats". ``sync_at_step``: the sync
+    all-reduces are waited for at the end of backward (their updates are in ``step_work``),
+    not by the next forward.
     """
     history: List[_Iteration] = []
     sent: List[Dict[int, Transfer]] = []  # per iteration: bucket index -> its all-reduce
     states: List[Tuple[float, ...]] = []
     start = 0.0
     for t in range(iterations):
-        it, transfers = _run_forward_backward(t, start, profiles, buckets, sent[t - 1] if t else {}, link, slowdown,
-                                              update_work)
+        previous = sent[t - 1] if t else {}
+        it, transfers = _run_forward_backward(t, start, profiles, buckets, {} if sync_at_step else previous, link,
+                                              slowdown, update_work)
         if slowdown <= 0.0:
-            link.submit(transfers)
+            link.submit(transfers)  # with a slow-down they were submitted as issued
         sent.append({tr.bucket.index: tr for tr in transfers})
-        # step() of iteration t waits for iteration t-1's stale all-reduces
-        stale = [tr.end for tr in sent[t - 1].values() if tr.bucket.stale] if t else []
-        waited_until = max([it.backward_end] + stale)
-        if waited_until > it.backward_end:
-            it.events.append(TraceEvent("step: wait stale all-reduces", "wait", it.backward_end, waited_until, {}))
-        it.step_end = _compute_end(waited_until, step_work, link, slowdown)
-        it.busy += it.step_end - waited_until
-        if step_work > 0:
-            it.events.append(TraceEvent("step", "step", waited_until, it.step_end, {}))
+        # every all-reduce of iteration t is on the link now, so the ends step() waits for are final
+        sync = [tr for tr in transfers if not tr.bucket.stale] if sync_at_step else []
+        _run_step(it, sync, [tr for tr in previous.values() if tr.bucket.stale], step_work, link, slowdown)
         history.append(it)
         start = it.step_end
         states.append(_state(transfers, start))
@@ -515,6 +532,29 @@ def _run_iterations(
         if cycle:
             return history, cycle
     return history, 0
+
+
+def _run_step(it: _Iteration, sync: Sequence[Transfer], stale: Sequence[Transfer], step_work: float, link,
+              slowdown: float) -> None:
+    """The end of ``it``'s backward waits for ``sync`` (this iteration's sync all-reduces,
+    with ``sync_at_step``), then ``step()`` for ``stale`` (the previous iteration's stale
+    ones), then computes ``step_work``: the stale buckets' updates (and, with
+    ``sync_at_step``, the sync ones'), then ``step_time``.
+
+    The ends waited for are final: every transfer that could still delay them (on a
+    :class:`SharedLink`) was issued by the end of this backward, and the next ones are
+    issued after this step.
+    """
+    cursor = it.backward_end
+    for kind, transfers in (("sync", sync), ("stale", stale)):
+        done = max([cursor] + [tr.end for tr in transfers])
+        if done > cursor:
+            it.events.append(TraceEvent(f"step: wait {kind} all-reduces", "wait", cursor, done, {}))
+            cursor = done
+    it.step_end = _compute_end(cursor, step_work, link, slowdown)
+    it.busy += it.step_end - cursor
+    if step_work > 0:
+        it.events.append(TraceEvent("step", "step", cursor, it.step_end, {}))
 
 
 def _period(history: Sequence[_Iteration], cycle: int, comm: float) -> Tuple[float, float]:
@@ -541,7 +581,8 @@ def _last_iteration_events(link, history: Sequence[_Iteration]) -> List[TraceEve
 
 
 def _step_wait(it: _Iteration, step_time: float, slowdown: float) -> float:
-    """How long step() of ``it`` waited for stale all-reduces."""
+    """How long step() of ``it`` waited for stale all-reduces (and, with ``sync_at_step``,
+    the end of its backward for its sync ones)."""
     if slowdown <= 0.0:
         return it.step_end - step_time - it.backward_end
     return math.fsum(e.end - e.start for e in it.events if e.category == "wait" and e.name.startswith("step:"))

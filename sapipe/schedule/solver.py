@@ -173,6 +173,7 @@ def choose_k(
     shared_link: bool = False,
     only_k: Optional[int] = None,
     update_per_element: float = 0.0,
+    sync_at_step: bool = False,
 ) -> Decision:
     """Smallest k whose simulated steady-state stall is at most ``tolerance`` × compute time.
 
@@ -182,9 +183,11 @@ def choose_k(
     (seconds, seconds per byte) on ``bytes_per_layer`` (default 4 × numel); leave both None
     to charge each bucket the sum of its layers' profiled ``comm``.
 
-    ``slowdown``, ``shared_link`` and ``update_per_element`` are the simulator's (compute
-    slowed by a busy link; sync and stale traffic on two process groups sharing it; the
-    optimizer update's cost per parameter), see :func:`simulate`.
+    ``slowdown``, ``shared_link``, ``update_per_element`` and ``sync_at_step`` are the
+    simulator's (compute slowed by a busy link; sync and stale traffic on two process groups
+    sharing it; the optimizer update's cost per parameter; sync all-reduces waited for at
+    the end of backward and their updates in ``step()``, as with ``expose_gradients``), see
+    :func:`simulate`.
 
     When even k = m stalls beyond the tolerance, the chosen k is the smallest whose
     iteration time is within the tolerance of the best k's. That happens when the job is
@@ -203,7 +206,8 @@ def choose_k(
             cache[k] = simulate(profiles, k, bucket_cap_bytes=bucket_cap_bytes, alpha=alpha, beta=beta,
                                 bytes_per_layer=bytes_per_layer, iterations=iterations,
                                 record_events=False, step_time=step_time, slowdown=slowdown,
-                                shared_link=shared_link, update_per_element=update_per_element)
+                                shared_link=shared_link, update_per_element=update_per_element,
+                                sync_at_step=sync_at_step)
         return cache[k]
 
     compute = sim(0).compute_time  # the same for every k
