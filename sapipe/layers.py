@@ -4,9 +4,14 @@ docs/design.md §2: a layer is a module that directly owns parameters; layers ar
 1..m in the order they first *execute* in forward, and a parameter registered in several
 modules (tied weights) belongs to the first of them that runs. The order is recorded by
 forward pre-hooks during the first forward pass after construction.
+
+A module compiled with ``torch.compile`` (an ``OptimizedModule``) is named by the module it
+compiled (``_orig_mod``): its layers are called ``embed``, ``block.fc1``, … as without
+compilation, so checkpoints and traces do not depend on whether the model was compiled.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set
 
@@ -29,11 +34,20 @@ class Layer:
         return sum(p.numel() for p in self.params)
 
 
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile(module)`` compiled (its ``_orig_mod``), else ``model`` itself."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # imported by torch.compile; not before
+    while dynamo is not None and isinstance(model, dynamo.OptimizedModule):
+        model = model._orig_mod
+    return model
+
+
 def owning_modules(model: nn.Module, trainable: Set[int]) -> List[tuple]:
-    """(name, module) of every module that directly registers a trainable parameter."""
+    """(name, module) of every module that directly registers a trainable parameter (named
+    within the module ``torch.compile`` compiled, for a compiled one)."""
     return [
         (name, module)
-        for name, module in model.named_modules(remove_duplicate=True)
+        for name, module in uncompiled(model).named_modules(remove_duplicate=True)
         if any(id(p) in trainable for p in module.parameters(recurse=False))
     ]
 

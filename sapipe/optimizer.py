@@ -55,7 +55,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         optimizer: any ``torch.optim.Optimizer`` over ``model``'s parameters, state kept (design §3.10).
             Its ``param_groups`` are shared with this object (LR schedulers keep working);
             every update uses the hyper-parameters of the step it belongs to.
-        model: the plain ``nn.Module`` (not DDP); its first forward defines the layers.
+        model: the plain ``nn.Module`` (not DDP); its first forward defines the layers. It may be
+            compiled (``torch.compile(model)``; ``fullgraph=True`` works): sapipe's hooks on the
+            compiled module run outside the graph and the layers are named as in ``model``.
+            Compiling after wrapping works too (design §5.8).
         process_group: the group to train over (default: the world).
         trace: ``True`` records runtime events in ``opt.tracer``; a path also writes them at
             exit as Chrome traces, ``{rank}`` replaced by the rank (else ``.rank<r>`` added).
@@ -399,6 +402,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ hooks
 
+    @torch.compiler.disable  # eagerly under torch.compile, as the other forward hooks (runtime/forward.py)
     def _after_model_forward(self, module: nn.Module, args, output) -> None:
         if self._pipeline.layout is None:
             self._build_layout()

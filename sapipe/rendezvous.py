@@ -17,7 +17,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import comm, config
 from .errors import CommunicationError, ConfigurationError, SapipeError, UnsupportedOptimizerError
-from .layers import LayerRecorder
+from .layers import LayerRecorder, uncompiled
 from .optim_generic import rule_for
 from .optim_math import OptimizerRule
 
@@ -29,6 +29,10 @@ def check_locally(
 
     Returns the optimizer's update rule, the trainable parameters (optimizer order, each
     once), the recorder that will find the layer order, and the validated settings.
+
+    ``model`` may be compiled (``torch.compile(model)``, an ``OptimizedModule``): the hooks on
+    it then run outside the compiled graph, and the layers are found and named in the module
+    it compiled (``_orig_mod``), as without compilation (docs/design.md §5.8).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UnsupportedOptimizerError(
@@ -38,7 +42,7 @@ def check_locally(
         raise ConfigurationError(f"sapipe: the optimizer is already a sapipe.{wrapper.__name__}")
     if not isinstance(model, nn.Module):
         raise ConfigurationError(f"sapipe: model must be an nn.Module; got {type(model).__name__}")
-    if isinstance(model, nn.parallel.DistributedDataParallel):
+    if isinstance(uncompiled(model), nn.parallel.DistributedDataParallel):
         raise ConfigurationError("sapipe: pass the plain model, not a DistributedDataParallel wrapper")
     rule = rule_for(optimizer)
     params = _trainable_parameters(optimizer, model)
@@ -80,7 +84,9 @@ def describe_job(optimizer: Any, model: Any) -> Dict[str, Any]:
         ]
     except Exception:  # noqa: BLE001 - a broken optimizer is reported by local validation
         groups = []
-    shapes = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()] if isinstance(model, nn.Module) else []
+    # A compiled module is described by the module it compiled: compiling is no configuration difference.
+    shapes = ([(name, tuple(p.shape), str(p.dtype)) for name, p in uncompiled(model).named_parameters()]
+              if isinstance(model, nn.Module) else [])
     return {"optimizer": type(optimizer).__name__, "param_groups": groups, "model_parameters": shapes}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Callable, List, Optional
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -38,6 +39,11 @@ class ForwardHooks:
         self.forward_start: Optional[float] = None  # this iteration's first forward began
         self._root_wait = self._root_update = 0.0  # deferred work before the first layer
 
+    # Under torch.compile (docs/design.md §5.8) dynamo would trace these hooks into the model's
+    # graph and guard on sapipe's counters (a recompile every step): the model-level hooks run
+    # eagerly (a graph break at each end of the forward), the per-layer ones only when they
+    # have work at run time (before_layer).
+    @torch.compiler.disable
     def before_model(self, module: nn.Module, args) -> None:
         iteration = self._next_iteration()
         if self.forward_start is None:
@@ -51,13 +57,19 @@ class ForwardHooks:
         if self._runtime.pipeline.layout is None:
             return
         start = time.perf_counter()
-        waited = sum(self._runtime.apply_deferred(bucket) for bucket in self._runtime.layout.eager)
+        layout, exposed = self._runtime.layout, self._runtime.exposure is not None
+        # With p.grad exposed, sync updates run in step(); one pending here was restored from a
+        # checkpoint of a job that deferred them. It is applied now: the per-layer hooks of a
+        # compiled forward do not run (before_layer).
+        buckets = layout.buckets if exposed else layout.eager
+        waited = sum(self._runtime.apply_deferred(bucket) for bucket in buckets)
         # before the first layer, for the profiler: a stall, and update compute that followed it
         self._root_wait, self._root_update = waited, time.perf_counter() - start - waited
         exposure = self._runtime.exposure
         if exposure is not None:  # the wait for this step's all-reduces when backward ended
             self._root_wait, exposure.waited = self._root_wait + exposure.waited, 0.0
 
+    @torch.compiler.disable
     def after_model(self) -> None:
         if self._buffers is not None:
             self._buffers.after_forward()
@@ -83,6 +95,12 @@ class ForwardHooks:
         index = layer.index
 
         def hook(module: nn.Module, args) -> None:
+            if torch.compiler.is_compiling() and not self._layer_work():
+                return  # no run-time work: the compiled graph goes on through this layer
+            run(module, args)
+
+        @torch.compiler.disable
+        def run(module: nn.Module, args) -> None:
             bucket = self._runtime.layout.bucket_of_layer.get(index)
             waited = updated = 0.0
             if bucket is not None and bucket.pending_update is not None:
@@ -98,7 +116,13 @@ class ForwardHooks:
             self._tracer.record("layer_forward_start", layer=layer.name, iteration=self._next_iteration())
         return hook
 
+    def _layer_work(self) -> bool:
+        """Whether the per-layer pre-hooks have run-time work: deferred sync updates
+        (``expose_gradients=False``), the profiler's timing, or trace events."""
+        return self._runtime.exposure is None or self._runtime.pipeline.timer is not None or self._tracer.enabled
+
     def after_layer(self, layer: Layer) -> Callable[[nn.Module, tuple, object], None]:
+        @torch.compiler.disable
         def hook(module: nn.Module, args, output) -> None:
             self._tracer.record("layer_forward_end", layer=layer.name, iteration=self._next_iteration())
         return hook
