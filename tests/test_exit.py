@@ -66,8 +66,8 @@ def test_jobs_that_end_without_close_exit_0_every_time():
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the jobs are forked")
 @pytest.mark.parametrize("peer", ["dies", "hangs"])
 def test_a_dead_or_hung_peer_delays_the_exit_by_at_most_the_timeout(peer):
-    """Rank 1 dies (or hangs) before its last iteration; rank 0 finishes training with
-    all-reduces no peer will complete. Its exit waits for them at most ``timeout`` (2 s),
+    """Rank 1 dies (or hangs) before its last iteration; rank 0 (``expose_gradients=False``, so
+    nothing in its last backward waits) finishes training with all-reduces no peer will complete. Its exit waits for them at most ``timeout`` (2 s),
     abandons them with a warning, and exits 0."""
     jobs = _run("--runs", "6", "--endings", "destroy,neither", "--peer", peer)
     for job in jobs:
