@@ -85,12 +85,14 @@ class GradientExposure:
         before = pipeline.waited
         self.prepared.clear()
         self._given.clear()
+        scaling = self._scaling()
+        scale = self.scaler.get_scale() if self.scaler is not None else None  # once: a host sync on CUDA
         for bucket in pipeline.buckets:
             slot, source = self._source(bucket, iteration)
             exposed = ExposedGradient(None)
             if source is not None:
                 summed, _ = pipeline.take_arrived(bucket, slot)
-                exposed = ExposedGradient(self._mean(summed, source, self._scaling()))
+                exposed = ExposedGradient(self._mean(summed, source, scaling, scale))
                 if exposed.grad is not None:
                     exposed.skip = unused.unused_everywhere(bucket.grads, slot)
                 self.prepared[(bucket.index, slot)] = exposed
@@ -108,15 +110,16 @@ class GradientExposure:
             return 0, None  # the pipeline fills: no stale gradient yet
         return bucket.grads.index(t - s), iteration - s
 
-    def _mean(self, summed: Tensor, source: int, scaling: Dict[int, Tuple[bool, float]]) -> Optional[Tensor]:
-        """The summed gradient of iteration ``source`` as a mean at the current loss scale
+    def _mean(self, summed: Tensor, source: int, scaling: Dict[int, Tuple[bool, float]],
+              scale: Optional[float]) -> Optional[Tensor]:
+        """The summed gradient of iteration ``source`` as a mean at the current loss ``scale``
         (None if that iteration's step was skipped as not finite)."""
         finite, inverse_scale = scaling.get(source, (True, 1.0))
         if not finite:
             return None
         summed.div_(self._world_size)
-        if self.scaler is not None and source in scaling:
-            factor = self.scaler.get_scale() * inverse_scale  # its scale -> this step's
+        if scale is not None and source in scaling:
+            factor = scale * inverse_scale  # its scale -> this step's
             if factor != 1.0:
                 summed.mul_(factor)
         return summed
