@@ -7,7 +7,7 @@ each it splits the iteration time (rank 0) into
 
 * **compute**: forward + backward + ``step()`` (everything that is not a wait),
 * **forward waits**: waiting for synchronous all-reduces: before each layer's next forward
-  (deferred updates), or, with ``expose_gradients`` (the default), at the end of backward,
+  (deferred updates), or, when the script reads ``p.grad`` before ``step()``, at that read,
 * **step waits**: ``step()`` waiting for the previous iteration's stale all-reduces,
 
 and sets the same split of the scheduler's simulated iteration beside it. A gap in
@@ -52,7 +52,7 @@ def _predicted(events):
 
     As :func:`_split` does, waits are told apart by what they wait for: a sync all-reduce
     ("wait sync bucket N" before a forward, or "step: wait sync all-reduces" at the end of
-    backward when the simulator models ``expose_gradients``) or a stale one."""
+    backward when the simulator models a script that reads ``p.grad``) or a stale one."""
     compute = sum(e.end - e.start for e in events if e.category in ("forward", "backward", "update", "step"))
     forward = sum(e.end - e.start for e in events if e.category == "wait" and "wait sync" in e.name)
     step = sum(e.end - e.start for e in events if e.category == "wait" and "wait stale" in e.name)

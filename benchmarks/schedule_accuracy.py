@@ -134,7 +134,7 @@ def worker(args) -> None:
         "layer_bytes": [layer.numel * element for layer in auto_opt.layers],
         "numel": [layer.numel for layer in auto_opt.layers],
         "bucket_cap_bytes": int(auto_opt.settings.bucket_cap_mb * 1024 * 1024),
-        "expose_gradients": bool(auto_opt.settings.expose_gradients),  # the simulator's sync_at_step
+        "sync_at_step": bool(controller.sync_at_step),  # the timeline auto modelled
         "profile": {"forward": prof.forward, "backward": prof.backward, "step_time": prof.step_time,
                     "alpha": prof.alpha, "beta": prof.beta, "slowdown": prof.slowdown,
                     "beta_isolated": prof.beta_isolated, "beta_observed": prof.beta_observed,
@@ -196,8 +196,7 @@ def replay(path: str, variants) -> str:
                             bytes_per_layer=raw["layer_bytes"], step_time=prof.step_time, slowdown=s,
                             shared_link=shared, record_events=False,
                             update_per_element=prof.update_time / sum(raw["numel"]),
-                            # files from before the setting ran the old timeline
-                            sync_at_step=raw.get("expose_gradients", False)).iteration_time
+                            sync_at_step=raw.get("sync_at_step", False)).iteration_time
                 for k in raw["measured_times"]}
         for k in sorted(raw["measured_times"], key=int):
             meas = statistics.fmean(raw["measured_times"][k])

@@ -161,7 +161,7 @@ class Settings:
 
     expose_gradients: bool = _setting(
         True, _boolean,
-        """as DDP's contract: once backward ends, ``p.grad`` holds the averaged gradient ``step()`` applies (sync layers' g_t, stale layers' g_{t-s}), so clipping, ``GradScaler.unscale_``, logging and edits of ``p.grad`` act on it (:mod:`sapipe.runtime.exposure`); the sync all-reduces are then waited for at the end of backward instead of at each layer's next forward. ``False``: ``p.grad`` keeps this rank's own gradient and a change to it raises at ``step()``.""",
+        """as DDP's contract: once backward ends, ``p.grad`` holds the averaged gradient ``step()`` applies (sync layers' g_t, stale layers' g_{t-s}), so clipping, ``GradScaler.unscale_``, logging and edits of ``p.grad`` act on it (:mod:`sapipe.runtime.exposure`). A sync layer's all-reduce is waited for only when its ``p.grad`` is first read (its update then runs in ``step()``); unread, it keeps overlapping ``step()`` and the next forward. ``False``: ``p.grad`` keeps this rank's own gradient and a change to it raises at ``step()``.""",
         resume=False,
     )
 

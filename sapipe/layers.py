@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set
 
+import torch
 from torch import nn
 
 
@@ -60,6 +61,7 @@ class LayerRecorder:
         self._owners = owning_modules(model, self._trainable)
         self._seen: Dict[int, int] = {}  # id(module) -> execution rank
         self._handles: list = []
+        self.compiled = False  # some owning module ran inside a torch.compile'd region
 
     @property
     def max_layers(self) -> int:
@@ -75,6 +77,8 @@ class LayerRecorder:
             self._handles.append(module.register_forward_pre_hook(self._on_pre_forward))
 
     def _on_pre_forward(self, module: nn.Module, args) -> None:
+        if torch.compiler.is_compiling():
+            self.compiled = True  # a side effect dynamo replays when the compiled code runs
         self._seen.setdefault(id(module), len(self._seen))
 
     def _executed_owners(self) -> List[tuple]:

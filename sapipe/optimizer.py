@@ -419,6 +419,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"sapipe: stale_layers={k} exceeds the model's {len(layers)} layers "
                 "(modules owning trainable parameters not tied to an earlier layer)"
             )
+        self._forward.compiled = self._recorder.compiled
         self._recorder = None
         self._hooks += self._forward.hook_layers(layers)
         self._runtime.lay_out(layers, k)

@@ -77,7 +77,7 @@ def _graphs() -> int:
 def _prepare(model, how: str, backend: str):
     """(what the script calls, what it hands to DistributedOptimizer) for ``how``: ``eager``;
     ``compile-after``: ``torch.compile(model)`` after wrapping ``model`` (``compile-later``: the
-    same from the second iteration on; made by the caller, after construction);
+    same from the second iteration on, after ``opt.synchronize()``; made by the caller);
     ``compile-first``: the compiled module passed in (``fullgraph-first``: compiled with
     ``fullgraph=True``, which raises at any graph break); ``module.compile``: ``model.compile()``."""
     if how in ("compile-first", "fullgraph-first"):
@@ -106,6 +106,8 @@ def _train_sapipe(rank, how, backend, k, mode, dtype, batches, *, amp=None, grow
     graphs = []
     for i, (x, y) in enumerate(step[rank] for step in batches):
         opt.zero_grad()
+        if how == "compile-later" and i == 1:
+            opt.synchronize()  # compiled after a step: the pending sync updates first (the error says so)
         with _autocast(amp):
             out = model(x) if how == "compile-later" and i == 0 else call(x)
         scaler.scale(loss_fn(out.to(dtype), y)).backward()
@@ -365,3 +367,30 @@ def test_inductor_compiled_model_equals_eager():
         diff = _max_diff(r["compiled"], r["eager"])
         assert diff <= 1e-5, f"rank {rank}: max |inductor - eager| = {diff:.3e}"
         assert r["graphs"][1] >= 1 and r["graphs"][-1] == r["graphs"][1], r["graphs"]
+
+
+def _compiled_mid_training(rank, world_size):
+    import sapipe
+
+    model = make_model("tied", seed=rank, dtype=torch.float32)
+    opt = sapipe.DistributedOptimizer(_optimizer(model.parameters()), model, stale_layers=0,
+                                      bucket_cap_mb=0.0008, timeout=60)
+    compiled = torch.compile(model, backend="eager")
+    batches = make_batches("tied", 2, world_size)
+    try:
+        for i, (x, y) in enumerate(step[rank] for step in batches):
+            opt.zero_grad()
+            loss_fn((model if i == 0 else compiled)(x), y).backward()
+            opt.step()
+    except sapipe.UsageError as exc:
+        return str(exc)
+    finally:
+        opt.close()
+    return None
+
+
+def test_compiling_after_the_first_step_without_synchronize_raises():
+    """A forward compiled after the first step() would run without the sync updates deferred
+    to it (a compiled region runs no per-layer hook): every rank raises, naming the remedy."""
+    for rank, message in enumerate(run_ranks(_compiled_mid_training, world_size=2, timeout=120)):
+        assert message is not None and "torch.compile" in message and "opt.synchronize()" in message, (rank, message)

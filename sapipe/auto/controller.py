@@ -67,6 +67,7 @@ class AutoController:
         self.layer_profiles: Optional[List[solver.LayerProfile]] = None
         self.link: Optional[tuple] = None  # (alpha, beta, bytes per layer, step time)
         self.sim_options: Dict[str, Any] = {}  # slowdown, shared_link, update_per_element
+        self.sync_at_step = False  # the sync updates run in step() (the script reads p.grad)
         self.decision: Optional[solver.Decision] = None
         self.tuner: Optional[tuner.Tuner] = None  # the measured search, once the model chose
         self.decided = False  # k is final (decided now, or restored from a checkpoint)
@@ -107,6 +108,9 @@ class AutoController:
                                         [b.nbytes for b in layout.buckets], first.dtype, first.device)
         self.timer = self._pipeline.timer = None
         self._set_model_inputs(layout.layers, first.params[0].element_size())
+        # The timeline to model: sync updates in step() if any rank's script reads p.grad
+        (reads,) = self._control.agree_on_max([float(self._runtime.syncs_at_step)], "whether p.grad is read")
+        self.sync_at_step = reads > 0.0
         self.decision = solver.choose_k(self.layer_profiles, tolerance=STALL_TOLERANCE, **self.simulator_arguments())
         self._runtime.relayout(self.decision.k)
         m = len(layout.layers)
@@ -139,15 +143,16 @@ class AutoController:
     def simulator_arguments(self) -> Dict[str, Any]:
         """The simulator's and solver's keyword arguments besides the profiles (one builder for both).
 
-        ``sync_at_step`` follows this job's ``expose_gradients``: it decides where the runtime
-        waits for the sync all-reduces and applies their updates (end of backward and
-        ``step()``, or each bucket's next forward), so the model must follow it too.
+        ``sync_at_step``: whether the job's script reads the exposed ``p.grad`` before ``step()``
+        (on any rank, during the warm-up). That decides where the runtime waits for the sync
+        all-reduces and applies their updates (when ``p.grad`` is read and in ``step()``, or
+        at each bucket's next forward), so the model must follow it too.
         """
         assert self.link is not None
         alpha, beta, layer_bytes, step_time = self.link
         return dict(bucket_cap_bytes=self._settings.bucket_cap_bytes, alpha=alpha, beta=beta,
                     bytes_per_layer=layer_bytes, step_time=step_time,
-                    sync_at_step=self._settings.expose_gradients, **self.sim_options)
+                    sync_at_step=self.sync_at_step, **self.sim_options)
 
     def predict(self, k: int, slowdown: Optional[float] = None, record_events: bool = True) -> simulator.SimResult:
         """The model's steady-state iteration at ``k`` (with compute slow-down σ = ``slowdown``)."""

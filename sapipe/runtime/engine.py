@@ -32,7 +32,8 @@ class Runtime:
         self.pipeline = GradientPipeline(settings, group, tracer, before_reuse=self.apply_deferred)
         self.updater = Updater(rule, MODES[settings.compensation](settings.staleness), settings,
                                world_size, self.pipeline)
-        self.exposure = (GradientExposure(self.pipeline, world_size, settings.staleness, lambda: self.updater.scaling)
+        self.exposure = (GradientExposure(self.pipeline, world_size, settings.staleness,
+                                          lambda: self.updater.scaling, self.apply_deferred)
                          if settings.expose_gradients else None)
         if self.exposure is not None:
             self.updater.prepared = self.exposure.prepared
@@ -79,22 +80,31 @@ class Runtime:
         self.exposure.check_exposed(iteration, what)
 
     def end_step(self, iteration: int, hyperparams: List[Dict[str, Any]]) -> None:
-        """``step()``'s updates: stale buckets now; sync buckets now as well when ``p.grad`` is
-        exposed (their all-reduces have arrived), else deferred to their next forward."""
+        """``step()``'s updates: stale buckets now; sync buckets deferred to their next forward,
+        unless the script read their exposed ``p.grad`` (its all-reduce has arrived: applied now)."""
         pipeline_step = iteration - self.pipeline.origin
+        exposure = self.exposure
         for bucket in self.pipeline.buckets:
             if bucket.stale and pipeline_step >= 1:
                 self.updater.stale_update(bucket, pipeline_step, hyperparams, iteration)
             else:
                 bucket.pending_update = (hyperparams, iteration)
-                if self.exposure is not None:
+                if exposure is not None and not exposure.defers(bucket):
                     self.apply_deferred(bucket)
-        if self.exposure is not None:
-            self.exposure.prepared.clear()
+        if exposure is not None:
+            exposure.end_step()
+
+    @property
+    def syncs_at_step(self) -> bool:
+        """Whether the sync updates ran in the last ``step()`` (its script read ``p.grad``), not
+        at their next forward: the timeline the scheduler must model."""
+        return self.exposure is not None and self.exposure.read_before_step
 
     def relayout(self, k: int) -> None:
         """Buckets and optimizer state for ``k`` stale layers; every pending update applied first."""
         self.synchronize()  # every pending update uses the old layout's buffers
+        if self.exposure is not None:
+            self.exposure.reset()  # nothing exposed refers to the new buckets
         previous = self.layout
         self.pipeline.layout = previous.relaid(k)
         self.pipeline.layout.allocate_state(self.updater.rule, previous)

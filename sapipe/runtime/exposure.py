@@ -3,27 +3,31 @@
 Scripts read and change ``p.grad`` between ``backward()`` and ``step()``: gradient clipping,
 ``GradScaler.unscale_``, gradient-norm logging, hand-made edits. Under DDP they see the
 averaged gradient, which is what the optimizer then applies. With ``expose_gradients=True``
-(the default) sapipe keeps that contract: once backward ends, it waits for the all-reduces
-whose results this step applies and points every ``p.grad`` at its slice of them —
+(the default) sapipe keeps that contract: once backward ends, every ``p.grad`` points at its
+slice of the all-reduce whose result this step applies —
 
 * a synchronous layer's: the mean of this iteration's gradients, g_t;
 * a stale layer's: the mean of g_{t-s} (at the current loss scale, when a GradScaler is in
   use), or ``None`` while the pipeline fills or when that iteration was skipped;
 * ``None`` for a parameter no rank used (DDP's ``find_unused_parameters`` behaviour).
 
-``step()`` then applies exactly what ``p.grad`` holds: an in-place edit (``clip_grad_norm_``,
-``unscale_``) is already in sapipe's buffers, a newly assigned tensor is copied in, and a
-gradient set to ``None`` leaves its parameter alone this step, as ``torch.optim`` does.
+A synchronous layer's all-reduce may still be in flight when backward ends. Its ``p.grad``
+is then a :class:`PendingGradient`: the first operation on it (a norm, an in-place edit, a
+copy) waits for the all-reduce and averages it. A script that never reads ``p.grad`` never
+waits there, and the update keeps the deferred timeline of §3.1: it runs just before the
+layer's next forward, so the all-reduce overlaps ``step()`` and the stale layers' forward.
+A gradient the script read is applied in ``step()``.
 
-What it costs: the synchronous all-reduces are waited for when backward ends, no longer
-just before each layer's next forward, and their updates run inside ``step()``. Stale
-layers keep their whole overlap. ``expose_gradients=False`` restores the deferred updates;
-``p.grad`` then keeps this rank's local gradient and a change to it raises at ``step()``.
+``step()`` applies exactly what ``p.grad`` holds: an in-place edit is already in sapipe's
+buffers, a newly assigned tensor is copied in, and a gradient set to ``None`` leaves its
+parameter alone this step, as ``torch.optim`` does. ``expose_gradients=False`` keeps this
+rank's local gradient in ``p.grad``; a change to it then raises at ``step()``.
 """
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -38,33 +42,78 @@ from .pipeline import GradientPipeline
 @dataclass
 class ExposedGradient:
     """A bucket's gradient as ``p.grad`` shows it: the flat mean (None: nothing applied this
-    step) and the parameters (bucket indices) it does not update."""
+    step), the parameters (bucket indices) it does not update, and, while its all-reduce may
+    still be in flight, ``arrival``: waits for it and averages it in place."""
 
     grad: Optional[Tensor]
     skip: List[int] = field(default_factory=list)
+    arrival: Optional[Callable[[], float]] = None
+
+    @property
+    def settled(self) -> bool:
+        return self.arrival is None
+
+    def settle(self) -> float:
+        """Make ``grad`` the mean (waiting for its all-reduce if need be); seconds waited."""
+        arrival, self.arrival = self.arrival, None
+        return arrival() if arrival is not None else 0.0
+
+
+class PendingGradient(torch.Tensor):
+    """A ``p.grad`` over a bucket whose all-reduce may be in flight: any operation on it first
+    calls ``_sapipe_touch`` (which waits for the result and averages it), then runs as on a
+    plain tensor and returns plain tensors. Checking ``p.grad is None`` does not touch it."""
+
+    _sapipe_touch: Callable[[], None]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        for value in _tensors_in(args, kwargs):
+            if isinstance(value, PendingGradient):
+                value._sapipe_touch()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def _tensors_in(args, kwargs):
+    """The arguments of a torch function, one level of lists and tuples opened (``_foreach_*``)."""
+    for value in (*args, *(kwargs or {}).values()):
+        if isinstance(value, (list, tuple)):
+            yield from value
+        else:
+            yield value
 
 
 class GradientExposure:
     """Points ``p.grad`` at the gradient each parameter's update will use, once backward ends."""
 
     def __init__(self, pipeline: GradientPipeline, world_size: int, staleness: int,
-                 scaling: Callable[[], Dict[int, Tuple[bool, float]]]):
+                 scaling: Callable[[], Dict[int, Tuple[bool, float]]], apply_pending: Callable[[Bucket], float]):
         self._pipeline = pipeline
         self._scaling = scaling  # per iteration (finite, 1 / loss scale), as agreed at its step()
+        self._apply_pending = apply_pending  # a bucket's deferred sync update; seconds waited
         self._world_size = world_size
         self._staleness = staleness
         self.scaler = None  # the GradScaler the last step() received: the current loss scale
         self.iteration: Optional[int] = None  # whose gradients p.grad holds
-        self.waited = 0.0  # seconds the last exposure waited for all-reduces
-        #: (bucket index, slot) -> the gradient exposed from that slot, for step() to apply
+        self.waited = 0.0  # seconds waited for all-reduces because p.grad was read, since last taken
+        #: whether the script read a sync layer's p.grad before the last step(): its update then ran in step()
+        self.read_before_step = False
+        #: (bucket index, slot) -> the gradient exposed from that slot, for step() (or the
+        #: deferred update) to apply; popped as it is consumed
         self.prepared: Dict[Tuple[int, int], ExposedGradient] = {}
         self._given: List[Tuple[torch.Tensor, Optional[Tensor], ExposedGradient, int]] = []
         self._armed = False
         self._warned = False
 
     def reset(self) -> None:
-        """Forget what was exposed (a checkpoint was loaded: iterations count from it again)."""
+        """Forget what was exposed (a checkpoint was loaded, or the layout changed)."""
         self.iteration = None
+        self._forget()
+
+    def _forget(self) -> None:
+        for exposed in self.prepared.values():
+            exposed.arrival = None  # a later read of an old p.grad waits for nothing
         self.prepared.clear()
         self._given.clear()
 
@@ -76,29 +125,33 @@ class GradientExposure:
 
     @torch.no_grad()
     def expose(self, iteration: int) -> None:
-        """Wait for this step's gradients and point every ``p.grad`` at its mean (idempotent)."""
+        """Point every ``p.grad`` at the mean of the gradient its update uses (idempotent).
+
+        A stale layer's all-reduce arrived long ago and is averaged now; a sync layer's is
+        waited for only when its ``p.grad`` is first read (:class:`PendingGradient`), unless
+        one of its parameters went unused here (``p.grad`` must then say None if no rank used it).
+        """
         self._armed = False
         if self.iteration == iteration:
             return
         pipeline = self._pipeline
         pipeline.flush(iteration)  # buckets with parameters backward did not reach
-        before = pipeline.waited
-        self.prepared.clear()
-        self._given.clear()
+        self._forget()
         scaling = self._scaling()
         scale = self.scaler.get_scale() if self.scaler is not None else None  # once: a host sync on CUDA
         for bucket in pipeline.buckets:
             slot, source = self._source(bucket, iteration)
             exposed = ExposedGradient(None)
             if source is not None:
-                summed, _ = pipeline.take_arrived(bucket, slot)
-                exposed = ExposedGradient(self._mean(summed, source, scaling, scale))
-                if exposed.grad is not None:
-                    exposed.skip = unused.unused_everywhere(bucket.grads, slot)
+                exposed = ExposedGradient(bucket.grads.slots[slot])
+                exposed.arrival = partial(self._arrive, bucket, slot, exposed, *self._scaled(source, scaling, scale))
+                lazy = source == iteration and not bucket.grads.unused_here[slot]
+                if not lazy:
+                    self.waited += exposed.settle()
                 self.prepared[(bucket.index, slot)] = exposed
             self._point_grads(bucket, exposed)
         self.iteration = iteration
-        self.waited = pipeline.waited - before
+        self.read_before_step = False
 
     def _source(self, bucket: Bucket, iteration: int) -> Tuple[int, Optional[int]]:
         """(the slot this step applies from, the iteration its gradient belongs to; None: no gradient)."""
@@ -110,27 +163,49 @@ class GradientExposure:
             return 0, None  # the pipeline fills: no stale gradient yet
         return bucket.grads.index(t - s), iteration - s
 
-    def _mean(self, summed: Tensor, source: int, scaling: Dict[int, Tuple[bool, float]],
-              scale: Optional[float]) -> Optional[Tensor]:
-        """The summed gradient of iteration ``source`` as a mean at the current loss ``scale``
-        (None if that iteration's step was skipped as not finite)."""
+    def _scaled(self, source: int, scaling: Dict[int, Tuple[bool, float]],
+                 scale: Optional[float]) -> Tuple[bool, float]:
+        """(whether iteration ``source``'s step was finite, the factor from its loss scale to the
+        current one ``scale``): a stale gradient is shown at this step's scale (§3.8)."""
         finite, inverse_scale = scaling.get(source, (True, 1.0))
+        factor = scale * inverse_scale if scale is not None and source in scaling else 1.0
+        return finite, factor
+
+    def _arrive(self, bucket: Bucket, slot: int, exposed: ExposedGradient, finite: bool, factor: float) -> float:
+        """The summed gradient in ``slot`` waited for and made the mean, or None if its step was
+        skipped as not finite; its globally unused parameters skipped. Seconds waited."""
+        summed, waited = self._pipeline.take_arrived(bucket, slot)
         if not finite:
-            return None
+            exposed.grad = None
+            return waited
         summed.div_(self._world_size)
-        if scale is not None and source in scaling:
-            factor = scale * inverse_scale  # its scale -> this step's
-            if factor != 1.0:
-                summed.mul_(factor)
-        return summed
+        if factor != 1.0:
+            summed.mul_(factor)
+        exposed.skip.extend(unused.unused_everywhere(bucket.grads, slot))
+        return waited
+
+    def _touch(self, bucket: Bucket, exposed: ExposedGradient) -> None:
+        """A ``p.grad`` of ``bucket`` is read: its gradient must be there. After ``step()`` its
+        deferred update is applied first (the read may be an edit, such as ``zero_()``)."""
+        if exposed.settled:
+            return
+        if bucket.pending_update is not None:
+            self.waited += self._apply_pending(bucket)
+        else:
+            self.read_before_step = True
+            self.waited += exposed.settle()
 
     def _point_grads(self, bucket: Bucket, exposed: ExposedGradient) -> None:
         skip = set(exposed.skip)
+        touch = partial(self._touch, bucket, exposed)
         for i, param in enumerate(bucket.params):
             view = None
             if exposed.grad is not None and i not in skip:
                 offset = bucket.offsets[i]
                 view = exposed.grad[offset : offset + param.numel()].view_as(param)
+                if not exposed.settled:
+                    view = torch.Tensor._make_subclass(PendingGradient, view, False)
+                    view._sapipe_touch = touch
             param.grad = view
             self._given.append((param, view, exposed, i))
 
@@ -146,8 +221,19 @@ class GradientExposure:
             elif grad is None:
                 exposed.skip.append(i)  # dropped: this parameter keeps its weights and state
             else:
-                view.copy_(grad)
+                view.copy_(grad)  # waits for the all-reduce first, if need be
         self._given.clear()
+
+    def defers(self, bucket: Bucket) -> bool:
+        """Whether ``bucket``'s sync update may wait for its next forward: nothing read its
+        gradient, so nothing waited for its all-reduce yet."""
+        exposed = self.prepared.get((bucket.index, 0))
+        return exposed is not None and not exposed.settled
+
+    def end_step(self) -> None:
+        """After ``step()``'s updates: only the deferred ones' gradients stay prepared."""
+        for key in [key for key, exposed in self.prepared.items() if exposed.settled]:
+            del self.prepared[key]
 
     def _warn_once(self, param: torch.Tensor) -> None:
         if not self._warned:
@@ -166,4 +252,4 @@ class GradientExposure:
                              "the averaged gradients only once backward has ended")
 
 
-__all__ = ["GradientExposure", "ExposedGradient"]
+__all__ = ["GradientExposure", "ExposedGradient", "PendingGradient"]

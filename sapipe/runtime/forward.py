@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..errors import UsageError
 from ..layers import Layer
 from ..trace import Tracer
 from .buffers import BufferBroadcast
@@ -37,6 +38,9 @@ class ForwardHooks:
         self._next_iteration = next_iteration
         self._profiling = profiling
         self.forward_start: Optional[float] = None  # this iteration's first forward began
+        #: some layer ran inside a torch.compile'd region, whose pre-hooks apply nothing at run time
+        self.compiled = False
+        self._compiled_before = False  # as the current forward began
         self._root_wait = self._root_update = 0.0  # deferred work before the first layer
 
     # Under torch.compile (docs/design.md §5.8) dynamo would trace these hooks into the model's
@@ -57,20 +61,21 @@ class ForwardHooks:
         if self._runtime.pipeline.layout is None:
             return
         start = time.perf_counter()
-        layout, exposed = self._runtime.layout, self._runtime.exposure is not None
-        # With p.grad exposed, sync updates run in step(); one pending here was restored from a
-        # checkpoint of a job that deferred them. It is applied now: the per-layer hooks of a
-        # compiled forward do not run (before_layer).
-        buckets = layout.buckets if exposed else layout.eager
+        # A compiled forward runs no per-layer hook (before_layer): every pending update now.
+        self._compiled_before = self.compiled
+        layout = self._runtime.layout
+        buckets = layout.buckets if self.compiled else layout.eager
         waited = sum(self._runtime.apply_deferred(bucket) for bucket in buckets)
         # before the first layer, for the profiler: a stall, and update compute that followed it
         self._root_wait, self._root_update = waited, time.perf_counter() - start - waited
         exposure = self._runtime.exposure
-        if exposure is not None:  # the wait for this step's all-reduces when backward ended
+        if exposure is not None:  # waits for all-reduces because the script read p.grad
             self._root_wait, exposure.waited = self._root_wait + exposure.waited, 0.0
 
     @torch.compiler.disable
     def after_model(self) -> None:
+        if self.compiled and not self._compiled_before:
+            self._check_first_compiled_forward()
         if self._buffers is not None:
             self._buffers.after_forward()
         if self._runtime.pipeline.timer is not None:
@@ -95,8 +100,10 @@ class ForwardHooks:
         index = layer.index
 
         def hook(module: nn.Module, args) -> None:
-            if torch.compiler.is_compiling() and not self._layer_work():
-                return  # no run-time work: the compiled graph goes on through this layer
+            if torch.compiler.is_compiling():
+                self.compiled = True  # a side effect dynamo replays each time the compiled code runs
+                if not self._layer_work():
+                    return  # no run-time work: the compiled graph goes on through this layer
             run(module, args)
 
         @torch.compiler.disable
@@ -117,9 +124,21 @@ class ForwardHooks:
         return hook
 
     def _layer_work(self) -> bool:
-        """Whether the per-layer pre-hooks have run-time work: deferred sync updates
-        (``expose_gradients=False``), the profiler's timing, or trace events."""
-        return self._runtime.exposure is None or self._runtime.pipeline.timer is not None or self._tracer.enabled
+        """Whether a compiled forward must run the per-layer pre-hooks (a graph break at each):
+        for the profiler's timing or trace events. Deferred sync updates need not: once a
+        compiled forward was seen, ``before_model`` applies them all."""
+        return self._runtime.pipeline.timer is not None or self._tracer.enabled
+
+    def _check_first_compiled_forward(self) -> None:
+        """The first compiled forward ran after the first step: sync updates deferred to it may
+        have been missed, and its result computed from weights that lack them."""
+        missed = [b for b in self._runtime.pipeline.buckets if b.pending_update is not None]
+        if missed:
+            raise UsageError(
+                f"sapipe: this forward ran compiled layers (torch.compile) while {len(missed)} synchronous "
+                "update(s) were still pending, so they used the weights before the last step(). Compile the "
+                "model before the first step(), or call opt.synchronize() before the first compiled forward"
+            )
 
     def after_layer(self, layer: Layer) -> Callable[[nn.Module, tuple, object], None]:
         @torch.compiler.disable

@@ -84,7 +84,8 @@ class Updater:
         leaves alone, seconds waited): as ``p.grad`` exposed it, or as it arrives."""
         exposed = self.prepared.pop((bucket.index, slot), None) if self.prepared is not None else None
         if exposed is not None:
-            return exposed.grad, exposed.skip, 0.0
+            waited = exposed.settle()  # its all-reduce, if nothing read p.grad before
+            return exposed.grad, exposed.skip, waited
         summed, waited = self._pipeline.take_arrived(bucket, slot)
         grad = self._unscale(summed, iteration)
         return grad, (unused.unused_everywhere(bucket.grads, slot) if grad is not None else []), waited

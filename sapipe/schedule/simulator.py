@@ -30,8 +30,8 @@ Model (one rank; every rank is assumed identical):
 * **Sync bucket** of iteration t: the forward of its first layer (in forward order) in
   iteration t+1 waits for its all-reduce, then applies its deferred update
   (``update_per_element`` × its parameters of compute) and only then runs.
-  With ``sync_at_step`` (the runtime's ``expose_gradients``: once backward ends, ``p.grad``
-  must hold the averaged gradient, as under DDP) the end of iteration t's backward waits
+  With ``sync_at_step`` (the runtime's timeline when the script reads the exposed
+  ``p.grad`` before ``step()``, as clipping does) the end of iteration t's backward waits
   for all its sync all-reduces instead, and ``step()`` applies their updates (before
   ``step_time``); the next forward waits for nothing.
 * **Stale bucket** of iteration t: its all-reduce may run through iteration t+1; the
@@ -438,8 +438,8 @@ def simulate(
     each bucket after its all-reduce (sync: before its first layer's next forward; stale:
     in ``step()``, before ``step_time``). It counts as compute.
 
-    ``sync_at_step``: the runtime's timeline with ``expose_gradients`` (its default), where
-    ``p.grad`` must hold the averaged gradient once backward ends, as under DDP: the end of
+    ``sync_at_step``: the runtime's timeline when the script reads the exposed ``p.grad``
+    before ``step()`` (clipping, logging, a GradScaler's ``unscale_``): the end of
     backward waits for this iteration's sync all-reduces, and ``step()`` applies their
     updates with the stale ones' (serial, before ``step_time``), not before the next forward.
 
