@@ -214,8 +214,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._world_size
 
     @property
-    def process_group(self) -> dist.ProcessGroup:
-        """The group this optimizer trains over."""
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        """The group this optimizer trains over (None after :meth:`close`)."""
         return self._group
 
     @property
@@ -317,14 +317,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
-        self._pipeline.close()
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        if self._recorder is not None:
-            self._recorder.finish()
-            self._recorder = None
-        self._control.close()
+        try:
+            self._pipeline.close()  # raises, after releasing everything, if a wait failed (a dead peer)
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks.clear()
+            if self._recorder is not None:
+                self._recorder.finish()
+                self._recorder = None
+            self._control.close()
+            # The job's own group too: held here, one the job destroyed would keep its Gloo threads
+            # until this object is collected, typically during finalisation (design §5.4).
+            self._group = None
 
     def write_trace(self, path: str, predicted: bool = False) -> None:
         """Write the recorded events (or, ``predicted=True``, the scheduler's simulated

@@ -4,6 +4,16 @@ Construction must fail on every rank or on none: a rank that raised while the ot
 on into a collective would leave them waiting forever. So each rank validates locally,
 keeps its error, compares a fingerprint of its configuration with every other rank, and
 only then raises (a difference between ranks first, since it explains a local error too).
+
+The control channel reuses the tensors it hands to its group's collectives (one per kind
+and size, kept as long as the channel) rather than allocating one per call and dropping it
+after the wait. A Gloo worker thread still holds a finished work, and so its tensors, for a
+moment after the wait returns; had the caller dropped its reference by then, the worker's
+release would be the last, and if that came once the interpreter had begun finalising, the
+worker would need the GIL Python no longer hands out, and the process would abort
+(:mod:`sapipe.comm.groups`). ``close()`` destroys the group, joining those threads;
+the kept tensors cover agreements made right before exit on a group that is not destroyed
+(one over a subset of the world) and bound the allocations of per-step agreements.
 """
 from __future__ import annotations
 
@@ -16,7 +26,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import comm, config
-from .errors import CommunicationError, ConfigurationError, SapipeError, UnsupportedOptimizerError
+from .errors import CommunicationError, ConfigurationError, SapipeError, UnsupportedOptimizerError, UsageError
 from .layers import LayerRecorder, uncompiled
 from .optim_generic import rule_for
 from .optim_math import OptimizerRule
@@ -115,17 +125,34 @@ def broadcast_from_first_rank(model: nn.Module, group) -> None:
 
 
 @torch.no_grad()
-def broadcast_coalesced(tensors: List[torch.Tensor], group) -> None:
-    """Copy rank 0's ``tensors`` to every rank of ``group``, one broadcast per dtype and device."""
+def broadcast_coalesced(tensors: List[torch.Tensor], group, scratch: Optional[Dict[tuple, torch.Tensor]] = None) -> None:
+    """Copy rank 0's ``tensors`` to every rank of ``group``, one broadcast per dtype and device.
+
+    With ``scratch``, the flat tensor of each dtype and device is kept there and reused
+    (see the module docstring); without, it is allocated for the call."""
     src = dist.get_global_rank(group, 0)
     by_kind: Dict[tuple, List[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
-    for same in by_kind.values():
-        flat = _flatten_dense_tensors([t.detach() for t in same])
+    for (dtype, device), same in by_kind.items():
+        if scratch is None:
+            flat = _flatten_dense_tensors([t.detach() for t in same])
+        else:
+            flat = _scratch(scratch, ("broadcast", dtype, device), sum(t.numel() for t in same), dtype, device)
+            if dist.get_rank() == src:  # the others' flat is overwritten by the broadcast
+                torch.cat([t.detach().reshape(-1) for t in same], out=flat)
         dist.broadcast(flat, src=src, group=group)
         if dist.get_rank() != src:  # the source's own tensors hold these values already
             torch._foreach_copy_(same, _unflatten_dense_tensors(flat, same))
+
+
+def _scratch(scratch: Dict[tuple, torch.Tensor], key: tuple, numel: int, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+    """``scratch[key]``, a flat tensor of ``numel`` elements, (re)allocated when it has another size."""
+    flat = scratch.get(key)
+    if flat is None or flat.numel() != numel:
+        flat = scratch[key] = torch.empty(numel, dtype=dtype, device=device)
+    return flat
 
 
 @contextlib.contextmanager
@@ -144,29 +171,40 @@ class ControlChannel:
     def __init__(self, group, timeout, device: torch.device):
         self.group = comm.new_group_like(group, timeout)
         self._device = device if device.type == "cuda" else torch.device("cpu")
+        # The tensors handed to the group's collectives, reused (see the module docstring).
+        self._scratch: Dict[tuple, torch.Tensor] = {}
+
+    def _open_group(self, what: str):
+        if self.group is None:  # given group=None, torch would run the collective on the default group
+            raise UsageError(f"sapipe: {what} after close()")
+        return self.group
 
     def agree_on_max(self, values: List[float], what: str) -> List[float]:
         """The maximum over ranks of each of ``values`` (float64); ``what`` names it in errors."""
-        tensor = torch.tensor(values, dtype=torch.float64, device=self._device)
+        group = self._open_group(f"agreeing on {what}")
+        tensor = _scratch(self._scratch, ("max", len(values)), len(values), torch.float64, self._device)
+        tensor.copy_(torch.tensor(values, dtype=torch.float64))
         with _failure_named(f"agreeing on {what}"):
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
         return tensor.cpu().tolist()
 
     def from_first_rank(self, value: Any, what: str) -> Any:
         """Rank 0's ``value`` (a small picklable object) on every rank."""
+        group = self._open_group(f"taking rank 0's {what}")
         box = [value]
         with _failure_named(f"taking rank 0's {what}"):
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group,
-                                       device=self._device)
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group, device=self._device)
         return box[0]
 
     def broadcast(self, tensors: List[torch.Tensor], what: str) -> None:
         """Rank 0's ``tensors`` into every rank's, in place (one collective per dtype and device)."""
+        group = self._open_group(f"broadcasting {what}")
         with _failure_named(f"broadcasting {what}"):
-            broadcast_coalesced(tensors, self.group)
+            broadcast_coalesced(tensors, group, self._scratch)
 
     def close(self) -> None:
-        comm.release_group(self.group)
+        """Destroy the group now, joining its threads (:func:`sapipe.comm.release_group`); idempotent."""
+        comm.release_group(self)
 
 
 __all__ = ["check_locally", "describe_job", "agree", "broadcast_from_first_rank", "broadcast_coalesced", "ControlChannel"]

@@ -8,7 +8,10 @@ queue) is its business. Every back-end must:
 * be **deterministic across ranks**: the engine calls ``start`` in the same order on every
   rank, and the back-end must turn that into the same collectives in the same order;
 * **fail loudly within a bounded time**: a dead or hung peer surfaces as a
-  :class:`CommunicationError` naming the bucket, never as a hang.
+  :class:`CommunicationError` naming the bucket, never as a hang;
+* **destroy its process groups in** ``close()`` (:func:`sapipe.comm.groups.release_group`),
+  not leave them to the garbage collector: a Gloo group whose threads outlive the start of
+  interpreter finalisation can abort the process at exit.
 """
 from __future__ import annotations
 
@@ -75,7 +78,11 @@ class CommBackend(abc.ABC):
         """Block until ``handle``'s reduction is done; return its tensor."""
 
     def close(self) -> None:
-        """Release what the back-end owns (threads, process groups). Call after every wait."""
+        """Release what the back-end owns (threads, process groups). Call after every wait.
+
+        Process groups are destroyed here, not left to the garbage collector
+        (:func:`sapipe.comm.groups.release_group`): a Gloo group still alive when the
+        interpreter finalises can abort it. The instance is unusable afterwards."""
 
     def when_done(self, handle: Handle, callback: Callable[[], None]) -> bool:
         """Arrange for ``callback()`` (any thread) when ``handle`` completes; False if this
@@ -196,7 +203,7 @@ class LibraryBackend(CommBackend):
         return f"{self._limit:g}s"
 
     def close(self) -> None:
-        release_group(self.group)
+        release_group(self)
 
 
 def import_library(module: str, backend: str, hint: str, not_ready: Callable[[Any], Optional[str]] = lambda _: None):

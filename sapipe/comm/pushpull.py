@@ -19,6 +19,10 @@ choice is a function of agreed values only, so every rank makes the same one.
 
 On CUDA the worker runs its collectives on a side stream, ordered after the stream that
 started each bucket, and ``wait`` makes the caller's stream wait for the result.
+``close()`` stops the worker, then destroys both groups at once (their Gloo threads joined
+before the interpreter can begin finalising, :mod:`sapipe.comm.groups`); the worker checks
+for a released group before each collective, since given ``None`` torch would run it on the
+default group.
 """
 from __future__ import annotations
 
@@ -155,8 +159,11 @@ class PushPull(CommBackend):
             self._cond.notify()
         if self._worker is not None:
             self._worker.join(_JOIN_SECONDS)
-        for group in (self._data, self._negotiation):
-            release_group(group)
+        # Destroyed now, their Gloo threads joined (sapipe.comm.groups). A worker still inside
+        # a collective after the join's limit holds the group in that call's frame; the group
+        # is then destroyed when the call returns (its own timeout bounds that).
+        release_group(self, "_data")
+        release_group(self, "_negotiation")
 
     # ------------------------------------------------------------------ worker side
 
@@ -190,7 +197,7 @@ class PushPull(CommBackend):
     def _agree(self, local: int) -> None:
         """Queue the chunks of every bucket that all ranks have started by now."""
         count = torch.tensor([local], dtype=torch.int64)
-        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self._negotiation)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self._group("_negotiation"))
         agreed = int(count.item())
         with self._cond:
             newly = self._started[: agreed - self._num_agreed]
@@ -235,10 +242,19 @@ class PushPull(CommBackend):
         else:
             work = chunk
         shard = self._buffer("_shard", shard_numel, chunk)
-        _reduce_scatter(shard, work, op=dist.ReduceOp.SUM, group=self._data)  # push
-        _all_gather(work, shard, group=self._data)  # pull
+        group = self._group("_data")
+        _reduce_scatter(shard, work, op=dist.ReduceOp.SUM, group=group)  # push
+        _all_gather(work, shard, group=group)  # pull
         if work is not chunk:
             chunk.copy_(work[: chunk.numel()])
+
+    def _group(self, attr: str):
+        """One of the worker's groups; raises once close() has released it (given None, a
+        collective would run on the default group)."""
+        group = getattr(self, attr)
+        if group is None:
+            raise RuntimeError("sapipe: the push-pull back-end was closed with work in flight")
+        return group
 
     def _buffer(self, attr: str, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A reusable scratch buffer of at least ``numel`` elements (grown, never per step)."""

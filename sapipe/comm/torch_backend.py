@@ -5,6 +5,8 @@ and stale traffic use separate instances, so a stale all-reduce still in flight 
 in the same queue in front of a synchronous one that the next forward waits for, and a
 dead or hung peer surfaces as a :class:`CommunicationError` naming the bucket within the
 timeout instead of a hang. NCCL on GPUs, Gloo on CPUs: whatever the job's group uses.
+``close()`` destroys the group at once, joining Gloo's worker threads before the interpreter
+can begin finalising (:mod:`sapipe.comm.groups`); the instance cannot be used after it.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import UsageError
 from ..trace import Tracer
 from .base import CommBackend, Handle
 from .groups import release_group
@@ -27,6 +30,8 @@ class AllReduce(CommBackend):
         self.group = group
 
     def start(self, tensor: torch.Tensor, what: str, priority: int = 0) -> Handle:
+        if self.group is None:  # given group=None, torch would run it on the default group
+            raise UsageError(f"sapipe: the {self.name} all-reduce of {what} was started after close()")
         try:
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
@@ -50,4 +55,4 @@ class AllReduce(CommBackend):
         return True
 
     def close(self) -> None:
-        release_group(self.group)
+        release_group(self)

@@ -16,6 +16,18 @@ finalisation: its in-flight work is waited for (each wait bounded by the groups'
 sapipe's ``timeout``), its threads are stopped and its groups released. Work that fails
 (a dead peer) is abandoned with a warning; exit goes on. Optimizers are held weakly, and
 one closed by the job (``close()`` is idempotent) costs nothing.
+
+Waiting is not enough: a Gloo worker thread keeps a *finished* work, its tensors and the
+callbacks on its future, a little after the wait returns, and may be the last to hold a
+tensor whose Python object the caller has dropped (the control channel's agreements and
+buffer broadcasts, the script's own reductions on the job's group). Its release then takes
+the GIL, and aborts the process the same way once finalisation has begun. A group's worker
+threads stop only when its C++ object is destroyed, and unregistering the group
+(``dist.destroy_process_group``) does not destroy it while a Python reference is left: so
+``close()`` drops sapipe's references to every group it holds, and the groups are destroyed
+inside this handler, torch joining their workers with the GIL released
+(:mod:`sapipe.comm.groups`). No sapipe group's thread is left for finalisation, and a job
+that destroyed its own group has none left either once the optimizer lets go of it.
 """
 from __future__ import annotations
 
