@@ -51,6 +51,7 @@ class StalenessBuffer:
         self.flags = [w[numel:] for w in self.wire]
         self.unused_here: List[List[int]] = [[] for _ in range(depth)]  # parameters this rank had no gradient for
         self.in_flight: List[Optional[object]] = [None] * depth  # comm handles per slot
+        self.codec = None  # with compression: the bucket's BucketCodec (sapipe.compression)
 
     @property
     def depth(self) -> int:
@@ -190,6 +191,7 @@ class Bucket:
             "prev_local": None if self.prev_local is None else self.prev_local.clone(),
             "history": None if self.history is None else self.history.state_dict(),
             "pending_update": self.pending_update,
+            "codec": None if self.grads.codec is None else self.grads.codec.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -213,6 +215,8 @@ class Bucket:
             self.history = WeightHistory(self.real, len(state["history"]["ring"]))
             self.history.load_state_dict(state["history"])
         self.pending_update = state["pending_update"]
+        if self.grads.codec is not None and state.get("codec") is not None:
+            self.grads.codec.load_state_dict(state["codec"])
 
 def build_buckets(
     layers: Sequence[Layer], stale_layers: int, cap_bytes: int, group_of: Dict[int, int]

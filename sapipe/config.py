@@ -16,8 +16,9 @@ from datetime import timedelta
 from numbers import Real
 from typing import Any, Callable, Dict, List, Optional, Union
 
-from .comm import BACKENDS
+from .comm import BACKENDS, compression_refusal
 from .compensation import MODES
+from .compression import COMPRESSIONS
 from .errors import ConfigurationError
 
 DC_FORMS = ("outer", "diagonal")
@@ -67,6 +68,12 @@ def _one_of(choices) -> Callable[[str, Any], Any]:
 
 def _boolean(name: str, value: Any) -> bool:
     _require(isinstance(value, bool), f"{name} must be True or False; got {value!r}")
+    return value
+
+
+def _compression(name: str, value: Any) -> Optional[str]:
+    _require(value is None or (isinstance(value, str) and value in COMPRESSIONS),
+             f"{name} must be None or one of {list(COMPRESSIONS)}; got {value!r}")
     return value
 
 
@@ -144,6 +151,10 @@ class Settings:
         "torch", _one_of(BACKENDS),
         """how buckets are summed (:mod:`sapipe.comm`): ``"torch"`` (one all-reduce per bucket, NCCL or Gloo), ``"pushpull"`` (BytePS's chunked reduce-scatter/all-gather, most urgent first), ``"horovod"`` (``hvd.init()`` first) or ``"byteps"``.""",
     )
+    compression: Optional[str] = _setting(
+        None, _compression,
+        """how bucket gradients travel (:mod:`sapipe.compression`): ``None`` (their own dtype), ``"fp16"``, ``"bf16"`` (16-bit), or ``"int8"`` (per-block scaled, with error feedback); every bucket, sync and stale; summed in the gradients' own dtype.""",
+    )
     partition_mb: float = _setting(
         4.0, _positive_number,
         """chunk size of ``backend="pushpull"`` (BytePS's default: 4 MB).""",
@@ -186,6 +197,8 @@ class Settings:
         _require(k == AUTO or (_is_int(k) and 0 <= k <= num_layers),
                  f"stale_layers must be 'auto' or an int in [0, m] where m={num_layers} is the number of "
                  f"layers (modules that directly own trainable parameters); got {self.stale_layers!r}")
+        refusal = compression_refusal(self.backend, self.compression)
+        _require(refusal is None, str(refusal))
         limit = MODES[self.compensation].max_staleness
         _require(limit is None or self.staleness <= limit,
                  f"compensation={self.compensation!r} is defined for staleness 1 only (docs/design.md §3); "

@@ -90,6 +90,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         profile_steps: int = 5,
         backend: str = "torch",
         partition_mb: float = 4.0,
+        compression: Optional[str] = None,
         tune_steps: int = 10,
         broadcast_buffers: bool = True,
         expose_gradients: bool = True,

@@ -31,6 +31,8 @@ Interpretations made here (kept explicit so a test failure can be judged):
   g_{t-s} (none while the pipeline fills; all of g_t during warm-up); parameters no rank
   used are not in it. The clipped g_{t-s} is what the stale update, delay compensation and
   wp2/wp3's predictions use; this rank's own l_t (wp1, wp3) is not clipped.
+* ``reduce`` (e.g. :func:`compressed_mean`): how the ranks' gradients become g_t, instead
+  of their exact mean; parameters no rank used are still None.
 * ``restarts`` [(I, k'), ...]: after user iteration I's step, the stale gradients still
   in flight (pipeline steps t-s+1..t) are applied oldest first as plain OPT steps with
   that step's learning rate, the held weights become the real ones, and the pipeline
@@ -41,13 +43,15 @@ Interpretations made here (kept explicit so a test failure can be judged):
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
-__all__ = ["ReferenceResult", "run_reference", "layer_order", "opt_peek", "dc_correct", "clip_by_norm", "clip_by_value"]
+__all__ = ["ReferenceResult", "run_reference", "layer_order", "opt_peek", "dc_correct", "clip_by_norm", "clip_by_value",
+           "compressed_mean"]
 
 Tensors = Dict[str, torch.Tensor]
 
@@ -174,6 +178,62 @@ def clip_by_value(limit: float) -> Callable[[Tensors], Tensors]:
     return lambda grads: {nm: v.clamp(-limit, limit) for nm, v in grads.items()}
 
 
+def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, int]]]] = None,
+                    block: int = 256) -> Callable[[List[Tensors]], Tensors]:
+    """The mean of the ranks' gradients as sapipe's compressed sum delivers it (docs/design.md
+    §5.9), as a function of the ranks' gradients, one call per iteration (int8 keeps the
+    error-feedback residuals between calls).
+
+    Every bucket is split into W shards (int8: each a whole number of ``block``-value blocks,
+    zero-padded); rank r's shard j is rounded once as r's, the W rounded shards are added in
+    float64 in rank order, the sum is rounded once more, and the result is divided by W.
+    16-bit: each value cast (the sum as sum / W, then times W). int8: per block, the float32
+    scale s = max|v| / 127 and q = round(v / s) clamped to ±127, of v = the value plus the
+    residual that rank (or, for the sum, shard j's owner) kept from that bucket's last call.
+    ``buckets``: per bucket, its (parameter name, numel) in flat order (int8 only).
+    """
+    half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(kind)
+    residual: Dict[Tuple[str, int, int], torch.Tensor] = {}
+
+    def int8(values: torch.Tensor, key: Tuple[str, int, int]) -> torch.Tensor:
+        v = values + residual.get(key, torch.zeros_like(values))
+        blocks = v.reshape(-1, block)
+        scale = (blocks.abs().max(dim=1).values / 127).to(torch.float32).to(torch.float64)
+        q = torch.round(blocks / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]).clamp(-127, 127)
+        out = (q * scale[:, None]).reshape(-1)
+        residual[key] = v - out
+        return out
+
+    def reduce(local: List[Tensors]) -> Tensors:
+        world = len(local)
+        if half is not None:
+            summed = {nm: sum(l[nm].to(half).to(torch.float64) for l in local) for nm in local[0]}
+            return {nm: (v / world).to(half).to(torch.float64) * world / world for nm, v in summed.items()}
+        assert buckets is not None, "int8 needs the bucket layout"
+        mean: Tensors = {}
+        for b, layout in enumerate(buckets):
+            numel = sum(n for _, n in layout)
+            shard = math.ceil(math.ceil(numel / world) / block) * block
+            flat = [torch.nn.functional.pad(torch.cat([l[nm].reshape(-1) for nm, _ in layout]),
+                                            (0, world * shard - numel)) for l in local]
+            sent = [[int8(f[j * shard:(j + 1) * shard], ("rank", r, b * world + j)) for j in range(world)]
+                    for r, f in enumerate(flat)]
+            total = []
+            for j in range(world):
+                acc = sent[0][j].clone()
+                for r in range(1, world):
+                    acc += sent[r][j]
+                total.append(int8(acc, ("sum", j, b)))
+            values = torch.cat(total)[:numel] / world
+            offset = 0
+            for nm, n in layout:
+                mean[nm] = values[offset:offset + n].view_as(local[0][nm])
+                offset += n
+        return mean
+
+    return reduce
+
+
 def _to64(obj):
     if torch.is_tensor(obj):
         return obj.to(torch.float64) if obj.is_floating_point() else obj
@@ -197,6 +257,7 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
                   lr_at: Optional[Callable[[int], float]] = None, lr_ramp_steps: int = 0,
                   restarts: Sequence[Tuple[int, int]] = (),
                   clip: Optional[Callable[[Tensors], Tensors]] = None,
+                  reduce: Optional[Callable[[List[Tensors]], Tensors]] = None,
                   ) -> ReferenceResult:
     if compensation not in _MODES:
         raise ValueError(f"compensation must be one of {_MODES}, got {compensation!r}")
@@ -281,7 +342,7 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
             used.append({nm: model_params[nm].grad is not None for nm in names})
             local.append({nm: (model_params[nm].grad.detach().clone() if model_params[nm].grad is not None
                                else torch.zeros_like(model_params[nm])) for nm in names})
-        g = {nm: sum(l[nm] for l in local) / n for nm in names}
+        g = reduce(local) if reduce is not None else {nm: sum(l[nm] for l in local) / n for nm in names}
         for nm in names:  # no rank used it: the optimizer skips it wherever g is applied
             if not any(used[r][nm] for r in range(n)):
                 g[nm] = None

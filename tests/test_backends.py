@@ -53,13 +53,13 @@ def _chunk_order(rank, world_size, seed):
     backend = create("pushpull", dist.group.WORLD, "sync", None, Tracer(False), partition_bytes=64)
     assert isinstance(backend, PushPull)
     issued = []
-    exchange = backend._push_pull
+    exchange = backend.run_unit
 
     def logged(job, index):
         issued.append((job.sequence, index))
         exchange(job, index)
 
-    backend._push_pull = logged
+    backend.run_unit = logged
     results = {}
 
     # 1. Overtaking: bucket 0 (priority 5) has 200 chunks of 16 floats. Rank 0 starts bucket 1

@@ -20,10 +20,17 @@ CASES = [
     ("sgd", 0, "none", 1, 0),
     ("rmsprop", 7, "dc", 2, 1),  # the generic path: the optimizer's own state[p] in the checkpoint
     ("rmsprop", 4, "wp3", 1, 0),
+    ("adam", 3, "dc", 1, 0, "int8"),  # the error-feedback residuals in the checkpoint
+    ("sgd", 7, "none", 2, 1, "int8"),
+    ("adam", 0, "none", 1, 0, "bf16"),
 ]
 
 
-def _setup(kind, k, mode, s, warmup, seed):
+def _case_id(case) -> str:
+    return "{}-k{}-{}-s{}-w{}".format(*case) + (f"-{case[5]}" if len(case) > 5 else "")
+
+
+def _setup(kind, k, mode, s, warmup, compression=None, *, seed):
     model = make_model("tied", seed=seed)
     base = {
         "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
@@ -32,7 +39,7 @@ def _setup(kind, k, mode, s, warmup, seed):
     }[kind](model.parameters())
     opt = sapipe.DistributedOptimizer(
         base, model, stale_layers=k, compensation=mode, staleness=s, warmup_steps=warmup,
-        bucket_cap_mb=0.001, timeout=60,
+        bucket_cap_mb=0.001, timeout=60, compression=compression,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.9**e)
     return model, opt, sched
@@ -97,7 +104,7 @@ def resumed_runs(tmp_path_factory):
     return expected, files, resumed, tmp
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=["{}-k{}-{}-s{}-w{}".format(*c) for c in CASES])
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
 def test_resume_is_bit_identical(resumed_runs, index):
     expected, files, resumed, tmp = resumed_runs
     assert files[0][index] == str(tmp / f"case{index}-0.pt")

@@ -30,6 +30,9 @@ BAD_ARGUMENTS = {
     "byteps missing": ({"backend": "byteps"}, "ConfigurationError", "byteps.torch"),
     "negative tune steps": ({"stale_layers": "auto", "tune_steps": -1}, "ConfigurationError", "tune_steps must be an int >= 0"),
     "zero profile steps": ({"stale_layers": "auto", "profile_steps": 0}, "ConfigurationError", "profile_steps"),
+    "unknown compression": ({"compression": "fp8"}, "ConfigurationError", "compression must be None or one of"),
+    "compression the back-end cannot carry": ({"backend": "pushpull", "compression": "int8"}, "ConfigurationError",
+                                              "backend='pushpull' cannot carry compression='int8'"),
 }
 
 
@@ -67,6 +70,7 @@ def _cases():
     cases["differentiable"] = [{}, {}]
     cases["ranks disagree on k"] = [{"stale_layers": 0}, {"stale_layers": 1}]
     cases["ranks disagree on mode"] = [{"stale_layers": 1, "compensation": c} for c in ("dc", "wp1")]
+    cases["ranks disagree on compression"] = [{"compression": "bf16"}, {}]
     return cases
 
 
@@ -77,6 +81,7 @@ EXPECTED = {name: (cls, text) for name, (_, cls, text) in BAD_ARGUMENTS.items()}
     "differentiable": ("UnsupportedOptimizerError", "differentiable=True"),
     "ranks disagree on k": ("ConfigurationError", "rank 1 has stale_layers=1 but rank 0 has stale_layers=0"),
     "ranks disagree on mode": ("ConfigurationError", "compensation="),
+    "ranks disagree on compression": ("ConfigurationError", "rank 1 has compression=None but rank 0 has compression='bf16'"),
 }
 
 

@@ -77,7 +77,6 @@ def _train(rank: int, world_size: int, kind: str, configs, options=None, device:
 
     results = []
     batches = make_batches("tied", STEPS, world_size, dtype=torch.float64)
-    loss_fn = loss_fn_for("tied")
     for k, mode, form, s, warmup, ramp in configs:
         # Rank 1 starts from different weights: construction must broadcast rank 0's.
         model = make_model("tied", seed=rank, dtype=torch.float64).to(device)
@@ -86,20 +85,26 @@ def _train(rank: int, world_size: int, kind: str, configs, options=None, device:
             dc_lambda=DC_LAMBDA, dc_form=form, staleness=s, warmup_steps=warmup,
             lr_ramp_steps=ramp, bucket_cap_mb=0.0008, timeout=60, **(options or {}),
         )
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-        for t in range(STEPS):
-            x, y = (v.to(device) for v in batches[t][rank])
-            opt.zero_grad()
-            loss_fn(model(x), y).backward()
-            opt.step()
-            sched.step()
-        opt.synchronize()
-        held = {n: p.detach().clone() for n, p in model.named_parameters()}
-        with opt.real_weights():
-            real = {n: p.detach().clone() for n, p in model.named_parameters()}
+        real, held = train_and_read(model, opt, batches, rank, device)
         results.append({"real": real, "held": held, "buckets": len(opt.buckets)})
         opt.close()
     return results
+
+
+def train_and_read(model, opt, batches, rank: int, device: str = "cpu"):
+    """Train on every step of ``batches`` with the LR changing each step; (real, held) weights."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    for step in batches:
+        x, y = (v.to(device) for v in step[rank])
+        opt.zero_grad()
+        loss_fn_for("tied")(model(x), y).backward()
+        opt.step()
+        sched.step()
+    opt.synchronize()
+    held = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with opt.real_weights():
+        real = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return real, held
 
 
 @functools.lru_cache(maxsize=None)

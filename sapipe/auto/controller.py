@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Protocol
 
 import torch
 
+from ..compression import BucketCodec
 from ..config import Settings
 from ..layers import Layer
 from ..rendezvous import ControlChannel
@@ -107,6 +108,8 @@ class AutoController:
         self.profile = profiler.measure(self.timer, sync_group if sync_group is not None else self._control.group,
                                         [b.nbytes for b in layout.buckets], first.dtype, first.device)
         self.timer = self._pipeline.timer = None
+        if self._settings.compression is not None:
+            self.profile = self._compressed_link(self.profile, layout.buckets)
         self._set_model_inputs(layout.layers, first.params[0].element_size())
         # The timeline to model: sync updates in step() if any rank's script reads p.grad
         (reads,) = self._control.agree_on_max([float(self._runtime.syncs_at_step)], "whether p.grad is read")
@@ -121,6 +124,22 @@ class AutoController:
             self._begin_trial(self._pipeline.origin)
         else:
             self._finish()
+
+    def _compressed_link(self, profile: profiler.Profile, buckets) -> profiler.Profile:
+        """The link model for compressed sums: the bytes the format puts on the wire, and the
+        local work of compressing and summing, timed on a scratch copy of the largest bucket
+        (the slowest rank's time, so every rank models alike)."""
+        world = buckets[0].grads.codec.format.world
+        ring = sum(2 * (world - 1) / world * b.nbytes for b in buckets)
+        if ring == 0:
+            return profile  # one rank: nothing travels
+        largest = max(buckets, key=lambda b: b.numel)
+        scratch = BucketCodec(self._settings.compression, largest.numel, len(largest.params), world,
+                              largest.dtype, largest.device)
+        wire = torch.randn(largest.numel + len(largest.params), dtype=largest.dtype, device=largest.device)
+        (seconds,) = self._control.agree_on_max([profiler.time_codec(scratch, wire)], "the time to compress")
+        wire_ratio = sum(b.grads.codec.format.wire_bytes() for b in buckets) / ring
+        return profiler.compressed(profile, wire_ratio, seconds / largest.nbytes)
 
     def _set_model_inputs(self, layers: List[Layer], element_size: int) -> None:
         """The simulator's inputs from the measured profile."""

@@ -19,6 +19,7 @@ from typing import Optional
 from ..errors import ConfigurationError, SapipeError
 from ..trace import Tracer
 from .base import CommBackend, Handle
+from .compressed import CompressedSum
 from .pushpull import DEFAULT_PARTITION_BYTES, PushPull
 from .groups import new_group_like, release_group
 from .torch_backend import AllReduce
@@ -46,6 +47,14 @@ def availability(backend: str) -> Optional[str]:
     return None
 
 
+def compression_refusal(backend: str, compression: Optional[str]) -> Optional[str]:
+    """Why ``backend`` cannot carry ``compression`` (None if it can)."""
+    if compression is None or backend == "torch":
+        return None
+    return (f"backend={backend!r} cannot carry compression={compression!r} yet; "
+            "compressed sums run on backend='torch' (NCCL or Gloo)")
+
+
 def create(
     backend: str,
     process_group,
@@ -53,11 +62,15 @@ def create(
     timeout: Optional[timedelta],
     tracer: Tracer,
     partition_bytes: int = DEFAULT_PARTITION_BYTES,
+    compression: Optional[str] = None,
 ) -> CommBackend:
     """A back-end instance for one kind of traffic (``name``: "sync" or "stale").
 
-    Every instance gets process groups of its own over ``process_group``'s ranks.
+    Every instance gets process groups of its own over ``process_group``'s ranks. With
+    ``compression``, each start is handed the bucket's codec (see :func:`compression_refusal`).
     """
+    if compression is not None:
+        return CompressedSum(new_group_like(process_group, timeout), name, timeout, tracer)
     if backend == "torch":
         return AllReduce(new_group_like(process_group, timeout), name, timeout, tracer)
     if backend == "pushpull":
@@ -75,4 +88,5 @@ def create(
     raise SapipeError(f"sapipe: unknown backend {backend!r}")  # validated before; a bug if reached
 
 
-__all__ = ["BACKENDS", "CommBackend", "Handle", "availability", "create", "new_group_like", "release_group"]
+__all__ = ["BACKENDS", "CommBackend", "Handle", "availability", "compression_refusal", "create", "new_group_like",
+           "release_group"]

@@ -29,6 +29,7 @@ class Runtime:
                  group_of: Dict[int, int]):
         self._settings = settings
         self._group_of = group_of
+        self._compression = (settings.compression, world_size) if settings.compression is not None else None
         self.pipeline = GradientPipeline(settings, group, tracer, before_reuse=self.apply_deferred)
         self.updater = Updater(rule, MODES[settings.compensation](settings.staleness), settings,
                                world_size, self.pipeline)
@@ -47,7 +48,7 @@ class Runtime:
         """The first layout, once the layer order is known."""
         s = self._settings
         self.pipeline.layout = Layout(layers, k, s.bucket_cap_bytes, self._group_of, s.staleness,
-                                      self.updater.compensation)
+                                      self.updater.compensation, self._compression)
 
     def apply_deferred(self, bucket: Bucket) -> float:
         """The bucket's pending synchronous update, if any; seconds waited for its all-reduce."""

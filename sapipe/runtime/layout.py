@@ -12,19 +12,24 @@ import torch
 
 from ..buckets import Bucket, StalenessBuffer, build_buckets
 from ..compensation import Compensation
+from ..compression import BucketCodec
 from ..layers import Layer
 from ..optim_math import OptimizerRule
+
+#: (format, world size) of the buckets' compressed sums (sapipe.compression)
+Compression = Tuple[str, int]
 
 
 class Layout:
     """The buckets of ``layers`` for ``k`` stale layers, with their gradient buffers."""
 
     def __init__(self, layers: List[Layer], k: int, cap_bytes: int, group_of: Dict[int, int],
-                 staleness: int, compensation: Compensation):
+                 staleness: int, compensation: Compensation, compression: Optional[Compression] = None):
         self.layers = layers
         self.k = k
         self._cap_bytes, self._group_of = cap_bytes, group_of
         self._staleness, self._compensation = staleness, compensation
+        self._compression = compression
         self.buckets: List[Bucket] = build_buckets(layers, k, cap_bytes, group_of)
         self.layer_of: Dict[int, int] = {id(p): layer.index for layer in layers for p in layer.params}
         self.slot_of: Dict[int, Tuple[Bucket, int]] = {}  # id(param) -> (its bucket, its position there)
@@ -46,10 +51,15 @@ class Layout:
             bucket.local = torch.zeros_like(bucket.grads.slots[0])
         if bucket.stale and self._compensation.needs_prev_local:
             bucket.prev_local = torch.zeros_like(bucket.grads.slots[0])
+        if self._compression is not None:
+            kind, world = self._compression
+            bucket.grads.codec = BucketCodec(kind, bucket.numel, len(bucket.params), world, bucket.dtype,
+                                             bucket.device, slots=depth)
 
     def relaid(self, k: int) -> "Layout":
         """The same layers laid out for ``k`` stale layers (no weights or state moved yet)."""
-        return Layout(self.layers, k, self._cap_bytes, self._group_of, self._staleness, self._compensation)
+        return Layout(self.layers, k, self._cap_bytes, self._group_of, self._staleness, self._compensation,
+                      self._compression)
 
     @torch.no_grad()
     def allocate_state(self, rule: OptimizerRule, previous: Optional["Layout"] = None) -> None:
@@ -66,6 +76,22 @@ class Layout:
                     if id(p) in moved:
                         old, old_offset = moved[id(p)]
                         segment.state.move_from(old.state, old_offset, offset, p.numel())
+        if previous is not None and self._compression is not None:
+            _move_residuals(previous.buckets, self.buckets)
+
+
+def _move_residuals(old: List[Bucket], new: List[Bucket]) -> None:
+    """Each parameter's int8 error-feedback residual (what its rank's rounding kept back) to its
+    new place. A residual of a sum (kept per shard, whose bounds move) is dropped."""
+    places = {id(p): (b, off) for b in old for p, off in zip(b.params, b.offsets) if b.grads.codec.residual is not None}
+    for bucket in new:
+        residual = bucket.grads.codec.residual
+        if residual is None:
+            continue
+        for p, offset in zip(bucket.params, bucket.offsets):
+            if id(p) in places:
+                source, source_offset = places[id(p)]
+                residual[offset : offset + p.numel()].copy_(source.grads.codec.residual[source_offset : source_offset + p.numel()])
 
 
 def _state_places(buckets: List[Bucket]) -> Dict[int, tuple]:

@@ -64,7 +64,7 @@ class GradientPipeline:
 
     def _new_comm(self, settings: Settings, group, name: str) -> comm.CommBackend:
         return comm.create(settings.backend, group, name, settings.timeout, self._tracer,
-                           partition_bytes=settings.partition_bytes)
+                           partition_bytes=settings.partition_bytes, compression=settings.compression)
 
     @property
     def buckets(self) -> List[Bucket]:
@@ -142,10 +142,13 @@ class GradientPipeline:
         missing = bucket.grads.unused_here[slot] = self._missing.pop(bucket.index, [])
         unused.write_flags(bucket.grads.flags[slot], missing)  # they travel behind the gradient
         # Priority: the forward index of the bucket's first layer (needed soonest when lowest).
-        bucket.grads.in_flight[slot] = backend.start(
-            bucket.grads.wire[slot], f"{bucket.describe()} of iteration {iteration}",
-            priority=min(layer.index for layer in bucket.layers),
-        )
+        what, priority = f"{bucket.describe()} of iteration {iteration}", min(layer.index for layer in bucket.layers)
+        codec = bucket.grads.codec
+        if codec is None:
+            bucket.grads.in_flight[slot] = backend.start(bucket.grads.wire[slot], what, priority=priority)
+        else:
+            bucket.grads.in_flight[slot] = backend.start(bucket.grads.wire[slot], what, priority=priority,
+                                                         codec=codec.at(slot))
         if self.timer is not None:
             self.timer.comm_started(bucket.index, bucket.nbytes, bucket.grads.in_flight[slot])
 

@@ -47,6 +47,7 @@ for its peers inside it; the one that issued last sees the link alone).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -351,6 +352,39 @@ def combine(
         forward=values[:m], backward=values[m : 2 * m], step_time=values[2 * m], alpha=alpha, beta=beta,
         slowdown=slowdown, beta_isolated=beta_isolated, beta_observed=beta_seen, update_time=update,
     )
+
+
+def compressed(profile: Profile, wire_ratio: float, codec_per_byte: float) -> Profile:
+    """``profile``'s link model for compressed sums (docs/design.md §5.9), per byte of gradient.
+
+    The probes timed an all-reduce of the gradients' dtype. A compressed sum is two
+    collectives (2α) carrying ``wire_ratio`` of those bytes, plus compressing, summing and
+    decoding, ``codec_per_byte`` seconds per byte of gradient (timed on this host). β stays
+    at least what the profiled iterations, which ran compressed, observed.
+    """
+    beta = profile.beta_isolated * wire_ratio + codec_per_byte
+    if not math.isnan(profile.beta_observed):
+        beta = max(beta, profile.beta_observed)
+    return dataclasses.replace(profile, alpha=2 * profile.alpha, beta=beta,
+                               raw=dict(profile.raw, wire_ratio=wire_ratio, codec_per_byte=codec_per_byte))
+
+
+def time_codec(codec, wire: torch.Tensor, repeats: int = 3) -> float:
+    """Fastest wall time of one compressed sum's local work on ``wire`` (compress, sum the
+    received messages, compress the sum, decode), without its collectives."""
+    slot = codec.at(0)
+    times = []
+    for _ in range(repeats + 1):  # the first run warms caches and the allocator
+        if wire.is_cuda:
+            torch.cuda.synchronize(wire.device)
+        start = time.perf_counter()
+        slot.scatter_messages(wire)
+        slot.gather_message()
+        slot.decode_sum(wire)
+        if wire.is_cuda:
+            torch.cuda.synchronize(wire.device)
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
 
 
 def time_allreduce(group, nbytes: int, dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:

@@ -1,0 +1,179 @@
+"""Back-ends whose collectives a worker thread of their own issues (push-pull, compressed sums).
+
+Such a back-end turns each started bucket into a :class:`Job`, which its worker thread
+works through in units (a push-pull chunk, a compressed sum) in an order every rank
+computes alike. What is shared is the rest: starting the thread, handing a failure to
+every waiter (a dead peer fails the worker's collective within the groups' timeout, and
+every job still open then fails with it), the CUDA side stream (each job's first unit
+ordered after the stream that started it, ``wait`` ordering the caller's stream after its
+last), completion callbacks, and stopping the thread at ``close()``.
+"""
+from __future__ import annotations
+
+import abc
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .base import CommBackend, Handle
+
+_JOIN_SECONDS = 10.0  # how long close() waits for an idle worker to exit
+
+# torch 2.13 renamed the single-tensor collectives (the old names warn there); sapipe supports
+# torch >= 2.1, which has only the old ones.
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class Job:
+    """One started bucket: its tensor, how many units are left, and whether it is done."""
+
+    sequence: int  # start order, identical on every rank
+    tensor: torch.Tensor
+    what: str
+    remaining: int = 1  # units not yet run
+    done: threading.Event = field(default_factory=threading.Event)
+    callbacks: List[Callable[[], None]] = field(default_factory=list)  # run by the worker when done
+    ready_event: Optional[object] = None  # CUDA: the caller's stream reached start()
+    finished_event: Optional[object] = None  # CUDA: the side stream finished the last unit
+    error: Optional[BaseException] = None
+    detail: Any = None  # the back-end's own (push-pull: chunks and priority; compressed: the codec)
+
+
+class WorkerBackend(CommBackend):
+    """A back-end whose worker thread runs the units of started jobs (see the module docstring).
+
+    Subclasses say which unit comes next (:meth:`next_unit`, blocking; None stops the
+    worker) and how to run it (:meth:`run_unit`), and call :meth:`submit` from ``start``.
+    """
+
+    operation = "sum"
+
+    def __init__(self, name: str, timeout, tracer):
+        super().__init__(name, timeout, tracer)
+        self.lock = threading.Condition()
+        self.unfinished: Dict[int, Job] = {}  # sequence -> job, until its last unit has run
+        self.num_started = 0
+        self.error: Optional[BaseException] = None
+        self.closing = False
+        self._worker: Optional[threading.Thread] = None
+        self._stream = None  # CUDA side stream, made by the worker
+
+    # ------------------------------------------------------------------ engine side
+
+    def new_job(self, tensor: torch.Tensor, what: str, units: int = 1, detail: Any = None) -> Job:
+        job = Job(0, tensor, what, remaining=units, detail=detail)
+        if tensor.is_cuda:
+            job.ready_event = torch.cuda.Event()
+            job.ready_event.record(torch.cuda.current_stream(tensor.device))
+        return job
+
+    def submit(self, job: Job, enqueue: Callable[[Job], None]) -> Handle:
+        """Number ``job``, hand it to ``enqueue`` (under the lock), wake the worker; its handle."""
+        with self.lock:
+            if self.error is not None:
+                raise self.failure(self.operation, job.what, self.error) from self.error
+            if self.closing:
+                raise RuntimeError(f"sapipe: the {self.name} back-end was used after close()")
+            job.sequence = self.num_started
+            self.num_started += 1
+            if job.remaining == 0:
+                job.done.set()
+            else:
+                self.unfinished[job.sequence] = job
+            enqueue(job)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name=f"sapipe-{self.name}-worker", daemon=True)
+                self._worker.start()
+            self.lock.notify_all()
+        if self.tracer.enabled:
+            self.trace_start(job.what)
+        return Handle(job, job.tensor, job.what, self)
+
+    def wait(self, handle: Handle) -> torch.Tensor:
+        job: Job = handle.token
+        self.trace_wait_start(handle.what)
+        # The worker's own collectives time out after the group's limit and then fail
+        # every job, so this returns; the extra bound only guards a wedged worker.
+        limit = 2 * self.timeout.total_seconds() + 60 if self.timeout else None
+        if not job.done.wait(limit):
+            raise self.failure(self.operation, handle.what, TimeoutError(f"no result after {limit:g}s"))
+        if job.error is not None:
+            raise self.failure(self.operation, handle.what, job.error) from job.error
+        if job.finished_event is not None:
+            torch.cuda.current_stream(job.tensor.device).wait_event(job.finished_event)
+        self.trace_wait_end(handle.what)
+        return handle.tensor
+
+    def when_done(self, handle: Handle, callback: Callable[[], None]) -> bool:
+        job: Job = handle.token
+        with self.lock:
+            if not job.done.is_set():
+                job.callbacks.append(callback)
+                return True
+        callback()
+        return True
+
+    def stop_worker(self) -> None:
+        """Let the worker finish what was started, then end it (bounded: a wedged collective
+        times out on its own)."""
+        with self.lock:
+            self.closing = True
+            self.lock.notify_all()
+        if self._worker is not None:
+            self._worker.join(_JOIN_SECONDS)
+
+    # ------------------------------------------------------------------ worker side
+
+    @abc.abstractmethod
+    def next_unit(self) -> Optional[Tuple[Job, Any]]:
+        """The next (job, unit) to run, blocking until there is one; None once closing and idle."""
+
+    @abc.abstractmethod
+    def run_unit(self, job: Job, unit: Any) -> None:
+        """Run one unit of ``job`` (its collectives, on the worker's thread and stream)."""
+
+    def _run(self) -> None:
+        try:
+            while True:
+                item = self.next_unit()
+                if item is None:
+                    return
+                self._run_on_stream(*item)
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiter
+            with self.lock:
+                self.error = exc
+                failed = list(self.unfinished.values())
+                self.unfinished.clear()
+            for job in failed:
+                job.error = exc
+                job.done.set()
+
+    def _run_on_stream(self, job: Job, unit: Any) -> None:
+        if job.ready_event is not None and self._stream is None:
+            self._stream = torch.cuda.Stream(job.tensor.device)
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(job.ready_event)  # ordered after start(); cheap once passed
+                self.run_unit(job, unit)
+                if job.remaining == 1:
+                    job.finished_event = torch.cuda.Event()
+                    job.finished_event.record(self._stream)
+        else:
+            self.run_unit(job, unit)
+        job.remaining -= 1
+        if job.remaining == 0:
+            with self.lock:
+                del self.unfinished[job.sequence]
+                job.done.set()
+            if self.tracer.enabled:
+                self.trace_done(job.what)
+            for callback in job.callbacks:
+                callback()
+
+
+__all__ = ["Job", "WorkerBackend", "all_gather_single", "reduce_scatter_single"]

@@ -1,0 +1,247 @@
+"""Gradient compression on the wire: ``fp16``, ``bf16``, and ``int8`` with error feedback.
+
+A compressed bucket is summed in two collectives, each carrying compressed bytes, with the
+sum itself taken in the gradient's own dtype (float32 or float64), never in 16 or 8 bits:
+
+1. **Scatter** (an all-to-all): rank r splits its bucket into W equal shards and sends
+   shard j, compressed, to rank j. Rank j decodes the W messages it receives and adds
+   them up, in rank order, in the gradient's dtype.
+2. **Gather** (an all-gather): rank j compresses its summed shard and every rank receives
+   every shard; each decodes all W of them into the bucket.
+
+Every rank decodes the same gathered bytes, so all hold the identical sum. Each element
+is rounded twice (once as a rank's gradient, once as the sum), whatever W is: a 16-bit
+ring all-reduce rounds W − 1 partial sums, and its error grows with the job. The link
+carries 2 (W − 1) / W of the compressed bucket each way, as a ring all-reduce does of
+the uncompressed one.
+
+Formats (docs/design.md §5.9):
+
+* ``fp16`` / ``bf16``: each value cast to the 16-bit type (round to nearest even). The
+  sum is sent as its mean (sum / W), which keeps it in fp16's range wherever each rank's
+  gradient was, and multiplied back by W once decoded.
+* ``int8``: blocks of :data:`INT8_BLOCK` values share one float32 scale s = max|v| / 127;
+  a value travels as q = round(v / s) in [−127, 127] and arrives as q · s. **Error
+  feedback** keeps what rounding dropped: rank r sends v = g + e and keeps
+  e ← v − q · s for its next gradient of the bucket (the worker residual); the rank that
+  sums a shard does the same for the sum it sends (the server residual). Both are part of
+  a bucket's checkpoint, so a resumed run sends the same bytes.
+
+Each message also carries the rank's flags for the shard (whether it used each parameter,
+sapipe.runtime.unused) as float32 in its header: they are summed exactly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+from torch import Tensor
+
+COMPRESSIONS = ("fp16", "bf16", "int8")
+INT8_BLOCK = 256  # values per int8 scale: 1/64 byte of scale per value
+_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def validate(compression: Optional[str]) -> Optional[str]:
+    """``compression`` if it names a format (or is None); else ValueError listing them."""
+    if compression is not None and compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be None or one of {', '.join(map(repr, COMPRESSIONS))}; got {compression!r}")
+    return compression
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """The bytes one bucket of ``numel`` values and ``nflags`` flags takes on the wire,
+    compressed as ``kind`` over ``world`` ranks: W messages of ``message_bytes`` each way."""
+
+    kind: str
+    numel: int
+    nflags: int
+    world: int
+
+    @property
+    def shard(self) -> int:
+        """Values per shard (the bucket padded with zeros to W equal shards)."""
+        per_rank = math.ceil(self.numel / self.world)
+        return math.ceil(per_rank / INT8_BLOCK) * INT8_BLOCK if self.kind == "int8" else per_rank
+
+    @property
+    def flag_shard(self) -> int:
+        return math.ceil(self.nflags / self.world)
+
+    @property
+    def blocks(self) -> int:
+        return self.shard // INT8_BLOCK if self.kind == "int8" else 0
+
+    @property
+    def header_floats(self) -> int:
+        return self.flag_shard + self.blocks
+
+    @property
+    def value_bytes(self) -> int:
+        return 1 if self.kind == "int8" else 2
+
+    @property
+    def message_bytes(self) -> int:
+        raw = 4 * self.header_floats + self.value_bytes * self.shard
+        return math.ceil(raw / 4) * 4  # each message starts 4-byte aligned
+
+    def wire_bytes(self) -> int:
+        """Bytes each rank sends (and receives) for one bucket: 2 (W − 1) messages."""
+        return 2 * (self.world - 1) * self.message_bytes
+
+
+class Messages:
+    """Views of W messages in one byte buffer: flags, scales (int8) and values per message."""
+
+    def __init__(self, fmt: WireFormat, buffer: Tensor):
+        rows = buffer.view(-1, fmt.message_bytes)
+        header = rows[:, : 4 * fmt.header_floats].view(torch.float32)
+        self.flags = header[:, : fmt.flag_shard]
+        self.scales = header[:, fmt.flag_shard :]
+        body = rows[:, 4 * fmt.header_floats : 4 * fmt.header_floats + fmt.value_bytes * fmt.shard]
+        self.values = body.view(torch.int8 if fmt.kind == "int8" else _HALF[fmt.kind])
+
+
+class BucketCodec:
+    """One bucket's compressed sum: its wire format, scratch bytes and error feedback.
+
+    The scatter/gather buffers are kept for the bucket's life: a collective may still hold
+    them after its wait returns, and freeing a tensor on a communication thread during
+    interpreter shutdown is what the exit handler guards against (sapipe.runtime.shutdown).
+    ``slots``: how many of the bucket's sums may be in flight at once (its staleness slots).
+    """
+
+    def __init__(self, kind: str, numel: int, nflags: int, world: int, dtype: torch.dtype,
+                 device: torch.device, slots: int = 1):
+        self.format = fmt = WireFormat(kind, numel, nflags, world)
+        self.dtype = dtype
+        size = world * fmt.message_bytes
+        self.outbox = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(slots)]
+        self.inbox = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(slots)]
+        self.gathered = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(slots)]
+        self.own = [torch.zeros(fmt.message_bytes, dtype=torch.uint8, device=device) for _ in range(slots)]
+        self._padded = torch.zeros(world * fmt.shard, dtype=dtype, device=device)
+        self._flags = torch.zeros(world * fmt.flag_shard, dtype=torch.float32, device=device)
+        feedback = kind == "int8"
+        #: e of this rank's gradients (all shards), and of the sums of its own shard it sent
+        self.residual = torch.zeros(world * fmt.shard, dtype=dtype, device=device) if feedback else None
+        self.server_residual = torch.zeros(fmt.shard, dtype=dtype, device=device) if feedback else None
+
+    # ---------------------------------------------------------------- the two stages
+
+    def scatter_messages(self, wire: Tensor, slot: int) -> Tensor:
+        """Stage 1's outgoing bytes: ``wire`` (values then flags) as W messages, one per shard."""
+        fmt = self.format
+        self._padded[: fmt.numel].copy_(wire[: fmt.numel])
+        self._flags[: fmt.nflags].copy_(wire[fmt.numel :])
+        out = Messages(fmt, self.outbox[slot])
+        out.flags.copy_(self._flags.view(fmt.world, fmt.flag_shard))
+        _encode(fmt.kind, self._padded.view(fmt.world, fmt.shard), out, self.residual, mean_of=1)
+        return self.outbox[slot]
+
+    def gather_message(self, slot: int) -> Tensor:
+        """Stage 2's outgoing bytes: the W messages received for this rank's shard, summed in
+        the gradient's dtype (in rank order) and compressed again as one message."""
+        fmt = self.format
+        received = Messages(fmt, self.inbox[slot])
+        total = _decode(fmt.kind, received, self.dtype, mean_of=1)  # (W, shard)
+        summed = total[0].clone()
+        for row in total[1:]:
+            summed += row
+        flags = received.flags[0].clone()
+        for row in received.flags[1:]:
+            flags += row
+        mine = self.own[slot]
+        message = Messages(fmt, mine)
+        message.flags.copy_(flags)
+        _encode(fmt.kind, summed.view(1, fmt.shard), message, self.server_residual, mean_of=fmt.world)
+        return mine
+
+    def decode_sum(self, wire: Tensor, slot: int) -> None:
+        """The gathered shards, decoded into ``wire``: the sum over ranks, values then flags."""
+        fmt = self.format
+        gathered = Messages(fmt, self.gathered[slot])
+        values = _decode(fmt.kind, gathered, self.dtype, mean_of=fmt.world).reshape(-1)
+        wire[: fmt.numel].copy_(values[: fmt.numel])
+        wire[fmt.numel :].copy_(gathered.flags.reshape(-1)[: fmt.nflags])
+
+    def at(self, slot: int) -> "SlotCodec":
+        """This codec bound to staleness slot ``slot``'s scratch bytes, for one sum."""
+        return SlotCodec(self, slot)
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> Dict[str, Optional[Tensor]]:
+        return {"residual": _clone(self.residual), "server_residual": _clone(self.server_residual)}
+
+    def load_state_dict(self, state: Dict[str, Optional[Tensor]]) -> None:
+        for name in ("residual", "server_residual"):
+            mine, saved = getattr(self, name), state.get(name)
+            if mine is not None and saved is not None:
+                mine.copy_(saved)
+
+
+@dataclass(frozen=True)
+class SlotCodec:
+    """What a back-end is handed with a bucket's slot: the three steps of its compressed sum."""
+
+    codec: BucketCodec
+    slot: int
+
+    @property
+    def format(self) -> WireFormat:
+        return self.codec.format
+
+    def scatter_messages(self, wire: Tensor) -> Tensor:
+        return self.codec.scatter_messages(wire, self.slot)
+
+    def inbox(self) -> Tensor:
+        return self.codec.inbox[self.slot]
+
+    def gather_message(self) -> Tensor:
+        return self.codec.gather_message(self.slot)
+
+    def gathered(self) -> Tensor:
+        return self.codec.gathered[self.slot]
+
+    def decode_sum(self, wire: Tensor) -> None:
+        self.codec.decode_sum(wire, self.slot)
+
+
+def _clone(tensor: Optional[Tensor]) -> Optional[Tensor]:
+    return tensor.clone() if tensor is not None else None
+
+
+def _encode(kind: str, values: Tensor, out: Messages, residual: Optional[Tensor], mean_of: int) -> None:
+    """``values`` (rows of a shard each) into ``out``'s value (and scale) fields. 16-bit: the
+    values / ``mean_of`` cast; int8: with error feedback through ``residual`` (same shape)."""
+    if kind != "int8":
+        source = values if mean_of == 1 else values / mean_of
+        out.values.copy_(source)
+        return
+    rows = values.shape[0]
+    v = values + residual.view(rows, -1) if residual is not None else values
+    blocks = v.reshape(rows, -1, INT8_BLOCK)
+    scale = (blocks.abs().amax(dim=2) / 127).to(torch.float32)
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).to(v.dtype)
+    q = torch.round(blocks / divisor.unsqueeze(2)).clamp_(-127, 127)
+    out.scales.copy_(scale)
+    out.values.copy_(q.reshape(rows, -1))
+    if residual is not None:
+        residual.view(rows, -1).copy_((blocks - q * scale.to(v.dtype).unsqueeze(2)).reshape(rows, -1))
+
+
+def _decode(kind: str, messages: Messages, dtype: torch.dtype, mean_of: int) -> Tensor:
+    """Every message's values, decoded in ``dtype``: (W, shard)."""
+    if kind != "int8":
+        values = messages.values.to(dtype)
+        return values if mean_of == 1 else values * mean_of
+    rows = messages.values.shape[0]
+    q = messages.values.to(dtype).view(rows, -1, INT8_BLOCK)
+    return (q * messages.scales.to(dtype).unsqueeze(2)).view(rows, -1)
+
+
+__all__ = ["COMPRESSIONS", "INT8_BLOCK", "WireFormat", "BucketCodec", "SlotCodec", "validate"]
