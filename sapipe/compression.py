@@ -129,6 +129,7 @@ class BucketCodec:
         #: e of this rank's gradients (all shards), and of the sums of its own shard it sent
         self.residual = torch.zeros(world * fmt.shard, dtype=dtype, device=device) if feedback else None
         self.server_residual = torch.zeros(fmt.shard, dtype=dtype, device=device) if feedback else None
+        self._summed = torch.zeros(fmt.shard, dtype=dtype, device=device)  # stage 2's sum, reused
 
     # ---------------------------------------------------------------- the two stages
 
@@ -147,10 +148,9 @@ class BucketCodec:
         the gradient's dtype (in rank order) and compressed again as one message."""
         fmt = self.format
         received = Messages(fmt, self.inbox[slot])
-        total = _decode(fmt.kind, received, self.dtype, mean_of=1)  # (W, shard)
-        summed = total[0].clone()
-        for row in total[1:]:
-            summed += row
+        summed = self._summed
+        for r in range(fmt.world):
+            _decode_row(fmt.kind, received, r, summed, add=r > 0)
         flags = received.flags[0].clone()
         for row in received.flags[1:]:
             flags += row
@@ -164,8 +164,12 @@ class BucketCodec:
         """The gathered shards, decoded into ``wire``: the sum over ranks, values then flags."""
         fmt = self.format
         gathered = Messages(fmt, self.gathered[slot])
-        values = _decode(fmt.kind, gathered, self.dtype, mean_of=fmt.world).reshape(-1)
-        wire[: fmt.numel].copy_(values[: fmt.numel])
+        for j in range(fmt.world):
+            lo, hi = j * fmt.shard, min((j + 1) * fmt.shard, fmt.numel)
+            if lo < hi:
+                _decode_row(fmt.kind, gathered, j, wire[lo:hi], add=False)
+        if fmt.kind != "int8":
+            wire[: fmt.numel].mul_(fmt.world)  # the sum travelled as its mean
         wire[fmt.numel :].copy_(gathered.flags.reshape(-1)[: fmt.nflags])
 
     def at(self, slot: int) -> "SlotCodec":
@@ -234,14 +238,22 @@ def _encode(kind: str, values: Tensor, out: Messages, residual: Optional[Tensor]
         residual.view(rows, -1).copy_((blocks - q * scale.to(v.dtype).unsqueeze(2)).reshape(rows, -1))
 
 
-def _decode(kind: str, messages: Messages, dtype: torch.dtype, mean_of: int) -> Tensor:
-    """Every message's values, decoded in ``dtype``: (W, shard)."""
-    if kind != "int8":
-        values = messages.values.to(dtype)
-        return values if mean_of == 1 else values * mean_of
-    rows = messages.values.shape[0]
-    q = messages.values.to(dtype).view(rows, -1, INT8_BLOCK)
-    return (q * messages.scales.to(dtype).unsqueeze(2)).view(rows, -1)
+def _decode_row(kind: str, messages: Messages, row: int, out: Tensor, add: bool) -> None:
+    """Message ``row``'s values (its first ``len(out)``), decoded in ``out``'s dtype, into
+    ``out`` or (``add``) added to it. One contiguous row at a time: torch converts a strided
+    float16 block several times slower than its rows."""
+    n = out.numel()
+    values = messages.values[row, :n]
+    if kind == "int8":
+        scales = messages.scales[row].to(out.dtype)
+        blocks = -(-n // INT8_BLOCK)
+        q = torch.zeros(blocks * INT8_BLOCK, dtype=out.dtype, device=out.device)
+        q[:n].copy_(values)
+        values = (q.view(blocks, INT8_BLOCK) * scales[:blocks].unsqueeze(1)).view(-1)[:n]
+    if add:
+        out.add_(values)
+    else:
+        out.copy_(values)
 
 
 __all__ = ["COMPRESSIONS", "INT8_BLOCK", "WireFormat", "BucketCodec", "SlotCodec", "validate"]

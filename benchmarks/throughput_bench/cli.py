@@ -36,6 +36,9 @@ def _add_mode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default="",
                    help="extra sapipe communication back-ends run at stale_layers='auto' as modes "
                         "'sapipe-auto-<backend>', e.g. pushpull,horovod (default: none)")
+    p.add_argument("--compressions", default="",
+                   help="sapipe compressions run at stale_layers='auto' as modes 'sapipe-auto-<compression>', "
+                        "e.g. bf16,int8 (default: none); efficiency is against the full-precision ceiling")
     p.add_argument("--skip", default="",
                    help="modes to leave out: any of local,comm,ceiling,ddp,sapipe,auto,comp,horovod,deferred "
                         "(deferred: the twins of the fixed-k modes run with expose_gradients=False)")

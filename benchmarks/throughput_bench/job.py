@@ -112,6 +112,8 @@ class Job:
         if first:
             for backend in [b for b in a.backends.split(",") if b]:
                 out.append(TrainRunner(self, f"sapipe-auto-{backend}", "sapipe", "auto", backend=backend))
+            for compression in [c for c in a.compressions.split(",") if c]:
+                out.append(TrainRunner(self, f"sapipe-auto-{compression}", "sapipe", "auto", compression=compression))
         return out
 
     def oracle_k(self) -> Optional[int]:

@@ -60,6 +60,8 @@ def worker_argv(args, model: str, json_path: str, extra: List[str]) -> List[str]
         cmd += ["--skip", ",".join(sorted(args.skip))]
     if args.backends:
         cmd += ["--backends", args.backends]
+    if args.compressions:
+        cmd += ["--compressions", args.compressions]
     if args.trace:
         cmd += ["--trace", os.path.abspath(args.trace)]
     return cmd + extra
