@@ -136,11 +136,14 @@ class BucketCodec:
     def scatter_messages(self, wire: Tensor, slot: int) -> Tensor:
         """Stage 1's outgoing bytes: ``wire`` (values then flags) as W messages, one per shard."""
         fmt = self.format
-        self._padded[: fmt.numel].copy_(wire[: fmt.numel])
+        values = wire[: fmt.numel]
+        if fmt.numel != fmt.world * fmt.shard:  # zero-padded to W whole shards
+            self._padded[: fmt.numel].copy_(values)
+            values = self._padded
         self._flags[: fmt.nflags].copy_(wire[fmt.numel :])
         out = Messages(fmt, self.outbox[slot])
         out.flags.copy_(self._flags.view(fmt.world, fmt.flag_shard))
-        _encode(fmt.kind, self._padded.view(fmt.world, fmt.shard), out, self.residual, mean_of=1)
+        _encode(fmt.kind, values.view(fmt.world, fmt.shard), out, self.residual, mean_of=1)
         return self.outbox[slot]
 
     def gather_message(self, slot: int) -> Tensor:
@@ -245,11 +248,14 @@ def _decode_row(kind: str, messages: Messages, row: int, out: Tensor, add: bool)
     n = out.numel()
     values = messages.values[row, :n]
     if kind == "int8":
-        scales = messages.scales[row].to(out.dtype)
         blocks = -(-n // INT8_BLOCK)
-        q = torch.zeros(blocks * INT8_BLOCK, dtype=out.dtype, device=out.device)
-        q[:n].copy_(values)
-        values = (q.view(blocks, INT8_BLOCK) * scales[:blocks].unsqueeze(1)).view(-1)[:n]
+        if n == blocks * INT8_BLOCK:
+            q = values.to(out.dtype)
+        else:  # the tail of the last shard: its last block is partial
+            q = torch.zeros(blocks * INT8_BLOCK, dtype=out.dtype, device=out.device)
+            q[:n].copy_(values)
+        scales = messages.scales[row, :blocks].to(out.dtype)
+        values = (q.view(blocks, INT8_BLOCK) * scales.unsqueeze(1)).view(-1)[:n]
     if add:
         out.add_(values)
     else:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 from .comm import BACKENDS, compression_refusal
 from .compensation import MODES
-from .compression import COMPRESSIONS
+from .compression import validate as validate_compression
 from .errors import ConfigurationError
 
 DC_FORMS = ("outer", "diagonal")
@@ -72,9 +72,10 @@ def _boolean(name: str, value: Any) -> bool:
 
 
 def _compression(name: str, value: Any) -> Optional[str]:
-    _require(value is None or (isinstance(value, str) and value in COMPRESSIONS),
-             f"{name} must be None or one of {list(COMPRESSIONS)}; got {value!r}")
-    return value
+    try:
+        return validate_compression(value)
+    except ValueError as exc:
+        raise ConfigurationError(f"sapipe: {exc}") from None
 
 
 def _stale_layers(name: str, value: Any) -> Union[int, str]:
