@@ -1,5 +1,8 @@
 """Micro-benchmark of sapipe's fused kernels (csrc/) against the pure-PyTorch path.
 
+The compression codec's stages (sapipe.codec_kernels) are timed too, on float32 buffers:
+their rows count ideal bytes per value of the bucket (codec_cases).
+
 For a flat buffer (16M elements by default) on CPU or on a CUDA GPU, times every kernel
 through the dispatching entry point of sapipe.ops (the compiled extension: ``sapipe._C`` on
 CPU, ``sapipe._C_cuda`` on CUDA) and through its ``reference_*`` function (pure PyTorch),
@@ -46,7 +49,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from sapipe import ops
+from sapipe import codec_kernels, ops
 from sapipe.gradient_spec import GradientSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,10 +80,51 @@ def median_cuda(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
 
 
+def codec_cases(n: int, device: torch.device, world: int = 2) -> Dict[str, Tuple[float, Callable[[], object],
+                                                                               Callable[[], object]]]:
+    """The compression codec's stages (sapipe.codec_kernels) on a float32 bucket of ``n`` values
+    sent as ``world`` rows, with and without error feedback: name -> (ideal bytes per bucket
+    value, kernel call, torch call). encode reads the gradient (and the residual) and writes the
+    compressed rows (and the residual); the sum reads the W received rows of a shard (n / W
+    values each) and writes one (and reads and writes the shard's residual); decode reads the
+    rows and writes the gradient."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    grad = torch.randn(n, generator=gen, device=device)
+    width = -(-n // world // codec_kernels.BLOCK) * codec_kernels.BLOCK
+    cases = {}
+    for kind, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("int8", torch.int8)):
+        value = dtype.itemsize + (4 / codec_kernels.BLOCK if kind == "int8" else 0)
+        rows = torch.zeros(world, width, dtype=dtype, device=device)
+        own = torch.zeros(1, width, dtype=dtype, device=device)
+        scales = torch.ones(world, width // codec_kernels.BLOCK, device=device) if kind == "int8" else None
+        own_scales = scales[:1].clone() if scales is not None else None
+        codec_kernels.reference_encode(grad, None, rows, scales, 1.0)
+        out = torch.empty(n, device=device)
+        for feedback in (False, True):
+            residual = torch.zeros(n, device=device) if feedback else None
+            server = torch.zeros(width, device=device) if feedback else None
+            ef = ", error feedback" if feedback else ""
+            cases[f"codec {kind}: encode{ef}"] = (
+                4 + value + (8 if feedback else 0),
+                lambda r=residual, rows=rows, s=scales: codec_kernels.encode(grad, r, rows, s, 1.0),
+                lambda r=residual, rows=rows, s=scales: codec_kernels.reference_encode(grad, r, rows, s, 1.0))
+            cases[f"codec {kind}: sum of {world} rows{ef}"] = (
+                value + (value + (8 if feedback else 0)) / world,
+                lambda r=server, a=(rows, scales, own, own_scales): codec_kernels.sum_encode(
+                    a[0], a[1], r, a[2], a[3], world, torch.float32),
+                lambda r=server, a=(rows, scales, own, own_scales): codec_kernels.reference_sum_encode(
+                    a[0], a[1], r, a[2], a[3], world, torch.float32))
+        cases[f"codec {kind}: decode"] = (
+            value + 4,
+            lambda rows=rows, s=scales: codec_kernels.decode(rows, s, out, world),
+            lambda rows=rows, s=scales: codec_kernels.reference_decode(rows, s, out, world))
+    return cases
+
+
 @dataclass
 class Row:
     name: str
-    bytes_per_elem: int
+    bytes_per_elem: float
     copy_gbps: float
     torch_ms: Optional[float] = None
     ext_ms: Optional[float] = None
@@ -166,7 +210,7 @@ def main() -> None:
 
     # name -> (bytes per element, ext call, torch call)
     # In-place kernels run repeatedly on the same buffers (values drift; the timing does not).
-    cases: Dict[str, Tuple[int, Callable[[], object], Callable[[], object]]] = {
+    cases: Dict[str, Tuple[float, Callable[[], object], Callable[[], object]]] = {
         "DC diagonal (g, Δ → out)": (
             3 * E,
             lambda: ops.delay_compensate(g, delta, 0.04, "diagonal", lengths, out=out),
@@ -274,6 +318,8 @@ def main() -> None:
             lambda: ops.reference_adam_fused(p, m, v, adam_h, plain, peek=wp3_diag_peek, out=out),
         ),
     }
+    if dtype == torch.float32:  # the codec's gradients are float32 (or float64)
+        cases.update(codec_cases(n, device))
 
     mib = n * E / 2**20
     if cuda:
@@ -309,7 +355,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         ratio = fmt(None if r.ext_over_copy is None else 100 * r.ext_over_copy, ".0f", "%")
-        print(f"| {r.name} | {r.bytes_per_elem} | {fmt(r.torch_ms, '.3f')} | {fmt(r.ext_ms, '.3f')} | "
+        print(f"| {r.name} | {r.bytes_per_elem:g} | {fmt(r.torch_ms, '.3f')} | {fmt(r.ext_ms, '.3f')} | "
               f"{fmt(r.speedup, '.1f', 'x')} | {fmt(r.ext_gbps, '.1f')} | {r.copy_gbps:.1f} | "
               f"{ratio}{f' ({r.error})' if r.error else ''} |")
     if args.json:

@@ -1,11 +1,14 @@
 // sapipe._C: the CPU kernels (vectorised loops, OpenMP across cores via at::parallel_for).
 #include "bindings.h"
+#include "codec_bindings.h"
 #include "cpu_tile_types.h"
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "sapipe fused CPU kernels: delay compensation, WP peek, SGD / Adam(W) updates";
+  m.doc() = "sapipe fused CPU kernels: delay compensation, WP peek, SGD / Adam(W) updates, the compression codec";
   sapipe::define_module<at::kCPU>(m, &sapipe::cpu::dc_dots, &sapipe::cpu::compose,
                                   &sapipe::cpu::sgd, &sapipe::cpu::adam);
+  sapipe::define_codec<at::kCPU>(m, &sapipe::cpu::codec_encode, &sapipe::cpu::codec_sum_encode,
+                                 &sapipe::cpu::codec_decode);
   m.attr("device_type") = "cpu";
   m.def("cpu_isa", &sapipe::cpu::isa_name,
         "Instruction set of the CPU tile kernels in use: \"avx2\" or \"base\".");

@@ -1,5 +1,7 @@
-// Run-time choice of the CPU tile kernels' instruction set: AVX2 where the CPU has it, else
-// the baseline build. SAPIPE_CPU_ISA=base in the environment forces the baseline.
+// Run-time choice of the CPU kernels' instruction set (update tiles and codec): AVX2 where the
+// CPU has it, else the baseline build. SAPIPE_CPU_ISA=base in the environment forces the
+// baseline.
+#include "cpu_codec_types.h"
 #include "cpu_tile_types.h"
 
 #include <atomic>
@@ -12,6 +14,8 @@ namespace cpu {
 namespace base {
 extern const TileTable<float> table_f;
 extern const TileTable<double> table_d;
+extern const CodecTable<float> codec_table_f;
+extern const CodecTable<double> codec_table_d;
 }  // namespace base
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -19,6 +23,8 @@ extern const TileTable<double> table_d;
 namespace avx2 {
 extern const TileTable<float> table_f;
 extern const TileTable<double> table_d;
+extern const CodecTable<float> codec_table_f;
+extern const CodecTable<double> codec_table_d;
 }  // namespace avx2
 #endif
 
@@ -27,7 +33,7 @@ namespace {
 bool cpu_has_avx2() {
 #ifdef SAPIPE_HAVE_AVX2
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");  // the codec uses F16C
 #else
   return false;
 #endif
@@ -60,6 +66,22 @@ const TileTable<double>& tiles<double>() {
   if (choice().load(std::memory_order_relaxed) == 1) return avx2::table_d;
 #endif
   return base::table_d;
+}
+
+template <>
+const CodecTable<float>& codec_tiles<float>() {
+#ifdef SAPIPE_HAVE_AVX2
+  if (choice().load(std::memory_order_relaxed) == 1) return avx2::codec_table_f;
+#endif
+  return base::codec_table_f;
+}
+
+template <>
+const CodecTable<double>& codec_tiles<double>() {
+#ifdef SAPIPE_HAVE_AVX2
+  if (choice().load(std::memory_order_relaxed) == 1) return avx2::codec_table_d;
+#endif
+  return base::codec_table_d;
 }
 
 const char* isa_name() { return choice().load() == 1 ? "avx2" : "base"; }

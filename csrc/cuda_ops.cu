@@ -1,6 +1,7 @@
 // CUDA entry points for ATen tensors: dtype dispatch, device guard, current stream, and the
 // outer-form dots pass, around the raw kernels of csrc/kernels.cuh.
 #include "common.h"
+#include "cuda_launch.h"
 #include "kernels.cuh"
 
 #include <ATen/Dispatch.h>
@@ -36,20 +37,6 @@ sapipe_cuda::GradSrc<T> make_src(const GradSpec& s) {
   r.lam = s.lam;
   r.form = static_cast<int>(s.form);
   return r;
-}
-
-int max_blocks(const at::Device& device) {
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device.index()) != cudaSuccess ||
-      sms <= 0) {
-    (void)cudaGetLastError();
-    sms = 132;
-  }
-  return sms * 16;
-}
-
-void check(cudaError_t err) {
-  TORCH_CHECK(err == cudaSuccess, "sapipe CUDA kernel failed: ", cudaGetErrorString(err));
 }
 
 // Fills src.dots for the outer form when the caller gave none; `keep` owns the storage.

@@ -21,11 +21,15 @@ Formats (docs/design.md §5.9):
   sum is sent as its mean (sum / W), which keeps it in fp16's range wherever each rank's
   gradient was, and multiplied back by W once decoded.
 * ``int8``: blocks of :data:`INT8_BLOCK` values share one float32 scale s = max|v| / 127;
-  a value travels as q = round(v / s) in [−127, 127] and arrives as q · s. **Error
-  feedback** keeps what rounding dropped: rank r sends v = g + e and keeps
-  e ← v − q · s for its next gradient of the bucket (the worker residual); the rank that
-  sums a shard does the same for the sum it sends (the server residual). Both are part of
-  a bucket's checkpoint, so a resumed run sends the same bytes.
+  a value travels as q = round(v / s) in [−127, 127] and arrives as q · s.
+
+**Error feedback** (on by default for int8, ``error_feedback=`` turns it on or off for any
+format) keeps what rounding dropped: rank r sends v = g + e and keeps e ← v − decoded(v)
+for its next gradient of the bucket (the worker residual); the rank that sums a shard does
+the same for the sum it sends (the server residual). Both are part of a bucket's
+checkpoint, so a resumed run sends the same bytes. A value that decodes to inf or NaN
+(GradScaler's overflow steps) keeps its residual: :mod:`sapipe.codec_kernels` has the exact
+rounding rules, and the kernels that carry them out.
 
 Each message also carries the rank's flags for the shard (whether it used each parameter,
 sapipe.runtime.unused) as float32 in its header: they are summed exactly.
@@ -39,8 +43,10 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
+from . import codec_kernels
+
 COMPRESSIONS = ("fp16", "bf16", "int8")
-INT8_BLOCK = 256  # values per int8 scale: 1/64 byte of scale per value
+INT8_BLOCK = codec_kernels.BLOCK  # values per int8 scale: 1/64 byte of scale per value
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -49,6 +55,25 @@ def validate(compression: Optional[str]) -> Optional[str]:
     if compression is not None and compression not in COMPRESSIONS:
         raise ValueError(f"compression must be None or one of {', '.join(map(repr, COMPRESSIONS))}; got {compression!r}")
     return compression
+
+
+@dataclass(frozen=True)
+class Compression:
+    """A wire format and whether it keeps error feedback (on by default for int8 only)."""
+
+    kind: str
+    error_feedback: bool
+
+    @classmethod
+    def of(cls, kind: Optional[str], error_feedback: Optional[bool] = None) -> Optional["Compression"]:
+        """The compression the settings ask for (None: the gradients travel as they are)."""
+        if kind is None:
+            return None
+        return cls(validate(kind), kind == "int8" if error_feedback is None else error_feedback)
+
+    def __str__(self) -> str:
+        default = self.kind == "int8"
+        return self.kind if self.error_feedback == default else f"{self.kind} ({'with' if self.error_feedback else 'without'} error feedback)"
 
 
 @dataclass(frozen=True)
@@ -94,13 +119,14 @@ class WireFormat:
 
 
 class Messages:
-    """Views of W messages in one byte buffer: flags, scales (int8) and values per message."""
+    """Views of messages in one byte buffer: flags, scales (int8: else None) and values per
+    message, one row per message."""
 
     def __init__(self, fmt: WireFormat, buffer: Tensor):
         rows = buffer.view(-1, fmt.message_bytes)
         header = rows[:, : 4 * fmt.header_floats].view(torch.float32)
         self.flags = header[:, : fmt.flag_shard]
-        self.scales = header[:, fmt.flag_shard :]
+        self.scales = header[:, fmt.flag_shard :] if fmt.kind == "int8" else None
         body = rows[:, 4 * fmt.header_floats : 4 * fmt.header_floats + fmt.value_bytes * fmt.shard]
         self.values = body.view(torch.int8 if fmt.kind == "int8" else _HALF[fmt.kind])
 
@@ -112,67 +138,57 @@ class BucketCodec:
     them after its wait returns, and freeing a tensor on a communication thread during
     interpreter shutdown is what the exit handler guards against (sapipe.runtime.shutdown).
     ``slots``: how many of the bucket's sums may be in flight at once (its staleness slots).
+    The arithmetic is sapipe.codec_kernels' (compiled kernels where built).
     """
 
-    def __init__(self, kind: str, numel: int, nflags: int, world: int, dtype: torch.dtype,
+    def __init__(self, compression: Compression, numel: int, nflags: int, world: int, dtype: torch.dtype,
                  device: torch.device, slots: int = 1):
-        self.format = fmt = WireFormat(kind, numel, nflags, world)
+        self.compression = compression
+        self.format = fmt = WireFormat(compression.kind, numel, nflags, world)
         self.dtype = dtype
         size = world * fmt.message_bytes
         self.outbox = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(slots)]
         self.inbox = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(slots)]
         self.gathered = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(slots)]
         self.own = [torch.zeros(fmt.message_bytes, dtype=torch.uint8, device=device) for _ in range(slots)]
-        self._padded = torch.zeros(world * fmt.shard, dtype=dtype, device=device)
         self._flags = torch.zeros(world * fmt.flag_shard, dtype=torch.float32, device=device)
-        feedback = kind == "int8"
-        #: e of this rank's gradients (all shards), and of the sums of its own shard it sent
-        self.residual = torch.zeros(world * fmt.shard, dtype=dtype, device=device) if feedback else None
+        feedback = compression.error_feedback
+        #: e of this rank's gradients (one per bucket value), and of the sums of its own shard it sent
+        self.residual = torch.zeros(numel, dtype=dtype, device=device) if feedback else None
         self.server_residual = torch.zeros(fmt.shard, dtype=dtype, device=device) if feedback else None
-        self._summed = torch.zeros(fmt.shard, dtype=dtype, device=device)  # stage 2's sum, reused
 
     # ---------------------------------------------------------------- the two stages
 
     def scatter_messages(self, wire: Tensor, slot: int) -> Tensor:
         """Stage 1's outgoing bytes: ``wire`` (values then flags) as W messages, one per shard."""
         fmt = self.format
-        values = wire[: fmt.numel]
-        if fmt.numel != fmt.world * fmt.shard:  # zero-padded to W whole shards
-            self._padded[: fmt.numel].copy_(values)
-            values = self._padded
         self._flags[: fmt.nflags].copy_(wire[fmt.numel :])
         out = Messages(fmt, self.outbox[slot])
         out.flags.copy_(self._flags.view(fmt.world, fmt.flag_shard))
-        _encode(fmt.kind, values.view(fmt.world, fmt.shard), out, self.residual, mean_of=1)
+        codec_kernels.encode(wire[: fmt.numel], self.residual, out.values, out.scales)
         return self.outbox[slot]
 
     def gather_message(self, slot: int) -> Tensor:
         """Stage 2's outgoing bytes: the W messages received for this rank's shard, summed in
-        the gradient's dtype (in rank order) and compressed again as one message."""
+        the gradient's dtype (in rank order) and compressed again as one message (16-bit: as
+        the mean, which stays in fp16's range wherever each rank's values were)."""
         fmt = self.format
         received = Messages(fmt, self.inbox[slot])
-        summed = self._summed
-        for r in range(fmt.world):
-            _decode_row(fmt.kind, received, r, summed, add=r > 0)
+        mine = self.own[slot]
+        message = Messages(fmt, mine)
+        codec_kernels.sum_encode(received.values, received.scales, self.server_residual, message.values,
+                                 message.scales, fmt.world, self.dtype)
         flags = received.flags[0].clone()
         for row in received.flags[1:]:
             flags += row
-        mine = self.own[slot]
-        message = Messages(fmt, mine)
         message.flags.copy_(flags)
-        _encode(fmt.kind, summed.view(1, fmt.shard), message, self.server_residual, mean_of=fmt.world)
         return mine
 
     def decode_sum(self, wire: Tensor, slot: int) -> None:
         """The gathered shards, decoded into ``wire``: the sum over ranks, values then flags."""
         fmt = self.format
         gathered = Messages(fmt, self.gathered[slot])
-        for j in range(fmt.world):
-            lo, hi = j * fmt.shard, min((j + 1) * fmt.shard, fmt.numel)
-            if lo < hi:
-                _decode_row(fmt.kind, gathered, j, wire[lo:hi], add=False)
-        if fmt.kind != "int8":
-            wire[: fmt.numel].mul_(fmt.world)  # the sum travelled as its mean
+        codec_kernels.decode(gathered.values, gathered.scales, wire[: fmt.numel], fmt.world)
         wire[fmt.numel :].copy_(gathered.flags.reshape(-1)[: fmt.nflags])
 
     def at(self, slot: int) -> "SlotCodec":
@@ -188,7 +204,8 @@ class BucketCodec:
         for name in ("residual", "server_residual"):
             mine, saved = getattr(self, name), state.get(name)
             if mine is not None and saved is not None:
-                mine.copy_(saved)
+                # a residual saved over the zero-padded shards holds zeros past the bucket's end
+                mine.copy_(saved[: mine.numel()])
 
 
 @dataclass(frozen=True)
@@ -222,44 +239,4 @@ def _clone(tensor: Optional[Tensor]) -> Optional[Tensor]:
     return tensor.clone() if tensor is not None else None
 
 
-def _encode(kind: str, values: Tensor, out: Messages, residual: Optional[Tensor], mean_of: int) -> None:
-    """``values`` (rows of a shard each) into ``out``'s value (and scale) fields. 16-bit: the
-    values / ``mean_of`` cast; int8: with error feedback through ``residual`` (same shape)."""
-    if kind != "int8":
-        source = values if mean_of == 1 else values / mean_of
-        out.values.copy_(source)
-        return
-    rows = values.shape[0]
-    v = values + residual.view(rows, -1) if residual is not None else values
-    blocks = v.reshape(rows, -1, INT8_BLOCK)
-    scale = (blocks.abs().amax(dim=2) / 127).to(torch.float32)
-    divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).to(v.dtype)
-    q = torch.round(blocks / divisor.unsqueeze(2)).clamp_(-127, 127)
-    out.scales.copy_(scale)
-    out.values.copy_(q.reshape(rows, -1))
-    if residual is not None:
-        residual.view(rows, -1).copy_((blocks - q * scale.to(v.dtype).unsqueeze(2)).reshape(rows, -1))
-
-
-def _decode_row(kind: str, messages: Messages, row: int, out: Tensor, add: bool) -> None:
-    """Message ``row``'s values (its first ``len(out)``), decoded in ``out``'s dtype, into
-    ``out`` or (``add``) added to it. One contiguous row at a time: torch converts a strided
-    float16 block several times slower than its rows."""
-    n = out.numel()
-    values = messages.values[row, :n]
-    if kind == "int8":
-        blocks = -(-n // INT8_BLOCK)
-        if n == blocks * INT8_BLOCK:
-            q = values.to(out.dtype)
-        else:  # the tail of the last shard: its last block is partial
-            q = torch.zeros(blocks * INT8_BLOCK, dtype=out.dtype, device=out.device)
-            q[:n].copy_(values)
-        scales = messages.scales[row, :blocks].to(out.dtype)
-        values = (q.view(blocks, INT8_BLOCK) * scales.unsqueeze(1)).view(-1)[:n]
-    if add:
-        out.add_(values)
-    else:
-        out.copy_(values)
-
-
-__all__ = ["COMPRESSIONS", "INT8_BLOCK", "WireFormat", "BucketCodec", "SlotCodec", "validate"]
+__all__ = ["COMPRESSIONS", "INT8_BLOCK", "Compression", "WireFormat", "BucketCodec", "SlotCodec", "validate"]

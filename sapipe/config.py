@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 from .comm import BACKENDS, compression_refusal
 from .compensation import MODES
-from .compression import validate as validate_compression
+from .compression import Compression, validate as validate_compression
 from .errors import ConfigurationError
 
 DC_FORMS = ("outer", "diagonal")
@@ -68,6 +68,11 @@ def _one_of(choices) -> Callable[[str, Any], Any]:
 
 def _boolean(name: str, value: Any) -> bool:
     _require(isinstance(value, bool), f"{name} must be True or False; got {value!r}")
+    return value
+
+
+def _optional_boolean(name: str, value: Any) -> Optional[bool]:
+    _require(value is None or isinstance(value, bool), f"{name} must be None, True or False; got {value!r}")
     return value
 
 
@@ -156,6 +161,10 @@ class Settings:
         None, _compression,
         """how bucket gradients travel (:mod:`sapipe.compression`): ``None`` (their own dtype), ``"fp16"``, ``"bf16"`` (16-bit), or ``"int8"`` (per-block scaled, with error feedback); every bucket, sync and stale; summed in the gradients' own dtype.""",
     )
+    error_feedback: Optional[bool] = _setting(
+        None, _optional_boolean,
+        """with ``compression``: whether each rank keeps what rounding dropped and adds it to its next gradient (:mod:`sapipe.compression`); ``None``: on for ``"int8"``, off for ``"fp16"``/``"bf16"``.""",
+    )
     partition_mb: float = _setting(
         4.0, _positive_number,
         """chunk size of ``backend="pushpull"`` (BytePS's default: 4 MB).""",
@@ -200,6 +209,8 @@ class Settings:
                  f"layers (modules that directly own trainable parameters); got {self.stale_layers!r}")
         refusal = compression_refusal(self.backend, self.compression)
         _require(refusal is None, str(refusal))
+        _require(self.error_feedback is None or self.compression is not None,
+                 f"error_feedback={self.error_feedback!r} needs a compression; got compression=None")
         limit = MODES[self.compensation].max_staleness
         _require(limit is None or self.staleness <= limit,
                  f"compensation={self.compensation!r} is defined for staleness 1 only (docs/design.md §3); "
@@ -208,6 +219,11 @@ class Settings:
     @property
     def auto(self) -> bool:
         return self.stale_layers == AUTO
+
+    @property
+    def wire_compression(self) -> Optional[Compression]:
+        """The compression, with error feedback resolved (None: uncompressed)."""
+        return Compression.of(self.compression, self.error_feedback)
 
     @property
     def bucket_cap_bytes(self) -> int:

@@ -91,6 +91,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         backend: str = "torch",
         partition_mb: float = 4.0,
         compression: Optional[str] = None,
+        error_feedback: Optional[bool] = None,
         tune_steps: int = 10,
         broadcast_buffers: bool = True,
         expose_gradients: bool = True,

@@ -179,36 +179,51 @@ def clip_by_value(limit: float) -> Callable[[Tensors], Tensors]:
 
 
 def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, int]]]] = None,
-                    block: int = 256) -> Callable[[List[Tensors]], Tensors]:
+                    block: int = 256, error_feedback: Optional[bool] = None) -> Callable[[List[Tensors]], Tensors]:
     """The mean of the ranks' gradients as sapipe's compressed sum delivers it (docs/design.md
-    §5.9), as a function of the ranks' gradients, one call per iteration (int8 keeps the
-    error-feedback residuals between calls).
+    §5.9), as a function of the ranks' gradients, one call per iteration (error feedback keeps
+    its residuals between calls).
 
     Every bucket is split into W shards (int8: each a whole number of ``block``-value blocks,
     zero-padded); rank r's shard j is rounded once as r's, the W rounded shards are added in
     float64 in rank order, the sum is rounded once more, and the result is divided by W.
     16-bit: each value cast (the sum as sum / W, then times W). int8: per block, the float32
-    scale s = max|v| / 127 and q = round(v / s) clamped to ±127, of v = the value plus the
-    residual that rank (or, for the sum, shard j's owner) kept from that bucket's last call.
+    scale s = max|v| / 127 and q = round(v · (1 / s)) clamped to ±127. With error feedback
+    (``None``: int8 only) v is the value plus the residual that rank (or, for the sum, the
+    shard's owner) kept from its last call: what v's rounding dropped.
     ``buckets``: per bucket, its (parameter name, numel) in flat order (int8 only).
     """
     half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(kind)
-    residual: Dict[Tuple[str, int, int], torch.Tensor] = {}
+    feedback = kind == "int8" if error_feedback is None else error_feedback
+    residual: Dict[Tuple, torch.Tensor] = {}
 
-    def int8(values: torch.Tensor, key: Tuple[str, int, int]) -> torch.Tensor:
-        v = values + residual.get(key, torch.zeros_like(values))
-        blocks = v.reshape(-1, block)
-        scale = (blocks.abs().max(dim=1).values / 127).to(torch.float32).to(torch.float64)
-        q = torch.round(blocks / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]).clamp(-127, 127)
-        out = (q * scale[:, None]).reshape(-1)
-        residual[key] = v - out
+    def fed(values: torch.Tensor, key: Tuple, rounded: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``rounded(values + residual)``, the residual becoming what that rounding dropped."""
+        v = values + residual.get(key, torch.zeros_like(values)) if feedback else values
+        out = rounded(v)
+        if feedback:
+            residual[key] = v - out
         return out
 
-    def reduce(local: List[Tensors]) -> Tensors:
+    def int8(v: torch.Tensor) -> torch.Tensor:
+        blocks = v.reshape(-1, block)
+        scale = (blocks.abs().max(dim=1).values / 127).to(torch.float32).to(torch.float64)
+        q = torch.round(blocks * (1 / torch.where(scale > 0, scale, torch.ones_like(scale)))[:, None]).clamp(-127, 127)
+        return (q * scale[:, None]).reshape(-1)
+
+    def reduce_16_bit(local: List[Tensors]) -> Tensors:
         world = len(local)
+        sixteen = lambda divide: lambda v: (v / divide).to(half).to(torch.float64) * divide  # noqa: E731
+        mean: Tensors = {}
+        for nm in local[0]:
+            total = sum(fed(l[nm], ("rank", r, nm), sixteen(1)) for r, l in enumerate(local))
+            mean[nm] = fed(total, ("sum", nm), sixteen(world)) / world
+        return mean
+
+    def reduce(local: List[Tensors]) -> Tensors:
         if half is not None:
-            summed = {nm: sum(l[nm].to(half).to(torch.float64) for l in local) for nm in local[0]}
-            return {nm: (v / world).to(half).to(torch.float64) * world / world for nm, v in summed.items()}
+            return reduce_16_bit(local)
+        world = len(local)
         assert buckets is not None, "int8 needs the bucket layout"
         mean: Tensors = {}
         for b, layout in enumerate(buckets):
@@ -216,14 +231,14 @@ def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, in
             shard = math.ceil(math.ceil(numel / world) / block) * block
             flat = [torch.nn.functional.pad(torch.cat([l[nm].reshape(-1) for nm, _ in layout]),
                                             (0, world * shard - numel)) for l in local]
-            sent = [[int8(f[j * shard:(j + 1) * shard], ("rank", r, b * world + j)) for j in range(world)]
+            sent = [[fed(f[j * shard:(j + 1) * shard], ("rank", r, b * world + j), int8) for j in range(world)]
                     for r, f in enumerate(flat)]
             total = []
             for j in range(world):
                 acc = sent[0][j].clone()
                 for r in range(1, world):
                     acc += sent[r][j]
-                total.append(int8(acc, ("sum", j, b)))
+                total.append(fed(acc, ("sum", j, b), int8))
             values = torch.cat(total)[:numel] / world
             offset = 0
             for nm, n in layout:

@@ -2,7 +2,8 @@
 
 * Every format in every compensation mode against the float64 reference extended with the
   same quantizer (``reference.compressed_mean``): each rank's shards rounded once, summed in
-  float64 in rank order, the sum rounded once more; int8 with both error-feedback residuals.
+  float64 in rank order, the sum rounded once more; with both error-feedback residuals where
+  they are on (int8 by default; 16-bit with ``error_feedback=True``, int8 without one case).
 * At k = 0, ``"fp16"`` / ``"bf16"`` against DDP with torch's own ``fp16_compress_hook`` /
   ``bf16_compress_hook``: the averaged gradient of each step within the formats' rounding,
   while both differ from the uncompressed mean by more than that.
@@ -22,11 +23,13 @@ from reference import compressed_mean, run_reference
 from test_modes import BASE_LR, DC_LAMBDA, M, lr_factor, make_optimizer, train_and_read
 
 STEPS = 6
-CONFIGS = [  # (compression, stale_layers, compensation, staleness)
-    ("fp16", 0, "none", 1), ("fp16", 3, "dc", 1), ("fp16", 3, "wp1", 1), ("fp16", M, "none", 1),
-    ("bf16", 0, "none", 1), ("bf16", 3, "wp2", 1), ("bf16", 3, "wp3", 1),
-    ("int8", 0, "none", 1), ("int8", 3, "none", 1), ("int8", 3, "dc", 1), ("int8", 3, "wp1", 1),
-    ("int8", 3, "wp3", 1), ("int8", M, "none", 2),
+CONFIGS = [  # (compression, stale_layers, compensation, staleness, error_feedback)
+    ("fp16", 0, "none", 1, None), ("fp16", 3, "dc", 1, None), ("fp16", 3, "wp1", 1, None),
+    ("fp16", M, "none", 1, None), ("bf16", 0, "none", 1, None), ("bf16", 3, "wp2", 1, None),
+    ("bf16", 3, "wp3", 1, None), ("bf16", 3, "dc", 1, True), ("fp16", M, "none", 2, True),
+    ("int8", 0, "none", 1, None), ("int8", 3, "none", 1, None), ("int8", 3, "dc", 1, None),
+    ("int8", 3, "wp1", 1, None), ("int8", 3, "wp3", 1, None), ("int8", M, "none", 2, None),
+    ("int8", 3, "wp1", 1, False),
 ]
 
 
@@ -40,11 +43,11 @@ def _train(rank, world_size, configs):
 
     results = []
     batches = make_batches("tied", STEPS, world_size, dtype=torch.float64)
-    for compression, k, mode, s in configs:
+    for compression, k, mode, s, feedback in configs:
         model = make_model("tied", seed=rank, dtype=torch.float64)
         opt = sapipe.DistributedOptimizer(make_optimizer("adamw", model.parameters()), model, stale_layers=k,
                                           compensation=mode, dc_lambda=DC_LAMBDA, staleness=s, bucket_cap_mb=0.0008,
-                                          compression=compression, timeout=60)
+                                          compression=compression, error_feedback=feedback, timeout=60)
         real, held = train_and_read(model, opt, batches, rank)
         results.append({"real": real, "held": held, "buckets": _bucket_layouts(opt, model)})
         opt.close()
@@ -57,17 +60,17 @@ def _runs():
 
 
 def _reference(config, buckets, compressed=True):
-    compression, k, mode, s = config
+    compression, k, mode, s, feedback = config
     return run_reference(
         make_model("tied", seed=0, dtype=torch.float64), functools.partial(make_optimizer, "adamw"),
         make_batches("tied", STEPS, 2, dtype=torch.float64), loss_fn_for("tied"), stale_layers=k,
         compensation=mode, dc_lambda=DC_LAMBDA, staleness=s,
         lr_at=lambda it: BASE_LR["adamw"] * lr_factor(it - 1),
-        reduce=compressed_mean(compression, buckets) if compressed else None,
+        reduce=compressed_mean(compression, buckets, error_feedback=feedback) if compressed else None,
     )
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "{}-k{}-{}-s{}".format(*c))
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "{}-k{}-{}-s{}-ef{}".format(*c))
 def test_compressed_modes_match_the_reference_with_the_same_quantizer(config):
     per_rank = [run[CONFIGS.index(config)] for run in _runs()]
     assert len(per_rank[0]["buckets"]) >= 2, "the test should span several buckets"

@@ -11,14 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sapipe.compression import INT8_BLOCK, BucketCodec, WireFormat, validate
+from sapipe.compression import INT8_BLOCK, BucketCodec, Compression, WireFormat, validate
 
 # largest |decoded - exact| / max|exact| one summed step may show: two roundings of the format
 BOUND = {"fp16": 2.0**-10, "bf16": 2.0**-7, "int8": 2.0 / 127}
 
 
-def _codecs(kind, numel, nflags, world, dtype=torch.float32):
-    return [BucketCodec(kind, numel, nflags, world, dtype, torch.device("cpu")) for _ in range(world)]
+def _codecs(kind, numel, nflags, world, dtype=torch.float32, error_feedback=None):
+    compression = Compression.of(kind, error_feedback)
+    return [BucketCodec(compression, numel, nflags, world, dtype, torch.device("cpu")) for _ in range(world)]
 
 
 def _sum(codecs, wires):
@@ -67,10 +68,7 @@ def _drift(feedback: bool, steps: int = 60):
     """max |running sum of decoded results - running exact sum| after each step (int8, W = 2)."""
     world, numel = 2, 4 * INT8_BLOCK
     gen = torch.Generator().manual_seed(0)
-    codecs = _codecs("int8", numel, 0, world)
-    if not feedback:
-        for codec in codecs:
-            codec.residual = codec.server_residual = None
+    codecs = _codecs("int8", numel, 0, world, error_feedback=feedback)
     base = [torch.randn(numel, generator=gen) for _ in range(world)]
     base[0][::7] *= 100  # outliers: large scales, so small values round to 0 without feedback
     running, exact, drift = torch.zeros(numel), torch.zeros(numel), []

@@ -31,6 +31,10 @@ BAD_ARGUMENTS = {
     "negative tune steps": ({"stale_layers": "auto", "tune_steps": -1}, "ConfigurationError", "tune_steps must be an int >= 0"),
     "zero profile steps": ({"stale_layers": "auto", "profile_steps": 0}, "ConfigurationError", "profile_steps"),
     "unknown compression": ({"compression": "fp8"}, "ConfigurationError", "compression must be None or one of"),
+    "error feedback without a compression": ({"error_feedback": True}, "ConfigurationError",
+                                             "error_feedback=True needs a compression"),
+    "error feedback not a bool": ({"compression": "int8", "error_feedback": "yes"}, "ConfigurationError",
+                                  "error_feedback must be None, True or False; got 'yes'"),
     "compression the back-end cannot carry": ({"backend": "pushpull", "compression": "int8"}, "ConfigurationError",
                                               "backend='pushpull' cannot carry compression='int8'"),
 }

@@ -853,6 +853,7 @@ def test_in_place_kernels_bump_version_counters(no_fallback):
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 
 STANDALONE = r"""
+#include "codec.cuh"
 #include "kernels.cuh"
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -872,12 +873,23 @@ INST(float)
 INST(double)
 INST(__half)
 INST(__nv_bfloat16)
+namespace cc = sapipe_codec;
+#define CODEC(T)                                                                              \
+  template cudaError_t cc::launch_encode<T>(int, const T*, T*, int64_t, const cc::Rows&, T,     \
+                                            int, cudaStream_t);                               \
+  template cudaError_t cc::launch_sum_encode<T>(int, const cc::Rows&, T*, const cc::Rows&, T,   \
+                                                int, cudaStream_t);                           \
+  template cudaError_t cc::launch_decode<T>(int, const cc::Rows&, T*, int64_t, T, int,          \
+                                            cudaStream_t);
+CODEC(float)
+CODEC(double)
 """
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 def test_nvcc_compiles_cuda_sources(tmp_path):
-    """csrc/kernels.cuh standalone (all four dtypes), csrc/cuda_ops.cu against torch's headers,
+    """csrc/kernels.cuh (all four dtypes) and csrc/codec.cuh standalone, csrc/cuda_ops.cu and
+    csrc/cuda_codec.cu against torch's headers,
     and the CUDA module's bindings with the host compiler, run side by side.
 
     A CPU-only torch wheel ships c10/cuda headers but not the build-generated
@@ -905,6 +917,9 @@ def test_nvcc_compiles_cuda_sources(tmp_path):
         "cuda_ops.cu with torch headers": [nvcc, "-c", "-std=c++20", "-O3", *arch, *torch_defs,
                                            *incs, os.path.join(CSRC, "cuda_ops.cu"), "-o",
                                            str(tmp_path / "cuda_ops.o")],
+        "cuda_codec.cu with torch headers": [nvcc, "-c", "-std=c++20", "-O3", *arch, *torch_defs,
+                                             *incs, os.path.join(CSRC, "cuda_codec.cu"), "-o",
+                                             str(tmp_path / "cuda_codec.o")],
         "cuda_bindings.cpp (host)": [cxx, "-fsyntax-only", "-std=c++20", *incs,
                                      f"-I{sysconfig.get_paths()['include']}",
                                      "-DTORCH_EXTENSION_NAME=_C_cuda",
@@ -920,3 +935,4 @@ def test_nvcc_compiles_cuda_sources(tmp_path):
     assert not failures, "\n\n".join(f"{k}:\n{v}" for k, v in failures.items())
     assert (tmp_path / "k.o").stat().st_size > 0
     assert (tmp_path / "cuda_ops.o").stat().st_size > 0
+    assert (tmp_path / "cuda_codec.o").stat().st_size > 0

@@ -134,7 +134,7 @@ class AutoController:
         if ring == 0:
             return profile  # one rank: nothing travels
         largest = max(buckets, key=lambda b: b.numel)
-        scratch = BucketCodec(self._settings.compression, largest.numel, len(largest.params), world,
+        scratch = BucketCodec(self._settings.wire_compression, largest.numel, len(largest.params), world,
                               largest.dtype, largest.device)
         wire = torch.randn(largest.numel + len(largest.params), dtype=largest.dtype, device=largest.device)
         (seconds,) = self._control.agree_on_max([profiler.time_codec(scratch, wire)], "the time to compress")

@@ -29,7 +29,8 @@ class Runtime:
                  group_of: Dict[int, int]):
         self._settings = settings
         self._group_of = group_of
-        self._compression = (settings.compression, world_size) if settings.compression is not None else None
+        compression = settings.wire_compression
+        self._compression = (compression, world_size) if compression is not None else None
         self.pipeline = GradientPipeline(settings, group, tracer, before_reuse=self.apply_deferred)
         self.updater = Updater(rule, MODES[settings.compensation](settings.staleness), settings,
                                world_size, self.pipeline)

@@ -12,19 +12,19 @@ import torch
 
 from ..buckets import Bucket, StalenessBuffer, build_buckets
 from ..compensation import Compensation
-from ..compression import BucketCodec
+from ..compression import BucketCodec, Compression
 from ..layers import Layer
 from ..optim_math import OptimizerRule
 
-#: (format, world size) of the buckets' compressed sums (sapipe.compression)
-Compression = Tuple[str, int]
+#: (compression, world size) of the buckets' compressed sums (sapipe.compression)
+CompressedSums = Tuple[Compression, int]
 
 
 class Layout:
     """The buckets of ``layers`` for ``k`` stale layers, with their gradient buffers."""
 
     def __init__(self, layers: List[Layer], k: int, cap_bytes: int, group_of: Dict[int, int],
-                 staleness: int, compensation: Compensation, compression: Optional[Compression] = None):
+                 staleness: int, compensation: Compensation, compression: Optional[CompressedSums] = None):
         self.layers = layers
         self.k = k
         self._cap_bytes, self._group_of = cap_bytes, group_of
@@ -52,8 +52,8 @@ class Layout:
         if bucket.stale and self._compensation.needs_prev_local:
             bucket.prev_local = torch.zeros_like(bucket.grads.slots[0])
         if self._compression is not None:
-            kind, world = self._compression
-            bucket.grads.codec = BucketCodec(kind, bucket.numel, len(bucket.params), world, bucket.dtype,
+            compression, world = self._compression
+            bucket.grads.codec = BucketCodec(compression, bucket.numel, len(bucket.params), world, bucket.dtype,
                                              bucket.device, slots=depth)
 
     def relaid(self, k: int) -> "Layout":
@@ -81,7 +81,7 @@ class Layout:
 
 
 def _move_residuals(old: List[Bucket], new: List[Bucket]) -> None:
-    """Each parameter's int8 error-feedback residual (what its rank's rounding kept back) to its
+    """Each parameter's error-feedback residual (what its rank's rounding kept back) to its
     new place. A residual of a sum (kept per shard, whose bounds move) is dropped."""
     places = {id(p): (b, off) for b in old for p, off in zip(b.params, b.offsets) if b.grads.codec.residual is not None}
     for bucket in new:

@@ -1,0 +1,408 @@
+// CPU codec kernels: one message row at a time, in blocks of kCodecBlock values held on the
+// stack, as plain loops over raw pointers so that one source compiles for several instruction
+// sets (cpu_codec_tiles.cpp: the baseline; cpu_codec_tiles_avx2.cpp: AVX2), chosen at run time
+// like the update kernels (cpu_dispatch.cpp). FMA stays off, so every ISA gives the same bits.
+//
+// The 16-bit conversions are written out with integer and float operations the vectoriser
+// handles (no F16C, no library calls), rounding to nearest even as torch's conversions do;
+// round-half-even of the int8 quotient is the add-and-subtract of 1.5 * 2^(mantissa bits),
+// exact for the |x| <= 128 it is used on. Rounding rules: csrc/codec.h. Per-element choices
+// are bit masks (`pick`), not branches: GCC keeps a choice between a float result and
+// another value as a branch (a float operation must not be moved where it might trap) and
+// then does not vectorise the loop.
+//
+// Include cpu_codec_types.h, <cmath> and <cstring> before this file, then define
+// SAPIPE_CPU_ISA (and SAPIPE_CODEC_F16C where F16C's conversions may be used: <immintrin.h>).
+#ifndef SAPIPE_CPU_ISA
+#error "define SAPIPE_CPU_ISA (the namespace of this instruction-set variant) first"
+#endif
+
+#if defined(_OPENMP)
+#define SAPIPE_CODEC_SIMD _Pragma("omp simd")
+#define SAPIPE_CODEC_SIMD_MAX _Pragma("omp simd reduction(max : m) reduction(+ : nonfinite)")
+#else
+#define SAPIPE_CODEC_SIMD
+#define SAPIPE_CODEC_SIMD_MAX
+#endif
+
+namespace sapipe {
+namespace cpu {
+namespace SAPIPE_CPU_ISA {
+
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+inline float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// `yes` where `condition` holds, else `no`, as a bit mask (no branch).
+inline uint32_t pick(bool condition, uint32_t yes, uint32_t no) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(condition);
+  return (yes & mask) | (no & ~mask);
+}
+
+// float -> IEEE half bits, round to nearest even; beyond 65504 -> inf; NaN -> quiet NaN.
+inline uint16_t to_fp16(float f) {
+  const uint32_t x = bits_of(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t a = x & 0x7fffffffu;
+  // normal halves: rebias the exponent by 127 - 15 and round away the 13 low mantissa bits
+  // (a carry out of the mantissa raises the exponent, as it should)
+  const uint32_t normal = (a + 0xfffu + ((a >> 13) & 1u) - (112u << 23)) >> 13;
+  // subnormal halves (|f| < 2^-14): adding 0.5f rounds |f| to a multiple of 2^-24, the
+  // subnormal half's unit, which then sits in the low bits of the sum
+  const uint32_t subnormal = bits_of(float_of(a) + 0.5f) - 0x3f000000u;
+  uint32_t h = pick(a < 0x38800000u, subnormal, normal);
+  h = pick(a >= 0x477ff000u, 0x7c00u, h);  // 65520 and above round to inf
+  h = pick(a > 0x7f800000u, 0x7e00u, h);   // NaN
+  return static_cast<uint16_t>(sign | h);
+}
+
+// IEEE half bits -> float (exact).
+inline float from_fp16(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t a = h & 0x7fffu;
+  // exponent and mantissa moved into float's fields, then rebiased by 2^(127 - 15): exact
+  // for normal and subnormal halves alike
+  const float magnitude = float_of(a << 13) * 0x1p112f;
+  const uint32_t special = 0x7f800000u | (a << 13);  // inf and NaN keep their mantissa
+  return float_of(sign | pick(a >= 0x7c00u, special, bits_of(magnitude)));
+}
+
+// float -> bfloat16 bits, round to nearest even; NaN -> 0x7fc0 (torch's canonical NaN).
+inline uint16_t to_bf16(float f) {
+  const uint32_t x = bits_of(f);
+  const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(pick((x & 0x7fffffffu) > 0x7f800000u, 0x7fc0u, rounded));
+}
+
+inline float from_bf16(uint16_t h) { return float_of(static_cast<uint32_t>(h) << 16); }
+
+template <int kKind>
+inline uint16_t to_16(float f) {
+  return kKind == kCodecFp16 ? to_fp16(f) : to_bf16(f);
+}
+
+template <int kKind>
+inline float from_16(uint16_t h) {
+  return kKind == kCodecFp16 ? from_fp16(h) : from_bf16(h);
+}
+
+template <typename T>
+struct BitsOf {
+  using type = uint32_t;
+};
+template <>
+struct BitsOf<double> {
+  using type = uint64_t;
+};
+
+// `pick` for a float or double value.
+template <typename T>
+inline T pick_value(bool condition, T yes, T no) {
+  using U = typename BitsOf<T>::type;
+  U y, n;
+  std::memcpy(&y, &yes, sizeof y);
+  std::memcpy(&n, &no, sizeof n);
+  const U mask = U(0) - static_cast<U>(condition);
+  const U r = (y & mask) | (n & ~mask);
+  T out;
+  std::memcpy(&out, &r, sizeof out);
+  return out;
+}
+
+template <typename T>
+constexpr T kRoundMagic = T(12582912.0);  // 1.5 * 2^23
+template <>
+constexpr double kRoundMagic<double> = 6755399441055744.0;  // 1.5 * 2^52
+
+template <typename T>
+constexpr T kMaxFinite = T(3.4028234663852886e38);
+template <>
+constexpr double kMaxFinite<double> = 1.7976931348623157e308;
+
+
+// v[0:kCodecBlock] = src[0:count] (+ residual), zero beyond count.
+template <typename T>
+inline void load_block(const T* src, const T* residual, int64_t count, T* __restrict v) {
+  if (residual) {
+    SAPIPE_CODEC_SIMD
+    for (int64_t i = 0; i < count; ++i) v[i] = src[i] + residual[i];
+  } else {
+    SAPIPE_CODEC_SIMD
+    for (int64_t i = 0; i < count; ++i) v[i] = src[i];
+  }
+  for (int64_t i = count; i < kCodecBlock; ++i) v[i] = T(0);
+}
+
+// One int8 block: its scale and kCodecBlock values; residual[0:count] updated (when given).
+// Simple loops over the block on the stack, each one the vectoriser turns into plain vector
+// code: max|v| (and v * 0, NaN exactly when some v is inf or NaN), the rounded quotients,
+// their narrowing to int8, the residual.
+template <typename T>
+inline void encode_block_i8(const T* __restrict v, int64_t count, int8_t* q, float* scale,
+                            T* residual) {
+  T m = T(0), nonfinite = T(0);
+  SAPIPE_CODEC_SIMD_MAX
+  for (int64_t i = 0; i < kCodecBlock; ++i) {
+    const T a = std::fabs(v[i]);
+    m = a > m ? a : m;
+    nonfinite += v[i] * T(0);
+  }
+  const float s = static_cast<float>(m / T(127));
+  if (nonfinite != T(0) || !(s <= 3.4028234663852886e38f)) {
+    // NaN, or beyond float32's range: the block travels as NaN; its residual is kept (codec.h)
+    *scale = float_of(0x7fc00000u);
+    for (int64_t i = 0; i < kCodecBlock; ++i) q[i] = 0;
+    return;
+  }
+  const T inverse = T(1) / (s > 0.0f ? T(s) : T(1));
+  alignas(64) T r[kCodecBlock];
+  SAPIPE_CODEC_SIMD
+  for (int64_t i = 0; i < kCodecBlock; ++i) r[i] = (v[i] * inverse + kRoundMagic<T>) - kRoundMagic<T>;
+  if (s < 1.17549435e-38f) {
+    // A normal scale keeps every |v| * inverse within 127 (1 + 2^-21), which rounds to <= 127;
+    // a subnormal one is rounded coarsely enough that the quotient may exceed it.
+    SAPIPE_CODEC_SIMD
+    for (int64_t i = 0; i < kCodecBlock; ++i) {
+      const T x = r[i] < T(-127) ? T(-127) : r[i];
+      r[i] = x > T(127) ? T(127) : x;
+    }
+  }
+  SAPIPE_CODEC_SIMD
+  for (int64_t i = 0; i < kCodecBlock; ++i) q[i] = static_cast<int8_t>(static_cast<int32_t>(r[i]));
+  *scale = s;
+  if (residual) {
+    const T step = T(s);
+    SAPIPE_CODEC_SIMD
+    for (int64_t i = 0; i < count; ++i) residual[i] = v[i] - r[i] * step;
+  }
+}
+
+// Whether x = 2^k (1, 2, 4, ... or 1/2, ...): dividing by it is multiplying by 1 / x, exactly.
+template <typename T>
+inline bool is_power_of_two(T x) {
+  int exponent = 0;
+  return x > T(0) && std::frexp(x, &exponent) == T(0.5);
+}
+
+// h[0:n] = f[0:n] in 16 bits; F16C's conversion instruction where this build has it (the
+// same rounding as to_fp16).
+template <int kKind>
+inline void to_16_bits(const float* __restrict f, uint16_t* __restrict h, int64_t n) {
+  int64_t i = 0;
+#if defined(SAPIPE_CODEC_F16C)
+  if (kKind == kCodecFp16) {
+    for (; i + 8 <= n; i += 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT));
+    }
+  }
+#endif
+  SAPIPE_CODEC_SIMD
+  for (int64_t j = i; j < n; ++j) h[j] = to_16<kKind>(f[j]);
+}
+
+// f[0:n] = h[0:n] decoded (exact).
+template <int kKind>
+inline void from_16_bits(const uint16_t* __restrict h, float* __restrict f, int64_t n) {
+  int64_t i = 0;
+#if defined(SAPIPE_CODEC_F16C)
+  if (kKind == kCodecFp16) {
+    for (; i + 8 <= n; i += 8) {
+      _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+    }
+  }
+#endif
+  SAPIPE_CODEC_SIMD
+  for (int64_t j = i; j < n; ++j) f[j] = from_16<kKind>(h[j]);
+}
+
+// One 16-bit block: `span` values as v / divide (a row's last block may be short);
+// residual[0:count] updated (when given).
+template <typename T, int kKind>
+inline void encode_block_16(const T* __restrict v, int64_t count, int64_t span, uint16_t* h, T divide,
+                            T* residual) {
+  const bool exact_inverse = is_power_of_two(divide);  // then v * (1 / divide) is v / divide
+  const T inverse = T(1) / divide;
+  if (kKind == kCodecBf16) {  // the conversion is a few integer operations: in the same loop
+    if (exact_inverse) {
+      SAPIPE_CODEC_SIMD
+      for (int64_t i = 0; i < span; ++i) h[i] = to_bf16(static_cast<float>(v[i] * inverse));
+    } else {
+      SAPIPE_CODEC_SIMD
+      for (int64_t i = 0; i < span; ++i) h[i] = to_bf16(static_cast<float>(v[i] / divide));
+    }
+  } else {  // fp16: through a float block, for F16C's conversion
+    alignas(64) float f[kCodecBlock];
+    if (exact_inverse) {
+      SAPIPE_CODEC_SIMD
+      for (int64_t i = 0; i < span; ++i) f[i] = static_cast<float>(v[i] * inverse);
+    } else {
+      SAPIPE_CODEC_SIMD
+      for (int64_t i = 0; i < span; ++i) f[i] = static_cast<float>(v[i] / divide);
+    }
+    to_16_bits<kKind>(f, h, span);
+  }
+  if (residual) {
+    alignas(64) float f[kCodecBlock];
+    from_16_bits<kKind>(h, f, count);
+    SAPIPE_CODEC_SIMD
+    for (int64_t i = 0; i < count; ++i) {
+      const T decoded = static_cast<T>(f[i]) * divide;
+      residual[i] = pick_value(std::fabs(decoded) <= kMaxFinite<T>, v[i] - decoded, residual[i]);
+    }
+  }
+}
+
+// out[0:count] = (add ? out + : ) the block decoded; 16-bit values times `multiply`.
+template <typename T, int kKind>
+inline void decode_block(const void* values, const float* scale, int64_t count, T multiply,
+                         bool add, T* __restrict out) {
+  if (kKind == kCodecInt8) {
+    const int8_t* q = static_cast<const int8_t*>(values);
+    const T s = static_cast<T>(*scale);
+    if (add) {
+      SAPIPE_CODEC_SIMD
+      for (int64_t i = 0; i < count; ++i) out[i] = out[i] + static_cast<T>(q[i]) * s;
+    } else {
+      SAPIPE_CODEC_SIMD
+      for (int64_t i = 0; i < count; ++i) out[i] = static_cast<T>(q[i]) * s;
+    }
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(values);
+  if (kKind == kCodecBf16) {  // a shift: in the same loop
+    if (add) {
+      SAPIPE_CODEC_SIMD
+      for (int64_t i = 0; i < count; ++i) out[i] = out[i] + static_cast<T>(from_bf16(h[i])) * multiply;
+    } else {
+      SAPIPE_CODEC_SIMD
+      for (int64_t i = 0; i < count; ++i) out[i] = static_cast<T>(from_bf16(h[i])) * multiply;
+    }
+    return;
+  }
+  alignas(64) float f[kCodecBlock];
+  from_16_bits<kKind>(h, f, count);
+  if (add) {
+    SAPIPE_CODEC_SIMD
+    for (int64_t i = 0; i < count; ++i) out[i] = out[i] + static_cast<T>(f[i]) * multiply;
+  } else {
+    SAPIPE_CODEC_SIMD
+    for (int64_t i = 0; i < count; ++i) out[i] = static_cast<T>(f[i]) * multiply;
+  }
+}
+
+template <int kKind>
+inline int64_t value_bytes() {
+  return kKind == kCodecInt8 ? 1 : 2;
+}
+
+inline const char* row_at(const void* base, int64_t row, int64_t stride, int64_t bytes) {
+  return static_cast<const char*>(base) + row * stride * bytes;
+}
+
+inline int64_t clamp_count(int64_t available, int64_t limit) {
+  return available <= 0 ? 0 : (available < limit ? available : limit);
+}
+
+// Block `block` of an outgoing row: its first `span` values from v (int8 blocks are whole:
+// span = kCodecBlock), residual[0:count] updated.
+template <typename T, int kKind>
+inline void encode_block(const T* v, int64_t count, int64_t span, const CodecRow& out, int64_t block,
+                         T divide, T* residual) {
+  char* values = static_cast<char*>(out.values) + block * kCodecBlock * value_bytes<kKind>();
+  if (kKind == kCodecInt8) {
+    encode_block_i8(v, count, reinterpret_cast<int8_t*>(values), out.scales + block, residual);
+  } else {
+    encode_block_16<T, kKind>(v, count, span, reinterpret_cast<uint16_t*>(values), divide, residual);
+  }
+}
+
+template <typename T, int kKind>
+void encode_row_impl(const T* src, T* residual, int64_t len, const CodecRow& out, T divide) {
+  alignas(64) T v[kCodecBlock];
+  for (int64_t b = 0; b * kCodecBlock < out.width; ++b) {
+    const int64_t lo = b * kCodecBlock;
+    const int64_t span = clamp_count(out.width - lo, kCodecBlock);
+    const int64_t count = clamp_count(len - lo, span);
+    const T* block = v;
+    if (count == kCodecBlock && !residual) block = src + lo;  // read in place: nothing to add
+    else load_block(src + lo, residual ? residual + lo : nullptr, count, v);
+    encode_block<T, kKind>(block, count, span, out, b, divide, residual ? residual + lo : nullptr);
+  }
+}
+
+template <typename T, int kKind>
+void sum_encode_row_impl(const CodecRowsIn& in, T* residual, const CodecRow& out, T divide) {
+  alignas(64) T v[kCodecBlock];
+  const int64_t bytes = value_bytes<kKind>();
+  for (int64_t b = 0; b * kCodecBlock < in.width; ++b) {
+    const int64_t lo = b * kCodecBlock;
+    const int64_t span = clamp_count(in.width - lo, kCodecBlock);
+    for (int64_t r = 0; r < in.rows; ++r) {
+      const void* values = row_at(in.values, r, in.stride, bytes) + lo * bytes;
+      const float* scale = in.scales ? in.scales + r * in.scale_stride + b : nullptr;
+      decode_block<T, kKind>(values, scale, span, T(1), r > 0, v);
+    }
+    if (residual) {
+      SAPIPE_CODEC_SIMD
+      for (int64_t i = 0; i < span; ++i) v[i] = v[i] + residual[lo + i];
+    }
+    encode_block<T, kKind>(v, span, span, out, b, divide, residual ? residual + lo : nullptr);
+  }
+}
+
+template <typename T, int kKind>
+void decode_row_impl(const void* values, const float* scales, int64_t len, T* out, T multiply) {
+  const int64_t bytes = value_bytes<kKind>();
+  for (int64_t lo = 0, b = 0; lo < len; lo += kCodecBlock, ++b) {
+    const int64_t count = len - lo < kCodecBlock ? len - lo : kCodecBlock;
+    decode_block<T, kKind>(static_cast<const char*>(values) + lo * bytes, scales ? scales + b : nullptr,
+                           count, multiply, false, out + lo);
+  }
+}
+
+template <typename T>
+void encode_row(int kind, const T* src, T* residual, int64_t len, const CodecRow& out, T divide) {
+  if (kind == kCodecInt8) encode_row_impl<T, kCodecInt8>(src, residual, len, out, divide);
+  else if (kind == kCodecFp16) encode_row_impl<T, kCodecFp16>(src, residual, len, out, divide);
+  else encode_row_impl<T, kCodecBf16>(src, residual, len, out, divide);
+}
+
+template <typename T>
+void sum_encode_row(int kind, const CodecRowsIn& in, T* residual, const CodecRow& out, T divide) {
+  if (kind == kCodecInt8) sum_encode_row_impl<T, kCodecInt8>(in, residual, out, divide);
+  else if (kind == kCodecFp16) sum_encode_row_impl<T, kCodecFp16>(in, residual, out, divide);
+  else sum_encode_row_impl<T, kCodecBf16>(in, residual, out, divide);
+}
+
+template <typename T>
+void decode_row(int kind, const void* values, const float* scales, int64_t len, T* out, T multiply) {
+  if (kind == kCodecInt8) decode_row_impl<T, kCodecInt8>(values, scales, len, out, multiply);
+  else if (kind == kCodecFp16) decode_row_impl<T, kCodecFp16>(values, scales, len, out, multiply);
+  else decode_row_impl<T, kCodecBf16>(values, scales, len, out, multiply);
+}
+
+template <typename T>
+constexpr CodecTable<T> make_codec_table() {
+  return CodecTable<T>{&encode_row<T>, &sum_encode_row<T>, &decode_row<T>};
+}
+
+extern const CodecTable<float> codec_table_f;  // external linkage (read by cpu_dispatch.cpp)
+extern const CodecTable<double> codec_table_d;
+const CodecTable<float> codec_table_f = make_codec_table<float>();
+const CodecTable<double> codec_table_d = make_codec_table<double>();
+
+}  // namespace SAPIPE_CPU_ISA
+}  // namespace cpu
+}  // namespace sapipe
+
+#undef SAPIPE_CODEC_SIMD
+#undef SAPIPE_CODEC_SIMD_MAX

@@ -1,0 +1,232 @@
+"""The codec kernels (csrc/cpu_codec*.{h,cpp}, csrc/codec.cuh) against their pure-PyTorch
+reference (sapipe/codec_kernels.py), bit for bit, and the reference against torch's own
+conversions.
+
+* The 16-bit conversions: every fp16 / bf16 bit pattern decoded, and float32 values spread
+  over every exponent (round-half ties included) encoded, against ``Tensor.to``.
+* Each stage (encode, sum_encode, decode) for fp16 / bf16 / int8, float32 / float64, with and
+  without a residual, rows that end inside a block, a bucket shorter than its rows, and
+  non-finite values: the same bits from kernel and reference, on every CPU instruction set
+  this host has, and on CUDA where there is one.
+* Non-finite values: an int8 block holding one decodes to NaN everywhere, and residuals keep
+  their value wherever the decoded value is not finite.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sapipe import _ext, codec_kernels as ck
+
+CUDA_OK = torch.cuda.is_available() and _ext.cuda is not None and hasattr(_ext.cuda, "codec_encode")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA_OK, reason="no CUDA device"))]
+KINDS = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
+
+
+@pytest.fixture(autouse=True)
+def _kernels_required():
+    if _ext.cpu is None or not hasattr(_ext.cpu, "codec_encode"):
+        pytest.skip(f"sapipe._C not built with the codec ({_ext.errors.get('_C')})")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where the other has NaN (payloads aside)."""
+    if a.dtype.is_floating_point:
+        nan = torch.isnan(a)
+        return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
+    return torch.equal(a, b)
+
+
+def _messages(kind: str, rows: int, width: int, device, pad_bytes: int = 12):
+    """A byte buffer of ``rows`` messages, each a header of scales (int8) and ``width`` values
+    behind ``pad_bytes`` of something else, as the wire lays them out; its views."""
+    value_bytes = 1 if kind == "int8" else 2
+    blocks = width // ck.BLOCK if kind == "int8" else 0
+    header = pad_bytes + 4 * blocks
+    row_bytes = -(-(header + value_bytes * width) // 4) * 4
+    buffer = torch.full((rows * row_bytes,), 0xAB, dtype=torch.uint8, device=device)
+    grid = buffer.view(rows, row_bytes)
+    scales = grid[:, pad_bytes:header].view(torch.float32) if kind == "int8" else None
+    values = grid[:, header:header + value_bytes * width].view(KINDS[kind])
+    return buffer, values, scales
+
+
+def _data(n: int, dtype, device, seed: int, nonfinite: bool = False) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen, dtype=torch.float64)
+    x *= torch.exp(torch.randn(n, generator=gen, dtype=torch.float64) * 3)  # many magnitudes
+    x[::97] = 0.0
+    if nonfinite and n > 600:
+        x[5], x[300], x[n - 2] = float("nan"), float("inf"), float("-inf")
+    return x.to(dtype).to(device)
+
+
+# ------------------------------------------------------------------- torch's conversions
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_every_16_bit_pattern_decodes_as_torch_decodes_it(kind):
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    values = bits.view(KINDS[kind]).view(1, -1)
+    for dtype in (torch.float32, torch.float64):
+        expected = values.reshape(-1).to(dtype) * 3
+        for fn in (ck.decode, ck.reference_decode):
+            out = torch.empty(values.numel(), dtype=dtype)
+            fn(values, None, out, 3.0)
+            assert _same(out, expected), (fn.__name__, dtype)
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_encoding_rounds_as_torchs_conversion(kind):
+    """Every float32 exponent, random mantissas, exact ties and their neighbours, specials."""
+    gen = torch.Generator().manual_seed(1)
+    exponents = torch.arange(-149, 128, dtype=torch.float64)
+    x = (torch.rand(277, 400, generator=gen, dtype=torch.float64) + 1) * torch.pow(2.0, exponents)[:, None]
+    x = x.to(torch.float32).reshape(-1)
+    x = torch.cat([x, -x])
+    mantissa_bits = 10 if kind == "fp16" else 7
+    ties = torch.randint(-(2**15), 2**15, (20000,), generator=gen, dtype=torch.int32).to(torch.int16)
+    ties = ties.view(KINDS[kind]).to(torch.float32)
+    ties = ties[torch.isfinite(ties)].double()
+    ulp = torch.where(ties == 0, torch.ones_like(ties),
+                      torch.pow(2.0, torch.floor(torch.log2(ties.abs().clamp_min(1e-40))) - mantissa_bits))
+    near = [ties + ulp / 2, ties - ulp / 2, ties + ulp / 2 * (1 + 2**-20), ties + ulp / 2 * (1 - 2**-20)]
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 65504, 65519.99, 65520,
+                             2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-14, 2.0**-14 - 2.0**-25, 3.4e38])
+    src = torch.cat([x, *(t.to(torch.float32) for t in near), specials.float()])
+    for fn in (ck.encode, ck.reference_encode):
+        _, values, _ = _messages(kind, 1, src.numel(), "cpu")
+        fn(src, None, values, None, 1.0)
+        assert _same(values.reshape(-1).float(), src.to(KINDS[kind]).float()), fn.__name__
+
+
+# ------------------------------------------------------------------- kernel vs reference
+
+
+CASES = [  # (rows, width, n): n < rows * width leaves padding; widths off the block size
+    (1, 256, 256), (2, 512, 1000), (3, 768, 2304), (4, 300, 1111), (8, 1024, 8000), (2, 256, 17),
+]
+
+
+def _isas():
+    return ["base", "avx2"] if _ext.cpu.set_cpu_isa("avx2") else ["base"]
+
+
+@pytest.fixture(params=["base", "avx2"])
+def isa(request):
+    if request.param not in _isas():
+        pytest.skip(f"this CPU has no {request.param}")
+    previous = _ext.cpu.cpu_isa()
+    _ext.cpu.set_cpu_isa(request.param)
+    yield request.param
+    _ext.cpu.set_cpu_isa(previous)
+
+
+def _both(device, run):
+    """``run(fn_table)`` with the kernels and with the reference; both results."""
+    kernels = {"encode": ck.encode, "sum_encode": ck.sum_encode, "decode": ck.decode}
+    reference = {"encode": ck.reference_encode, "sum_encode": ck.reference_sum_encode, "decode": ck.reference_decode}
+    return run(kernels), run(reference)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["fp16", "bf16", "int8"])
+@pytest.mark.parametrize("feedback", [False, True])
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_encode_matches_the_reference(device, dtype, kind, feedback, nonfinite, isa):
+    for rows, width, n in CASES:
+        if kind == "int8" and width % ck.BLOCK:
+            continue
+        src = _data(n, dtype, device, seed=rows * 7 + n, nonfinite=nonfinite)
+        start = _data(n, dtype, device, seed=n) * 1e-3 if feedback else None
+
+        def run(fn):
+            buffer, values, scales = _messages(kind, rows, width, device)
+            residual = start.clone() if feedback else None
+            fn["encode"](src, residual, values, scales, 1.0 if kind == "int8" else 2.0)
+            return buffer, values, scales, residual
+
+        got, want = _both(device, run)
+        where = (rows, width, n)
+        if not nonfinite:  # every byte, the untouched gaps between fields included
+            assert torch.equal(got[0], want[0]), (where, "message bytes")
+        assert _same(got[1].float(), want[1].float()), (where, "values")  # NaN payloads aside
+        if kind == "int8":
+            assert _same(got[2], want[2]), (where, "scales")
+        if feedback:
+            assert _same(got[3], want[3]), (where, "residual")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["fp16", "bf16", "int8"])
+@pytest.mark.parametrize("feedback", [False, True])
+def test_sum_encode_and_decode_match_the_reference(device, dtype, kind, feedback, isa):
+    for rows, width, n in CASES:
+        if kind == "int8" and width % ck.BLOCK:
+            continue
+        _, received, received_scales = _messages(kind, rows, width, device)
+        ck.reference_encode(_data(rows * width, dtype, device, seed=n), None, received, received_scales, 1.0)
+        start = _data(width, dtype, device, seed=rows) * 1e-3 if feedback else None
+
+        def run(fn):
+            buffer, values, scales = _messages(kind, 1, width, device)
+            residual = start.clone() if feedback else None
+            fn["sum_encode"](received, received_scales, residual, values, scales, rows, dtype)
+            out = torch.full((n,), 7.0, dtype=dtype, device=device)
+            fn["decode"](received, received_scales, out, rows)
+            return buffer, residual, out
+
+        got, want = _both(device, run)
+        assert torch.equal(got[0], want[0]), (rows, width, n, "summed message bytes")
+        if feedback:
+            assert torch.equal(got[1], want[1]), (rows, width, n, "server residual")
+        assert torch.equal(got[2], want[2]), (rows, width, n, "decoded")
+
+
+# ------------------------------------------------------------------- non-finite values
+
+
+@pytest.mark.parametrize("fn", [ck.encode, ck.reference_encode])
+def test_a_nonfinite_int8_block_decodes_to_nan_and_keeps_its_residual(fn):
+    src = torch.ones(3 * ck.BLOCK)
+    src[ck.BLOCK + 3] = float("inf")
+    residual = torch.full_like(src, 0.25)
+    _, values, scales = _messages("int8", 1, src.numel(), "cpu")
+    fn(src, residual, values, scales, 1.0)
+    out = torch.empty_like(src)
+    ck.decode(values, scales, out, 1.0)
+    middle = slice(ck.BLOCK, 2 * ck.BLOCK)
+    assert torch.isnan(out[middle]).all() and torch.isfinite(out[: ck.BLOCK]).all() and torch.isfinite(out[2 * ck.BLOCK:]).all()
+    assert torch.equal(residual[middle], torch.full((ck.BLOCK,), 0.25)), "a skipped block keeps its residual"
+    assert torch.allclose(out[: ck.BLOCK], torch.full((ck.BLOCK,), 1.25)), "v = src + residual"
+    assert residual[: ck.BLOCK].abs().max() < 1.25 / 127
+
+
+@pytest.mark.parametrize("fn", [ck.encode, ck.reference_encode])
+def test_a_16_bit_overflow_travels_as_inf_and_keeps_its_residual(fn):
+    src = torch.tensor([1.0, 70000.0, -1e6, float("nan"), 3.0])
+    residual = torch.full_like(src, 1e-4)
+    _, values, _ = _messages("fp16", 1, src.numel(), "cpu")
+    fn(src, residual, values, None, 1.0)
+    decoded = values.reshape(-1).float()
+    assert decoded[1] == float("inf") and decoded[2] == float("-inf") and torch.isnan(decoded[3])
+    assert torch.equal(residual[1:4], torch.full((3,), 1e-4)), "non-finite values keep their residual"
+    assert residual[0] != 1e-4 and residual[4] != 1e-4
+
+
+def test_bad_arguments_raise_clearly():
+    src = torch.randn(512)
+    _, values, scales = _messages("int8", 2, 256, "cpu")
+    with pytest.raises(RuntimeError, match="scales"):
+        _ext.cpu.codec_encode(src, None, values, None, 1.0)
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        _ext.cpu.codec_encode(torch.randn(600), None, values, scales, 1.0)
+    with pytest.raises(RuntimeError, match="residual"):
+        _ext.cpu.codec_encode(src, torch.zeros(10), values, scales, 1.0)
+    with pytest.raises(RuntimeError, match="int8, float16 or bfloat16"):
+        _ext.cpu.codec_encode(src, None, torch.zeros(2, 256), scales, 1.0)
+    _, values16, _ = _messages("fp16", 2, 256, "cpu")
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        _ext.cpu.codec_decode(values16, None, torch.zeros(512, dtype=torch.float16), 1.0)
