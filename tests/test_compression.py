@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -173,3 +174,51 @@ def test_auto_models_the_compressed_link_alike_on_every_rank():
     assert results[0] == results[1]
     decided, wire_ratio, codec_per_byte, _ = results[0]
     assert decided and 0.25 < wire_ratio < 0.5 and codec_per_byte > 0  # a quarter, plus scales and (small model) padding
+
+
+POISONED = 4  # rank 1's loss is inf in this iteration: its gradient is inf/NaN everywhere
+
+
+def _with_a_poisoned_step(rank, world_size):
+    """GradScaler over a compressed run whose rank 1 sends inf/NaN in iteration POISONED: the
+    scale, whether the residuals stayed finite, and the final real weights, per configuration."""
+    import sapipe
+
+    batches = make_batches("tied", STEPS + 2, world_size, dtype=torch.float64)
+    out = []
+    for compression, k, mode in (("int8", 0, "none"), ("int8", 3, "wp1"), ("fp16", 3, "dc")):
+        model = make_model("tied", seed=rank, dtype=torch.float64)
+        opt = sapipe.DistributedOptimizer(make_optimizer("adamw", model.parameters()), model, stale_layers=k,
+                                          compensation=mode, bucket_cap_mb=0.0008, compression=compression,
+                                          error_feedback=True, timeout=60)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6)
+        for t, step in enumerate(batches, start=1):
+            x, y = step[rank]
+            opt.zero_grad()
+            loss = loss_fn_for("tied")(model(x), y)
+            if rank == 1 and t == POISONED:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        opt.synchronize()
+        codecs = [b.grads.codec for b in opt.buckets]
+        finite = all(torch.isfinite(r).all().item() for c in codecs for r in (c.residual, c.server_residual))
+        with opt.real_weights():
+            real = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out.append({"scale": scaler.get_scale(), "residuals finite": finite, "real": real})
+        opt.close()
+    return out
+
+
+def test_a_step_gradscaler_skips_leaves_every_residual_finite():
+    """The poisoned iteration travels as inf/NaN (an int8 block holding one as NaN), so
+    GradScaler skips it on both ranks and backs off once; no residual keeps a non-finite
+    value, so the steps after it train on finite gradients and the ranks stay in agreement."""
+    first, second = run_ranks(_with_a_poisoned_step, world_size=2)
+    for a, b in zip(first, second):
+        assert a["scale"] == b["scale"] == 2.0**9, "both ranks back off once, and only once"
+        assert a["residuals finite"] and b["residuals finite"]
+        for name, value in a["real"].items():
+            assert np.isfinite(value).all(), name
+            assert np.array_equal(value, b["real"][name]), f"ranks disagree on {name}"
