@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything this project checks on a GPU, in one command (`make gpu-check`): build the
 # extensions in place against the machine's own torch (no venv: a GPU image ships a CUDA
-# torch, and `make venv` would install the CPU one), then the CUDA kernel tests, the CUDA
-# end-to-end tests, the kernel bandwidth benchmark (float32 and bfloat16) and the
+# torch, and `make venv` would install the CPU one), then the CUDA kernel tests (update and
+# compression kernels), the CUDA end-to-end tests (compressed sums included), the kernel
+# bandwidth benchmark (float32, with the codec's stages, and bfloat16) and the
 # compensation overhead of the full-size models. Logs and tables go to $GPU_OUT (default
 # gpu-results/); the last lines printed are the summaries.
 #
@@ -26,7 +27,7 @@ $PY setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/buil
 $PY -c "from sapipe import _ext, ops; print('backends:', ops.backend('cuda'), ops.backend('cpu'), _ext.errors or '')"
 
 echo "== tests"
-$PY -m pytest -q -rs tests/test_kernels.py tests/test_cuda.py >"$OUT/tests.log" 2>&1 || status=1
+$PY -m pytest -q -rs tests/test_kernels.py tests/test_codec_kernels.py tests/test_cuda.py >"$OUT/tests.log" 2>&1 || status=1
 tail -3 "$OUT/tests.log"
 
 echo "== kernel bandwidth"

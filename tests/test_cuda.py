@@ -7,7 +7,9 @@ with the model on the GPU:
 * two Gloo ranks sharing the one GPU (Gloo all-reduces CUDA tensors; NCCL refuses two
   ranks on one device), once through the default back-end and once through push-pull,
   whose worker runs its collectives on a CUDA side stream;
-* one NCCL rank, so the NCCL code path (device-side waits, no host blocking) runs too.
+* one NCCL rank, so the NCCL code path (device-side waits, no host blocking) runs too;
+* compressed sums (test_compression's configurations, float64) through the CUDA codec
+  kernels, on two Gloo ranks and on one NCCL rank, against the same reference.
 
 Every test skips without a GPU (CI has none); the kernels' own tests are in test_kernels.
 """
@@ -19,6 +21,10 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
+from test_compression import CONFIGS as COMPRESSION_CONFIGS
+from test_compression import _train as train_compressed
+from test_compression import check_against_reference as check_compressed
+from test_compression import config_id as compression_config_id
 from test_modes import CONFIGS, _train, check_against_reference, config_id
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -66,3 +72,29 @@ def test_pushpull_on_cuda_matches_reference(kind, config):
 @pytest.mark.parametrize("config", CUDA_CONFIGS, ids=config_id)
 def test_nccl_rank_matches_reference(kind, config):
     _check(kind, config, 1, "nccl", "")
+
+
+# ------------------------------------------------------------------ compression on CUDA
+
+COMPRESSED = [c for c in COMPRESSION_CONFIGS if c[1] != 0 or c[0] == "int8"]  # the codec's CUDA kernels
+
+
+def _compressed_on_cuda(rank: int, world_size: int, configs):
+    from sapipe import _ext, codec_kernels
+
+    assert codec_kernels._module(torch.zeros(1, device="cuda")) is not None, _ext.errors.get("_C_cuda")
+    return train_compressed(rank, world_size, configs, device="cuda")
+
+
+@functools.lru_cache(maxsize=None)
+def _compressed_results(ranks: int, backend: str):
+    return run_ranks(_compressed_on_cuda, world_size=ranks, args=(COMPRESSED,), timeout=300, backend=backend)
+
+
+@pytest.mark.parametrize("ranks,backend", [(2, "gloo"), (1, "nccl")], ids=["2-gloo", "1-nccl"])
+@pytest.mark.parametrize("config", COMPRESSED, ids=compression_config_id)
+def test_compressed_sums_on_cuda_match_reference(config, ranks, backend):
+    """The CUDA codec kernels (float64) inside the whole engine, against the same float64
+    reference as on the CPU: Gloo's all-to-all and all-gather of CUDA bytes, and NCCL's."""
+    per_rank = _compressed_results(ranks, backend)
+    check_compressed(config, [run[COMPRESSED.index(config)] for run in per_rank])
