@@ -7,7 +7,7 @@ Two ways to run it (the entry point is ``benchmarks/throughput.py``):
   with all ranks inside a fresh network namespace whose loopback is rate-limited with
   ``tc tbf`` (:mod:`sapipe.launch.netns`, docs/design.md §6). Bandwidths are given explicitly
   (``--bandwidths 1gbit,300mbit``) or, by default, calibrated per model to hit target
-  ratios T_comm / T_compute (``--ratios 0.3,0.65,1.3``) from a short probe job. Results go
+  ratios T_comm / T_compute (``--ratios 0.3,0.65,1.6``) from a short probe job. Results go
   to ``benchmarks/results/throughput.md`` and ``throughput_*.png``.
 * **Directly under torchrun** (any device, any number of nodes, no emulation) — e.g.
   ``torchrun --nnodes 2 --nproc_per_node 8 ... benchmarks/throughput.py --model gpt2 --size full``.
@@ -30,6 +30,7 @@ median, spread = interquartile range / median):
 | ``sapipe-auto`` | ``stale_layers="auto"`` (skipped with a note while sapipe refuses it) |
 | ``sapipe-<comp>`` | each ``--compensations`` mode at the auto k, or, without auto, at the *oracle* k: the smallest measured k within 3 % of pipesgd |
 | ``horovod`` | ``horovod.torch.DistributedOptimizer`` over Gloo (skipped with a note when not installed; ``make peers``) |
+| ``sapipe-auto-<compression>`` | ``stale_layers="auto"`` with ``compression=`` each ``--compressions`` format (default bf16, int8), judged against the job's *full-precision* ceiling |
 
 Every mode's optimizer is torch's ``fused=True`` SGD / Adam (``bench_models``), so that the
 baselines step with the fastest update torch has, as their best users would run them; sapipe
@@ -41,7 +42,9 @@ communication (``DistributedOptimizer.communication_wait``); per job: possible s
 T_ddp / T_ceiling. sapipe-auto against pipesgd is also given per round (the median of the
 ratios within each round), which cancels the host's drifts between rounds. The "p.grad exposure
 cost" table gives, per job and fixed k, T(exposed) / T(deferred), and the targets its median and
-max over all jobs and k (target: ≤ 1.02, the overlap lost within 2 % at the same k).
+max over all jobs and k (target: ≤ 1.02, the overlap lost within 2 % at the same k). The
+"Compression on the wire" table gives each compressed mode's T against the full-precision
+T_ceiling and against full-precision sapipe-auto (:mod:`.compression_report`).
 
 Modules, one job each:
 
@@ -54,6 +57,7 @@ Modules, one job each:
 | :mod:`.job` | all modes of one model in one process group, interleaved in rounds; the worker |
 | :mod:`.orchestration` | the sweep: calibration probes and one ``torchrun`` job per model × bandwidth |
 | :mod:`.report` | tables and ``throughput.md`` |
+| :mod:`.compression_report` | the compressed modes against the full-precision ceiling, and their targets |
 | :mod:`.plots` | ``throughput_speedup.png`` and ``throughput_efficiency.png`` |
 """
 import os

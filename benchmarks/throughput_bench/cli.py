@@ -22,7 +22,7 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=2, help="ranks per emulated job (sweep mode)")
     p.add_argument("--ratios", default=None,
                    help="target T_comm/T_compute per job; each model's bandwidths are calibrated by a "
-                        "probe job (default 0.3,0.65,1.3; --quick: 0.65)")
+                        "probe job (default 0.3,0.65,1.6; --quick: 0.65)")
     p.add_argument("--bandwidths", default="",
                    help="explicit loopback rates instead of --ratios, e.g. 2gbit,500mbit,unlimited")
 
@@ -36,9 +36,9 @@ def _add_mode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default="",
                    help="extra sapipe communication back-ends run at stale_layers='auto' as modes "
                         "'sapipe-auto-<backend>', e.g. pushpull,horovod (default: none)")
-    p.add_argument("--compressions", default="",
-                   help="sapipe compressions run at stale_layers='auto' as modes 'sapipe-auto-<compression>', "
-                        "e.g. bf16,int8 (default: none); efficiency is against the full-precision ceiling")
+    p.add_argument("--compressions", default=None,
+                   help="sapipe compressions run at stale_layers='auto' as modes 'sapipe-auto-<compression>' "
+                        "(default bf16,int8; --quick: int8; '' for none), judged against the full-precision ceiling")
     p.add_argument("--skip", default="",
                    help="modes to leave out: any of local,comm,ceiling,ddp,sapipe,auto,comp,horovod,deferred "
                         "(deferred: the twins of the fixed-k modes run with expose_gradients=False)")
@@ -97,7 +97,8 @@ def _apply_defaults(a: argparse.Namespace) -> argparse.Namespace:
     q = a.quick
     a.models = a.models or ("gpt2,vgg16" if q else DEFAULT_MODELS)
     a.size = a.size or ("tiny" if q else "small")
-    a.ratios = a.ratios or ("0.65" if q else "0.3,0.65,1.3")
+    a.ratios = a.ratios or ("0.65" if q else "0.3,0.65,1.6")
+    a.compressions = a.compressions if a.compressions is not None else ("int8" if q else "bf16,int8")
     a.k = a.k or ("0,1,m" if q else "0,1,m/4,m")
     a.compensations = a.compensations if a.compensations is not None else ("dc" if q else "dc,wp1,wp2,wp3")
     a.warmup = a.warmup if a.warmup is not None else (2 if q else 3)

@@ -6,6 +6,7 @@ import shlex
 import statistics
 from typing import Any, Dict, List, Optional
 
+from . import compression_report
 from .stats import paired_ratio
 
 _OPTIMIZERS = {"sgd": "SGD", "adam": "Adam"}  # bench_models.ModelSpec.optimizer -> torch.optim class
@@ -297,6 +298,10 @@ def report(args, jobs, calib, out_dir, meta) -> int:
     if exposure:
         print("p.grad exposure cost (expose_gradients=True vs False at the same k):\n" + exposure)
     print(format_targets(jobs))
+    compressed = compression_report.format_table(jobs)
+    if compressed:
+        print("Compression (against the full-precision ceiling):\n" + compressed
+              + (compression_report.format_targets(jobs) or ""))
     pngs = plot(jobs, out_dir)
     md = write_markdown(args, jobs, calib, pngs, out_dir, meta)
     print(f"wrote {md}" + "".join(f", {p}" for p in pngs))
@@ -320,6 +325,7 @@ def write_markdown(args, jobs, calib, pngs, out_dir, meta) -> str:
                   f"{EXPOSURE_TARGET} (the overlap lost within 2 %). *per round*: the median over rounds of the "
                   "same ratio within each round. The twins take no part in the oracle k, the summary or the plots.",
                   "", exposure]
+    lines += compression_report.markdown(jobs)
     for p in pngs:
         lines += [f"![{os.path.basename(p)}]({os.path.basename(p)})", ""]
     lines += ["## Per job", ""]

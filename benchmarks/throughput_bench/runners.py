@@ -168,7 +168,8 @@ class TrainRunner(Runner):
         k_used = self.opt.stale_layers
         total = sum(layer.numel for layer in layers)
         kappa = sum(layer.numel for layer in layers[:k_used]) / total if isinstance(k_used, int) else None
-        info: Dict[str, Any] = dict(k=k_used, kappa=kappa, compensation=self.compensation, m=len(layers))
+        info: Dict[str, Any] = dict(k=k_used, kappa=kappa, compensation=self.compensation, m=len(layers),
+                                    compression=self.compression)
         auto = self.opt.auto
         if auto is not None and auto.decision is not None:
             info["decision"] = str(auto.decision.summary())
