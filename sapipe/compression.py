@@ -33,17 +33,25 @@ rounding rules, and the kernels that carry them out.
 
 Each message also carries the rank's flags for the shard (whether it used each parameter,
 sapipe.runtime.unused) as float32 in its header: they are summed exactly.
+
+**Units.** :class:`BucketCodec` compresses a bucket as one unit (``backend="torch"`` and
+``"horovod"``). :class:`PartitionedCodec` compresses it partition by partition, the unit
+``backend="pushpull"`` sums one at a time in priority order (BytePS compresses each
+partition it pushes): every partition is a :class:`BucketCodec` of its own, its shards
+taken within the partition. :func:`make_codec` picks one. A back-end is handed a slot's
+codec and asks it for its :meth:`~SlotCodec.partitions`.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import codec_kernels
+from .errors import ConfigurationError
 
 COMPRESSIONS = ("fp16", "bf16", "int8")
 INT8_BLOCK = codec_kernels.BLOCK  # values per int8 scale: 1/64 byte of scale per value
@@ -138,11 +146,13 @@ class BucketCodec:
     them after its wait returns, and freeing a tensor on a communication thread during
     interpreter shutdown is what the exit handler guards against (sapipe.runtime.shutdown).
     ``slots``: how many of the bucket's sums may be in flight at once (its staleness slots).
+    ``residual``: with error feedback, the worker residual to keep (a partition's slice of
+    its bucket's, :class:`PartitionedCodec`); by default one of its own.
     The arithmetic is sapipe.codec_kernels' (compiled kernels where built).
     """
 
     def __init__(self, compression: Compression, numel: int, nflags: int, world: int, dtype: torch.dtype,
-                 device: torch.device, slots: int = 1):
+                 device: torch.device, slots: int = 1, *, residual: Optional[Tensor] = None):
         self.compression = compression
         self.format = fmt = WireFormat(compression.kind, numel, nflags, world)
         self.dtype = dtype
@@ -154,7 +164,9 @@ class BucketCodec:
         self._flags = torch.zeros(world * fmt.flag_shard, dtype=torch.float32, device=device)
         feedback = compression.error_feedback
         #: e of this rank's gradients (one per bucket value), and of the sums of its own shard it sent
-        self.residual = torch.zeros(numel, dtype=dtype, device=device) if feedback else None
+        if feedback and residual is None:
+            residual = torch.zeros(numel, dtype=dtype, device=device)
+        self.residual = residual if feedback else None
         self.server_residual = torch.zeros(fmt.shard, dtype=dtype, device=device) if feedback else None
 
     # ---------------------------------------------------------------- the two stages
@@ -234,9 +246,119 @@ class SlotCodec:
     def decode_sum(self, wire: Tensor) -> None:
         self.codec.decode_sum(wire, self.slot)
 
+    def partitions(self) -> List[Tuple[int, int, "SlotCodec"]]:
+        """The units summed one by one: [start, end) of the wire and the unit's codec (one: all of it)."""
+        fmt = self.format
+        return [(0, fmt.numel + fmt.nflags, self)]
+
+
+def partition_bounds(numel: int, per_partition: int) -> List[Tuple[int, int]]:
+    """[start, end) of each partition of ``numel`` values, ``per_partition`` values each (the
+    last may be shorter)."""
+    if per_partition <= 0:
+        raise ValueError(f"sapipe: a partition must hold at least one value; got {per_partition}")
+    return [(lo, min(lo + per_partition, numel)) for lo in range(0, numel, per_partition)]
+
+
+@dataclass(frozen=True)
+class PartitionedFormat:
+    """The wire formats of a bucket's partitions, each compressed and summed on its own."""
+
+    parts: Tuple[WireFormat, ...]
+
+    @property
+    def world(self) -> int:
+        return self.parts[0].world
+
+    def wire_bytes(self) -> int:
+        """Bytes each rank sends (and receives) for the whole bucket: every partition's."""
+        return sum(fmt.wire_bytes() for fmt in self.parts)
+
+
+class PartitionedCodec:
+    """One bucket compressed partition by partition (``backend="pushpull"``).
+
+    Partition i holds values [start, end) of the bucket (``per_partition`` values each, the
+    last possibly fewer) and is a :class:`BucketCodec` of its own: its wire format (shards
+    within the partition, int8 shards padded to whole blocks), scratch bytes per slot and
+    server residual. The worker residual is one tensor over the whole bucket, each partition
+    keeping its slice, so it moves with each parameter when buckets are laid out again, as a
+    :class:`BucketCodec`'s does. The flags travel with the last partition: the wire holds them
+    right after its values.
+    """
+
+    def __init__(self, compression: Compression, numel: int, nflags: int, world: int, dtype: torch.dtype,
+                 device: torch.device, slots: int = 1, *, per_partition: int):
+        self.compression = compression
+        self.dtype = dtype
+        bounds = partition_bounds(numel, per_partition) or [(0, 0)]  # an empty bucket's flags still travel
+        #: this rank's residual of every bucket value (None without error feedback)
+        self.residual = torch.zeros(numel, dtype=dtype, device=device) if compression.error_feedback else None
+        last = len(bounds) - 1
+        self.parts = [
+            BucketCodec(compression, hi - lo, nflags if i == last else 0, world, dtype, device, slots,
+                        residual=None if self.residual is None else self.residual[lo:hi])
+            for i, (lo, hi) in enumerate(bounds)
+        ]
+        #: [start, end) of each partition in the wire (values, then the flags with the last)
+        self.wire_bounds = bounds[:last] + [(bounds[last][0], numel + nflags)]
+        self.format = PartitionedFormat(tuple(part.format for part in self.parts))
+
+    @property
+    def server_residuals(self) -> List[Optional[Tensor]]:
+        """Each partition's residual of the sum of its shard this rank sent."""
+        return [part.server_residual for part in self.parts]
+
+    def at(self, slot: int) -> "PartitionedSlot":
+        """This codec bound to staleness slot ``slot``'s scratch bytes, for one sum."""
+        return PartitionedSlot(self, slot)
+
+    def state_dict(self) -> Dict[str, object]:
+        return {"residual": _clone(self.residual), "server_residuals": [_clone(r) for r in self.server_residuals]}
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        if self.residual is not None and state.get("residual") is not None:
+            self.residual.copy_(state["residual"])
+        saved = state.get("server_residuals") or []
+        if len(saved) != len(self.parts):
+            raise ConfigurationError(f"sapipe: the checkpoint holds {len(saved)} partitions of this bucket, "
+                                     f"this layout {len(self.parts)}")
+        for part, residual in zip(self.parts, saved):
+            part.load_state_dict({"server_residual": residual})
+
+
+@dataclass(frozen=True)
+class PartitionedSlot:
+    """What ``backend="pushpull"`` is handed with a bucket's slot: each partition's codec."""
+
+    codec: PartitionedCodec
+    slot: int
+
+    def partitions(self) -> List[Tuple[int, int, SlotCodec]]:
+        """[start, end) of each partition in the wire, and its codec bound to this slot."""
+        return [(lo, hi, part.at(self.slot)) for (lo, hi), part in zip(self.codec.wire_bounds, self.codec.parts)]
+
+
+#: a bucket's codec, and what a back-end is handed with a slot of it (see ``partitions()``)
+Codec = Union[BucketCodec, PartitionedCodec]
+Slot = Union[SlotCodec, PartitionedSlot]
+
+
+def make_codec(compression: Compression, numel: int, nflags: int, world: int, dtype: torch.dtype,
+               device: torch.device, slots: int = 1, partition_bytes: Optional[int] = None) -> Codec:
+    """A bucket's codec: one unit (``partition_bytes`` None), or partitions of
+    ``partition_bytes`` of the uncompressed bucket (at least one value each), as
+    ``backend="pushpull"`` cuts it."""
+    if partition_bytes is None:
+        return BucketCodec(compression, numel, nflags, world, dtype, device, slots)
+    per_partition = max(1, partition_bytes // torch.empty((), dtype=dtype).element_size())
+    return PartitionedCodec(compression, numel, nflags, world, dtype, device, slots, per_partition=per_partition)
+
 
 def _clone(tensor: Optional[Tensor]) -> Optional[Tensor]:
     return tensor.clone() if tensor is not None else None
 
 
-__all__ = ["COMPRESSIONS", "INT8_BLOCK", "Compression", "WireFormat", "BucketCodec", "SlotCodec", "validate"]
+__all__ = ["COMPRESSIONS", "INT8_BLOCK", "Codec", "Compression", "WireFormat", "BucketCodec", "SlotCodec",
+           "PartitionedCodec", "PartitionedFormat", "PartitionedSlot", "Slot", "make_codec", "partition_bounds",
+           "validate"]

@@ -179,7 +179,8 @@ def clip_by_value(limit: float) -> Callable[[Tensors], Tensors]:
 
 
 def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, int]]]] = None,
-                    block: int = 256, error_feedback: Optional[bool] = None) -> Callable[[List[Tensors]], Tensors]:
+                    block: int = 256, error_feedback: Optional[bool] = None,
+                    chunks: Optional[Sequence[Sequence[Tuple[int, int]]]] = None) -> Callable[[List[Tensors]], Tensors]:
     """The mean of the ranks' gradients as sapipe's compressed sum delivers it (docs/design.md
     §5.9), as a function of the ranks' gradients, one call per iteration (error feedback keeps
     its residuals between calls).
@@ -192,6 +193,9 @@ def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, in
     (``None``: int8 only) v is the value plus the residual that rank (or, for the sum, the
     shard's owner) kept from its last call: what v's rounding dropped.
     ``buckets``: per bucket, its (parameter name, numel) in flat order (int8 only).
+    ``chunks``: per bucket, the [start, end) of each of its partitions (``backend="pushpull"``):
+    each partition is split into W shards and summed as above on its own; None: the bucket
+    is one partition.
     """
     half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(kind)
     feedback = kind == "int8" if error_feedback is None else error_feedback
@@ -220,6 +224,21 @@ def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, in
             mean[nm] = fed(total, ("sum", nm), sixteen(world)) / world
         return mean
 
+    def reduce_int8(flat: List[torch.Tensor], unit: Tuple) -> torch.Tensor:
+        """The sum of the ranks' ``flat`` values (one partition) as int8's two roundings deliver it."""
+        world, numel = len(flat), flat[0].numel()
+        shard = math.ceil(math.ceil(numel / world) / block) * block
+        padded = [torch.nn.functional.pad(f, (0, world * shard - numel)) for f in flat]
+        sent = [[fed(f[j * shard:(j + 1) * shard], ("rank", r, unit, j), int8) for j in range(world)]
+                for r, f in enumerate(padded)]
+        total = []
+        for j in range(world):
+            acc = sent[0][j].clone()
+            for r in range(1, world):
+                acc += sent[r][j]
+            total.append(fed(acc, ("sum", unit, j), int8))
+        return torch.cat(total)[:numel]
+
     def reduce(local: List[Tensors]) -> Tensors:
         if half is not None:
             return reduce_16_bit(local)
@@ -228,18 +247,10 @@ def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, in
         mean: Tensors = {}
         for b, layout in enumerate(buckets):
             numel = sum(n for _, n in layout)
-            shard = math.ceil(math.ceil(numel / world) / block) * block
-            flat = [torch.nn.functional.pad(torch.cat([l[nm].reshape(-1) for nm, _ in layout]),
-                                            (0, world * shard - numel)) for l in local]
-            sent = [[fed(f[j * shard:(j + 1) * shard], ("rank", r, b * world + j), int8) for j in range(world)]
-                    for r, f in enumerate(flat)]
-            total = []
-            for j in range(world):
-                acc = sent[0][j].clone()
-                for r in range(1, world):
-                    acc += sent[r][j]
-                total.append(fed(acc, ("sum", j, b), int8))
-            values = torch.cat(total)[:numel] / world
+            flat = [torch.cat([l[nm].reshape(-1) for nm, _ in layout]) for l in local]
+            bounds = chunks[b] if chunks is not None else [(0, numel)]
+            values = torch.cat([reduce_int8([f[lo:hi] for f in flat], (b, c)) for c, (lo, hi) in enumerate(bounds)])
+            values = values / world
             offset = 0
             for nm, n in layout:
                 mean[nm] = values[offset:offset + n].view_as(local[0][nm])

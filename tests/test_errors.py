@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import sapipe
+from sapipe.comm import BACKENDS, compression_refusal
 from dist_utils import run_ranks
 from models import loss_fn_for, make_batches, make_model
 
@@ -35,8 +36,9 @@ BAD_ARGUMENTS = {
                                              "error_feedback=True needs a compression"),
     "error feedback not a bool": ({"compression": "int8", "error_feedback": "yes"}, "ConfigurationError",
                                   "error_feedback must be None, True or False; got 'yes'"),
-    "compression the back-end cannot carry": ({"backend": "pushpull", "compression": "int8"}, "ConfigurationError",
-                                              "backend='pushpull' cannot carry compression='int8'"),
+    # byteps is refused by name before its missing library is reported (the settings' check comes first)
+    "compression the back-end cannot carry": ({"backend": "byteps", "compression": "int8"}, "ConfigurationError",
+                                              "backend='byteps' cannot carry compression='int8'"),
 }
 
 
@@ -103,6 +105,18 @@ def test_bad_configuration_is_refused_on_every_rank(construction_results, case):
         assert text in message, f"rank {rank}: message does not name the cause: {message}"
         assert message.startswith("sapipe"), message
         assert elapsed < 30, f"rank {rank}: took {elapsed:.1f}s"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compression_is_refused_by_name_where_the_back_end_cannot_carry_it(backend):
+    """Only byteps refuses: torch, pushpull and horovod carry every format (docs/design.md §5.9)."""
+    for compression in ("fp16", "bf16", "int8"):
+        refusal = compression_refusal(backend, compression)
+        if backend == "byteps":
+            assert refusal is not None and f"backend='byteps' cannot carry compression={compression!r}" in refusal
+        else:
+            assert refusal is None, refusal
+    assert compression_refusal(backend, None) is None
 
 
 def test_requires_initialised_process_group():

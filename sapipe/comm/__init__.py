@@ -4,12 +4,20 @@ The engine never touches ``torch.distributed`` for bucket traffic directly, so a
 is one small class (see :mod:`sapipe.comm.base` for the contract):
 
 =============  =====================================================================
-``torch``      one all-reduce per bucket on a process group of its own (default)
+``torch``      one all-reduce per bucket on a process group of its own (default);
+               compressed: one compressed sum per bucket (all-to-all + all-gather)
 ``pushpull``   BytePS's pattern on torch.distributed: 4 MB chunks, reduce-scatter +
-               all-gather, in the order the next forward needs them
-``horovod``    ``horovod.torch.allreduce_async_`` (needs ``hvd.init()``)
-``byteps``     ``byteps.torch.push_pull_async_inplace`` — an adapter, never run
+               all-gather, in the order the next forward needs them; compressed: each
+               chunk compressed and summed on its own, in the same order
+``horovod``    ``horovod.torch.allreduce_async_`` (needs ``hvd.init()``); compressed:
+               the compressed sum per bucket over Horovod's ``alltoall`` / ``allgather``
+``byteps``     ``byteps.torch.push_pull_async_inplace`` — an adapter, never run; no
+               compression
 =============  =====================================================================
+
+A compressed sum (:mod:`sapipe.comm.compressed`) takes the gradient's sum in its own dtype
+between two collectives of compressed bytes, whichever back-end carries them, so
+``torch`` and ``horovod`` deliver the same sums bit for bit (docs/design.md §5.9).
 """
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ from typing import Optional
 from ..errors import ConfigurationError, SapipeError
 from ..trace import Tracer
 from .base import CommBackend, Handle
-from .compressed import CompressedSum
+from .compressed import CompressedSum, TorchCollectives
 from .pushpull import DEFAULT_PARTITION_BYTES, PushPull
 from .groups import new_group_like, release_group
 from .torch_backend import AllReduce
@@ -47,12 +55,22 @@ def availability(backend: str) -> Optional[str]:
     return None
 
 
+COMPRESSING_BACKENDS = ("torch", "pushpull", "horovod")
+
+
 def compression_refusal(backend: str, compression: Optional[str]) -> Optional[str]:
     """Why ``backend`` cannot carry ``compression`` (None if it can)."""
-    if compression is None or backend == "torch":
+    if compression is None or backend in COMPRESSING_BACKENDS:
         return None
-    return (f"backend={backend!r} cannot carry compression={compression!r} yet; "
-            "compressed sums run on backend='torch' (NCCL or Gloo)")
+    return (f"backend={backend!r} cannot carry compression={compression!r}; compressed sums run on "
+            + ", ".join(f"backend={b!r}" for b in COMPRESSING_BACKENDS))
+
+
+def compression_partition(backend: str, partition_bytes: int) -> Optional[int]:
+    """The bytes of uncompressed gradient ``backend`` compresses and sums as one unit:
+    push-pull's partitions (BytePS compresses each partition it pushes); None: the whole
+    bucket. A bucket's codec is built to match (sapipe.compression.make_codec)."""
+    return partition_bytes if backend == "pushpull" else None
 
 
 def create(
@@ -69,17 +87,23 @@ def create(
     Every instance gets process groups of its own over ``process_group``'s ranks. With
     ``compression``, each start is handed the bucket's codec (see :func:`compression_refusal`).
     """
-    if compression is not None:
-        return CompressedSum(new_group_like(process_group, timeout), name, timeout, tracer)
+    refusal = compression_refusal(backend, compression)
+    if refusal is not None:
+        raise ConfigurationError(f"sapipe: {refusal}")  # validated before; reached only by direct calls
     if backend == "torch":
+        if compression is not None:
+            return CompressedSum(TorchCollectives(new_group_like(process_group, timeout)), name, timeout, tracer)
         return AllReduce(new_group_like(process_group, timeout), name, timeout, tracer)
     if backend == "pushpull":
-        # The per-chunk agreement is one CPU integer: Gloo, whatever carries the data.
+        # The per-chunk agreement is one CPU integer: Gloo, whatever carries the data. Push-pull
+        # is handed a codec with each bucket when compressed, and needs nothing else.
         return PushPull(new_group_like(process_group, timeout), new_group_like(process_group, timeout, "gloo"),
                         name, timeout, tracer, partition_bytes)
     if backend == "horovod":
-        from .horovod_backend import HorovodAllReduce
+        from .horovod_backend import HorovodAllReduce, HorovodCollectives
 
+        if compression is not None:
+            return CompressedSum(HorovodCollectives(process_group, name, timeout), name, timeout, tracer)
         return HorovodAllReduce(new_group_like(process_group, timeout), name, timeout, tracer)
     if backend == "byteps":
         from .byteps_backend import BytePSPushPull
@@ -88,5 +112,5 @@ def create(
     raise SapipeError(f"sapipe: unknown backend {backend!r}")  # validated before; a bug if reached
 
 
-__all__ = ["BACKENDS", "CommBackend", "Handle", "availability", "compression_refusal", "create", "new_group_like",
-           "release_group"]
+__all__ = ["BACKENDS", "COMPRESSING_BACKENDS", "CommBackend", "Handle", "availability", "compression_partition",
+           "compression_refusal", "create", "new_group_like", "release_group"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import itertools
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -141,28 +142,18 @@ class LibraryBackend(CommBackend):
 
     Such libraries order operations across ranks themselves (matching them by name) and
     have no per-operation timeout, so ``wait`` polls the library's handle and gives up
-    after ``timeout`` (``default_timeout`` when sapipe's is None) with a
+    after ``timeout`` (:data:`DEFAULT_LIBRARY_TIMEOUT` when sapipe's is None) with a
     :class:`CommunicationError`. Subclasses say how to submit, poll and finish.
     """
 
     operation = "reduction"
-    _instances = 0
-    default_timeout = timedelta(seconds=300)
-    poll_seconds = 0.0002
 
     def __init__(self, group, name: str, timeout: Optional[timedelta], tracer: Tracer):
         super().__init__(name, timeout, tracer)
-        if dist.get_world_size(group) != dist.get_world_size():
-            raise ConfigurationError(
-                f"sapipe: {self.operation} back-ends work on the whole job only; process_group has "
-                f"{dist.get_world_size(group)} of the {dist.get_world_size()} ranks"
-            )
+        require_whole_job(group, self.operation)
         self.group = group  # carries no bucket data; the scheduler times the link on it
-        self._limit = (timeout or self.default_timeout).total_seconds()
-        # Instances are created collectively, so this count agrees across ranks, and a new
-        # optimizer's names never collide with an old one's last operations in flight.
-        LibraryBackend._instances += 1
-        self._names = StableNames(f"sapipe{LibraryBackend._instances}.{name}")
+        self._limit = library_limit(timeout)
+        self._names = StableNames(instance_prefix(name))
 
     @abc.abstractmethod
     def _submit(self, tensor: torch.Tensor, name: str, priority: int) -> Any:
@@ -187,12 +178,8 @@ class LibraryBackend(CommBackend):
 
     def wait(self, handle: Handle) -> torch.Tensor:
         self.trace_wait_start(handle.what)
-        deadline = time.monotonic() + self._limit
         try:
-            while not self._poll(handle.token):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"not done after {self._limit:g}s")
-                time.sleep(self.poll_seconds)
+            wait_polled(self._poll, handle.token, self._limit)
             self._finish(handle.token)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
             raise self.failure(self.operation, handle.what, exc) from exc
@@ -204,6 +191,41 @@ class LibraryBackend(CommBackend):
 
     def close(self) -> None:
         release_group(self)
+
+
+DEFAULT_LIBRARY_TIMEOUT = timedelta(seconds=300)  # a library op's limit when sapipe's timeout is None
+_POLL_SECONDS = 0.0002
+_instance_numbers = itertools.count(1)
+
+
+def library_limit(timeout: Optional[timedelta]) -> float:
+    """Seconds an operation handed to a library (which has no timeout of its own) may take."""
+    return (timeout or DEFAULT_LIBRARY_TIMEOUT).total_seconds()
+
+
+def wait_polled(poll: Callable[[Any], bool], token: Any, limit: float) -> None:
+    """Poll a library's ``token`` until done; TimeoutError after ``limit`` seconds."""
+    deadline = time.monotonic() + limit
+    while not poll(token):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not done after {limit:g}s")
+        time.sleep(_POLL_SECONDS)
+
+
+def instance_prefix(name: str) -> str:
+    """A prefix for the names a library matches operations by across ranks, new per back-end
+    instance. Instances are created collectively, so the count agrees across ranks, and a new
+    optimizer's names never collide with an old one's last operations in flight."""
+    return f"sapipe{next(_instance_numbers)}.{name}"
+
+
+def require_whole_job(group, operation: str) -> None:
+    """ConfigurationError unless ``group`` spans the whole job (libraries run on all ranks)."""
+    if dist.get_world_size(group) != dist.get_world_size():
+        raise ConfigurationError(
+            f"sapipe: {operation} back-ends work on the whole job only; process_group has "
+            f"{dist.get_world_size(group)} of the {dist.get_world_size()} ranks"
+        )
 
 
 def import_library(module: str, backend: str, hint: str, not_ready: Callable[[Any], Optional[str]] = lambda _: None):

@@ -1,17 +1,24 @@
-"""``backend="torch"`` with ``compression=``: each bucket summed in two collectives of
-compressed bytes (sapipe.compression, docs/design.md §5.9).
+"""Compressed sums (sapipe.compression, docs/design.md §5.9): the two collectives of compressed
+bytes, and the back-end that runs one per bucket (``backend="torch"`` and ``"horovod"``).
 
-A bucket's compressed sum is an all-to-all (each rank's shards, compressed, to the ranks
-that sum them), a sum in the gradient's own dtype, and an all-gather of the compressed
-sums. The sum in between is computation, so a worker thread of the back-end's own runs the
-three steps, one bucket after another in start order (the same on every rank, so every
-rank issues the same collectives in the same order), while the training thread goes on.
-The group belongs to the worker: ``group`` stays None, so the scheduler's link probes
+A compressed sum is an all-to-all (each rank's shards, compressed, to the ranks that sum
+them), a sum in the gradient's own dtype, and an all-gather of the compressed sums
+(:func:`sum_compressed`). Which library carries the two collectives is a small piece of its
+own (:class:`Collectives`): ``torch.distributed`` on a group (:class:`TorchCollectives`) or
+Horovod (:class:`sapipe.comm.horovod_backend.HorovodCollectives`). Both move the same bytes,
+so the sums are bit-identical. Push-pull (:mod:`sapipe.comm.pushpull`) runs the same sum
+on each partition of a bucket.
+
+The sum in between is computation, so a worker thread of the back-end's own runs the
+steps, one bucket after another in start order (the same on every rank, so every rank
+issues the same collectives in the same order), while the training thread goes on. The
+collectives belong to the worker: ``group`` stays None, so the scheduler's link probes
 never interleave with its traffic. On CUDA the worker runs on a side stream ordered after
 the stream that started the bucket, and ``wait`` orders the caller's stream after it.
 """
 from __future__ import annotations
 
+import abc
 import collections
 from datetime import timedelta
 from typing import Deque, Optional, Tuple
@@ -19,7 +26,7 @@ from typing import Deque, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..compression import SlotCodec
+from ..compression import Slot, SlotCodec
 from ..errors import UsageError
 from ..trace import Tracer
 from .base import Handle
@@ -27,24 +34,85 @@ from .groups import release_group
 from .worker import Job, WorkerBackend, all_gather_single
 
 
+class Collectives(abc.ABC):
+    """The two collectives of a compressed sum over the job's ranks, on flat byte buffers.
+
+    ``tag`` names the operation alike on every rank (libraries that match operations by
+    name need it; ``torch.distributed`` matches them by order and ignores it).
+    """
+
+    @abc.abstractmethod
+    def all_to_all(self, received: torch.Tensor, sent: torch.Tensor, tag: str) -> None:
+        """Row j of ``sent`` (W equal rows) to rank j; row r of ``received`` from rank r."""
+
+    @abc.abstractmethod
+    def all_gather(self, gathered: torch.Tensor, own: torch.Tensor, tag: str) -> None:
+        """Every rank's ``own``, in rank order, into ``gathered``."""
+
+    def close(self) -> None:
+        """Release what the collectives own (a process group); no collective runs afterwards."""
+
+
+class TorchCollectives(Collectives):
+    """``all_to_all_single`` / ``all_gather_single`` on a process group they own."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def live_group(self):
+        """The group; raises once :meth:`close` has released it (given None, a collective
+        would run on the default group)."""
+        if self.group is None:
+            raise RuntimeError("sapipe: the back-end's process group was released with work in flight")
+        return self.group
+
+    def all_to_all(self, received: torch.Tensor, sent: torch.Tensor, tag: str) -> None:
+        dist.all_to_all_single(received, sent, group=self.live_group())
+
+    def all_gather(self, gathered: torch.Tensor, own: torch.Tensor, tag: str) -> None:
+        all_gather_single(gathered, own, group=self.live_group())
+
+    def close(self) -> None:
+        release_group(self)
+
+
+def sum_compressed(codec: SlotCodec, wire: torch.Tensor, collectives: Collectives, tag: str) -> None:
+    """``wire`` (values, then flags) summed over the ranks in place, compressed on the wire:
+    the all-to-all of its compressed shards, their sum in the gradient's dtype, the
+    all-gather of the compressed sums, decoded."""
+    outgoing = codec.scatter_messages(wire)
+    collectives.all_to_all(codec.inbox(), outgoing, f"{tag}.scatter")
+    collectives.all_gather(codec.gathered(), codec.gather_message(), f"{tag}.gather")
+    codec.decode_sum(wire)
+
+
+def check_codec(codec: Optional[Slot], tensor: torch.Tensor, name: str, what: str) -> Slot:
+    """``codec`` if it was handed over and covers ``tensor``; else UsageError (a bug upstream)."""
+    if codec is None:
+        raise UsageError(f"sapipe: the compressed {name} sum of {what} was started without its codec")
+    end = codec.partitions()[-1][1]
+    if end != tensor.numel():
+        raise UsageError(f"sapipe: the codec of {what} covers {end} values, its buffer holds {tensor.numel()}")
+    return codec
+
+
 class CompressedSum(WorkerBackend):
-    """Compressed sums of flat buffers, run in start order by a worker thread."""
+    """Compressed sums of flat buffers over ``collectives``, run in start order by a worker thread."""
 
     operation = "compressed sum"
 
-    def __init__(self, group, name: str, timeout: Optional[timedelta], tracer: Tracer):
+    def __init__(self, collectives: Collectives, name: str, timeout: Optional[timedelta], tracer: Tracer):
         super().__init__(name, timeout, tracer)
-        self._data = group
+        self._collectives = collectives
         self._queue: Deque[Job] = collections.deque()
 
-    def start(self, tensor: torch.Tensor, what: str, priority: int = 0, codec: Optional[SlotCodec] = None) -> Handle:
-        if codec is None:
-            raise UsageError(f"sapipe: the compressed {self.name} sum of {what} was started without its codec")
-        return self.submit(self.new_job(tensor, what, detail=codec), self._queue.append)
+    def start(self, tensor: torch.Tensor, what: str, priority: int = 0, codec: Optional[Slot] = None) -> Handle:
+        detail = check_codec(codec, tensor, self.name, what)
+        return self.submit(self.new_job(tensor, what, detail=detail), self._queue.append)
 
     def close(self) -> None:
         self.stop_worker()
-        release_group(self, "_data")
+        self._collectives.close()
 
     # ------------------------------------------------------------------ worker side
 
@@ -55,14 +123,9 @@ class CompressedSum(WorkerBackend):
             return (self._queue.popleft(), None) if self._queue else None
 
     def run_unit(self, job: Job, unit: None) -> None:
-        group = self._data
-        if group is None:
-            raise RuntimeError("sapipe: the compressed back-end was closed with work in flight")
-        codec: SlotCodec = job.detail
-        outgoing = codec.scatter_messages(job.tensor)
-        dist.all_to_all_single(codec.inbox(), outgoing, group=group)
-        all_gather_single(codec.gathered(), codec.gather_message(), group=group)
-        codec.decode_sum(job.tensor)
+        codec: Slot = job.detail
+        for index, (lo, hi, part) in enumerate(codec.partitions()):
+            sum_compressed(part, job.tensor[lo:hi], self._collectives, f"{job.sequence}.{index}")
 
 
-__all__ = ["CompressedSum"]
+__all__ = ["Collectives", "CompressedSum", "TorchCollectives", "check_codec", "sum_compressed"]

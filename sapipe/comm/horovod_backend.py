@@ -1,8 +1,13 @@
-"""``backend="horovod"``: buckets summed by Horovod's ``allreduce_async_``.
+"""``backend="horovod"``: buckets summed by Horovod's ``allreduce_async_``; compressed, by
+Horovod's ``alltoall`` and ``allgather`` (:class:`HorovodCollectives`).
 
 For clusters already tuned for Horovod (its NCCL/Gloo/MPI set-up, ``horovodrun``): sapipe
 keeps its layers, buckets, staleness and compensation, and hands each bucket to Horovod.
 Horovod's coordinator orders operations across ranks by name.
+
+With ``compression=``, a bucket's compressed sum (:mod:`sapipe.comm.compressed`) runs its
+two collectives through Horovod: the same bytes as on ``backend="torch"``, so the same sum,
+bit for bit. (Horovod's own ``Compression.fp16`` instead sums in 16 bits, another rule.)
 
 Requirements, checked at construction: ``horovod.torch`` imports, ``hvd.init()`` has been
 called, and Horovod's ranks are the job's ``torch.distributed`` ranks (sapipe still uses
@@ -20,7 +25,8 @@ import torch.distributed as dist
 
 from ..errors import ConfigurationError
 from ..trace import Tracer
-from .base import LibraryBackend, import_library
+from .base import LibraryBackend, import_library, instance_prefix, library_limit, require_whole_job, wait_polled
+from .compressed import Collectives
 
 
 def import_horovod():
@@ -48,6 +54,36 @@ class HorovodAllReduce(LibraryBackend):
 
     def _finish(self, token: Any) -> None:
         self._hvd.synchronize(token)
+
+
+class HorovodCollectives(Collectives):
+    """A compressed sum's two collectives through ``horovod.torch`` (``alltoall_async``,
+    ``allgather_async``), on the whole job.
+
+    Horovod matches operations across ranks by name: each is named by this instance's
+    prefix and the caller's ``tag`` (the job's start sequence, the same on every rank).
+    Horovod has no timeout of its own, so each operation is polled and given up after
+    ``timeout`` (300 s when None): the worker then fails every waiting bucket.
+    """
+
+    operation = "horovod compressed sum"
+
+    def __init__(self, group, name: str, timeout: Optional[timedelta]):
+        require_whole_job(group, self.operation)
+        self._hvd = import_horovod()
+        self._prefix = instance_prefix(f"{name}.compressed")
+        self._limit = library_limit(timeout)
+
+    def all_to_all(self, received: torch.Tensor, sent: torch.Tensor, tag: str) -> None:
+        output, _ = self._finish(self._hvd.alltoall_async(sent, name=f"{self._prefix}.{tag}"))
+        received.copy_(output)
+
+    def all_gather(self, gathered: torch.Tensor, own: torch.Tensor, tag: str) -> None:
+        gathered.copy_(self._finish(self._hvd.allgather_async(own, name=f"{self._prefix}.{tag}")))
+
+    def _finish(self, handle: Any) -> Any:
+        wait_polled(self._hvd.poll, handle, self._limit)
+        return self._hvd.synchronize(handle)
 
 
 def init_horovod_for_torch_job(group=None):

@@ -17,6 +17,13 @@ coordinator and BytePS's scheduler), and then picks, from the chunks of those bu
 only, the one with the lowest ``priority`` (ties: first started, then first chunk). The
 choice is a function of agreed values only, so every rank makes the same one.
 
+With ``compression=``, each bucket arrives with a :class:`~sapipe.compression.PartitionedCodec`
+slot, whose partitions are the chunks (``partition_mb`` of the uncompressed bucket, as
+BytePS compresses each partition it pushes). A chunk is then summed as the two-stage
+compressed sum of :mod:`sapipe.comm.compressed` (all-to-all of its compressed shards, a sum
+in the gradient's dtype, all-gather of the compressed sums) instead of reduce-scatter +
+all-gather; the order of the chunks is agreed as above.
+
 On CUDA the worker runs its collectives on a side stream, ordered after the stream that
 started each bucket, and ``wait`` makes the caller's stream wait for the result.
 ``close()`` stops the worker, then destroys both groups at once (their Gloo threads joined
@@ -29,25 +36,33 @@ from __future__ import annotations
 import heapq
 import math
 from datetime import timedelta
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from ..compression import Slot, SlotCodec, partition_bounds
 from ..trace import Tracer
 from .base import Handle
+from .compressed import TorchCollectives, check_codec, sum_compressed
 from .groups import release_group
 from .worker import Job, WorkerBackend, all_gather_single, reduce_scatter_single
 
 DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024  # BytePS's default partition size
 
 
-class PushPull(WorkerBackend):
-    """Chunked reduce-scatter + all-gather of flat buffers, issued in priority order.
+class Chunks(NamedTuple):
+    """A push-pull job's ``detail``: its priority, its chunks as [start, end) element ranges,
+    and with compression each chunk's codec (None: the chunks travel uncompressed)."""
 
-    A job's ``detail`` is (its priority, its chunks as [start, end) element ranges); its
-    units are chunk indices.
-    """
+    priority: int
+    bounds: List[Tuple[int, int]]
+    codecs: Optional[Sequence[SlotCodec]] = None
+
+
+class PushPull(WorkerBackend):
+    """Chunked reduce-scatter + all-gather of flat buffers, issued in priority order; with a
+    codec, each chunk a compressed sum instead. A job's units are chunk indices."""
 
     operation = "push-pull"
 
@@ -65,7 +80,7 @@ class PushPull(WorkerBackend):
             raise ValueError(f"sapipe: partition_bytes must be > 0; got {partition_bytes}")
         # Both groups belong to the worker thread alone; ``group`` stays None, so the
         # scheduler's link probes (main thread) never interleave with the worker's traffic.
-        self._data = group  # reduce-scatters and all-gathers
+        self._data = TorchCollectives(group)  # reduce-scatters and all-gathers (compressed: all-to-alls)
         self._negotiation = negotiation_group  # one int per chunk decision
         self.partition_bytes = partition_bytes
         self.world_size = dist.get_world_size(group)
@@ -77,18 +92,23 @@ class PushPull(WorkerBackend):
 
     # ------------------------------------------------------------------ engine side
 
-    def start(self, tensor: torch.Tensor, what: str, priority: int = 0) -> Handle:
-        per_chunk = max(1, self.partition_bytes // tensor.element_size())
-        chunks = [(lo, min(lo + per_chunk, tensor.numel())) for lo in range(0, tensor.numel(), per_chunk)]
-        return self.submit(self.new_job(tensor, what, units=len(chunks), detail=(priority, chunks)),
-                           self._started.append)
+    def start(self, tensor: torch.Tensor, what: str, priority: int = 0, codec: Optional[Slot] = None) -> Handle:
+        """Begin the chunked sum of ``tensor``; with ``codec`` (compression), its partitions are
+        the chunks, each a compressed sum."""
+        if codec is None:
+            per_chunk = max(1, self.partition_bytes // tensor.element_size())
+            chunks = Chunks(priority, partition_bounds(tensor.numel(), per_chunk))
+        else:
+            parts = check_codec(codec, tensor, self.name, what).partitions()
+            chunks = Chunks(priority, [(lo, hi) for lo, hi, _ in parts], [part for _, _, part in parts])
+        return self.submit(self.new_job(tensor, what, units=len(chunks.bounds), detail=chunks), self._started.append)
 
     def close(self) -> None:
         self.stop_worker()
         # Destroyed now, their Gloo threads joined (sapipe.comm.groups). A worker still inside
         # a collective after the join's limit holds the group in that call's frame; the group
         # is then destroyed when the call returns (its own timeout bounds that).
-        release_group(self, "_data")
+        self._data.close()
         release_group(self, "_negotiation")
 
     # ------------------------------------------------------------------ worker side
@@ -109,21 +129,26 @@ class PushPull(WorkerBackend):
     def _agree(self, local: int) -> None:
         """Queue the chunks of every bucket that all ranks have started by now."""
         count = torch.tensor([local], dtype=torch.int64)
-        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self._group("_negotiation"))
+        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self._negotiation_group())
         agreed = int(count.item())
         with self.lock:
             newly = self._started[: agreed - self._num_agreed]
             del self._started[: agreed - self._num_agreed]
             self._num_agreed = agreed
         for job in newly:
-            priority, chunks = job.detail
-            for index in range(len(chunks)):
-                heapq.heappush(self._queue, (priority, job.sequence, index, job))
+            for index in range(len(job.detail.bounds)):
+                heapq.heappush(self._queue, (job.detail.priority, job.sequence, index, job))
 
     def run_unit(self, job: Job, index: int) -> None:
-        """Sum chunk ``index`` of ``job`` over the ranks: reduce-scatter, then all-gather."""
-        lo, hi = job.detail[1][index]
-        chunk = job.tensor[lo:hi]
+        """Sum chunk ``index`` of ``job`` over the ranks (with a codec: compressed)."""
+        lo, hi = job.detail.bounds[index]
+        if job.detail.codecs is None:
+            self._push_pull(job.tensor[lo:hi])
+        else:
+            sum_compressed(job.detail.codecs[index], job.tensor[lo:hi], self._data, f"{job.sequence}.{index}")
+
+    def _push_pull(self, chunk: torch.Tensor) -> None:
+        """``chunk`` summed over the ranks: reduce-scatter (push), then all-gather (pull)."""
         world = self.world_size
         shard_numel = math.ceil(chunk.numel() / world)
         padded = shard_numel * world
@@ -134,19 +159,18 @@ class PushPull(WorkerBackend):
         else:
             work = chunk
         shard = self._buffer("_shard", shard_numel, chunk)
-        group = self._group("_data")
+        group = self._data.live_group()
         reduce_scatter_single(shard, work, op=dist.ReduceOp.SUM, group=group)  # push
         all_gather_single(work, shard, group=group)  # pull
         if work is not chunk:
             chunk.copy_(work[: chunk.numel()])
 
-    def _group(self, attr: str):
-        """One of the worker's groups; raises once close() has released it (given None, a
+    def _negotiation_group(self):
+        """The agreement's group; raises once close() has released it (given None, a
         collective would run on the default group)."""
-        group = getattr(self, attr)
-        if group is None:
+        if self._negotiation is None:
             raise RuntimeError("sapipe: the push-pull back-end was closed with work in flight")
-        return group
+        return self._negotiation
 
     def _buffer(self, attr: str, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A reusable scratch buffer of at least ``numel`` elements (grown, never per step)."""

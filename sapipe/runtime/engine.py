@@ -9,6 +9,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from .. import comm
 from ..buckets import Bucket
 from ..compensation import MODES
 from ..config import Settings
@@ -17,7 +18,7 @@ from ..layers import Layer
 from ..optim_math import OptimizerRule
 from ..trace import Tracer
 from .exposure import GradientExposure
-from .layout import Layout
+from .layout import CompressedSums, Layout
 from .pipeline import GradientPipeline
 from .updates import Updater
 
@@ -30,7 +31,8 @@ class Runtime:
         self._settings = settings
         self._group_of = group_of
         compression = settings.wire_compression
-        self._compression = (compression, world_size) if compression is not None else None
+        self._compression = None if compression is None else CompressedSums(
+            compression, world_size, comm.compression_partition(settings.backend, settings.partition_bytes))
         self.pipeline = GradientPipeline(settings, group, tracer, before_reuse=self.apply_deferred)
         self.updater = Updater(rule, MODES[settings.compensation](settings.staleness), settings,
                                world_size, self.pipeline)

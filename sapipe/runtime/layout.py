@@ -6,18 +6,25 @@ parameter's optimizer state from its old place to its new one (docs/design.md §
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from ..buckets import Bucket, StalenessBuffer, build_buckets
 from ..compensation import Compensation
-from ..compression import BucketCodec, Compression
+from ..compression import Compression, make_codec
 from ..layers import Layer
 from ..optim_math import OptimizerRule
 
-#: (compression, world size) of the buckets' compressed sums (sapipe.compression)
-CompressedSums = Tuple[Compression, int]
+
+class CompressedSums(NamedTuple):
+    """How the buckets' sums are compressed (sapipe.compression): the format, the world size,
+    and the bytes of bucket compressed as one unit (the back-end's partition; None: the whole
+    bucket), which fix each bucket's codec."""
+
+    compression: Compression
+    world: int
+    partition_bytes: Optional[int] = None
 
 
 class Layout:
@@ -52,9 +59,9 @@ class Layout:
         if bucket.stale and self._compensation.needs_prev_local:
             bucket.prev_local = torch.zeros_like(bucket.grads.slots[0])
         if self._compression is not None:
-            compression, world = self._compression
-            bucket.grads.codec = BucketCodec(compression, bucket.numel, len(bucket.params), world, bucket.dtype,
-                                             bucket.device, slots=depth)
+            compression, world, partition_bytes = self._compression
+            bucket.grads.codec = make_codec(compression, bucket.numel, len(bucket.params), world, bucket.dtype,
+                                            bucket.device, slots=depth, partition_bytes=partition_bytes)
 
     def relaid(self, k: int) -> "Layout":
         """The same layers laid out for ``k`` stale layers (no weights or state moved yet)."""
@@ -82,7 +89,8 @@ class Layout:
 
 def _move_residuals(old: List[Bucket], new: List[Bucket]) -> None:
     """Each parameter's error-feedback residual (what its rank's rounding kept back) to its
-    new place. A residual of a sum (kept per shard, whose bounds move) is dropped."""
+    new place. A residual of a sum (kept per shard, of a bucket or of a partition, whose
+    bounds move) is dropped."""
     places = {id(p): (b, off) for b in old for p, off in zip(b.params, b.offsets) if b.grads.codec.residual is not None}
     for bucket in new:
         residual = bucket.grads.codec.residual
