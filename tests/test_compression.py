@@ -162,12 +162,13 @@ def test_the_link_model_for_compressed_sums():
     assert compressed(slow_seen, 0.26, 1e-10).beta == 3e-9
 
 
-def _auto_compressed(rank, world_size):
+def _auto_compressed(rank, world_size, backend):
     import sapipe
 
     model = make_model("tied", seed=rank)
     opt = sapipe.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, stale_layers="auto",
-                                      compression="int8", profile_steps=3, tune_steps=0)
+                                      compression="int8", profile_steps=3, tune_steps=0, backend=backend,
+                                      partition_mb=0.01)
     batches = make_batches("tied", 12, world_size)
     for x, y in (step[rank] for step in batches):
         opt.zero_grad()
@@ -179,8 +180,9 @@ def _auto_compressed(rank, world_size):
     return result
 
 
-def test_auto_models_the_compressed_link_alike_on_every_rank():
-    results = run_ranks(_auto_compressed, world_size=2)
+@pytest.mark.parametrize("backend", ["torch", "pushpull"])
+def test_auto_models_the_compressed_link_alike_on_every_rank(backend):
+    results = run_ranks(_auto_compressed, world_size=2, args=(backend,))
     assert results[0] == results[1]
     decided, wire_ratio, codec_per_byte, _ = results[0]
     assert decided and 0.25 < wire_ratio < 0.5 and codec_per_byte > 0  # a quarter, plus scales and (small model) padding

@@ -25,7 +25,8 @@ from typing import Any, Dict, List, Optional, Protocol
 
 import torch
 
-from ..compression import BucketCodec
+from .. import comm
+from ..compression import make_codec
 from ..config import Settings
 from ..layers import Layer
 from ..rendezvous import ControlChannel
@@ -134,8 +135,10 @@ class AutoController:
         if ring == 0:
             return profile  # one rank: nothing travels
         largest = max(buckets, key=lambda b: b.numel)
-        scratch = BucketCodec(self._settings.wire_compression, largest.numel, len(largest.params), world,
-                              largest.dtype, largest.device)
+        settings = self._settings
+        scratch = make_codec(settings.wire_compression, largest.numel, len(largest.params), world, largest.dtype,
+                             largest.device, partition_bytes=comm.compression_partition(settings.backend,
+                                                                                        settings.partition_bytes))
         wire = torch.randn(largest.numel + len(largest.params), dtype=largest.dtype, device=largest.device)
         (seconds,) = self._control.agree_on_max([profiler.time_codec(scratch, wire)], "the time to compress")
         wire_ratio = sum(b.grads.codec.format.wire_bytes() for b in buckets) / ring

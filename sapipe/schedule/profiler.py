@@ -371,16 +371,18 @@ def compressed(profile: Profile, wire_ratio: float, codec_per_byte: float) -> Pr
 
 def time_codec(codec, wire: torch.Tensor, repeats: int = 3) -> float:
     """Fastest wall time of one compressed sum's local work on ``wire`` (compress, sum the
-    received messages, compress the sum, decode), without its collectives."""
-    slot = codec.at(0)
+    received messages, compress the sum, decode; per partition where the codec has them),
+    without its collectives."""
+    parts = codec.at(0).partitions()
     times = []
     for _ in range(repeats + 1):  # the first run warms caches and the allocator
         if wire.is_cuda:
             torch.cuda.synchronize(wire.device)
         start = time.perf_counter()
-        slot.scatter_messages(wire)
-        slot.gather_message()
-        slot.decode_sum(wire)
+        for lo, hi, part in parts:
+            part.scatter_messages(wire[lo:hi])
+            part.gather_message()
+            part.decode_sum(wire[lo:hi])
         if wire.is_cuda:
             torch.cuda.synchronize(wire.device)
         times.append(time.perf_counter() - start)
