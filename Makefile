@@ -73,8 +73,10 @@ bench: venv
 	$(VPY) benchmarks/throughput.py $(BENCH_ARGS)
 
 # Convergence benchmark: 3 tasks x (sync, pipesgd, dc, wp1-3) x 3 seeds, 4 ranks (Gloo),
-# plus a dc/wp3 lambda sweep; writes benchmarks/results/convergence.md and PNGs (~15-30 min
-# on 2 cores). Options: CONVERGENCE_ARGS="--quick" (smoke run, < 2 min), "--k auto".
+# plus a dc/wp3 lambda sweep and each task's best mode with bf16, int8 and int8 without error
+# feedback; writes benchmarks/results/convergence.md and PNGs (~20-35 min on 2 cores).
+# Options: CONVERGENCE_ARGS="--quick" (smoke run, < 2 min), "--k auto", "--study compression"
+# (the compression study alone, ~8 min; writes results/convergence_compression.md).
 convergence: venv
 	$(VPIP) install -q -r benchmarks/requirements.txt
 	OMP_NUM_THREADS=1 $(VPY) benchmarks/convergence.py $(CONVERGENCE_ARGS)

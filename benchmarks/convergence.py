@@ -10,16 +10,23 @@ Trains each task of ``convergence_tasks.py`` with 4 ranks (Gloo, CPU) in these m
   k = m // 2, the first half of the layers in forward order) and that compensation,
   λ = 0.2 (the library default) for ``dc`` and ``wp3``
 
-plus a λ sweep of ``dc`` and ``wp3`` on the task where staleness hurts (``--sweep-task``).
+plus a λ sweep of ``dc`` and ``wp3`` on the task where staleness hurts (``--sweep-task``),
+and the compression study: each task's best mode (``Task.best_mode``) also runs with
+``compression="bf16"`` (``<mode>+bf16``), ``"int8"`` (``<mode>+int8``, error feedback on) and
+``"int8", error_feedback=False`` (``<mode>+int8-noEF``), beside ``sync`` and the
+uncompressed mode of the same seeds. ``--study main`` or ``--study compression`` runs one
+of the two studies alone (default ``all``: both).
 
 Structure: one ``torchrun --standalone --nproc_per_node=4`` launch per (task, seed) runs
 every mode inside the same process group (re-seeding and rebuilding model and optimizer,
 with a fresh ``sapipe.DistributedOptimizer`` per mode); rank 0 writes one JSON file per
 (task, seed). The ``report`` step (plain Python) aggregates those files into a markdown
-table, plots and a λ-sweep table.
+report (``results/convergence.md``; ``results/convergence_compression.md`` when only the
+compression study ran) with tables, plots and a λ-sweep table.
 
     python benchmarks/convergence.py                 # everything (make convergence)
     python benchmarks/convergence.py --quick         # smoke run, < 2 minutes
+    python benchmarks/convergence.py --study compression   # the compression study alone
     python benchmarks/convergence.py report --out build/convergence
     python benchmarks/convergence.py --k auto        # pass stale_layers="auto" to sapipe
 
@@ -40,7 +47,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -50,6 +57,14 @@ import hostenv  # noqa: E402
 
 MAIN_MODES = ["sync", "pipesgd", "none", "dc", "wp1", "wp2", "wp3"]
 SAPIPE_MODES = ["dc", "wp1", "wp2", "wp3"]
+STUDIES = ("all", "main", "compression")
+MAIN_COLORS = dict(sync="black", pipesgd="tab:red", none="tab:orange", dc="tab:blue", wp1="tab:green",
+                   wp2="tab:olive", wp3="tab:purple")
+# sync, the uncompressed best mode, then COMPRESSED_VARIANTS in order
+COMPRESSION_COLORS = ["black", "tab:green", "tab:blue", "tab:orange", "tab:red"]
+# The compression study's variants of a task's best mode: (name suffix, compression=,
+# error_feedback=). None leaves error feedback at sapipe's default (on for int8).
+COMPRESSED_VARIANTS = [("bf16", "bf16", None), ("int8", "int8", None), ("int8-noEF", "int8", False)]
 DEFAULT_LAMBDA = 0.2
 DEFAULT_LAMBDAS = [0.0, 0.1, 0.2, 0.5, 1.0]
 DEFAULT_OUT = REPO / "build" / "convergence"
@@ -59,21 +74,47 @@ RESULTS = HERE / "results"
 
 # ============================================================================ modes
 
-def mode_specs(k_arg: str, sweep: bool, lambdas: List[float]) -> List[Dict[str, Any]]:
-    """The list of runs inside one (task, seed) launch. ``k`` is resolved per task."""
-    specs = [
-        dict(name="sync", k="zero", compensation="none", dc_lambda=DEFAULT_LAMBDA),
-        dict(name="pipesgd", k="all", compensation="none", dc_lambda=DEFAULT_LAMBDA),
-        dict(name="none", k=k_arg, compensation="none", dc_lambda=DEFAULT_LAMBDA),
-    ]
-    for comp in SAPIPE_MODES:
-        specs.append(dict(name=comp, k=k_arg, compensation=comp, dc_lambda=DEFAULT_LAMBDA))
+def _spec(name: str, k: str, compensation: str, dc_lambda: float = DEFAULT_LAMBDA,
+          compression: Optional[str] = None, error_feedback: Optional[bool] = None) -> Dict[str, Any]:
+    """One run of a launch: its name in the report and its ``DistributedOptimizer`` settings."""
+    return dict(name=name, k=k, compensation=compensation, dc_lambda=dc_lambda,
+                compression=compression, error_feedback=error_feedback)
+
+
+def main_specs(k_arg: str, sweep: bool, lambdas: List[float]) -> List[Dict[str, Any]]:
+    """The main study: sync, Pipe-SGD, ``none`` and every compensation, plus the λ sweep."""
+    specs = [_spec("sync", "zero", "none"), _spec("pipesgd", "all", "none"), _spec("none", k_arg, "none")]
+    specs += [_spec(comp, k_arg, comp) for comp in SAPIPE_MODES]
     if sweep:
         for comp in ("dc", "wp3"):
             for lam in lambdas:
                 if lam == DEFAULT_LAMBDA:
                     continue  # the main run already is this point
-                specs.append(dict(name=f"{comp}@{lam:g}", k=k_arg, compensation=comp, dc_lambda=lam))
+                specs.append(_spec(f"{comp}@{lam:g}", k_arg, comp, dc_lambda=lam))
+    return specs
+
+
+def compressed_name(best: str, variant: str) -> str:
+    """Report name of ``best`` run with a wire format of ``COMPRESSED_VARIANTS``, e.g. ``wp1+int8``."""
+    return f"{best}+{variant}"
+
+
+def compression_specs(k_arg: str, best: str) -> List[Dict[str, Any]]:
+    """The compression study: sync and the task's best mode uncompressed (the references),
+    then the best mode with each wire format of ``COMPRESSED_VARIANTS``."""
+    specs = [_spec("sync", "zero", "none"), _spec(best, k_arg, best)]
+    specs += [_spec(compressed_name(best, variant), k_arg, best, compression=fmt, error_feedback=ef)
+              for variant, fmt, ef in COMPRESSED_VARIANTS]
+    return specs
+
+
+def mode_specs(k_arg: str, best: str, study: str, sweep: bool, lambdas: List[float]) -> List[Dict[str, Any]]:
+    """The runs inside one (task, seed) launch, in order; ``k`` is resolved per task.
+    ``study``: ``main``, ``compression``, or ``all`` (both; runs they share appear once)."""
+    specs = main_specs(k_arg, sweep, lambdas) if study in ("all", "main") else []
+    if study in ("all", "compression"):
+        names = {spec["name"] for spec in specs}
+        specs += [spec for spec in compression_specs(k_arg, best) if spec["name"] not in names]
     return specs
 
 
@@ -106,7 +147,7 @@ def worker(args) -> None:
     steps = args.steps or (task.quick_steps if args.quick else task.steps)
     eval_every = max(1, min(task.eval_every, steps // 4 if args.quick else task.eval_every))
     lambdas = [float(x) for x in args.lambdas.split(",")] if args.lambdas else DEFAULT_LAMBDAS
-    specs = mode_specs(args.k, args.sweep, lambdas)
+    specs = mode_specs(args.k, task.best_mode, args.study, args.sweep, lambdas)
     if args.modes:
         wanted = args.modes.split(",")
         specs = [s for s in specs if s["name"] in wanted]
@@ -116,6 +157,7 @@ def worker(args) -> None:
         higher_is_better=task.higher_is_better, optimizer=task.optimizer, notes=task.notes,
         seed=args.seed, world_size=world, threads=args.threads, steps=steps,
         eval_every=eval_every, batch_per_rank=task.batch, k_arg=args.k, quick=args.quick,
+        best_mode=task.best_mode, study=args.study,
         host=platform.node(), cpus=os.cpu_count(), torch=torch.__version__,
         started=_dt.datetime.now().isoformat(timespec="seconds"), runs=[],
     )
@@ -133,7 +175,8 @@ def worker(args) -> None:
         base = task.build_optimizer(model)
         opt = sapipe.DistributedOptimizer(
             base, model, stale_layers=k, compensation=spec["compensation"],
-            dc_lambda=spec["dc_lambda"],
+            dc_lambda=spec["dc_lambda"], compression=spec["compression"],
+            error_feedback=spec["error_feedback"],
         )
         gen = torch.Generator().manual_seed(1000 * args.seed + rank)
         losses: List[float] = []
@@ -170,6 +213,7 @@ def worker(args) -> None:
             final = evals[-1]
             run = dict(
                 mode=spec["name"], compensation=spec["compensation"], dc_lambda=spec["dc_lambda"],
+                compression=spec["compression"], error_feedback=spec["error_feedback"],
                 k=k_used, m=m, steps=steps, train_loss=mean_loss, step_time=step_time,
                 evals=evals, final_metric=final["metric"], final_test_loss=final["loss"],
                 diverged=not all(math.isfinite(v) for v in mean_loss[-10:]),
@@ -178,7 +222,7 @@ def worker(args) -> None:
             )
             record["runs"].append(run)
             print(
-                f"[{task.name} seed={args.seed}] {spec['name']:<9} k={k_used}/{m} "
+                f"[{task.name} seed={args.seed}] {spec['name']:<14} k={k_used}/{m} "
                 f"{steps} steps  final {task.metric} {final['metric']:.3f}  "
                 f"train loss {sum(mean_loss[-10:]) / 10:.4f}  train {train_time:.1f}s  "
                 f"load {load0:.1f}",
@@ -205,16 +249,23 @@ def worker(args) -> None:
 
 # ============================================================================ driver
 
+def default_out(quick: bool, study: str) -> Path:
+    """Raw JSON directory: one per kind of run, so a compression-only or a quick run never
+    overwrites the full run's files."""
+    out = QUICK_OUT if quick else DEFAULT_OUT
+    return out.with_name(out.name + "-compression") if study == "compression" else out
+
+
 def run_all(args) -> None:
     from convergence_tasks import get_tasks
 
     tasks = args.tasks.split(",") if args.tasks else list(get_tasks())
     seeds = list(range(args.seeds if args.seeds else (1 if args.quick else 3)))
-    out = Path(args.out) if args.out else (QUICK_OUT if args.quick else DEFAULT_OUT)
+    out = Path(args.out) if args.out else default_out(args.quick, args.study)
     out.mkdir(parents=True, exist_ok=True)
     manifest = dict(
         command=" ".join(shlex.quote(a) for a in [_rel(Path(sys.executable)), "benchmarks/convergence.py", *sys.argv[1:]]),
-        tasks=tasks, seeds=seeds, nproc=args.nproc, k=args.k, quick=args.quick,
+        tasks=tasks, seeds=seeds, nproc=args.nproc, k=args.k, quick=args.quick, study=args.study,
         sweep_task=args.sweep_task, lambdas=args.lambdas or ",".join(f"{x:g}" for x in DEFAULT_LAMBDAS),
         started=_dt.datetime.now().isoformat(timespec="seconds"),
         loadavg_start=os.getloadavg(), cpus=os.cpu_count(),
@@ -228,11 +279,11 @@ def run_all(args) -> None:
                 sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={args.nproc}", str(Path(__file__).resolve()), "worker",
                 "--task", task, "--seed", str(seed), "--out", str(out), "--k", args.k,
-                "--threads", str(args.threads),
+                "--threads", str(args.threads), "--study", args.study,
             ]
             if args.quick:
                 cmd.append("--quick")
-            if task == args.sweep_task and not args.no_sweep:
+            if task == args.sweep_task and not args.no_sweep and args.study != "compression":
                 cmd.append("--sweep")
             if args.lambdas:
                 cmd += ["--lambdas", args.lambdas]
@@ -284,7 +335,8 @@ def _mean_std(xs: List[float]):
     return statistics.fmean(xs), statistics.stdev(xs)
 
 
-def _fmt(mean: float, std: float, n: int, digits: int = 2) -> str:
+def _fmt(mean: float, std: float, n: Optional[int] = None, digits: int = 2) -> str:
+    """``mean ± std`` (``n``, the number of seeds, is accepted for ``_fmt(*stats)``)."""
     if not math.isfinite(mean):
         return "diverged"
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
@@ -316,7 +368,8 @@ def _metric_stats(recs, mode):
     return mean, std, len(vals)
 
 
-def _plot_task(task: str, recs: List[dict], path: Path) -> None:
+def _plot_task(recs: List[dict], path: Path, modes: List[str], colors: Dict[str, str]) -> None:
+    """Training loss and test metric of ``modes`` against step and wall-clock time (one figure)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -325,9 +378,7 @@ def _plot_task(task: str, recs: List[dict], path: Path) -> None:
 
     meta = recs[0]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
-    colors = dict(sync="black", pipesgd="tab:red", none="tab:orange", dc="tab:blue", wp1="tab:green",
-                  wp2="tab:olive", wp3="tab:purple")
-    for mode in MAIN_MODES:
+    for mode in modes:
         runs = _runs(recs, mode)
         if not runs:
             continue
@@ -340,7 +391,8 @@ def _plot_task(task: str, recs: List[dict], path: Path) -> None:
         ev_metric = np.array([[e["metric"] for e in run["evals"]] for run in runs], dtype=float).mean(0)
         ev_time = np.array([[e["time"] for e in run["evals"]] for run in runs], dtype=float).mean(0)
         k, m = runs[0]["k"], runs[0]["m"]
-        label = f"{mode} (k={k}/{m})"
+        diverged = sum(run["diverged"] for run in runs)
+        label = f"{mode} (k={k}/{m})" + (f", {diverged} of {len(runs)} seeds diverged" if diverged else "")
         c = colors.get(mode)
         axes[0, 0].plot(steps, smooth, color=c, label=label)
         axes[0, 1].plot(ev_step, ev_metric, color=c, marker=".", label=label)
@@ -414,18 +466,29 @@ def _plot_sweep(task: str, recs: List[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def report(out: Path, results: Path) -> None:
-    by_task, manifest = _load(out)
-    results.mkdir(parents=True, exist_ok=True)
-    order = [t for t in ("digits", "lm", "deepmlp") if t in by_task] + \
-            [t for t in by_task if t not in ("digits", "lm", "deepmlp")]
-    lines: List[str] = []
-    k_arg = manifest.get("k") or next(iter(by_task.values()))[0].get("k_arg", "half")
+def _ordered_tasks(by_task: Dict[str, List[dict]]) -> List[str]:
+    """The built-in tasks in their usual order, then any others."""
+    known = ("digits", "lm", "deepmlp")
+    return [t for t in known if t in by_task] + [t for t in by_task if t not in known]
+
+
+def _has_main_study(recs: List[dict]) -> bool:
+    """Whether a task's launches ran the main study (records without ``study`` predate the option)."""
+    return any(r.get("study", "all") in ("all", "main") for r in recs)
+
+
+def _has_compression_study(recs: List[dict]) -> bool:
+    """Whether a task's launches ran the compression study."""
+    return any(r.get("study", "main") in ("all", "compression") for r in recs)
+
+
+def _intro_lines(by_task: Dict[str, List[dict]], manifest: dict, k_arg: str) -> List[str]:
+    """Title, command, setup and the meaning of each mode name."""
     k_text = {"half": ": k = m // 2, the layers that run in the first half of the forward pass",
               "auto": ": k chosen by sapipe's scheduler"}.get(k_arg, "")
     cmd = manifest.get("command", "python benchmarks/convergence.py")
     quick = any(r["quick"] for recs in by_task.values() for r in recs)
-    lines += [
+    return [
         "# Convergence benchmark",
         "",
         "Generated by `benchmarks/convergence.py` (`make convergence`). "
@@ -448,64 +511,91 @@ def report(out: Path, results: Path) -> None:
         "compensation (a reference column, not one of the compared options); `dc`, `wp1`, "
         "`wp2`, `wp3` = sapipe with the same k "
         f"(`--k {k_arg}`{k_text}), "
-        f"λ = {DEFAULT_LAMBDA} for `dc` and `wp3`.",
-        "",
-        "## Results (final test metric, mean ± sample std over seeds)",
+        f"λ = {DEFAULT_LAMBDA} for `dc` and `wp3`. `<mode>+bf16`, `<mode>+int8`, "
+        "`<mode>+int8-noEF` = that mode with `compression=\"bf16\"`, `compression=\"int8\"` "
+        "(error feedback on, its default) and `compression=\"int8\", error_feedback=False` "
+        "(the compression study below).",
         "",
     ]
-    header = "| task | metric | k / m | " + " | ".join(f"`{m}`" for m in MAIN_MODES) + " |"
-    lines += [header, "|" + " --- |" * (3 + len(MAIN_MODES))]
+
+
+def _best_sapipe_mode(recs: List[dict], stats: Dict[str, tuple]) -> Optional[str]:
+    """The compensation mode with the best finite mean final metric (None if none ran)."""
+    sign = 1 if recs[0]["higher_is_better"] else -1
+    finite = [m for m in SAPIPE_MODES if _runs(recs, m) and math.isfinite(stats[m][0])]
+    return max(finite, key=lambda m: sign * stats[m][0]) if finite else None
+
+
+def _better(meta: dict):
+    """``better(a, b)``: a is a better metric value than b for this task."""
+    return (lambda a, b: a > b) if meta["higher_is_better"] else (lambda a, b: a < b)
+
+
+def _within_one_std(meta: dict, value: tuple, reference: tuple) -> bool:
+    """The target's criterion: ``value`` is better than ``reference`` or within one std of it."""
+    v_mean, r_mean, r_std = value[0], reference[0], reference[1]
+    if not math.isfinite(v_mean):
+        return False
+    # The tolerance keeps "≤" true where the two are equal but for rounding: metrics are
+    # float32 (test accuracy moves in steps of one image, so a difference of one step can
+    # meet a std of one step), good to about 1e-7 of their value.
+    return _better(meta)(v_mean, r_mean) or abs(v_mean - r_mean) <= r_std + 1e-6 * max(1.0, abs(r_mean))
+
+
+def _measurably_worse(meta: dict, value: tuple, reference: tuple) -> bool:
+    """``value`` is worse than ``reference`` by more than the sum of their stds (the mean ± std
+    intervals do not overlap), or diverged while the reference did not."""
+    if not math.isfinite(value[0]):
+        return math.isfinite(reference[0])
+    return _better(meta)(reference[0], value[0]) and abs(value[0] - reference[0]) > value[1] + reference[1]
+
+
+def _main_table_lines(by_task: Dict[str, List[dict]], tasks: List[str]) -> tuple:
+    """The main results table, and one verdict dict per task for the targets."""
+    lines = ["## Results (final test metric, mean ± sample std over seeds)", "",
+             "| task | metric | k / m | " + " | ".join(f"`{m}`" for m in MAIN_MODES) + " |",
+             "|" + " --- |" * (3 + len(MAIN_MODES))]
     verdicts = []
-    for task in order:
+    for task in tasks:
         recs = by_task[task]
         meta = recs[0]
         stats = {mode: _metric_stats(recs, mode) for mode in MAIN_MODES}
         runs_k = _runs(recs, "dc") or _runs(recs, "wp1")
         km = f"{runs_k[0]['k']} / {runs_k[0]['m']}" if runs_k else "?"
         arrow = "↑" if meta["higher_is_better"] else "↓"
-        better = (lambda a, b: a > b) if meta["higher_is_better"] else (lambda a, b: a < b)
+        best = _best_sapipe_mode(recs, stats)
         cells = []
-        present = [m for m in SAPIPE_MODES if _runs(recs, m)]
-        best = None
-        if present:
-            sign = 1 if meta["higher_is_better"] else -1
-            finite = [mm for mm in present if math.isfinite(stats[mm][0])]
-            best = max(finite, key=lambda mm, st=stats: sign * st[mm][0]) if finite else None
         for mode in MAIN_MODES:
-            mean, std, n = stats[mode]
-            cell = _fmt(mean, std, n) if _runs(recs, mode) else "–"
-            if mode == best:
-                cell = f"**{cell}**"
-            cells.append(cell)
+            cell = _fmt(*stats[mode]) if _runs(recs, mode) else "–"
+            cells.append(f"**{cell}**" if mode == best else cell)
         lines.append(f"| {meta['title']} | {meta['metric']} {arrow} | {km} | " + " | ".join(cells) + " |")
-        # verdicts
-        s_mean, s_std, _ = stats["sync"]
-        p_mean, p_std, _ = stats["pipesgd"]
-        hurt = (not math.isfinite(p_mean)) or (
-            better(s_mean, p_mean) and abs(s_mean - p_mean) > s_std + p_std)
-        v = dict(task=meta["title"], sync=(s_mean, s_std), pipe=(p_mean, p_std), hurt=hurt, best=best)
+        sync, pipe = stats["sync"][:2], stats["pipesgd"][:2]
+        v = dict(task=meta["title"], sync=sync, pipe=pipe, hurt=_measurably_worse(meta, pipe, sync), best=best)
         if best is not None:
-            b_mean, b_std, _ = stats[best]
-            v["best_stats"] = (b_mean, b_std)
-            v["within"] = better(b_mean, s_mean) or abs(b_mean - s_mean) <= s_std
-            v["beats_pipe"] = (not math.isfinite(p_mean)) or better(b_mean, p_mean)
+            v["best_stats"] = stats[best][:2]
+            v["within"] = _within_one_std(meta, v["best_stats"], sync)
+            v["beats_pipe"] = (not math.isfinite(pipe[0])) or _better(meta)(v["best_stats"][0], pipe[0])
         verdicts.append(v)
-    n_seeds = sorted({len(recs) for recs in by_task.values()})
+    n_seeds = sorted({len(by_task[t]) for t in tasks})
     lines += [
         "",
         f"Seeds per cell: {', '.join(map(str, n_seeds))}. Bold: the best sapipe option per task. "
         "↑ higher is better, ↓ lower is better. \"diverged\": a seed's training loss was not finite.",
         "",
-        "### Tasks",
-        "",
-        "| task | model / data | optimizer | steps | batch per rank |",
-        "| --- | --- | --- | --- | --- |",
     ]
-    for task in order:
+    return lines, verdicts
+
+
+def _tasks_lines(by_task: Dict[str, List[dict]], tasks: List[str]) -> List[str]:
+    """The task table and where the data come from."""
+    lines = ["### Tasks", "",
+             "| task | model / data | optimizer | steps | batch per rank |",
+             "| --- | --- | --- | --- | --- |"]
+    for task in tasks:
         meta = by_task[task][0]
         lines.append(f"| {meta['title']} | {meta['notes']} | `{meta['optimizer']}` | "
                      f"{meta['steps']} (eval every {meta['eval_every']}) | {meta['batch_per_rank']} |")
-    lines += [
+    return lines + [
         "",
         "Data: `digits` = scikit-learn's bundled 8x8 digits, fixed stratified 1437/360 "
         "train/test split (`random_state=0`); `lm` = the source of these standard-library "
@@ -515,6 +605,12 @@ def report(out: Path, results: Path) -> None:
         "tempfile.py` (first 90 % train, last 10 % held out). Each rank samples its own "
         "mini-batches (generator seeded by seed and rank).",
         "",
+    ]
+
+
+def _targets_lines(by_task: Dict[str, List[dict]], tasks: List[str], verdicts: List[dict]) -> List[str]:
+    """Whether the main study's targets are met, and what compensation adds over ``none``."""
+    lines = [
         "## Targets",
         "",
         "Criteria: Pipe-SGD is *measurably worse* than sync when its mean is worse by more than "
@@ -523,56 +619,167 @@ def report(out: Path, results: Path) -> None:
         "|best − sync| ≤ std(sync).",
         "",
     ]
-    any_hurt = any(v["hurt"] for v in verdicts)
     for v in verdicts:
-        s, p = v["sync"], v["pipe"]
-        line = (f"* **{v['task']}**: sync {_fmt(*s, 0)}, pipesgd {_fmt(*p, 0)} → Pipe-SGD "
+        line = (f"* **{v['task']}**: sync {_fmt(*v['sync'])}, pipesgd {_fmt(*v['pipe'])} → Pipe-SGD "
                 f"{'**measurably worse**' if v['hurt'] else 'not measurably worse'}")
         if v.get("best"):
-            b = v["best_stats"]
-            line += (f"; best sapipe `{v['best']}` {_fmt(*b, 0)}: "
+            line += (f"; best sapipe `{v['best']}` {_fmt(*v['best_stats'])}: "
                      f"{'within' if v['within'] else '**NOT within**'} one std of sync")
             if v["hurt"]:
                 line += f", {'better' if v['beats_pipe'] else '**not better**'} than Pipe-SGD"
         lines.append(line + ".")
-    met = any_hurt and all(v.get("within", False) and (v.get("beats_pipe", True) or not v["hurt"])
-                           for v in verdicts)
+    met = any(v["hurt"] for v in verdicts) and all(
+        v.get("within", False) and (v.get("beats_pipe", True) or not v["hurt"]) for v in verdicts)
     lines += ["", f"Overall: targets {'**met**' if met else '**not met**'} "
               f"(Pipe-SGD measurably worse on {sum(v['hurt'] for v in verdicts)} of "
               f"{len(verdicts)} tasks).", ""]
     lines += ["Compensation against partial staleness alone (`none`, same k), mean difference "
               "in the metric (positive = compensation helps):", ""]
-    for task in order:
+    for task in tasks:
         recs = by_task[task]
-        meta = recs[0]
         base_mean = _metric_stats(recs, "none")[0]
         if not _runs(recs, "none") or not math.isfinite(base_mean):
             continue
-        sign = 1 if meta["higher_is_better"] else -1
-        parts = []
-        for mode in SAPIPE_MODES:
-            mean = _metric_stats(recs, mode)[0]
-            if _runs(recs, mode):
-                parts.append(f"`{mode}` {sign * (mean - base_mean):+.2f}")
-        lines.append(f"* {meta['title']} (`none` = {base_mean:.2f}): " + ", ".join(parts))
-    if any(by_task[t][0]["optimizer"].startswith("Adam") for t in order):
+        sign = 1 if recs[0]["higher_is_better"] else -1
+        parts = [f"`{mode}` {sign * (_metric_stats(recs, mode)[0] - base_mean):+.2f}"
+                 for mode in SAPIPE_MODES if _runs(recs, mode)]
+        lines.append(f"* {recs[0]['title']} (`none` = {base_mean:.2f}): " + ", ".join(parts))
+    if any(by_task[t][0]["optimizer"].startswith("Adam") for t in tasks):
         lines += ["", "Note: with `dc_form=\"outer\"`, DC turns each tensor's gradient g into "
                   "(1 + λ·g·Δ)·g, a per-tensor rescaling. Adam's update is nearly invariant to "
                   "rescaling its gradient, so `dc` ≈ `none` is expected on the Adam task."]
-    lines.append("")
-    # curves
-    lines += ["## Curves", ""]
-    for task in order:
+    return lines + [""]
+
+
+def _curves_lines(by_task: Dict[str, List[dict]], tasks: List[str], results: Path) -> List[str]:
+    """The main study's figures, one per task."""
+    lines = ["## Curves", ""]
+    for task in tasks:
         png = results / f"convergence_{task}.png"
-        _plot_task(task, by_task[task], png)
+        _plot_task(by_task[task], png, MAIN_MODES, MAIN_COLORS)
         lines += [f"![{task}]({png.name})", ""]
-    lines += ["Each figure: training loss (mean over ranks and seeds, moving average) and the "
-              "test metric, against step and against rank 0's training wall-clock time "
-              "(evaluation time excluded). Wall-clock time on this shared 2-core host is noisy; "
-              "see the load column below.", ""]
-    # sweep
-    sweep_tasks = [t for t in order if any("@" in run["mode"] for r in by_task[t] for run in r["runs"])]
-    for task in sweep_tasks:
+    return lines + [
+        "Each figure: training loss (mean over ranks and seeds, moving average) and the "
+        "test metric, against step and against rank 0's training wall-clock time "
+        "(evaluation time excluded). Wall-clock time on this shared 2-core host is noisy; "
+        "see the load column below.", ""]
+
+
+def _compression_modes(best: str) -> List[str]:
+    """The compression study's columns for a task whose best mode is ``best``."""
+    return ["sync", best] + [compressed_name(best, variant) for variant, _, _ in COMPRESSED_VARIANTS]
+
+
+def _seed_cell(run: Optional[dict]) -> str:
+    """One run's final metric for the per-seed table."""
+    if run is None:
+        return "–"
+    return "diverged" if run["diverged"] else f"{run['final_metric']:.2f}"
+
+
+def _diverged_note(recs: List[dict], mode: str) -> str:
+    """``diverged (n of N seeds, first non-finite training loss at steps …)`` for a mode's cell."""
+    runs = _runs(recs, mode)
+    bad = [run for run in runs if run["diverged"]]
+    steps = [next((i + 1 for i, x in enumerate(run["train_loss"]) if not math.isfinite(x)), None) for run in bad]
+    where = ", ".join(str(s) for s in steps if s is not None)
+    return f"diverged ({len(bad)} of {len(runs)} seeds; first non-finite loss at step {where})"
+
+
+def _compression_table_lines(by_task: Dict[str, List[dict]], tasks: List[str]) -> tuple:
+    """The compression table (mean ± std per mode) and the per-seed table; verdicts per task."""
+    header = "| task | metric | best mode (k / m) | `sync` | uncompressed | `+bf16` | `+int8` | `+int8-noEF` |"
+    lines = [header, "|" + " --- |" * 8]
+    seeds = _seeds(by_task, tasks)
+    per_seed = ["| task | mode | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+                "|" + " --- |" * (2 + len(seeds))]
+    verdicts = []
+    for task in tasks:
+        recs = by_task[task]
+        meta = recs[0]
+        best = meta["best_mode"]
+        modes = _compression_modes(best)
+        stats = {mode: _metric_stats(recs, mode)[:2] for mode in modes}
+        cells = []
+        for mode in modes:
+            if not _runs(recs, mode):
+                cells.append("–")
+            elif math.isfinite(stats[mode][0]):
+                cells.append(_fmt(*stats[mode]))
+            else:
+                cells.append(_diverged_note(recs, mode))
+        k = _runs(recs, best)[0] if _runs(recs, best) else None
+        km = f"`{best}` ({k['k']} / {k['m']})" if k else f"`{best}`"
+        arrow = "↑" if meta["higher_is_better"] else "↓"
+        lines.append(f"| {meta['title']} | {meta['metric']} {arrow} | {km} | " + " | ".join(cells) + " |")
+        for mode in modes:
+            by_seed = {r["seed"]: run for r in recs for run in r["runs"] if run["mode"] == mode}
+            per_seed.append(f"| {meta['title']} | `{mode}` | "
+                            + " | ".join(_seed_cell(by_seed.get(s)) for s in seeds) + " |")
+        plain = stats[best]
+        v = dict(task=meta["title"], best=best, stats=stats, modes=modes)
+        v["within"] = {mode: _within_one_std(meta, stats[mode], plain) for mode in modes[2:]}
+        v["noef_worse"] = _measurably_worse(meta, stats[modes[4]], stats[modes[3]])
+        verdicts.append(v)
+    return lines, per_seed, verdicts
+
+
+def _seeds(by_task: Dict[str, List[dict]], tasks: List[str]) -> List[int]:
+    """The seeds present for any of ``tasks``."""
+    return sorted({r["seed"] for t in tasks for r in by_task[t]})
+
+
+def _compression_lines(by_task: Dict[str, List[dict]], tasks: List[str], results: Path) -> List[str]:
+    """The compression study: table, per-seed values, targets, and one figure per task."""
+    table, per_seed, verdicts = _compression_table_lines(by_task, tasks)
+    best_text = ", ".join(f"`{by_task[t][0]['best_mode']}` for {by_task[t][0]['title']}" for t in tasks)
+    lines = [
+        "## Compression on the wire (each task's best mode)",
+        "",
+        "Each task's best sapipe mode (`best_mode` in `benchmarks/convergence_tasks.py`, the best "
+        f"mean of the main study: {best_text}) runs uncompressed, with `compression=\"bf16\"`, "
+        "with `compression=\"int8\"` (error feedback on, the default) and with "
+        "`compression=\"int8\", error_feedback=False`, in the same launch, seeds, initial "
+        "weights and batches as `sync`. Final test metric, mean ± sample std over seeds.",
+        "",
+        *table,
+        "",
+        "Per seed:",
+        "",
+        *per_seed,
+        "",
+        "Criteria: a compressed run is *within one std* of the uncompressed mode when it is better "
+        "or |compressed − uncompressed| ≤ std(uncompressed). `int8-noEF` is *measurably worse* "
+        "than `int8` when its mean is worse by more than std(int8) + std(int8-noEF) (the mean ± "
+        "std intervals do not overlap), or it diverged and `int8` did not.",
+        "",
+    ]
+    for v in verdicts:
+        parts = [f"`{mode}` {'within' if v['within'][mode] else '**NOT within**'} one std"
+                 for mode in v["modes"][2:]]
+        parts[-1] += (f", {'**measurably worse**' if v['noef_worse'] else 'not measurably worse'} "
+                      f"than `{v['modes'][3]}`")
+        lines.append(f"* **{v['task']}** (uncompressed `{v['best']}` {_fmt(*v['stats'][v['best']])}): "
+                     + "; ".join(parts) + ".")
+    met = all(all(v["within"][m] for m in v["modes"][2:4]) for v in verdicts)
+    shown = [v["task"] for v in verdicts if v["noef_worse"]]
+    lines += ["", f"Overall: bf16 and int8 within one std of the uncompressed mode on every task: "
+              f"{'**met**' if met else '**not met**'}; int8 without error feedback measurably worse "
+              f"than with it on {len(shown)} of {len(verdicts)} tasks"
+              + (f" ({', '.join(shown)})." if shown else "."), ""]
+    for task in tasks:
+        png = results / f"convergence_compression_{task}.png"
+        modes = _compression_modes(by_task[task][0]["best_mode"])
+        colors = dict(zip(modes, COMPRESSION_COLORS, strict=True))
+        _plot_task(by_task[task], png, modes, colors)
+        lines += [f"![compression {task}]({png.name})", ""]
+    return lines
+
+
+def _sweep_lines(by_task: Dict[str, List[dict]], tasks: List[str], results: Path) -> List[str]:
+    """The λ sweep's table and figure, for each task that ran one."""
+    lines: List[str] = []
+    for task in [t for t in tasks if any("@" in run["mode"] for r in by_task[t] for run in r["runs"])]:
         recs = by_task[task]
         meta = recs[0]
         lines += [f"## λ sensitivity ({meta['title']}; paper Fig. 5d)", "",
@@ -586,17 +793,21 @@ def report(out: Path, results: Path) -> None:
                   "| --- |" + " --- |" * len(lams)]
         for c in ("dc", "wp3"):
             lines.append(f"| `{c}` | " + " | ".join(
-                _fmt(*pts[c][x][:2], 0) if x in pts[c] else "–" for x in lams) + " |")
+                _fmt(*pts[c][x][:2]) if x in pts[c] else "–" for x in lams) + " |")
         s, p = _metric_stats(recs, "sync"), _metric_stats(recs, "pipesgd")
-        lines += ["", f"Reference: sync {_fmt(s[0], s[1], 0)}, pipesgd {_fmt(p[0], p[1], 0)}.", ""]
+        lines += ["", f"Reference: sync {_fmt(s[0], s[1])}, pipesgd {_fmt(p[0], p[1])}.", ""]
         png = results / f"convergence_lambda_{task}.png"
         _plot_sweep(task, recs, png)
         lines += [f"![lambda sweep]({png.name})", ""]
-    # timing and noise
-    lines += ["## Time and machine load", "",
-              "| task | seeds | launch time per seed (s) | per mode: train s (mean) | 1-min load avg during runs |",
-              "| --- | --- | --- | --- | --- |"]
-    for task in order:
+    return lines
+
+
+def _timing_lines(by_task: Dict[str, List[dict]], tasks: List[str], manifest: dict, out: Path) -> List[str]:
+    """Launch and training times, machine load, launch failures, where the raw JSON is."""
+    lines = ["## Time and machine load", "",
+             "| task | seeds | launch time per seed (s) | per mode: train s (mean) | 1-min load avg during runs |",
+             "| --- | --- | --- | --- | --- |"]
+    for task in tasks:
         recs = by_task[task]
         launch = [r.get("launch_s", float("nan")) for r in recs]
         train = [run["train_s"] for r in recs for run in r["runs"]]
@@ -612,8 +823,31 @@ def report(out: Path, results: Path) -> None:
         lines += ["", "Launch failures during this run (the driver retries a launch whose results "
                   "are missing and keeps results written before a failure):", ""]
         lines += [f"* {f}" for f in manifest["failures"]]
-    lines += ["", f"Raw per-(task, seed) JSON: `{_rel(out)}/`.", ""]
-    md = results / "convergence.md"
+    return lines + ["", f"Raw per-(task, seed) JSON: `{_rel(out)}/`.", ""]
+
+
+def report(out: Path, results: Path) -> None:
+    """Aggregate the per-(task, seed) JSON files in ``out`` into ``results``: the markdown
+    report (``convergence.md``, or ``convergence_compression.md`` when only the compression
+    study ran, so that such a run never replaces the full report) and its figures."""
+    by_task, manifest = _load(out)
+    results.mkdir(parents=True, exist_ok=True)
+    order = _ordered_tasks(by_task)
+    main_tasks = [t for t in order if _has_main_study(by_task[t])]
+    compression_tasks = [t for t in order if _has_compression_study(by_task[t])]
+    k_arg = manifest.get("k") or next(iter(by_task.values()))[0].get("k_arg", "half")
+    lines = _intro_lines(by_task, manifest, k_arg)
+    if main_tasks:
+        table, verdicts = _main_table_lines(by_task, main_tasks)
+        lines += table + _tasks_lines(by_task, order) + _targets_lines(by_task, main_tasks, verdicts)
+        lines += _curves_lines(by_task, main_tasks, results)
+    else:
+        lines += _tasks_lines(by_task, order)
+    if compression_tasks:
+        lines += _compression_lines(by_task, compression_tasks, results)
+    lines += _sweep_lines(by_task, main_tasks, results)
+    lines += _timing_lines(by_task, order, manifest, out)
+    md = results / ("convergence.md" if main_tasks else "convergence_compression.md")
     md.write_text("\n".join(lines))
     print(f"wrote {md}")
 
@@ -628,7 +862,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--out", default=None, help=f"raw JSON directory (default {DEFAULT_OUT.relative_to(REPO)}, "
-                   f"--quick: {QUICK_OUT.relative_to(REPO)})")
+                   f"--quick: {QUICK_OUT.relative_to(REPO)}; --study compression adds -compression)")
     p.add_argument("--results", default=None,
                    help="where convergence.md and the PNGs go (default benchmarks/results; --quick: the --out dir)")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 seed, few steps")
@@ -636,7 +870,11 @@ def main() -> None:
     p.add_argument("--tasks", default=None, help="comma-separated tasks (default: all)")
     p.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3; --quick: 1)")
     p.add_argument("--steps", type=int, default=None, help="override every task's step count")
-    p.add_argument("--modes", default=None, help="comma-separated subset of modes (debugging)")
+    p.add_argument("--study", default="all", choices=STUDIES,
+                   help="main (sync, pipesgd, none, dc, wp1-3, λ sweep), compression (sync and each "
+                   "task's best mode, uncompressed and compressed), or all (default)")
+    p.add_argument("--modes", default=None,
+                   help="comma-separated subset of the study's modes, by report name (e.g. sync,wp1+int8)")
     p.add_argument("--lambdas", default=None, help="λ values of the sweep (default 0,0.1,0.2,0.5,1)")
     p.add_argument("--sweep-task", default="deepmlp", help="task that gets the λ sweep")
     p.add_argument("--no-sweep", action="store_true")
@@ -650,7 +888,7 @@ def main() -> None:
     if sub == "worker":
         worker(args)
     elif sub == "report":
-        out = Path(args.out) if args.out else (QUICK_OUT if args.quick else DEFAULT_OUT)
+        out = Path(args.out) if args.out else default_out(args.quick, args.study)
         report(out, Path(args.results) if args.results else (out if args.quick else RESULTS))
     else:
         run_all(args)

@@ -138,12 +138,15 @@ class Task:
     sample: Callable[[torch.Generator], Tuple[torch.Tensor, torch.Tensor]]
     loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     evaluate: Callable[[nn.Module], Dict[str, float]]   # {"metric": ..., "loss": ...}
+    # The task's best sapipe mode (by mean final metric in the 3-seed main run reported in
+    # benchmarks/results/convergence.md): the compression study runs it compressed.
+    best_mode: str
     notes: str = ""
     extra: dict = field(default_factory=dict)
 
 
 def _classifier_task(name, title, build_model, *, lr, momentum, steps, quick_steps,
-                     eval_every, batch, notes):
+                     eval_every, batch, best_mode, notes):
     def sample(gen):
         d = load_digits_split()
         i = torch.randint(0, d["y_train"].numel(), (batch,), generator=gen)
@@ -167,7 +170,8 @@ def _classifier_task(name, title, build_model, *, lr, momentum, steps, quick_ste
         optimizer=f"SGD(lr={lr}, momentum={momentum}, fused=True)",
         build_model=build_model,
         build_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum, fused=True),
-        load=load_digits_split, sample=sample, loss=loss, evaluate=evaluate, notes=notes,
+        load=load_digits_split, sample=sample, loss=loss, evaluate=evaluate, best_mode=best_mode,
+        notes=notes,
     )
 
 
@@ -208,7 +212,7 @@ def _lm_task(*, lr=3e-3, steps=300, quick_steps=20, eval_every=25, batch=16, con
         batch=batch, lr=lr, optimizer=f"Adam(lr={lr}, fused=True)",
         build_model=lambda: CharLM(context=context),
         build_optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=lr, fused=True),
-        load=load, sample=sample, loss=loss, evaluate=evaluate,
+        load=load, sample=sample, loss=loss, evaluate=evaluate, best_mode="wp1",
         notes=(f"byte-level, context {context}, 2 blocks, width 64; held-out set = "
                f"{eval_windows} fixed windows of the last 10 % of the text"),
     )
@@ -218,13 +222,14 @@ def get_tasks() -> Dict[str, Task]:
     tasks = [
         _classifier_task(
             "digits", "CNN on digits", DigitsCNN, lr=0.05, momentum=0.9,
-            steps=300, quick_steps=20, eval_every=25, batch=32,
+            steps=300, quick_steps=20, eval_every=25, batch=32, best_mode="wp2",
             notes="2 conv + 2 fc, 1437/360 split",
         ),
         _lm_task(),
         _classifier_task(
             "deepmlp", "8-layer MLP on digits, high LR", lambda: DeepMLP(depth=8, width=128),
             lr=0.05, momentum=0.9, steps=300, quick_steps=20, eval_every=25, batch=32,
+            best_mode="wp1",
             notes=("8 Linear layers of width 128, ReLU, He init, same split as digits; "
                    "LR 0.05 = the largest of {0.02, 0.05, 0.1} at which sync trains stably"),
         ),
