@@ -113,7 +113,17 @@ __device__ __forceinline__ void encode_warp_block(const T (&v)[kPerLane], int la
       for (int k = 0; k < kPerLane; ++k) q[element(lane, k)] = 0;
       return;
     }
-    const T inverse = div_rn(T(1), s > 0.0f ? static_cast<T>(s) : T(1));
+    if (s < 1.17549435e-38f) {  // below float32's normal range: zeros, all of v kept (codec.h)
+      if (lane == 0) *scale = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const int64_t i = element(lane, k);
+        q[i] = 0;
+        if (residual && i < count) residual[lo + i] = v[k];
+      }
+      return;
+    }
+    const T inverse = div_rn(T(1), static_cast<T>(s));
     const T step = static_cast<T>(s);
 #pragma unroll
     for (int k = 0; k < kPerLane; ++k) {

@@ -15,8 +15,10 @@
 //
 // Rounding, op for op as the pure-PyTorch reference (sapipe/codec_kernels.py):
 //   fp16 / bf16: h = to16(float(v / divide)) (round to nearest even), decoded T(h) * multiply;
-//   int8, per block: s = float32(max|v| / 127); q = round_half_even(v * (1 / s)) (1 / 1 where
-//   s = 0) clamped to +-127; decoded T(q) * T(s). `divide` / `multiply` apply to the 16-bit formats
+//   int8, per block: s = float32(max|v| / 127); q = round_half_even(v * (1 / s)) clamped to
+//   +-127; decoded T(q) * T(s). A block whose s is below float32's normal range (all zeros,
+//   or the ever smaller rest error feedback resends of a gradient that stays zero) travels as
+//   s = 0, q = 0: 1 / s would overflow. `divide` / `multiply` apply to the 16-bit formats
 //   only (an int8 scale carries the magnitude).
 // Error feedback (a residual given): residual <- v - decoded(v) * divide, where v already
 // includes the residual. A value whose decoded form is not finite (an overflow, a NaN or inf

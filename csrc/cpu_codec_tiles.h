@@ -162,19 +162,24 @@ inline void encode_block_i8(const T* __restrict v, int64_t count, int8_t* q, flo
     for (int64_t i = 0; i < kCodecBlock; ++i) q[i] = 0;
     return;
   }
-  const T inverse = T(1) / (s > 0.0f ? T(s) : T(1));
+  if (s < 1.17549435e-38f) {
+    // Below float32's normal range (all zeros, or what error feedback keeps resending of a
+    // gradient that stays zero): 1 / s would overflow. The block travels as zeros and keeps
+    // all of v as its residual.
+    *scale = 0.0f;
+    for (int64_t i = 0; i < kCodecBlock; ++i) q[i] = 0;
+    if (residual) {
+      SAPIPE_CODEC_SIMD
+      for (int64_t i = 0; i < count; ++i) residual[i] = v[i];
+    }
+    return;
+  }
+  // A normal scale keeps every |v| / s within 127 (1 + 2^-21), which rounds to at most 127:
+  // no clamp is needed (the reference's clamp never acts).
+  const T inverse = T(1) / T(s);
   alignas(64) T r[kCodecBlock];
   SAPIPE_CODEC_SIMD
   for (int64_t i = 0; i < kCodecBlock; ++i) r[i] = (v[i] * inverse + kRoundMagic<T>) - kRoundMagic<T>;
-  if (s < 1.17549435e-38f) {
-    // A normal scale keeps every |v| * inverse within 127 (1 + 2^-21), which rounds to <= 127;
-    // a subnormal one is rounded coarsely enough that the quotient may exceed it.
-    SAPIPE_CODEC_SIMD
-    for (int64_t i = 0; i < kCodecBlock; ++i) {
-      const T x = r[i] < T(-127) ? T(-127) : r[i];
-      r[i] = x > T(127) ? T(127) : x;
-    }
-  }
   SAPIPE_CODEC_SIMD
   for (int64_t i = 0; i < kCodecBlock; ++i) q[i] = static_cast<int8_t>(static_cast<int32_t>(r[i]));
   *scale = s;

@@ -14,8 +14,10 @@ The rounding, which every implementation follows op for op (csrc/codec.h):
 
 * 16-bit: h = (v / divide) rounded to float32, then to 16 bits (nearest even); it decodes as
   h · multiply (``divide`` / ``multiply`` apply to the 16-bit formats only).
-* int8, per block: s = float32(max|v| / 127); q = round-half-even(v · (1 / s)) (1 / 1 where
-  s = 0) clamped to ±127; it decodes as q · s.
+* int8, per block: s = float32(max|v| / 127); q = round-half-even(v · (1 / s)) clamped to
+  ±127; it decodes as q · s. A block whose s is below float32's normal range (all zeros, or
+  the ever smaller rest that error feedback resends of a gradient that stays zero) travels
+  as s = 0, q = 0, since 1 / s would overflow.
 * Error feedback (``residual`` given): v includes the residual, and the residual becomes
   v − decoded(v) · divide wherever that decoded value is finite; elsewhere (an overflow, a
   NaN or inf gradient) it keeps its value, so that a step GradScaler skips does not leave a
@@ -95,9 +97,10 @@ def _compress_rows(v: Tensor, values: Tensor, scales: Optional[Tensor], divide: 
     blocks = v.reshape(rows, -1, BLOCK)
     scale = (blocks.abs().amax(dim=2) / 127).to(torch.float32)
     bad = ~torch.isfinite(blocks).all(dim=2) | ~torch.isfinite(scale)
-    scale = scale.masked_fill(bad, float("nan"))
+    tiny = scale < torch.finfo(torch.float32).tiny
+    scale = scale.masked_fill(bad, float("nan")).masked_fill(tiny, 0.0)
     inverse = 1 / torch.where(scale > 0, scale, torch.ones_like(scale)).to(v.dtype)
-    q = torch.round(blocks * inverse.unsqueeze(2)).clamp_(-127, 127).masked_fill_(bad.unsqueeze(2), 0)
+    q = torch.round(blocks * inverse.unsqueeze(2)).clamp_(-127, 127).masked_fill_((bad | tiny).unsqueeze(2), 0)
     values.copy_(q.reshape(rows, -1))
     scales.copy_(scale)
     return (q * scale.to(v.dtype).unsqueeze(2)).reshape(rows, -1)

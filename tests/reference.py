@@ -189,7 +189,8 @@ def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, in
     zero-padded); rank r's shard j is rounded once as r's, the W rounded shards are added in
     float64 in rank order, the sum is rounded once more, and the result is divided by W.
     16-bit: each value cast (the sum as sum / W, then times W). int8: per block, the float32
-    scale s = max|v| / 127 and q = round(v · (1 / s)) clamped to ±127. With error feedback
+    scale s = max|v| / 127 (0 below float32's normal range) and q = round(v · (1 / s)) clamped to
+    ±127. With error feedback
     (``None``: int8 only) v is the value plus the residual that rank (or, for the sum, the
     shard's owner) kept from its last call: what v's rounding dropped.
     ``buckets``: per bucket, its (parameter name, numel) in flat order (int8 only).
@@ -212,6 +213,7 @@ def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, in
     def int8(v: torch.Tensor) -> torch.Tensor:
         blocks = v.reshape(-1, block)
         scale = (blocks.abs().max(dim=1).values / 127).to(torch.float32).to(torch.float64)
+        scale = torch.where(scale < torch.finfo(torch.float32).tiny, torch.zeros_like(scale), scale)  # sent as zeros
         q = torch.round(blocks * (1 / torch.where(scale > 0, scale, torch.ones_like(scale)))[:, None]).clamp(-127, 127)
         return (q * scale[:, None]).reshape(-1)
 

@@ -56,6 +56,8 @@ def _data(n: int, dtype, device, seed: int, nonfinite: bool = False) -> torch.Te
     x = torch.randn(n, generator=gen, dtype=torch.float64)
     x *= torch.exp(torch.randn(n, generator=gen, dtype=torch.float64) * 3)  # many magnitudes
     x[::97] = 0.0
+    if n >= 2 * ck.BLOCK:  # a block below float32's normal range (what error feedback leaves of zeros)
+        x[ck.BLOCK:2 * ck.BLOCK] *= 1e-40
     if nonfinite and n > 600:
         x[5], x[300], x[n - 2] = float("nan"), float("inf"), float("-inf")
     return x.to(dtype).to(device)
@@ -185,7 +187,26 @@ def test_sum_encode_and_decode_match_the_reference(device, dtype, kind, feedback
         assert torch.equal(got[2], want[2]), (rows, width, n, "decoded")
 
 
-# ------------------------------------------------------------------- non-finite values
+# ------------------------------------------------------------------- tiny and non-finite values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fn", [ck.encode, ck.reference_encode])
+def test_an_int8_block_below_float32s_normal_range_travels_as_zeros(fn, dtype):
+    """Error feedback resends a zero gradient's rest, ever smaller, until its scale would be
+    subnormal (1 / s overflows): such a block is sent as zeros and keeps all of v as residual."""
+    src = torch.zeros(2 * ck.BLOCK, dtype=dtype)
+    src[: ck.BLOCK] = torch.linspace(-1, 1, ck.BLOCK, dtype=dtype) * 1e-39
+    residual = torch.zeros_like(src)
+    residual[ck.BLOCK:] = 3e-41
+    _, values, scales = _messages("int8", 1, src.numel(), "cpu")
+    fn(src, residual, values, scales, 1.0)
+    assert torch.equal(scales, torch.zeros_like(scales)) and torch.equal(values, torch.zeros_like(values))
+    assert torch.equal(residual[: ck.BLOCK], src[: ck.BLOCK]) and torch.equal(residual[ck.BLOCK:],
+                                                                              torch.full((ck.BLOCK,), 3e-41, dtype=dtype))
+    out = torch.full_like(src, 7.0)
+    ck.decode(values, scales, out, 1.0)
+    assert torch.equal(out, torch.zeros_like(out))
 
 
 @pytest.mark.parametrize("fn", [ck.encode, ck.reference_encode])
