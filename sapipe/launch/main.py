@@ -4,6 +4,9 @@ Everything that is not a sapipe option is passed to torchrun unchanged. sapipe a
 
 * ``--emulate-net RATE[,LATENCY]`` — run the whole single-node job inside a fresh network
   namespace whose loopback is rate-limited (:mod:`sapipe.launch.netns`, docs/design.md §6);
+* ``--emulate-cluster NODESxRANKS --inter-node RATE[,LATENCY] [--intra-node RATE[,LATENCY]]``
+  — a multi-node job on one host: one network namespace per node on a bridge, shaped NICs,
+  one torchrun per node (:mod:`sapipe.launch.cluster`);
 * BytePS-style job specs — ``DMLC_NUM_WORKER``, ``DMLC_WORKER_ID``, ``DMLC_PS_ROOT_URI``,
   ``DMLC_PS_ROOT_PORT``, ``BYTEPS_LOCAL_SIZE`` / ``NVIDIA_VISIBLE_DEVICES`` — are mapped
   to the torchrun flags the command line does not give (:func:`byteps_flags`);
@@ -21,6 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
+from . import cluster as cluster_mod
 from . import netns
 
 PROG = "sapipe-launch"
@@ -51,6 +55,20 @@ emulated network (--emulate-net RATE[,LATENCY]):
     NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 -- each unless already set in the environment.
   * Needs iproute2 (ip, tc) and util-linux (unshare), and root or unprivileged user
     namespaces. The job exits with 125 when the namespace cannot be set up.
+
+emulated cluster (--emulate-cluster NODESxRANKS --inter-node RATE[,LATENCY]):
+  Each node is a network namespace with an eth0 (10.77.0.<node+1>) on one bridge, which
+  sits in a namespace of its own: the host's network is not touched.
+  * --inter-node shapes each node's NIC both ways (tbf on what it sends and on the bridge
+    port it receives from), RATE per node and direction; a LATENCY is added once per packet.
+  * --intra-node (default: unshaped) shapes each node's loopback, which carries the traffic
+    between the ranks of one node (their aggregate, as --emulate-net).
+  * One torchrun per node runs with --nnodes NODES --node-rank i --nproc-per-node RANKS
+    --master-addr 10.77.0.1, GLOO_SOCKET_IFNAME=eth0 and NCCL_SOCKET_IFNAME=eth0; give no
+    --nnodes, --node-rank, --nproc-per-node, --master-addr or --standalone yourself.
+  * A node that fails stops the others; the namespaces are removed on every way out.
+  * Needs root and iproute2 (ip, tc); the job exits with 125 when the cluster cannot be
+    built, naming the command that failed.
 
 BytePS-style job specs (bpslaunch):
   When DMLC_NUM_WORKER, DMLC_WORKER_ID, DMLC_PS_ROOT_URI or DMLC_PS_ROOT_PORT is set,
@@ -83,6 +101,9 @@ examples:
   # 4 CPU ranks over an emulated 1 Gbit/s network with 2 ms one-way delay
   sapipe-launch --emulate-net 1gbit,2ms --nproc-per-node=4 train.py
 
+  # 2 emulated nodes of 2 ranks: 1 Gbit/s with 50 us between nodes, unshaped within
+  sapipe-launch --emulate-cluster 2x2 --inter-node 1gbit,50us train.py
+
   # a BytePS (bpslaunch) job spec, unchanged
   DMLC_NUM_WORKER=2 DMLC_WORKER_ID=1 DMLC_PS_ROOT_URI=10.0.0.1 DMLC_PS_ROOT_PORT=1234 \\
   BYTEPS_LOCAL_SIZE=8 sapipe-launch train.py
@@ -95,7 +116,7 @@ examples:
 """
 
 #: sapipe options taking a value / taking none (removed before calling torchrun)
-_VALUE_OPTIONS = ("--emulate-net",)
+_VALUE_OPTIONS = ("--emulate-net", "--emulate-cluster", "--inter-node", "--intra-node")
 _FLAG_OPTIONS = ("--dry-run", "--quiet", "--no-byteps-env")
 
 _DMLC_VARS = ("DMLC_NUM_WORKER", "DMLC_WORKER_ID", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT")
@@ -130,9 +151,15 @@ class Plan:
     dry_run: bool = False
     quiet: bool = False
     exit_now: Optional[int] = None  # exit with this status without running anything
+    #: --emulate-cluster: the cluster, and each node's command (``argv`` is then empty)
+    cluster: Optional[cluster_mod.ClusterSpec] = None
+    node_argv: List[List[str]] = field(default_factory=list)
 
     def shell(self) -> str:
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        if self.cluster is not None:
+            return "; ".join(f"node {i}: {prefix + ' ' if prefix else ''}{shlex.join(a)}"
+                             for i, a in enumerate(self.node_argv))
         return (prefix + " " if prefix else "") + shlex.join(self.argv)
 
 
@@ -154,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the job in a network namespace whose loopback is limited to RATE "
              "(aggregate), with an optional one-way LATENCY, e.g. 1gbit or 200mbit,2ms. "
              "Single node only (implies --standalone); see below.")
+    group.add_argument(
+        "--emulate-cluster", metavar="NODESxRANKS", default=None,
+        help="run NODES emulated nodes of RANKS ranks each on this host, one network namespace per "
+             "node on a bridge (needs root and --inter-node); see below.")
+    group.add_argument("--inter-node", metavar="RATE[,LATENCY]", default=None,
+                       help="with --emulate-cluster: each node's NIC, per direction, e.g. 1gbit,50us")
+    group.add_argument("--intra-node", metavar="RATE[,LATENCY]", default=None,
+                       help="with --emulate-cluster: each node's loopback (its ranks together); default unshaped")
     group.add_argument("--dry-run", action="store_true",
                        help="print the command (to stderr) and exit without running it")
     group.add_argument("--quiet", action="store_true",
@@ -289,6 +324,9 @@ def plan(argv: Sequence[str], environ: Mapping[str, str], python: str = sys.exec
         return Plan([], notes=[note],
                     dry_run=ns.dry_run, quiet=ns.quiet, exit_now=0)
 
+    if ns.emulate_cluster is not None or ns.inter_node is not None or ns.intra_node is not None:
+        return _cluster_plan(ns, torchrun_prefix, script, given, environ, python)
+
     spec = None
     if ns.emulate_net is not None:
         try:
@@ -325,6 +363,48 @@ def plan(argv: Sequence[str], environ: Mapping[str, str], python: str = sys.exec
     return Plan(argv_out, env=env, notes=notes, dry_run=ns.dry_run, quiet=ns.quiet)
 
 
+#: torchrun options the emulated cluster sets itself
+_CLUSTER_SETS = {"nnodes": "--nnodes", "node_rank": "--node-rank", "nproc_per_node": "--nproc-per-node",
+                 "master_addr": "--master-addr", "master_port": "--master-port", "standalone": "--standalone",
+                 "rdzv_endpoint": "--rdzv-endpoint"}
+
+
+def _cluster_spec(ns: argparse.Namespace) -> cluster_mod.ClusterSpec:
+    if ns.emulate_cluster is None:
+        raise LaunchError(f"{PROG}: --inter-node and --intra-node go with --emulate-cluster NODESxRANKS")
+    if ns.inter_node is None:
+        raise LaunchError(f"{PROG}: --emulate-cluster needs --inter-node RATE[,LATENCY] (e.g. 1gbit or "
+                          "10gbit,50us; 'unlimited' for none)")
+    if ns.emulate_net is not None:
+        raise LaunchError(f"{PROG}: --emulate-net shapes one node's loopback; with --emulate-cluster use "
+                          "--intra-node for that")
+    try:
+        nodes, ranks = cluster_mod.parse_topology(ns.emulate_cluster)
+        inter = netns.parse_spec(ns.inter_node)
+        intra = netns.parse_spec(ns.intra_node) if ns.intra_node is not None else None
+        return cluster_mod.ClusterSpec(nodes, ranks, inter, intra)
+    except ValueError as exc:
+        raise LaunchError(f"{PROG}: --emulate-cluster: {exc}") from None
+
+
+def _cluster_plan(ns: argparse.Namespace, torchrun_prefix: List[str], script: List[str], given: Set[str],
+                  environ: Mapping[str, str], python: str) -> Plan:
+    """``--emulate-cluster``: one torchrun per emulated node (see :mod:`sapipe.launch.cluster`)."""
+    spec = _cluster_spec(ns)
+    clash = sorted(flag for dest, flag in _CLUSTER_SETS.items() if dest in given)
+    if clash:
+        raise LaunchError(f"{PROG}: --emulate-cluster sets {', '.join(clash)} for every node itself; "
+                          "remove them (the topology is NODESxRANKS)")
+    notes = [f"emulated cluster: {spec.describe()}"]
+    if any(v in environ for v in _DMLC_VARS) and not ns.no_byteps_env:
+        notes.append("DMLC_* ignored: --emulate-cluster gives the topology")
+    env = cluster_mod.node_environment(spec, dict(environ))
+    if _restarts(ns, given) > 0 and RESTART_ENV not in environ:
+        env[RESTART_ENV] = "1"
+    node_argv = [cluster_mod.torchrun_argv(spec, i, python, torchrun_prefix, script) for i in range(spec.nodes)]
+    return Plan([], env=env, notes=notes, dry_run=ns.dry_run, quiet=ns.quiet, cluster=spec, node_argv=node_argv)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
@@ -346,6 +426,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     sys.stderr.flush()
     sys.stdout.flush()
+    if p.cluster is not None:
+        ok, why = cluster_mod.check(p.cluster)
+        if not ok:
+            print(f"{PROG}: cannot emulate the cluster here: {why}", file=sys.stderr)
+            return netns.SETUP_FAILED
+        return cluster_mod.run(p.cluster, lambda node: p.node_argv[node], p.env)
     os.environ.update(p.env)
     try:
         os.execvp(p.argv[0], p.argv)  # signals go straight to unshare/torchrun
