@@ -15,7 +15,9 @@ and the compression study: each task's best mode (``Task.best_mode``) also runs 
 ``compression="bf16"`` (``<mode>+bf16``), ``"int8"`` (``<mode>+int8``, error feedback on) and
 ``"int8", error_feedback=False`` (``<mode>+int8-noEF``), beside ``sync`` and the
 uncompressed mode of the same seeds. ``--study main`` or ``--study compression`` runs one
-of the two studies alone (default ``all``: both).
+of the two studies alone (default ``all``: both). A task runs in the studies its
+``Task.studies`` names: ``units`` (a single layer, so its best mode is ``sync``) exists to
+show what error feedback is for and runs in the compression study only.
 
 Structure: one ``torchrun --standalone --nproc_per_node=4`` launch per (task, seed) runs
 every mode inside the same process group (re-seeding and rebuilding model and optimizer,
@@ -101,9 +103,13 @@ def compressed_name(best: str, variant: str) -> str:
 
 def compression_specs(k_arg: str, best: str) -> List[Dict[str, Any]]:
     """The compression study: sync and the task's best mode uncompressed (the references),
-    then the best mode with each wire format of ``COMPRESSED_VARIANTS``."""
-    specs = [_spec("sync", "zero", "none"), _spec(best, k_arg, best)]
-    specs += [_spec(compressed_name(best, variant), k_arg, best, compression=fmt, error_feedback=ef)
+    then the best mode with each wire format of ``COMPRESSED_VARIANTS``. A best mode of
+    ``sync`` (a task with one layer) is its own uncompressed reference."""
+    k, compensation = ("zero", "none") if best == "sync" else (k_arg, best)
+    specs = [_spec("sync", "zero", "none")]
+    if best != "sync":
+        specs.append(_spec(best, k, compensation))
+    specs += [_spec(compressed_name(best, variant), k, compensation, compression=fmt, error_feedback=ef)
               for variant, fmt, ef in COMPRESSED_VARIANTS]
     return specs
 
@@ -256,10 +262,21 @@ def default_out(quick: bool, study: str) -> Path:
     return out.with_name(out.name + "-compression") if study == "compression" else out
 
 
+def task_study(task, study: str) -> Optional[str]:
+    """The study a launch of ``task`` runs when ``study`` is asked for: ``study`` itself,
+    narrowed to the studies the task takes part in (``Task.studies``); None if none."""
+    wanted = {"all": ("main", "compression")}.get(study, (study,))
+    mine = [name for name in wanted if name in task.studies]
+    if not mine:
+        return None
+    return "all" if len(mine) == 2 else mine[0]
+
+
 def run_all(args) -> None:
     from convergence_tasks import get_tasks
 
-    tasks = args.tasks.split(",") if args.tasks else list(get_tasks())
+    known = get_tasks()
+    tasks = args.tasks.split(",") if args.tasks else [t for t in known if task_study(known[t], args.study)]
     seeds = list(range(args.seeds if args.seeds else (1 if args.quick else 3)))
     out = Path(args.out) if args.out else default_out(args.quick, args.study)
     out.mkdir(parents=True, exist_ok=True)
@@ -274,16 +291,19 @@ def run_all(args) -> None:
     env = hostenv.worker_env(OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     failures: List[str] = []
     for task in tasks:
+        study = task_study(known[task], args.study)
+        if study is None:
+            raise SystemExit(f"task {task} is not part of the {args.study} study")
         for seed in seeds:
             cmd = [
                 sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={args.nproc}", str(Path(__file__).resolve()), "worker",
                 "--task", task, "--seed", str(seed), "--out", str(out), "--k", args.k,
-                "--threads", str(args.threads), "--study", args.study,
+                "--threads", str(args.threads), "--study", study,
             ]
             if args.quick:
                 cmd.append("--quick")
-            if task == args.sweep_task and not args.no_sweep and args.study != "compression":
+            if task == args.sweep_task and not args.no_sweep and study != "compression":
                 cmd.append("--sweep")
             if args.lambdas:
                 cmd += ["--lambdas", args.lambdas]
@@ -468,7 +488,7 @@ def _plot_sweep(task: str, recs: List[dict], path: Path) -> None:
 
 def _ordered_tasks(by_task: Dict[str, List[dict]]) -> List[str]:
     """The built-in tasks in their usual order, then any others."""
-    known = ("digits", "lm", "deepmlp")
+    known = ("digits", "lm", "deepmlp", "units")
     return [t for t in known if t in by_task] + [t for t in by_task if t not in known]
 
 
@@ -602,8 +622,9 @@ def _tasks_lines(by_task: Dict[str, List[dict]], tasks: List[str]) -> List[str]:
         "modules, read from `sysconfig.get_paths()[\"stdlib\"]` and concatenated in this order: "
         "`os.py random.py functools.py argparse.py textwrap.py string.py heapq.py bisect.py "
         "json/encoder.py json/decoder.py collections/__init__.py pathlib.py shutil.py "
-        "tempfile.py` (first 90 % train, last 10 % held out). Each rank samples its own "
-        "mini-batches (generator seeded by seed and rank).",
+        "tempfile.py` (first 90 % train, last 10 % held out); `units` = synthetic, from "
+        "`make_units_data` in `benchmarks/convergence_tasks.py` (fixed seed 0, the same in every "
+        "run). Each rank samples its own mini-batches (generator seeded by seed and rank).",
         "",
     ]
 
@@ -666,8 +687,17 @@ def _curves_lines(by_task: Dict[str, List[dict]], tasks: List[str], results: Pat
 
 
 def _compression_modes(best: str) -> List[str]:
-    """The compression study's columns for a task whose best mode is ``best``."""
+    """The compression study's columns for a task whose best mode is ``best`` (``sync``
+    twice when the best mode is ``sync``: the reference and the uncompressed column)."""
     return ["sync", best] + [compressed_name(best, variant) for variant, _, _ in COMPRESSED_VARIANTS]
+
+
+def _compression_colors(modes: List[str]) -> Dict[str, str]:
+    """Each distinct mode of ``_compression_modes`` and its colour (the first one it gets)."""
+    colors: Dict[str, str] = {}
+    for mode, color in zip(modes, COMPRESSION_COLORS, strict=True):
+        colors.setdefault(mode, color)
+    return colors
 
 
 def _seed_cell(run: Optional[dict]) -> str:
@@ -712,7 +742,7 @@ def _compression_table_lines(by_task: Dict[str, List[dict]], tasks: List[str]) -
         km = f"`{best}` ({k['k']} / {k['m']})" if k else f"`{best}`"
         arrow = "↑" if meta["higher_is_better"] else "↓"
         lines.append(f"| {meta['title']} | {meta['metric']} {arrow} | {km} | " + " | ".join(cells) + " |")
-        for mode in modes:
+        for mode in dict.fromkeys(modes):
             by_seed = {r["seed"]: run for r in recs for run in r["runs"] if run["mode"] == mode}
             per_seed.append(f"| {meta['title']} | `{mode}` | "
                             + " | ".join(_seed_cell(by_seed.get(s)) for s in seeds) + " |")
@@ -732,12 +762,15 @@ def _seeds(by_task: Dict[str, List[dict]], tasks: List[str]) -> List[int]:
 def _compression_lines(by_task: Dict[str, List[dict]], tasks: List[str], results: Path) -> List[str]:
     """The compression study: table, per-seed values, targets, and one figure per task."""
     table, per_seed, verdicts = _compression_table_lines(by_task, tasks)
-    best_text = ", ".join(f"`{by_task[t][0]['best_mode']}` for {by_task[t][0]['title']}" for t in tasks)
+    one_layer = " (one layer, so k = 0 in every mode)"
+    best_text = ", ".join(f"`{by_task[t][0]['best_mode']}` for {by_task[t][0]['title']}"
+                          + (one_layer if by_task[t][0]["best_mode"] == "sync" else "") for t in tasks)
     lines = [
         "## Compression on the wire (each task's best mode)",
         "",
         "Each task's best sapipe mode (`best_mode` in `benchmarks/convergence_tasks.py`, the best "
-        f"mean of the main study: {best_text}) runs uncompressed, with `compression=\"bf16\"`, "
+        "mean of the main study, or `sync` for a task with a single layer: "
+        f"{best_text}) runs uncompressed, with `compression=\"bf16\"`, "
         "with `compression=\"int8\"` (error feedback on, the default) and with "
         "`compression=\"int8\", error_feedback=False`, in the same launch, seeds, initial "
         "weights and batches as `sync`. Final test metric, mean ± sample std over seeds.",
@@ -769,9 +802,8 @@ def _compression_lines(by_task: Dict[str, List[dict]], tasks: List[str], results
               + (f" ({', '.join(shown)})." if shown else "."), ""]
     for task in tasks:
         png = results / f"convergence_compression_{task}.png"
-        modes = _compression_modes(by_task[task][0]["best_mode"])
-        colors = dict(zip(modes, COMPRESSION_COLORS, strict=True))
-        _plot_task(by_task[task], png, modes, colors)
+        colors = _compression_colors(_compression_modes(by_task[task][0]["best_mode"]))
+        _plot_task(by_task[task], png, list(colors), colors)
         lines += [f"![compression {task}]({png.name})", ""]
     return lines
 

@@ -18,6 +18,18 @@ Tasks
             split (flattened pixels), SGD with momentum 0.9 at a high learning rate, so a
             one-step-stale gradient sits near the edge of momentum SGD's stability region.
             Metric: test accuracy (%).
+``units``   the "error feedback matters" task, in the compression study only: linear
+            regression of 16 targets given in four units (x1000, x100, x10, x1, in turn) on 32
+            standardised synthetic features, plain SGD on the raw (unscaled) targets. int8 sends
+            each block of 256 consecutive gradient values as multiples of max|v| / 127; the
+            weights of a x1 target sit in the same blocks as those of a x1000 target, and their
+            gradients are about 1000x smaller. Without error feedback, an entry below max / 254
+            rounds to zero, so the x1 targets learn only while their error is large and stall
+            well short of the fit; error feedback keeps adding such entries up until they are
+            sent. Data and settings are not tuned beyond showing this. A single layer: every
+            mode is ``sync``.
+            Metric: test R² (%), the mean of the 16 targets' (each target counts equally,
+            whatever its unit).
 
 A task's "usual" hyper-parameters are the ones a synchronous run would use; they are not
 tuned per mode.
@@ -142,6 +154,8 @@ class Task:
     # benchmarks/results/convergence.md): the compression study runs it compressed.
     best_mode: str
     notes: str = ""
+    # The studies of benchmarks/convergence.py that run the task ("main", "compression").
+    studies: Tuple[str, ...] = ("main", "compression")
     extra: dict = field(default_factory=dict)
 
 
@@ -218,6 +232,70 @@ def _lm_task(*, lr=3e-3, steps=300, quick_steps=20, eval_every=25, batch=16, con
     )
 
 
+UNITS = (1e3, 1e2, 1e1, 1.0)  # the targets' units, in turn
+
+
+def make_units_data(features=32, targets=16, n_train=4096, n_test=1024, noise=0.3, seed=0):
+    """The ``units`` task's data, the same on every rank and in every run (its own seed).
+
+    x ~ N(0, I) (standardised features); target t = (x · w_t + noise) · UNITS[t % 4] with
+    w_t ~ N(0, I / features) and noise ~ N(0, noise²): each target's best R² is about
+    1 / (1 + noise²) ≈ 0.92, in whatever unit it is given.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(features, targets, generator=gen) / math.sqrt(features)
+    x = torch.randn(n_train + n_test, features, generator=gen)
+    eps = noise * torch.randn(n_train + n_test, targets, generator=gen)
+    unit = torch.tensor([UNITS[t % len(UNITS)] for t in range(targets)])
+    y = (x @ w + eps) * unit
+    return dict(x_train=x[:n_train], y_train=y[:n_train], x_test=x[n_train:], y_test=y[n_train:])
+
+
+def r_squared(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """R² of each column of ``pred`` against ``y``: 1 - MSE / variance of the target."""
+    return 1.0 - ((pred - y) ** 2).mean(0) / y.var(0, unbiased=False)
+
+
+def _units_task(*, features=32, targets=16, lr=0.5, steps=300, quick_steps=20, eval_every=25, batch=32):
+    data: Dict[str, torch.Tensor] = {}
+
+    def load():
+        if not data:
+            data.update(make_units_data(features, targets))
+
+    def sample(gen):
+        load()
+        i = torch.randint(0, data["y_train"].shape[0], (batch,), generator=gen)
+        return data["x_train"][i], data["y_train"][i]
+
+    def loss(model, x, y):
+        return F.mse_loss(model(x), y)  # on the raw targets, as given
+
+    @torch.no_grad()
+    def evaluate(model):
+        """Mean R² (%) of the targets; also each unit's own (``r2_x1000`` ...), in the JSON only."""
+        load()
+        pred = model(data["x_test"])
+        r2 = 100.0 * r_squared(pred, data["y_test"])
+        by_unit = {f"r2_x{u:g}": r2[i::len(UNITS)].mean().item() for i, u in enumerate(UNITS)}
+        return {"metric": r2.mean().item(), "loss": F.mse_loss(pred, data["y_test"]).item(), **by_unit}
+
+    units = ", ".join(f"x{u:g}" for u in UNITS)
+    return Task(
+        name="units", title="Linear regression, targets in 4 units", metric="test R² (%)",
+        higher_is_better=True, steps=steps, quick_steps=quick_steps, eval_every=eval_every,
+        batch=batch, lr=lr, optimizer=f"SGD(lr={lr}, fused=True)",
+        build_model=lambda: nn.Linear(features, targets),
+        build_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=lr, fused=True),
+        load=load, sample=sample, loss=loss, evaluate=evaluate, best_mode="sync",
+        studies=("compression",),
+        notes=(f"Linear({features}, {targets}), synthetic (seed 0): {features} N(0, 1) features, "
+               f"{targets} noisy linear targets in units {units} in turn, MSE on the raw targets, "
+               "4096/1024 split; metric = the targets' mean R². Shows what error feedback is for: "
+               "the x1 targets' gradients are ~1/1000 of the x1000 ones' in the same int8 blocks"),
+    )
+
+
 def get_tasks() -> Dict[str, Task]:
     tasks = [
         _classifier_task(
@@ -233,5 +311,6 @@ def get_tasks() -> Dict[str, Task]:
             notes=("8 Linear layers of width 128, ReLU, He init, same split as digits; "
                    "LR 0.05 = the largest of {0.02, 0.05, 0.1} at which sync trains stably"),
         ),
+        _units_task(),
     ]
     return {t.name: t for t in tasks}
