@@ -16,7 +16,7 @@ yardstick is the device's copy bandwidth, measured in the same run as a large sa
 moves more than the ideal bytes (temporaries); its GB/s column is on the same ideal-bytes
 basis, so the two columns compare times.
 
-    python benchmarks/kernels.py [--n 16777216] [--reps 10] [--threads T]
+    python benchmarks/kernels.py [--n 16777216] [--reps 10] [--threads T] [--only update|codec]
     python benchmarks/kernels.py --device cuda [--dtype {float32,bfloat16,float16}] [--reps 50]
     ... [--json results.json]   # also write the rows as JSON (for collecting remote runs)
 
@@ -156,6 +156,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None, help="timed runs (default: 10 on CPU, 50 on CUDA)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file")
+    ap.add_argument("--only", choices=("all", "update", "codec"), default="all",
+                    help="time only the update kernels or only the compression codec's stages (which run on one "
+                         "thread by design: time them with --threads 1, so the copy beside them has one too)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -318,7 +321,9 @@ def main() -> None:
             lambda: ops.reference_adam_fused(p, m, v, adam_h, plain, peek=wp3_diag_peek, out=out),
         ),
     }
-    if dtype == torch.float32:  # the codec's gradients are float32 (or float64)
+    if args.only == "codec":
+        cases = {}
+    if dtype == torch.float32 and args.only != "update":  # the codec's gradients are float32 (or float64)
         cases.update(codec_cases(n, device))
 
     mib = n * E / 2**20
