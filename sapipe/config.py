@@ -165,6 +165,10 @@ class Settings:
         None, _optional_boolean,
         """with ``compression``: whether each rank keeps what rounding dropped and adds it to its next gradient (:mod:`sapipe.compression`); ``None``: on for ``"int8"``, off for ``"fp16"``/``"bf16"``.""",
     )
+    hierarchical: Optional[bool] = _setting(
+        None, _optional_boolean,
+        """with ``backend="torch"`` and no compression: sum each bucket inside each node first, then across nodes, then inside the node again (Horovod's hierarchical all-reduce; :mod:`sapipe.comm.hierarchical`); ``None``: wherever the job spans several nodes of the same number (> 1) of ranks (torchrun's ``GROUP_RANK``, else the host name, tells a rank's node); ``True``: required; ``False``: one flat all-reduce.""",
+    )
     partition_mb: float = _setting(
         4.0, _positive_number,
         """chunk size of ``backend="pushpull"`` (BytePS's default: 4 MB).""",

@@ -64,8 +64,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             exit as Chrome traces, ``{rank}`` replaced by the rank (else ``.rank<r>`` added).
             Default: ``$SAPIPE_TRACE``.
 
-    The other keyword arguments are sapipe's settings (:class:`sapipe.config.Settings`),
-    listed below.
+    The other keyword arguments are sapipe's settings (:class:`sapipe.config.Settings`), listed below.
 
     Construction is collective: every rank of ``process_group`` must call it. It checks that
     all ranks were configured identically (else raises on every rank, naming the
@@ -92,6 +91,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         partition_mb: float = 4.0,
         compression: Optional[str] = None,
         error_feedback: Optional[bool] = None,
+        hierarchical: Optional[bool] = None,
         tune_steps: int = 10,
         broadcast_buffers: bool = True,
         expose_gradients: bool = True,
@@ -109,7 +109,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             rule, params, recorder, settings = rendezvous.check_locally(optimizer, model, arguments, DistributedOptimizer)
         except SapipeError as exc:
             local_error = exc  # reported after the ranks compared notes: raising alone would hang them
-        rendezvous.agree(group, arguments, optimizer, model, local_error)
+        topology = rendezvous.agree(group, arguments, optimizer, model, local_error)
 
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups  # shared, so schedulers see one truth
@@ -122,7 +122,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.tracer = Tracer(enabled=bool(trace))
         self._spans = BackwardSpans(self.tracer) if trace else None
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        self._runtime = Runtime(settings, rule, group, self._world_size, self.tracer, group_of)
+        self._runtime = Runtime(settings, rule, group, self._world_size, self.tracer, group_of, topology)
         self._pipeline, self._updater = self._runtime.pipeline, self._runtime.updater
         self._control = rendezvous.ControlChannel(group, settings.timeout, params[0].device)
         self.auto: Optional[AutoController] = (

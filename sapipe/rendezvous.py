@@ -26,6 +26,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import comm, config
+from .comm.topology import Topology, node_name
 from .errors import CommunicationError, ConfigurationError, SapipeError, UnsupportedOptimizerError, UsageError
 from .layers import LayerRecorder, uncompiled
 from .optim_generic import rule_for
@@ -100,9 +101,11 @@ def describe_job(optimizer: Any, model: Any) -> Dict[str, Any]:
     return {"optimizer": type(optimizer).__name__, "param_groups": groups, "model_parameters": shapes}
 
 
-def agree(group, arguments: Dict[str, Any], optimizer: Any, model: Any, local_error: Optional[SapipeError]) -> None:
+def agree(group, arguments: Dict[str, Any], optimizer: Any, model: Any,
+          local_error: Optional[SapipeError]) -> Topology:
     """Compare every rank's configuration (collective); raise on every rank if any differs,
-    else raise this rank's ``local_error`` (every rank has one then: they agree)."""
+    else raise this rank's ``local_error`` (every rank has one then: they agree). Returns the
+    job's topology (which ranks share a node), learnt in the same exchange."""
     backend = arguments.get("backend")
     unavailable = comm.availability(backend) if backend in comm.BACKENDS else None
     if local_error is None and unavailable is not None:
@@ -110,12 +113,13 @@ def agree(group, arguments: Dict[str, Any], optimizer: Any, model: Any, local_er
     job = dict(describe_job(optimizer, model), backend_available=unavailable is None)
     fingerprint = config.describe(dict(arguments, **job))
     gathered: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, fingerprint, group=group)
-    differences = config.mismatches(gathered)
+    dist.all_gather_object(gathered, (fingerprint, node_name()), group=group)
+    differences = config.mismatches([fp for fp, _ in gathered])
     if differences:
         raise ConfigurationError("sapipe: ranks were configured differently: " + "; ".join(differences[:10]))
     if local_error is not None:
         raise local_error
+    return Topology.from_names([name for _, name in gathered])
 
 
 @torch.no_grad()

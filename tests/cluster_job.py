@@ -5,8 +5,8 @@
 
 Every rank trains ``models.make_model("tied")`` in float64 with AdamW wrapped in
 ``sapipe.DistributedOptimizer(stale_layers=3, compensation="wp1")`` on its share of the
-batches, then writes its real and held weights, its rank, node and address to
-``OUT_DIR/rank<r>.pt``. With ``--fail-node N``, node N's ranks exit with status 3 before
+batches, then writes its real and held weights, its rank, node, address and how its buckets
+were summed (two nodes of two: hierarchically, by default) to ``OUT_DIR/rank<r>.pt``. With ``--fail-node N``, node N's ranks exit with status 3 before
 training, to show that one failing node ends the whole job.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ def main() -> None:
     with opt.real_weights():
         real = {n: p.detach().clone() for n, p in model.named_parameters()}
     torch.save({"rank": rank, "world": world, "node": node, "real": real, "held": held,
-                "address": os.environ.get("GLOO_SOCKET_IFNAME")},
+                "address": os.environ.get("GLOO_SOCKET_IFNAME"), "sum": type(opt._pipeline.sync_comm).__name__},
                os.path.join(args.out, f"rank{rank}.pt"))
     opt.close()
     dist.destroy_process_group()

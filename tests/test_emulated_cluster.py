@@ -105,13 +105,15 @@ def _leftover_namespaces():
 
 
 def test_a_2x2_job_trains_as_the_float64_reference(tmp_path):
-    """4 ranks on 2 emulated nodes (Gloo across a shaped bridge), k = 3 with wp1: every rank's
-    real and held weights are the reference's (rtol 1e-9), and the namespaces are gone."""
+    """4 ranks on 2 emulated nodes (Gloo across a shaped bridge), k = 3 with wp1, buckets summed
+    node first: every rank's real and held weights are the reference's (rtol 1e-9), and the
+    namespaces are gone."""
     _requires_cluster()
     out = _run(_launch(tmp_path), timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     assert [(r["world"], r["node"]) for r in ranks] == [(4, 0), (4, 0), (4, 1), (4, 1)]
+    assert {r["sum"] for r in ranks} == {"HierarchicalAllReduce"}, "two nodes of two ranks sum node first"
     import cluster_job
 
     ref = run_reference(make_model("tied", seed=0, dtype=torch.float64),

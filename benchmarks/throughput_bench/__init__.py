@@ -30,6 +30,7 @@ median, spread = interquartile range / median):
 | ``sapipe-auto`` | ``stale_layers="auto"`` (skipped with a note while sapipe refuses it) |
 | ``sapipe-<comp>`` | each ``--compensations`` mode at the auto k, or, without auto, at the *oracle* k: the smallest measured k within 3 % of pipesgd |
 | ``horovod`` | ``horovod.torch.DistributedOptimizer`` over Gloo (skipped with a note when not installed; ``make peers``) |
+| ``sapipe-auto-flat`` | on a job whose ranks span several nodes (torchrun's ``LOCAL_WORLD_SIZE`` < world; e.g. under ``sapipe-launch --emulate-cluster``): ``stale_layers="auto"`` with ``hierarchical=False``, one flat all-reduce per bucket, where every other sapipe mode sums node first |
 | ``sapipe-auto-<compression>`` | ``stale_layers="auto"`` with ``compression=`` each ``--compressions`` format (default bf16, int8), judged against the job's *full-precision* ceiling |
 
 Every mode's optimizer is torch's ``fused=True`` SGD / Adam (``bench_models``), so that the

@@ -62,10 +62,12 @@ class TrainRunner(Runner):
     """local / ddp / ceiling / sapipe / horovod: a fresh model and optimizer."""
 
     def __init__(self, job, mode, kind: str, k=None, compensation: str = "none", backend: str = "torch",
-                 expose_gradients: bool = True, twin_of: Optional[str] = None, compression: Optional[str] = None):
+                 expose_gradients: bool = True, twin_of: Optional[str] = None, compression: Optional[str] = None,
+                 options: Optional[Dict[str, Any]] = None):
         super().__init__(job, mode)
         self.kind, self.k, self.compensation, self.backend = kind, k, compensation, backend
         self.compression = compression  # sapipe's compression= (None: full precision)
+        self.options = dict(options or {})  # further sapipe settings (e.g. hierarchical=False)
         #: sapipe's ``expose_gradients``; False only for a ``deferred`` twin of ``twin_of``
         self.expose_gradients, self.twin_of = expose_gradients, twin_of
         self.ks: List[Optional[int]] = []
@@ -109,7 +111,7 @@ class TrainRunner(Runner):
                                                    compensation=self.compensation,
                                                    bucket_cap_mb=a.bucket_cap_mb, backend=self.backend,
                                                    trace=bool(a.trace), expose_gradients=self.expose_gradients,
-                                                   compression=self.compression)
+                                                   compression=self.compression, **self.options)
         except sapipe.ConfigurationError as exc:
             raise Skip(f"skipped: sapipe refused stale_layers={self.k!r}: {exc}") from exc
 

@@ -104,10 +104,11 @@ class AutoController:
     def _decide(self) -> None:
         """End of warm-up: profile, choose k, re-lay the buckets out for it."""
         assert self.timer is not None and self._pipeline.layout is not None
-        layout, sync_group = self._pipeline.layout, self._pipeline.sync_comm.group
+        layout, sync = self._pipeline.layout, self._pipeline.sync_comm
         first = layout.buckets[0]
-        self.profile = profiler.measure(self.timer, sync_group if sync_group is not None else self._control.group,
-                                        [b.nbytes for b in layout.buckets], first.dtype, first.device)
+        self.profile = profiler.measure(self.timer, sync.group if sync.group is not None else self._control.group,
+                                        [b.nbytes for b in layout.buckets], first.dtype, first.device,
+                                        sum_now=sync.sum_now)
         self.timer = self._pipeline.timer = None
         if self._settings.compression is not None:
             self.profile = self._compressed_link(self.profile, layout.buckets)

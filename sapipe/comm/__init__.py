@@ -5,7 +5,9 @@ is one small class (see :mod:`sapipe.comm.base` for the contract):
 
 =============  =====================================================================
 ``torch``      one all-reduce per bucket on a process group of its own (default);
-               compressed: one compressed sum per bucket (all-to-all + all-gather)
+               on several nodes: inside the node, across nodes, inside the node again
+               (:mod:`sapipe.comm.hierarchical`); compressed: one compressed sum per
+               bucket (all-to-all + all-gather)
 ``pushpull``   BytePS's pattern on torch.distributed: 4 MB chunks, reduce-scatter +
                all-gather, in the order the next forward needs them; compressed: each
                chunk compressed and summed on its own, in the same order
@@ -30,6 +32,8 @@ from .base import CommBackend, Handle
 from .compressed import CompressedSum, TorchCollectives
 from .pushpull import DEFAULT_PARTITION_BYTES, PushPull
 from .groups import new_group_like, release_group
+from .hierarchical import HierarchicalAllReduce
+from .topology import Topology
 from .torch_backend import AllReduce
 
 BACKENDS = ("torch", "pushpull", "horovod", "byteps")
@@ -81,16 +85,21 @@ def create(
     tracer: Tracer,
     partition_bytes: int = DEFAULT_PARTITION_BYTES,
     compression: Optional[str] = None,
+    topology: Optional[Topology] = None,
 ) -> CommBackend:
     """A back-end instance for one kind of traffic (``name``: "sync" or "stale").
 
     Every instance gets process groups of its own over ``process_group``'s ranks. With
     ``compression``, each start is handed the bucket's codec (see :func:`compression_refusal`).
+    With ``topology`` (``backend="torch"``, uncompressed), buckets are summed hierarchically
+    over its nodes (:mod:`sapipe.comm.hierarchical`).
     """
     refusal = compression_refusal(backend, compression)
     if refusal is not None:
         raise ConfigurationError(f"sapipe: {refusal}")  # validated before; reached only by direct calls
     if backend == "torch":
+        if topology is not None and compression is None:
+            return HierarchicalAllReduce.create(process_group, topology, name, timeout, tracer)
         if compression is not None:
             return CompressedSum(TorchCollectives(new_group_like(process_group, timeout)), name, timeout, tracer)
         return AllReduce(new_group_like(process_group, timeout), name, timeout, tracer)

@@ -61,6 +61,11 @@ class CommBackend(abc.ABC):
     #: back-end's groups are used by a thread of its own.
     group: Optional[Any] = None
 
+    #: A blocking sum of a tensor the way this back-end sums buckets, for the scheduler's link
+    #: probes where one all-reduce on a group would time another link (hierarchical sums);
+    #: None: the scheduler times all-reduces on ``group`` (or its own control group).
+    sum_now: Optional[Callable[[torch.Tensor], None]] = None
+
     def __init__(self, name: str, timeout: Optional[timedelta], tracer: Tracer):
         self.name = name
         self.timeout = timeout

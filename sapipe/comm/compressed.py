@@ -19,9 +19,8 @@ the stream that started the bucket, and ``wait`` orders the caller's stream afte
 from __future__ import annotations
 
 import abc
-import collections
 from datetime import timedelta
-from typing import Deque, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,7 @@ from ..errors import UsageError
 from ..trace import Tracer
 from .base import Handle
 from .groups import release_group
-from .worker import Job, WorkerBackend, all_gather_single
+from .worker import InStartOrder, Job, all_gather_single
 
 
 class Collectives(abc.ABC):
@@ -96,7 +95,7 @@ def check_codec(codec: Optional[Slot], tensor: torch.Tensor, name: str, what: st
     return codec
 
 
-class CompressedSum(WorkerBackend):
+class CompressedSum(InStartOrder):
     """Compressed sums of flat buffers over ``collectives``, run in start order by a worker thread."""
 
     operation = "compressed sum"
@@ -104,23 +103,16 @@ class CompressedSum(WorkerBackend):
     def __init__(self, collectives: Collectives, name: str, timeout: Optional[timedelta], tracer: Tracer):
         super().__init__(name, timeout, tracer)
         self._collectives = collectives
-        self._queue: Deque[Job] = collections.deque()
 
     def start(self, tensor: torch.Tensor, what: str, priority: int = 0, codec: Optional[Slot] = None) -> Handle:
         detail = check_codec(codec, tensor, self.name, what)
-        return self.submit(self.new_job(tensor, what, detail=detail), self._queue.append)
+        return self.enqueue(self.new_job(tensor, what, detail=detail))
 
     def close(self) -> None:
         self.stop_worker()
         self._collectives.close()
 
     # ------------------------------------------------------------------ worker side
-
-    def next_unit(self) -> Optional[Tuple[Job, None]]:
-        with self.lock:
-            while not self._queue and not self.closing:
-                self.lock.wait()
-            return (self._queue.popleft(), None) if self._queue else None
 
     def run_unit(self, job: Job, unit: None) -> None:
         codec: Slot = job.detail

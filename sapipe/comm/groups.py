@@ -55,6 +55,17 @@ def new_group_like(process_group, timeout: Optional[timedelta], backend: Optiona
     return group
 
 
+def new_subgroup(ranks, backend: str, timeout: Optional[timedelta]):
+    """A new process group over ``ranks`` (global ranks; only they call it, each with its own
+    list), kept registered until the job ends as every subset group is (see above)."""
+    kwargs = {"ranks": list(ranks), "backend": backend, "use_local_synchronization": True}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    group = dist.new_group(**kwargs)
+    _SUBSET_GROUPS.add(group.group_name)
+    return group
+
+
 def release_group(owner, attr: str = "group") -> None:
     """Destroy the group made by :func:`new_group_like` that ``owner.<attr>`` holds, now,
     and set the attribute to None (a no-op if it is None already: ``close()`` is idempotent).
@@ -80,4 +91,4 @@ def release_group(owner, attr: str = "group") -> None:
     del group  # the last reference: torch's destructor joins the group's threads, the GIL released
 
 
-__all__ = ["new_group_like", "release_group"]
+__all__ = ["new_group_like", "new_subgroup", "release_group"]

@@ -34,7 +34,6 @@ default group.
 from __future__ import annotations
 
 import heapq
-import math
 from datetime import timedelta
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
@@ -46,7 +45,7 @@ from ..trace import Tracer
 from .base import Handle
 from .compressed import TorchCollectives, check_codec, sum_compressed
 from .groups import release_group
-from .worker import Job, WorkerBackend, all_gather_single, reduce_scatter_single
+from .worker import Job, Scratch, WorkerBackend, sum_by_shards
 
 DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024  # BytePS's default partition size
 
@@ -87,8 +86,7 @@ class PushPull(WorkerBackend):
         self._started: List[Job] = []  # in start order; drained as they are agreed on
         self._num_agreed = 0
         self._queue: List[Tuple[int, int, int, Job]] = []  # (priority, sequence, chunk, job)
-        self._staging: Optional[torch.Tensor] = None  # padded chunk, reused
-        self._shard: Optional[torch.Tensor] = None  # this rank's summed shard, reused
+        self._scratch = Scratch()  # the padded chunk and this rank's shard, reused
 
     # ------------------------------------------------------------------ engine side
 
@@ -149,21 +147,7 @@ class PushPull(WorkerBackend):
 
     def _push_pull(self, chunk: torch.Tensor) -> None:
         """``chunk`` summed over the ranks: reduce-scatter (push), then all-gather (pull)."""
-        world = self.world_size
-        shard_numel = math.ceil(chunk.numel() / world)
-        padded = shard_numel * world
-        if padded != chunk.numel():  # uneven tail: go through a zero-padded copy
-            work = self._buffer("_staging", padded, chunk)
-            work[: chunk.numel()].copy_(chunk)
-            work[chunk.numel() :].zero_()
-        else:
-            work = chunk
-        shard = self._buffer("_shard", shard_numel, chunk)
-        group = self._data.live_group()
-        reduce_scatter_single(shard, work, op=dist.ReduceOp.SUM, group=group)  # push
-        all_gather_single(work, shard, group=group)  # pull
-        if work is not chunk:
-            chunk.copy_(work[: chunk.numel()])
+        sum_by_shards(chunk, self.world_size, self._data.live_group(), self._scratch)
 
     def _negotiation_group(self):
         """The agreement's group; raises once close() has released it (given None, a
@@ -171,14 +155,6 @@ class PushPull(WorkerBackend):
         if self._negotiation is None:
             raise RuntimeError("sapipe: the push-pull back-end was closed with work in flight")
         return self._negotiation
-
-    def _buffer(self, attr: str, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A reusable scratch buffer of at least ``numel`` elements (grown, never per step)."""
-        buf = getattr(self, attr)
-        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
-            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
-            setattr(self, attr, buf)
-        return buf[:numel]
 
 
 __all__ = ["PushPull", "DEFAULT_PARTITION_BYTES"]

@@ -11,9 +11,11 @@ last), completion callbacks, and stopping the thread at ``close()``.
 from __future__ import annotations
 
 import abc
+import collections
+import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,39 @@ _JOIN_SECONDS = 10.0  # how long close() waits for an idle worker to exit
 # torch >= 2.1, which has only the old ones.
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Scratch:
+    """Reusable buffers of a worker, by name (grown when needed, never allocated per step)."""
+
+    def __init__(self):
+        self._buffers: Dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._buffers[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf[:numel]
+
+
+def sum_by_shards(tensor: torch.Tensor, parts: int, group, scratch: Scratch, across=None) -> None:
+    """``tensor`` summed in place by shards: reduce-scatter over ``group`` (``parts`` ranks;
+    each receives the sum of its 1/parts), the shard all-reduced over ``across`` when given
+    (the same shard's owners elsewhere), then all-gathered over ``group``. An uneven tensor
+    goes through a zero-padded copy."""
+    shard_numel = math.ceil(tensor.numel() / parts)
+    work = tensor
+    if shard_numel * parts != tensor.numel():
+        work = scratch.get("padded", shard_numel * parts, tensor)
+        work[: tensor.numel()].copy_(tensor)
+        work[tensor.numel():].zero_()
+    shard = scratch.get("shard", shard_numel, tensor)
+    reduce_scatter_single(shard, work, op=dist.ReduceOp.SUM, group=group)
+    if across is not None:
+        dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=across)
+    all_gather_single(work, shard, group=group)
+    if work is not tensor:
+        tensor.copy_(work[: tensor.numel()])
 
 
 @dataclass
@@ -176,4 +211,25 @@ class WorkerBackend(CommBackend):
                 callback()
 
 
-__all__ = ["Job", "WorkerBackend", "all_gather_single", "reduce_scatter_single"]
+
+
+class InStartOrder(WorkerBackend):
+    """A worker back-end whose jobs are one unit each, run in start order (the same on every
+    rank): compressed sums, hierarchical sums."""
+
+    def __init__(self, name: str, timeout, tracer):
+        super().__init__(name, timeout, tracer)
+        self._queue: Deque[Job] = collections.deque()
+
+    def enqueue(self, job: Job) -> Handle:
+        return self.submit(job, self._queue.append)
+
+    def next_unit(self) -> Optional[Tuple[Job, None]]:
+        with self.lock:
+            while not self._queue and not self.closing:
+                self.lock.wait()
+            return (self._queue.popleft(), None) if self._queue else None
+
+
+__all__ = ["InStartOrder", "Job", "Scratch", "WorkerBackend", "all_gather_single", "reduce_scatter_single",
+           "sum_by_shards"]

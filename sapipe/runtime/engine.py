@@ -5,12 +5,14 @@ what the scheduler's controller changes between iterations (``relayout``, ``rest
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from .. import comm
 from ..buckets import Bucket
+from ..comm import hierarchical
+from ..comm.topology import Topology
 from ..compensation import MODES
 from ..config import Settings
 from ..errors import ConfigurationError, UsageError
@@ -27,13 +29,17 @@ class Runtime:
     """Buckets, their communication and their updates, for ``k`` stale layers at a time."""
 
     def __init__(self, settings: Settings, rule: OptimizerRule, group, world_size: int, tracer: Tracer,
-                 group_of: Dict[int, int]):
+                 group_of: Dict[int, int], topology: Optional[Topology] = None):
         self._settings = settings
         self._group_of = group_of
+        #: the nodes a hierarchical sum spans (None: flat sums); raises when hierarchical=True cannot be met
+        self.topology = topology if topology is not None and hierarchical.resolve(
+            settings.hierarchical, settings.backend, settings.compression, topology) else None
         compression = settings.wire_compression
         self._compression = None if compression is None else CompressedSums(
             compression, world_size, comm.compression_partition(settings.backend, settings.partition_bytes))
-        self.pipeline = GradientPipeline(settings, group, tracer, before_reuse=self.apply_deferred)
+        self.pipeline = GradientPipeline(settings, group, tracer, before_reuse=self.apply_deferred,
+                                         topology=self.topology)
         self.updater = Updater(rule, MODES[settings.compensation](settings.staleness), settings,
                                world_size, self.pipeline)
         self.exposure = (GradientExposure(self.pipeline, world_size, settings.staleness,

@@ -16,6 +16,7 @@ import torch
 
 from .. import comm
 from ..buckets import Bucket
+from ..comm.topology import Topology
 from ..config import Settings
 from ..errors import UsageError
 from ..schedule.profiler import LayerTimer
@@ -46,9 +47,11 @@ class GradientPipeline:
     while the bucket still has a deferred update pending (its buffer is about to be reused).
     """
 
-    def __init__(self, settings: Settings, group, tracer: Tracer, before_reuse: Callable[[Bucket], None]):
+    def __init__(self, settings: Settings, group, tracer: Tracer, before_reuse: Callable[[Bucket], None],
+                 topology: Optional[Topology] = None):
         self._tracer = tracer
         self._before_reuse = before_reuse
+        self._topology = topology  # hierarchical sums over these nodes (None: flat)
         self.sync_comm = self._new_comm(settings, group, "sync")
         needs_stale = settings.auto or settings.stale_layers > 0
         self.stale_comm = self._new_comm(settings, group, "stale") if needs_stale else None
@@ -64,7 +67,8 @@ class GradientPipeline:
 
     def _new_comm(self, settings: Settings, group, name: str) -> comm.CommBackend:
         return comm.create(settings.backend, group, name, settings.timeout, self._tracer,
-                           partition_bytes=settings.partition_bytes, compression=settings.compression)
+                           partition_bytes=settings.partition_bytes, compression=settings.compression,
+                           topology=self._topology)
 
     @property
     def buckets(self) -> List[Bucket]:

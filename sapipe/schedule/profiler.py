@@ -389,22 +389,25 @@ def time_codec(codec, wire: torch.Tensor, repeats: int = 3) -> float:
     return min(times[1:])
 
 
-def time_allreduce(group, nbytes: int, dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:
-    """Fastest wall time of a blocking all-reduce of ``nbytes`` on ``group``.
+def time_allreduce(group, nbytes: int, dtype: torch.dtype, device: torch.device, repeats: int = 5,
+                   sum_now: Optional[Callable[[torch.Tensor], None]] = None) -> float:
+    """Fastest wall time of a blocking all-reduce of ``nbytes`` on ``group`` (or of
+    ``sum_now``: the back-end's own sum, where it is not one all-reduce on a group).
 
     The minimum, not the median: noise (a descheduled thread, a busy core) only ever adds
     time, and the fit should describe what the link can do.
     """
     element = torch.empty((), dtype=dtype).element_size()
     buffer = torch.zeros(max(1, nbytes // element), dtype=dtype, device=device)
-    dist.all_reduce(buffer, group=group)  # warm the connection and allocator
+    reduce = sum_now or (lambda t: dist.all_reduce(t, group=group))
+    reduce(buffer)  # warm the connection and allocator
     times = []
     for _ in range(repeats):
         dist.barrier(group=group)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        dist.all_reduce(buffer, group=group)
+        reduce(buffer)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
@@ -418,9 +421,11 @@ def probe_sizes(bucket_bytes: Sequence[int]) -> List[int]:
 
 
 def measure(
-    timer: LayerTimer, group, bucket_bytes: Sequence[int], dtype: torch.dtype, device: torch.device
+    timer: LayerTimer, group, bucket_bytes: Sequence[int], dtype: torch.dtype, device: torch.device,
+    sum_now: Optional[Callable[[torch.Tensor], None]] = None,
 ) -> Profile:
-    """The job's profile, identical on every rank (see the module docstring for reductions)."""
+    """The job's profile, identical on every rank (see the module docstring for reductions).
+    The link is probed with ``sum_now`` where the back-end gives one (its own sum)."""
     world = dist.get_world_size(group)
 
     def gather(values: List[float]) -> List[List[float]]:
@@ -431,7 +436,7 @@ def measure(
 
     u, b, step = timer.medians()
     sizes = probe_sizes(bucket_bytes)
-    comm = [time_allreduce(group, s, dtype, device) for s in sizes]
+    comm = [time_allreduce(group, s, dtype, device, sum_now=sum_now) for s in sizes]
     rows = gather(u + b + [step] + comm + [timer.update_time()])
     samples = timer.link_samples()
     longest = int(max(r[0] for r in gather([float(len(samples))])))
