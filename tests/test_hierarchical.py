@@ -132,3 +132,32 @@ def test_auto_probes_the_two_level_sum_and_decides_alike():
     assert decided and all(r[:2] == (decided, k) for r in results)
     assert len(probes) >= 2 and all(t > 0 for t in probes)
     assert probed > len(probes), "every probe (and its warm-up) went through the back-end's own sum"
+
+
+def _sums(rank, world_size, numel):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from sapipe.comm.hierarchical import HierarchicalAllReduce
+    from sapipe.trace import Tracer
+
+    topology = Topology.from_names([f"node {r // 2}" for r in range(world_size)])
+    backend = HierarchicalAllReduce.create(dist.group.WORLD, topology, "sync", timedelta(seconds=60), Tracer(False))
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(numel, generator=gen, dtype=torch.float64)
+    flat = x.clone()
+    dist.all_reduce(flat)
+    backend.wait(backend.start(x, "a bucket"))
+    backend.close()
+    return {"hierarchical": x, "flat": flat}
+
+
+@pytest.mark.parametrize("numel", [3 * (1 << 17) + 5, 1001])  # 3 MiB of float64 in 3 pieces, uneven; one small piece
+def test_a_pipelined_bucket_sums_as_a_flat_all_reduce(numel):
+    """Cut into pieces whose steps overlap (each padded to the node's shards), a bucket comes
+    out as the flat all-reduce's sum on every rank, identical across ranks."""
+    results = run_ranks(_sums, world_size=4, args=(numel,), timeout=300)
+    for r in results:
+        assert torch.allclose(torch.as_tensor(r["hierarchical"]), torch.as_tensor(r["flat"]), rtol=1e-13, atol=1e-13)
+        assert (r["hierarchical"] == results[0]["hierarchical"]).all()

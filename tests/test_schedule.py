@@ -609,7 +609,7 @@ def test_measure_gathers_only_the_profile(monkeypatch):
             raise AssertionError(f"measure() called torch.distributed.{name}")
 
     monkeypatch.setattr(profiler, "dist", FakeDist())
-    monkeypatch.setattr(profiler, "time_allreduce", lambda group, nbytes, dtype, device: 1e-4 + 1e-9 * nbytes)
+    monkeypatch.setattr(profiler, "time_allreduce", lambda group, nbytes, dtype, device, sum_now=None: 1e-4 + 1e-9 * nbytes)
     timer = profiler.LayerTimer.from_raw(_synthetic_raw([1.0, 2.0], [3.0, 4.0], [(0.0, 0.5)]))
     profile = profiler.measure(timer, None, [1 << 20], torch.float32, torch.device("cpu"))
     assert calls == ["all_gather"] * 3

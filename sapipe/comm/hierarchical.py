@@ -15,6 +15,9 @@ algorithms do):
 Each node's NIC then carries 2(N − 1)/N of the bucket each way, in L parallel streams; every
 rank ends with the same sum. The three collectives depend on each other, so a worker thread
 of the back-end runs them, one bucket after another in start order (the same on every rank).
+A large bucket is cut into a few pieces whose steps are pipelined (``sum_by_shards``): a
+piece crosses between nodes while the next is reduced inside the node, so the node's own
+steps hide behind the slow one.
 """
 from __future__ import annotations
 
@@ -30,6 +33,12 @@ from .base import Handle
 from .groups import new_subgroup, release_group
 from .topology import Topology
 from .worker import InStartOrder, Job, Scratch, sum_by_shards
+
+
+#: A bucket is cut into up to MAX_PIECES pieces of at least PIECE_BYTES, whose steps are
+#: pipelined: one piece crosses between nodes while the next is reduced inside the node.
+PIECE_BYTES = 1 << 20
+MAX_PIECES = 4
 
 
 def resolve(requested: Optional[bool], backend: str, compression: Optional[str], topology: Topology) -> bool:
@@ -90,7 +99,10 @@ class HierarchicalAllReduce(InStartOrder):
 
     def run_unit(self, job: Job, unit: None) -> None:
         """Inside the node, across nodes, inside the node again (the module docstring)."""
-        sum_by_shards(job.tensor, self.local_size, self._group("_intra"), self._scratch, across=self._group("_inter"))
+        tensor = job.tensor
+        pieces = max(1, min(MAX_PIECES, tensor.numel() * tensor.element_size() // PIECE_BYTES))
+        sum_by_shards(tensor, self.local_size, self._group("_intra"), self._scratch, across=self._group("_inter"),
+                      pieces=pieces)
 
     def _group(self, attr: str):
         group = getattr(self, attr)

@@ -43,24 +43,51 @@ class Scratch:
         return buf[:numel]
 
 
-def sum_by_shards(tensor: torch.Tensor, parts: int, group, scratch: Scratch, across=None) -> None:
+def sum_by_shards(tensor: torch.Tensor, parts: int, group, scratch: Scratch, across=None, pieces: int = 1) -> None:
     """``tensor`` summed in place by shards: reduce-scatter over ``group`` (``parts`` ranks;
     each receives the sum of its 1/parts), the shard all-reduced over ``across`` when given
     (the same shard's owners elsewhere), then all-gathered over ``group``. An uneven tensor
-    goes through a zero-padded copy."""
-    shard_numel = math.ceil(tensor.numel() / parts)
-    work = tensor
-    if shard_numel * parts != tensor.numel():
-        work = scratch.get("padded", shard_numel * parts, tensor)
-        work[: tensor.numel()].copy_(tensor)
-        work[tensor.numel():].zero_()
-    shard = scratch.get("shard", shard_numel, tensor)
-    reduce_scatter_single(shard, work, op=dist.ReduceOp.SUM, group=group)
+    goes through a zero-padded copy.
+
+    With ``pieces`` > 1 the tensor is cut into that many pieces, each summed so, and the
+    steps pipelined across them: a piece's all-reduce over ``across`` runs while the next
+    pieces are reduce-scattered, and its all-gather while the next are all-reduced, so the
+    steps on ``group`` hide behind those on ``across`` (every rank issues the same
+    collectives on each group in the same order)."""
+    per_piece = math.ceil(tensor.numel() / pieces)
+    views = [tensor[lo:lo + per_piece] for lo in range(0, tensor.numel(), per_piece)] or [tensor]
+    padded = [_padded(view, parts, scratch, f"padded{i}") for i, view in enumerate(views)]
+    shards = [scratch.get(f"shard{i}", work.numel() // parts, tensor) for i, work in enumerate(padded)]
+    done = [reduce_scatter_single(shard, work, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            for shard, work in zip(shards, padded)]
     if across is not None:
-        dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=across)
-    all_gather_single(work, shard, group=group)
-    if work is not tensor:
-        tensor.copy_(work[: tensor.numel()])
+        done = [_then(w, lambda s=shard: dist.all_reduce(s, op=dist.ReduceOp.SUM, group=across, async_op=True))
+                for w, shard in zip(done, shards)]
+    gathered = [_then(w, lambda work=work, shard=shard: all_gather_single(work, shard, group=group, async_op=True))
+                for w, work, shard in zip(done, padded, shards)]
+    for w in gathered:
+        w.wait()
+    for view, work in zip(views, padded):
+        if work is not view:
+            view.copy_(work[: view.numel()])
+
+
+def _padded(view: torch.Tensor, parts: int, scratch: Scratch, name: str) -> torch.Tensor:
+    """``view`` itself when it splits into ``parts`` equal shards, else a zero-padded copy."""
+    shard_numel = math.ceil(view.numel() / parts)
+    if shard_numel * parts == view.numel():
+        return view
+    work = scratch.get(name, shard_numel * parts, view)
+    work[: view.numel()].copy_(view)
+    work[view.numel():].zero_()
+    return work
+
+
+def _then(work, issue: Callable[[], Any]):
+    """Wait for ``work`` (the host blocks on Gloo; on NCCL the current stream waits), then
+    issue the next collective; its work."""
+    work.wait()
+    return issue()
 
 
 @dataclass
