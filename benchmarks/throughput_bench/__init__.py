@@ -8,7 +8,10 @@ Two ways to run it (the entry point is ``benchmarks/throughput.py``):
   ``tc tbf`` (:mod:`sapipe.launch.netns`, docs/design.md §6). Bandwidths are given explicitly
   (``--bandwidths 1gbit,300mbit``) or, by default, calibrated per model to hit target
   ratios T_comm / T_compute (``--ratios 0.3,0.65,1.6``) from a short probe job. Results go
-  to ``benchmarks/results/throughput.md`` and ``throughput_*.png``.
+  to ``benchmarks/results/throughput.md`` and ``throughput_*.png``. Then, for ``--cluster-models``
+  (gpt2), one job per ``--clusters`` topology (2x2, 4x1) on emulated nodes
+  (``sapipe-launch --emulate-cluster``, root only) with ``--inter-node`` (1 Gbit/s) between
+  them; those run the baselines, k = 0, k = m and sapipe-auto (summing node first, and flat).
 * **Directly under torchrun** (any device, any number of nodes, no emulation) — e.g.
   ``torchrun --nnodes 2 --nproc_per_node 8 ... benchmarks/throughput.py --model gpt2 --size full``.
   Each rank uses ``cuda:LOCAL_RANK`` with NCCL when CUDA is available (Gloo on CPU
@@ -30,7 +33,7 @@ median, spread = interquartile range / median):
 | ``sapipe-auto`` | ``stale_layers="auto"`` (skipped with a note while sapipe refuses it) |
 | ``sapipe-<comp>`` | each ``--compensations`` mode at the auto k, or, without auto, at the *oracle* k: the smallest measured k within 3 % of pipesgd |
 | ``horovod`` | ``horovod.torch.DistributedOptimizer`` over Gloo (skipped with a note when not installed; ``make peers``) |
-| ``sapipe-auto-flat`` | on a job whose ranks span several nodes (torchrun's ``LOCAL_WORLD_SIZE`` < world; e.g. under ``sapipe-launch --emulate-cluster``): ``stale_layers="auto"`` with ``hierarchical=False``, one flat all-reduce per bucket, where every other sapipe mode sums node first |
+| ``sapipe-auto-flat`` | on a job whose ranks span several nodes of several ranks (1 < torchrun's ``LOCAL_WORLD_SIZE`` < world; e.g. ``--clusters 2x2``): ``stale_layers="auto"`` with ``hierarchical=False``, one flat all-reduce per bucket, where every other sapipe mode sums node first |
 | ``sapipe-auto-<compression>`` | ``stale_layers="auto"`` with ``compression=`` each ``--compressions`` format (default bf16, int8), judged against the job's *full-precision* ceiling |
 
 Every mode's optimizer is torch's ``fused=True`` SGD / Adam (``bench_models``), so that the

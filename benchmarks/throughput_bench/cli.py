@@ -25,6 +25,13 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
                         "probe job (default 0.3,0.65,1.6; --quick: 0.65)")
     p.add_argument("--bandwidths", default="",
                    help="explicit loopback rates instead of --ratios, e.g. 2gbit,500mbit,unlimited")
+    p.add_argument("--clusters", default=None,
+                   help="emulated multi-node jobs (sapipe-launch --emulate-cluster NODESxRANKS; needs root), run "
+                        "for each of --cluster-models after the single-node sweep (default 2x2,4x1; --quick: none; "
+                        "'' for none)")
+    p.add_argument("--cluster-models", default="gpt2", help="models of the --clusters jobs")
+    p.add_argument("--inter-node", default="1gbit",
+                   help="the --clusters jobs' link between nodes, per NIC and direction (within a node: unshaped)")
 
 
 def _add_mode_options(p: argparse.ArgumentParser) -> None:
@@ -99,6 +106,7 @@ def _apply_defaults(a: argparse.Namespace) -> argparse.Namespace:
     a.size = a.size or ("tiny" if q else "small")
     a.ratios = a.ratios or ("0.65" if q else "0.3,0.65,1.6")
     a.compressions = a.compressions if a.compressions is not None else ("int8" if q else "bf16,int8")
+    a.clusters = a.clusters if a.clusters is not None else ("" if q else "2x2,4x1")
     a.k = a.k or ("0,1,m" if q else "0,1,m/4,m")
     a.compensations = a.compensations if a.compensations is not None else ("dc" if q else "dc,wp1,wp2,wp3")
     a.warmup = a.warmup if a.warmup is not None else (2 if q else 3)

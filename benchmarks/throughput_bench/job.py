@@ -114,13 +114,14 @@ class Job:
                 out.append(TrainRunner(self, f"sapipe-auto-{backend}", "sapipe", "auto", backend=backend))
             for compression in [c for c in a.compressions.split(",") if c]:
                 out.append(TrainRunner(self, f"sapipe-auto-{compression}", "sapipe", "auto", compression=compression))
-            if self.spans_nodes():  # every sapipe mode sums node first; this one does not
+            if self.two_level():  # every sapipe mode sums node first; this one does not
                 out.append(TrainRunner(self, "sapipe-auto-flat", "sapipe", "auto", options={"hierarchical": False}))
         return out
 
-    def spans_nodes(self) -> bool:
-        """Whether the job's ranks sit on several nodes (torchrun's LOCAL_WORLD_SIZE < world)."""
-        return int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world)) < self.ctx.world
+    def two_level(self) -> bool:
+        """Whether the job's ranks sit on several nodes of several ranks (torchrun's
+        LOCAL_WORLD_SIZE between 1 and the world), where sapipe sums node first."""
+        return 1 < int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world)) < self.ctx.world
 
     def oracle_k(self) -> Optional[int]:
         """The smallest measured fixed k within ORACLE_TOLERANCE of pipesgd (None without both)."""

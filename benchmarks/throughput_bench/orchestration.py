@@ -1,7 +1,9 @@
 """The sweep: per model a calibration probe, then one ``torchrun`` job per bandwidth, each in
-a fresh network namespace with a shaped loopback (:mod:`sapipe.launch.netns`)."""
+a fresh network namespace with a shaped loopback (:mod:`sapipe.launch.netns`); then the
+``--clusters`` jobs, each on emulated nodes (:mod:`sapipe.launch.cluster`)."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shlex
@@ -13,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import bench_models
 import hostenv
-from sapipe.launch import netns
+from sapipe.launch import cluster, netns
 
 from . import ENTRY, PROGRESS_TAG, REPO, RESULTS_DIR
 from .report import report
@@ -50,8 +52,24 @@ class Progress:
 def worker_argv(args, model: str, json_path: str, extra: List[str]) -> List[str]:
     """The torchrun command of one job (``extra``: --probe, or --rate/--target-ratio)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun if os.path.exists(torchrun) else "torchrun", "--standalone", f"--nproc_per_node={args.nproc}",
-           ENTRY, "--models", model, "--size", args.size, "--batch", str(args.batch),
+    return [torchrun if os.path.exists(torchrun) else "torchrun", "--standalone", f"--nproc_per_node={args.nproc}",
+            *bench_argv(args, model, json_path, extra)]
+
+
+def cluster_argv(args, topology: str, model: str, json_path: str, extra: List[str]) -> List[str]:
+    """One emulated multi-node job: ``sapipe-launch --emulate-cluster`` around the worker. Its
+    ranks share this host's cores, so it runs the modes that compare sums, not all of them:
+    the baselines, k = 0 and k = m, sapipe-auto summing node first and flat."""
+    lean = copy.copy(args)
+    lean.k, lean.compressions, lean.backends = "0,m", "", ""
+    lean.skip = set(args.skip) | {"comp", "deferred", "horovod"}
+    return [sys.executable, "-m", "sapipe.launch", "--quiet", "--emulate-cluster", topology, "--inter-node",
+            args.inter_node, "--monitor-interval=0.5", *bench_argv(lean, model, json_path, extra)]
+
+
+def bench_argv(args, model: str, json_path: str, extra: List[str]) -> List[str]:
+    """The worker's own command line (what follows torchrun's options)."""
+    cmd = [ENTRY, "--models", model, "--size", args.size, "--batch", str(args.batch),
            "--k", args.k, "--compensations", args.compensations, "--warmup", str(args.warmup),
            "--auto-warmup", str(args.auto_warmup), "--steps", str(args.steps), "--rounds", str(args.rounds),
            "--threads", str(args.threads), "--device", args.device,
@@ -60,19 +78,19 @@ def worker_argv(args, model: str, json_path: str, extra: List[str]) -> List[str]
         cmd += ["--skip", ",".join(sorted(args.skip))]
     if args.backends:
         cmd += ["--backends", args.backends]
-    if args.compressions:
-        cmd += ["--compressions", args.compressions]
+    cmd += ["--compressions", args.compressions]  # even when empty: the worker's default has some
     if args.trace:
         cmd += ["--trace", os.path.abspath(args.trace)]
     return cmd + extra
 
 
-def launch(args, argv: List[str], bits: Optional[float], log, on_event=None) -> int:
-    """Run one job (in a namespace whose loopback carries ``bits``/s, unless --no-netns);
-    its output goes to ``log``, its progress events to ``on_event``."""
+def launch(args, argv: List[str], bits: Optional[float], log, on_event=None, cluster: bool = False) -> int:
+    """Run one job (in a namespace whose loopback carries ``bits``/s, unless --no-netns, or
+    ``cluster``: ``argv`` builds its own emulated nodes); its output goes to ``log``, its
+    progress events to ``on_event``."""
     env = hostenv.worker_env(SAPIPE_BENCH_PROGRESS="1", OMP_NUM_THREADS=str(args.threads),
                              PYTHONUNBUFFERED="1", TORCHELASTIC_ERROR_FILE="")
-    if not args.no_netns:
+    if not args.no_netns and not cluster:
         env["GLOO_SOCKET_IFNAME"] = "lo"
         env["MASTER_ADDR"] = "127.0.0.1"
         argv = netns.wrap(argv, netns.NetSpec(bits))
@@ -89,6 +107,18 @@ def launch(args, argv: List[str], bits: Optional[float], log, on_event=None) -> 
     return proc.wait()
 
 
+def cluster_jobs(args, models: List[str]) -> List[Tuple[str, str]]:
+    """(model, NODESxRANKS) of each ``--clusters`` job this host can run (none, with a note,
+    where it cannot build an emulated cluster)."""
+    jobs = [(m, t) for t in args.clusters.split(",") if t for m in args.cluster_models.split(",") if m in models]
+    if jobs and not args.no_netns:
+        ok, why = cluster.check()
+        if not ok:
+            print(f"--clusters skipped: {why}", file=sys.stderr)
+            return []
+    return jobs if not args.no_netns else []
+
+
 class Sweep:
     """Every model × bandwidth job of one sweep, with their logs and raw results."""
 
@@ -103,7 +133,8 @@ class Sweep:
         self.ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
         n_bw = len(self.explicit) if self.explicit else len(self.ratios)
         self.probe_cost = 0.0 if self.explicit else PROBE_COST
-        self.progress = Progress(len(models) * (n_bw + self.probe_cost))
+        self.clusters = cluster_jobs(args, models)
+        self.progress = Progress(len(models) * (n_bw + self.probe_cost) + len(self.clusters))
         self.jobs: List[Dict[str, Any]] = []
         self.calib: Dict[str, Any] = {}
         self.tmp = tempfile.mkdtemp(prefix="sapipe-bench-json-")
@@ -145,6 +176,18 @@ class Sweep:
         path = os.path.join(self.tmp, f"{model}-{int(bits or 0)}.json")
         label = netns.format_rate(bits) if not self.args.no_netns else "not emulated"
         extra = ["--rate", label] + (["--target-ratio", str(ratio)] if ratio is not None else [])
+        self._run(model, label, worker_argv(self.args, model, path, extra), path, bits)
+
+    def run_cluster_job(self, model: str, topology: str) -> None:
+        """One emulated multi-node job of ``model`` (``--clusters``); it joins ``self.jobs``."""
+        path = os.path.join(self.tmp, f"{model}-{topology}.json")
+        bits = netns.parse_rate(self.args.inter_node)
+        label = f"{topology} nodes, {netns.format_rate(bits)} between"
+        argv = cluster_argv(self.args, topology, model, path, ["--rate", label])
+        self._run(model, label, argv, path, bits, cluster=True)
+
+    def _run(self, model: str, label: str, argv: List[str], path: str, bits: Optional[float],
+             cluster: bool = False) -> None:
         base = self.progress.done
 
         def on_event(ev):
@@ -155,7 +198,7 @@ class Sweep:
                                      at=base + min(1.0, ev["i"] / max(1, ev["n"])))
 
         self.progress.update(0, f"{model} @ {label}: starting")
-        rc = launch(self.args, worker_argv(self.args, model, path, extra), bits, self.log, on_event)
+        rc = launch(self.args, argv, bits, self.log, on_event, cluster=cluster)
         self.progress.update(0, f"{model} @ {label}: done", at=base + 1)
         if rc != 0 or not os.path.exists(path):
             print(f"\n{model} @ {label}: job failed (rc {rc}); see {self.log_path}", file=sys.stderr)
@@ -196,6 +239,8 @@ def orchestrate(args) -> int:
     for model in models:
         for bits, ratio in sweep.rates(model):
             sweep.run_job(model, bits, ratio)
+    for model, topology in sweep.clusters:
+        sweep.run_cluster_job(model, topology)
     sweep.close()
     if not sweep.jobs:
         print(f"no job finished; see {sweep.log_path}", file=sys.stderr)
