@@ -42,18 +42,18 @@ BLOCK = 256  # int8 values per scale (csrc/codec.h kCodecBlock)
 _KERNEL_DTYPES = (torch.float32, torch.float64)
 
 
-def _module(grad: Tensor):
-    """The compiled module that takes ``grad``'s device and dtype, or None."""
-    if grad.dtype not in _KERNEL_DTYPES:
+def _module(device: torch.device, dtype: torch.dtype):
+    """The compiled module that takes gradients of ``dtype`` on ``device``, or None."""
+    if dtype not in _KERNEL_DTYPES:
         return None
-    mod = _ext.module_for(grad.device)
+    mod = _ext.module_for(device)
     return mod if mod is not None and hasattr(mod, "codec_encode") else None
 
 
 def encode(src: Tensor, residual: Optional[Tensor], values: Tensor, scales: Optional[Tensor],
            divide: float = 1.0) -> None:
     """``values`` (and ``scales``) <- ``src`` (+ ``residual``) compressed; ``residual`` updated."""
-    mod = _module(src)
+    mod = _module(src.device, src.dtype)
     if mod is not None:
         mod.codec_encode(src, residual, values, scales, float(divide))
     else:
@@ -63,7 +63,7 @@ def encode(src: Tensor, residual: Optional[Tensor], values: Tensor, scales: Opti
 def sum_encode(values: Tensor, scales: Optional[Tensor], residual: Optional[Tensor], out_values: Tensor,
                out_scales: Optional[Tensor], divide: float, dtype: torch.dtype) -> None:
     """``out_values`` [1, S] <- the sum of the received rows (+ ``residual``) compressed."""
-    mod = _module(residual if residual is not None else torch.empty(0, dtype=dtype, device=values.device))
+    mod = _module(values.device, dtype)
     if mod is not None:
         mod.codec_sum_encode(values, scales, residual, out_values, out_scales, float(divide), dtype)
     else:
@@ -72,7 +72,7 @@ def sum_encode(values: Tensor, scales: Optional[Tensor], residual: Optional[Tens
 
 def decode(values: Tensor, scales: Optional[Tensor], out: Tensor, multiply: float = 1.0) -> None:
     """``out`` <- the rows decoded, row j filling ``out[j*S : (j+1)*S]``."""
-    mod = _module(out)
+    mod = _module(out.device, out.dtype)
     if mod is not None:
         mod.codec_decode(values, scales, out, float(multiply))
     else:

@@ -82,7 +82,7 @@ COMPRESSED = [c for c in COMPRESSION_CONFIGS if c[1] != 0 or c[0] == "int8"]  # 
 def _compressed_on_cuda(rank: int, world_size: int, configs):
     from sapipe import _ext, codec_kernels
 
-    assert codec_kernels._module(torch.zeros(1, device="cuda")) is not None, _ext.errors.get("_C_cuda")
+    assert codec_kernels._module(torch.device("cuda"), torch.float64) is not None, _ext.errors.get("_C_cuda")
     return train_compressed(rank, world_size, configs, device="cuda")
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -175,7 +176,7 @@ def check(spec: Optional[ClusterSpec] = None) -> Tuple[bool, str]:
     """Whether this host can build ``spec`` (default: 2 nodes at 1 gbit); (ok, explanation)."""
     if os.geteuid() != 0:
         return False, "an emulated cluster needs root (`ip netns add` creates named network namespaces)"
-    missing = [b for b in ("ip", "tc") if not _which(b)]
+    missing = [b for b in ("ip", "tc") if shutil.which(b) is None]
     if missing:
         return False, f"missing {', '.join(missing)}: install iproute2 (apt-get install iproute2)"
     probe = spec or ClusterSpec(2, 1, netns.NetSpec(1e9))
@@ -185,12 +186,6 @@ def check(spec: Optional[ClusterSpec] = None) -> Tuple[bool, str]:
     except ClusterError as exc:
         return False, str(exc)
     return True, f"network namespaces on a bridge, tc on each node's {NIC}"
-
-
-def _which(binary: str) -> bool:
-    import shutil
-
-    return shutil.which(binary) is not None
 
 
 def node_environment(spec: ClusterSpec, environ: Dict[str, str]) -> Dict[str, str]:
