@@ -44,7 +44,7 @@ from .runtime import ForwardHooks, Runtime
 from .runtime.buffers import BufferBroadcast
 from .runtime.shutdown import close_at_exit
 from .runtime.timeline import BackwardSpans, TraceFiles
-from .schedule import solver, tuner
+from .schedule import solver
 from .trace import Tracer
 
 
@@ -160,9 +160,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def _k(self) -> int:
         layout = self._pipeline.layout
-        if layout is not None:
-            return layout.k
-        return 0 if self.settings.auto else self.settings.stale_layers
+        return layout.k if layout is not None else 0 if self.settings.auto else self.settings.stale_layers
 
     @property
     def num_layers(self) -> int:
@@ -200,10 +198,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """With ``"auto"``: the scheduler's decision (its prediction for the chosen k), once made."""
         return self.auto.decision if self.auto is not None else None
 
-    @property
-    def tuner(self) -> Optional[tuner.Tuner]:
-        """With ``"auto"``: the measured search for k, once the model has chosen."""
-        return self.auto.tuner if self.auto is not None else None
+    def save_profile(self, path: str) -> None:
+        """With ``stale_layers="auto"``, once k is decided: write what the scheduler measured and chose
+        (JSON), for ``python -m sapipe.schedule.predict`` at other scales (:mod:`sapipe.schedule.saved_profile`)."""
+        if self.auto is None:
+            raise UsageError("sapipe: save_profile() needs stale_layers='auto': a fixed k profiles nothing")
+        self.auto.saved_profile().save(path)
 
     @property
     def rank(self) -> int:
@@ -349,11 +349,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def __repr__(self) -> str:
-        s = self.settings
-        return (
-            f"sapipe.DistributedOptimizer({type(self.optimizer).__name__}, stale_layers={self.stale_layers!r}, "
-            f"compensation={s.compensation!r}, staleness={s.staleness}, world_size={self._world_size})"
-        )
+        return (f"sapipe.DistributedOptimizer({type(self.optimizer).__name__}, stale_layers={self.stale_layers!r}, "
+                f"compensation={self.settings.compensation!r}, staleness={self.settings.staleness}, world_size={self._world_size})")
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -179,7 +179,7 @@ def _search_resumed(rank, world_size, path, split, steps=18):
             opt.close()
             model, opt = new(seed=rank + 5)
             sapipe.load_checkpoint(path, model, opt)
-            assert opt.stale_layers == "auto" and opt.tuner is not None  # still searching
+            assert opt.stale_layers == "auto" and opt.auto.tuner is not None  # still searching
             train(model, opt, range(stop, steps))
         with opt.real_weights():
             results.append({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -284,7 +284,7 @@ def _decide(rank, world_size):
         if opt.stale_layers != "auto":
             break
     d = opt.decision
-    summary = d.summary() + (f"; {opt.tuner.summary()}" if opt.tuner else "")
+    summary = d.summary() + (f"; {opt.auto.tuner.summary()}" if opt.auto.tuner else "")
     return {"k": opt.stale_layers, "m": opt.num_layers, "summary": summary, "comm_bound": d.comm_bound}
 
 

@@ -31,7 +31,9 @@ from ..config import Settings
 from ..layers import Layer
 from ..rendezvous import ControlChannel
 from ..runtime.pipeline import GradientPipeline
+from ..errors import UsageError
 from ..schedule import profiler, simulator, solver, tuner
+from ..schedule.saved_profile import SavedProfile
 
 log = logging.getLogger("sapipe")
 
@@ -247,6 +249,32 @@ class AutoController:
         else:
             self._runtime.restart(self.tuner.trial, iteration, hyperparams)
             self._begin_trial(iteration)
+
+    # ------------------------------------------------------------------ saved profiles
+
+    def saved_profile(self) -> SavedProfile:
+        """What this job measured and decided, for :mod:`sapipe.schedule.predict`."""
+        if not self.decided or self.profile is None or self.decision is None:
+            raise UsageError("sapipe: no profile to save yet: stale_layers='auto' has not decided k in this run "
+                             "(it profiles the warm-up, then measures; a job resumed after the decision has none)")
+        layers = self._pipeline.layout.layers
+        first = self._pipeline.buckets[0]
+        topology = self._runtime.job_topology
+        world = torch.distributed.get_world_size(self._control.group)
+        device = torch.cuda.get_device_name(first.device) if first.device.type == "cuda" else first.device.type
+        profile, settings = self.profile, self._settings
+        return SavedProfile(
+            layers=tuple(layer.name for layer in layers), numel=tuple(layer.numel for layer in layers),
+            element_size=first.params[0].element_size(), forward=tuple(profile.forward),
+            backward=tuple(profile.backward), step_time=profile.step_time, update_time=profile.update_time,
+            alpha=profile.alpha, beta=profile.beta, slowdown=float(self.sim_options.get("slowdown", 0.0)),
+            world_size=world, nodes=topology.num_nodes if topology else 1,
+            ranks_per_node=topology.local_size if topology else world,
+            hierarchical=self._runtime.topology is not None, backend=settings.backend,
+            compression=settings.compression, wire_ratio=float(profile.raw.get("wire_ratio", 1.0)),
+            codec_per_byte=float(profile.raw.get("codec_per_byte", 0.0)),
+            bucket_cap_bytes=settings.bucket_cap_bytes, sync_at_step=self.sync_at_step, device=device,
+            stale_layers=self.decision.k, iteration_time=self.decision.iteration_time)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -32,6 +32,7 @@ class Runtime:
                  group_of: Dict[int, int], topology: Optional[Topology] = None):
         self._settings = settings
         self._group_of = group_of
+        self.job_topology = topology  # which ranks share a node (None: not learnt)
         #: the nodes a hierarchical sum spans (None: flat sums); raises when hierarchical=True cannot be met
         self.topology = topology if topology is not None and hierarchical.resolve(
             settings.hierarchical, settings.backend, settings.compression, topology) else None
