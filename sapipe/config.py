@@ -76,6 +76,15 @@ def _optional_boolean(name: str, value: Any) -> Optional[bool]:
     return value
 
 
+def _optional_int_at_least(low: int) -> Callable[[str, Any], Optional[int]]:
+    check_int = _int_at_least(low)
+
+    def check(name: str, value: Any) -> Optional[int]:
+        _require(value is None or _is_int(value), f"{name} must be None or an int >= {low}; got {value!r}")
+        return None if value is None else check_int(name, value)
+    return check
+
+
 def _compression(name: str, value: Any) -> Optional[str]:
     try:
         return validate_compression(value)
@@ -174,8 +183,13 @@ class Settings:
         """chunk size of ``backend="pushpull"`` (BytePS's default: 4 MB).""",
     )
     tune_steps: int = _setting(
-        10, _int_at_least(0),
-        """with ``"auto"``, iterations per trial of the measured search for k (:mod:`sapipe.auto.controller`); 0 keeps the model's k unmeasured.""",
+        4, _int_at_least(0),
+        """with ``"auto"``, iterations measured per trial of the search for k (:mod:`sapipe.auto.controller`), more while too noisy to tell 3% apart; 0 keeps the model's k unmeasured.""",
+        resume=False,
+    )
+    auto_budget: Optional[int] = _setting(
+        30, _optional_int_at_least(1),
+        """with ``"auto"``, the iteration by which k is final, warm-up included: the search probes where the model, calibrated on its trials, points, and stops with the best k it measured when the next trial would not fit; ``None``: no limit (trials lengthened while noisy, a bisection between the model's k and m).""",
         resume=False,
     )
     broadcast_buffers: bool = _setting(
@@ -215,6 +229,9 @@ class Settings:
         _require(refusal is None, str(refusal))
         _require(self.error_feedback is None or self.compression is not None,
                  f"error_feedback={self.error_feedback!r} needs a compression; got compression=None")
+        _require(self.auto_budget is None or not self.auto or self.auto_budget >= self.effective_warmup,
+                 f"auto_budget={self.auto_budget} ends before the warm-up does ({self.effective_warmup} iterations: "
+                 f"max(warmup_steps, profile_steps + {UNPROFILED_STEPS})); raise it or profile fewer steps")
         limit = MODES[self.compensation].max_staleness
         _require(limit is None or self.staleness <= limit,
                  f"compensation={self.compensation!r} is defined for staleness 1 only (docs/design.md §3); "

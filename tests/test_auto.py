@@ -45,10 +45,11 @@ class _ScriptedTuner:
 
     path = ()  # the k of the trials after the first; the last one is final
 
-    def __init__(self, first_k, m, tolerance):
+    def __init__(self, first_k, m, tolerance, suggest=None):
         self.first_k, self.trials = first_k, []
         self.todo = list(self.path)
         self.trial, self.final = first_k, None
+        self.suggest = suggest
 
     def record(self, iteration_time, waits):
         from sapipe.schedule.tuner import Trial
@@ -60,11 +61,17 @@ class _ScriptedTuner:
         else:
             self.trial = self.todo.pop(0)
 
+    def stop(self):
+        """Out of budget: the last k measured is final."""
+        self.trial, self.final = None, self.trials[-1].k
+
     def summary(self):
         return f"scripted {[t.k for t in self.trials]} -> {self.final}"
 
     def state_dict(self):
-        return dict(vars(self), trials=[dataclasses.astuple(t) for t in self.trials])
+        state = dict(vars(self), trials=[dataclasses.astuple(t) for t in self.trials])
+        del state["suggest"]  # the controller's model, set again on load
+        return state
 
     @classmethod
     def from_state(cls, state):
@@ -75,7 +82,7 @@ class _ScriptedTuner:
         return tuner
 
 
-def _pinned(rank, world_size, kind, mode, k, staleness=1, path=(), tune_steps=0, steps=STEPS):
+def _pinned(rank, world_size, kind, mode, k, staleness=1, path=(), tune_steps=0, steps=STEPS, budget=30):
     import sapipe
     from sapipe.schedule import solver, tuner
 
@@ -90,6 +97,7 @@ def _pinned(rank, world_size, kind, mode, k, staleness=1, path=(), tune_steps=0,
     opt = sapipe.DistributedOptimizer(
         make_optimizer(kind, model.parameters()), model, stale_layers="auto", compensation=mode,
         profile_steps=PROFILE_STEPS, bucket_cap_mb=0.0008, timeout=60, staleness=staleness, tune_steps=tune_steps,
+        auto_budget=budget,
     )
     batches = make_batches("tied", steps, world_size, dtype=torch.float64)
     seen = []
@@ -103,7 +111,7 @@ def _pinned(rank, world_size, kind, mode, k, staleness=1, path=(), tune_steps=0,
     held = {n: p.detach().clone() for n, p in model.named_parameters()}
     with opt.real_weights():
         real = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"seen": seen, "held": held, "real": real, "k": opt.decision.k}
+    return {"seen": seen, "held": held, "real": real, "k": opt.decision.k, "decided_at": opt.auto.decided_at}
 
 
 @pytest.mark.parametrize("kind,mode,k", [("sgd", "dc", 3), ("adam", "wp3", 5), ("sgd", "none", 7)])
@@ -139,6 +147,25 @@ def test_measured_search_restarts_the_pipeline_exactly(kind, mode, staleness):
     for rank in range(2):
         assert_close_dicts(out[rank]["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real")
         assert_close_dicts(out[rank]["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
+
+
+def test_the_search_stops_within_its_budget_with_the_last_good_k():
+    """auto_budget=16: trials of 1 + 2 iterations at k = 3 (the model's), 7 and 5 end at 10, 13
+    and 16; a fourth would end at 19, so the search stops at 16 and keeps 5, exactly as a
+    drain-and-restart at each trial."""
+    steps, tune, budget = 20, 2, 16
+    out = run_ranks(_pinned, world_size=2, args=("adam", "wp1", 3, 1, (7, 5, 6, 4), tune, steps, budget))
+    warmup = PROFILE_STEPS + UNPROFILED_STEPS
+    assert out[0]["decided_at"] == budget == warmup + 3 * (1 + tune)
+    assert out[0]["seen"] == ["auto"] * (budget - 1) + [5] * (steps - budget + 1) and out[0]["k"] == 5
+    ref = run_reference(
+        make_model("tied", seed=0, dtype=torch.float64), functools.partial(make_optimizer, "adam"),
+        make_batches("tied", steps, 2, dtype=torch.float64), loss_fn_for("tied"),
+        stale_layers=3, compensation="wp1", warmup_steps=warmup,
+        restarts=[(warmup + 3, 7), (warmup + 6, 5)],
+    )
+    for rank in range(2):
+        assert_close_dicts(out[rank]["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real")
 
 
 def _search_resumed(rank, world_size, path, split, steps=18):

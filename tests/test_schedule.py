@@ -696,6 +696,49 @@ def test_tuner_finds_the_smallest_k_as_fast_as_all_stale(seed):
     assert len({t.k for t in tuner.trials}) == len(tuner.trials)  # no k measured twice
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_a_guided_search_finds_the_same_k_in_fewer_trials(seed):
+    """A suggestion that is right ends the search with one probe (or none, when it points at
+    the bracket's good end); one that is wrong still converges to the bisection's answer."""
+    from sapipe.schedule.tuner import Tuner
+
+    rng = np.random.default_rng(seed)
+    m = int(rng.integers(4, 120))
+    drops = np.sort(rng.uniform(0, 1, m + 1))[::-1] * 30
+    times = [20.0 + float(d) - float(drops[-1]) for d in drops]
+    first_k, tol = 1, 0.03
+    bisected = _search(times, first_k, tol)
+    answer = bisected.final
+    for suggest, most in ((lambda lo, hi: answer, 3), (lambda lo, hi: lo + 1, m + 2), (lambda lo, hi: hi, 2)):
+        tuner = Tuner(first_k, m, tol, suggest)
+        while tuner.trial is not None:
+            tuner.record(times[tuner.trial], times[tuner.trial] - min(times))
+        if suggest(0, m) == m and answer not in (first_k, m):
+            assert tuner.final == m  # told nothing short of m is fast enough: m, unprobed
+        else:
+            assert tuner.final == answer
+        assert len(tuner.trials) <= most and len({t.k for t in tuner.trials}) == len(tuner.trials)
+
+
+def test_a_stopped_search_keeps_the_best_k_it_measured():
+    from sapipe.schedule.tuner import Tuner
+
+    times = [30.0, 25.0, 20.0, 15.0, 12.0, 10.0, 10.0, 10.0, 10.0]
+    tuner = Tuner(2, 8, 0.03)
+    tuner.record(times[2], 5.0)  # waits: m next
+    assert tuner.trial == 8
+    tuner.stop()
+    assert (tuner.trial, tuner.final) == (None, 2)  # m never measured: the model's k
+    tuner = Tuner(2, 8, 0.03)
+    tuner.record(times[2], 5.0)
+    tuner.record(times[8], 0.0)  # m is faster: the bracket (2, 8), probe 5
+    assert tuner.trial == 5
+    tuner.stop()
+    assert tuner.final == 8
+    with pytest.raises(RuntimeError, match="over already"):
+        tuner.stop()
+
+
 def test_slowdown_fit_recovers_the_sigma_behind_the_trials():
     """Trials measured on a link that slows compute (simulated with σ = 0.75) are best
     explained by σ = 0.75; trials the plain model already explains give σ = 0."""

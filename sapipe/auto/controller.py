@@ -6,8 +6,9 @@ Three phases (docs/design.md §4):
    the link is fitted (:mod:`sapipe.schedule.profiler`);
 2. **trials** — at the end of warm-up the simulator's k is laid out and, unless it is 0 or
    m, measured on the running job; if the pipeline still waits, other k are measured
-   (:class:`sapipe.schedule.tuner.Tuner`), each trial restarting the pipeline;
-3. **decided** — k is final.
+   (:class:`sapipe.schedule.tuner.Tuner`) where the model, calibrated on the trials so
+   far, points, each trial restarting the pipeline;
+3. **decided** — k is final, by iteration ``auto_budget`` at the latest.
 
 The controller only decides. It changes the runtime through two calls of its
 :class:`Runtime`: ``relayout(k)`` (new buckets for k, between iterations, nothing in flight
@@ -75,6 +76,7 @@ class AutoController:
         self.decision: Optional[solver.Decision] = None
         self.tuner: Optional[tuner.Tuner] = None  # the measured search, once the model chose
         self.decided = False  # k is final (decided now, or restored from a checkpoint)
+        self.decided_at: Optional[int] = None  # the iteration whose step() made k final (in this run)
         self._trial_start = 0  # the iteration the current trial's pipeline began after
         self._trial_times: List[float] = []  # per measured iteration: forward start to step end
         self._trial_waits: List[float] = []  # per measured iteration: seconds waited for comm
@@ -121,13 +123,13 @@ class AutoController:
         self.decision = solver.choose_k(self.layer_profiles, tolerance=STALL_TOLERANCE, **self.simulator_arguments())
         self._runtime.relayout(self.decision.k)
         m = len(layout.layers)
-        if self._settings.tune_steps > 0 and 0 < self.decision.k < m:
+        if self._settings.tune_steps > 0 and 0 < self.decision.k < m and self._trial_fits(self._pipeline.origin):
             # k = 0 and k = m need no check: the profile was measured at k = 0, and
             # nothing hides more communication than k = m.
-            self.tuner = tuner.Tuner(self.decision.k, m, STALL_TOLERANCE)
+            self.tuner = tuner.Tuner(self.decision.k, m, STALL_TOLERANCE, self._search_guide())
             self._begin_trial(self._pipeline.origin)
         else:
-            self._finish()
+            self._finish(self._pipeline.origin)
 
     def _compressed_link(self, profile: profiler.Profile, buckets) -> profiler.Profile:
         """The link model for compressed sums: the bytes the format puts on the wire, and the
@@ -187,8 +189,9 @@ class AutoController:
             arguments["slowdown"] = slowdown
         return simulator.simulate(self.layer_profiles, k, record_events=record_events, **arguments)
 
-    def _finish(self) -> None:
+    def _finish(self, iteration: int) -> None:
         self.decided = True
+        self.decided_at = iteration
         if self._rank == 0 and self.decision is not None:
             tuned = (f"; {self.tuner.summary()}; predictions with the compute slow-down that fits them best, "
                      f"sigma={self.sim_options['slowdown']:g}" if self.tuner is not None else "")
@@ -235,9 +238,13 @@ class AutoController:
         iteration_time, waits, noise = self._control.agree_on_max(
             [median, statistics.median(_pair_means(self._trial_waits)), noise], "the scheduler's measurements"
         )
-        if noise > STALL_TOLERANCE / 2 and len(self._trial_times) < TRIAL_MAX_ROUNDS * self._settings.tune_steps:
+        tune = self._settings.tune_steps
+        if (noise > STALL_TOLERANCE / 2 and len(self._trial_times) < TRIAL_MAX_ROUNDS * tune
+                and self._within_budget(iteration + tune)):
             return  # every rank measures on (they agreed on the noise)
         self.tuner.record(iteration_time, waits)
+        if self.tuner.trial is not None and not self._trial_fits(iteration):
+            self.tuner.stop()
         if self.tuner.trial is None:
             if self.tuner.final != self._pipeline.layout.k:
                 self._runtime.restart(self.tuner.final, iteration, hyperparams)
@@ -245,10 +252,31 @@ class AutoController:
                 self.tuner.trials, lambda k, sigma: self.predict(k, sigma, record_events=False).iteration_time)
             self.decision = solver.choose_k(self.layer_profiles, tolerance=STALL_TOLERANCE,
                                             only_k=self.tuner.final, **self.simulator_arguments())
-            self._finish()
+            self._finish(iteration)
         else:
             self._runtime.restart(self.tuner.trial, iteration, hyperparams)
             self._begin_trial(iteration)
+
+    def _within_budget(self, iteration: int) -> bool:
+        budget = self._settings.auto_budget
+        return budget is None or iteration <= budget
+
+    def _trial_fits(self, iteration: int) -> bool:
+        """Whether a trial that starts after ``iteration`` ends within ``auto_budget``."""
+        return self._within_budget(iteration + self._settings.staleness + self._settings.tune_steps)
+
+    def _search_guide(self):
+        """With a budget, the search probes where the calibrated model points; without, it bisects."""
+        return None if self._settings.auto_budget is None else self._suggest
+
+    def _suggest(self, lo: int, hi: int) -> int:
+        """The smallest k in (lo, hi] that the model, with the compute slow-down σ fitted to the
+        trials so far, predicts within half the tolerance of k = hi (known to be fast enough)."""
+        assert self.tuner is not None
+        sigma = tuner.fit_slowdown(self.tuner.trials,
+                                   lambda k, s: self.predict(k, s, record_events=False).iteration_time)
+        times = {k: self.predict(k, sigma, record_events=False).iteration_time for k in range(lo + 1, hi + 1)}
+        return min(k for k in times if times[k] <= times[hi] * (1.0 + STALL_TOLERANCE / 2))
 
     # ------------------------------------------------------------------ saved profiles
 
@@ -294,6 +322,7 @@ class AutoController:
         search = state["search"]
         self.tuner = tuner.Tuner.from_state(search["tuner"]) if search else None
         if search:
+            self.tuner.suggest = self._search_guide()
             self._trial_start = search["trial_start"]
             self._trial_times, self._trial_waits = list(search["times"]), list(search["waits"])
             self.layer_profiles = [solver.LayerProfile(**p) for p in search["profiles"]] or None

@@ -14,8 +14,15 @@ The search, over measured iteration times T(k) (the slowest rank's, robust to ou
 2. Else try k = m (everything stale, all communication hidden if anything hides it). If it
    is not faster than k₁ by more than the tolerance, keep k₁: staling more layers would
    cost accuracy for nothing.
-3. Else bisect between them for the smallest k with T(k) within the tolerance of T(m).
-   Each probe is one trial; a k is never measured twice.
+3. Else search between them for the smallest k with T(k) within the tolerance of T(m).
+   Each probe is one trial; a k is never measured twice. The probe is the bracket's
+   midpoint (a bisection) or, where the caller gives ``suggest``, the k its model points
+   at: the simulator calibrated on the trials so far usually lands on the answer at once,
+   and a search with an iteration budget (``auto_budget``) has room for only one or two
+   probes. A suggestion at the bracket's good end ends the search there.
+
+A search out of budget ends (:meth:`stop`) with the best k measured so far: the good end of
+the bracket (k = m, or a probe within the tolerance of it), else the model's k.
 
 This class only decides; the optimizer runs the trials (restarting the pipeline at each
 new k) and feeds in measurements that every rank agrees on, so every rank walks the same
@@ -54,7 +61,8 @@ class Tuner:
     takes its measurement and moves on. ``tolerance`` is a fraction of the iteration time.
     """
 
-    def __init__(self, first_k: int, m: int, tolerance: float) -> None:
+    def __init__(self, first_k: int, m: int, tolerance: float,
+                 suggest: Optional[Callable[[int, int], int]] = None) -> None:
         if not 0 <= first_k <= m:
             raise ValueError(f"sapipe.schedule: first k={first_k} outside 0..{m}")
         if not 0.0 <= tolerance < 1.0:
@@ -66,6 +74,8 @@ class Tuner:
         self.trial: Optional[int] = first_k
         self.final: Optional[int] = None
         self._lo = self._hi = -1  # bisection: lo is known slow, hi known good
+        #: ``suggest(lo, hi)``: the k in (lo, hi] to probe next (not checkpointed: the caller's model)
+        self.suggest = suggest
 
     @property
     def measured(self) -> Dict[int, Trial]:
@@ -99,7 +109,15 @@ class Tuner:
                 self._lo = last.k
         if self._hi - self._lo <= 1:
             return self._finish(self._hi)
-        return (self._lo + self._hi) // 2
+        probe = (self._lo + self._hi) // 2 if self.suggest is None else self.suggest(self._lo, self._hi)
+        probe = max(self._lo + 1, probe)
+        return self._finish(self._hi) if probe >= self._hi else probe
+
+    def stop(self) -> None:
+        """End the search now (its budget is spent) with the best k measured so far."""
+        if self.trial is None:
+            raise RuntimeError("sapipe.schedule: the search is over already")
+        self.trial = self._finish(self._hi if self._hi >= 0 else self.first_k)
 
     def _finish(self, k: int) -> None:
         self.final = k
