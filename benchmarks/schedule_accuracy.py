@@ -18,6 +18,9 @@ Output: a markdown table (prediction error per k) on stdout, appended to
 profile (every rank's timestamps, the link probes, the fitted model) with the measured
 per-iteration times in ``--raw`` (JSON), so model variants can be evaluated offline
 against one measured run. ``--sweep-k`` times extra k values (raw file only).
+``--compare-search`` also runs ``"auto"`` without its iteration budget (``auto_budget=None``,
+``tune_steps=10``: the bisection) on the same job, times its pick too, and tables how often
+the budgeted search agrees with it (the same k, or one within 3% of its measured time).
 
     python benchmarks/schedule_accuracy.py --models gpt2,vgg16 --rates unlimited,100mbit
 """
@@ -70,11 +73,11 @@ def worker(args) -> None:
     comm_log = {}  # k -> (start, done, stream, bytes-free name) of the timed iterations' all-reduces (--trace-comm)
     t0 = time.perf_counter_ns()  # the origin of those times
 
-    def setup(stale_layers):
+    def setup(stale_layers, **search):
         model = spec.make_model()
         opt = sapipe.DistributedOptimizer(
             spec.make_optimizer(model.parameters()), model, stale_layers=stale_layers, profile_steps=args.profile_steps,
-            trace=args.trace_comm,
+            trace=args.trace_comm, **search,
         )
         for _ in range(500):  # "auto" profiles, then measures its k on the job: train until k is final
             if opt.stale_layers != "auto":
@@ -111,6 +114,13 @@ def worker(args) -> None:
                "tuning": tuner.summary() if tuner else "not measured (model's k is 0 or m)"}
     results["predicted"] = {"0": d.iteration_time_sync, "auto": d.iteration_time, "m": d.iteration_time_all_stale}
     runs = {str(d.k): auto_run}
+    results["decided_at"] = controller.decided_at
+    if args.compare_search:  # the search without a budget (bisection, trials of 10), on the same job
+        slow_run = setup("auto", auto_budget=None, tune_steps=10)
+        slow = slow_run[0].auto
+        results["slow_search"] = {"k": slow.decision.k, "decided_at": slow.decided_at,
+                                  "tuning": slow.tuner.summary() if slow.tuner else "not measured"}
+        runs.setdefault(str(slow.decision.k), slow_run)
     for expr in ["0", "m"] + list(filter(None, args.sweep_k.split(","))):
         k = min(d.m, max(0, int(round(eval(expr, {"m": d.m})))))  # noqa: S307 - our own CLI, e.g. "m/2"
         if str(k) not in runs:
@@ -125,6 +135,8 @@ def worker(args) -> None:
     # The mean: a saturated link often alternates long and short iterations; only the mean is the rate.
     mean = {key: statistics.fmean(ts) for key, ts in times.items()}
     results["measured"] = {"0": mean["0"], "auto": mean[str(d.k)], "m": mean[str(d.m)]}
+    if args.compare_search:
+        results["measured"]["slow"] = mean[str(results["slow_search"]["k"])]
     prof = controller.profile  # what the decision was made from
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, prof.raw)
@@ -218,6 +230,23 @@ def _slowdown(ranks) -> float:
     return extra / max(overlap - extra, 1e-3 * overlap)
 
 
+def search_table(jobs) -> str:
+    """The budgeted search's pick against the unbudgeted one's, per job: the iteration each
+    decided by, both picks' measured times, and whether they agree (same k, or within 3%)."""
+    lines = ["| job | auto (budget 30): k, decided by | no budget: k, decided by | ms/iter, budget | ms/iter, none | agree |",
+             "| --- | --- | --- | ---: | ---: | --- |"]
+    agreed = 0
+    for job, r in jobs.items():
+        slow = r["slow_search"]
+        fast_t, slow_t = r["measured"]["auto"], r["measured"]["slow"]
+        ok = r["k"] == slow["k"] or fast_t <= slow_t * 1.03
+        agreed += ok
+        lines.append(f"| {job} | {r['k']}, {r['decided_at']} | {slow['k']}, {slow['decided_at']} | "
+                     f"{fast_t * 1e3:.1f} | {slow_t * 1e3:.1f} | {'yes' if ok else 'NO'} |")
+    lines.append(f"\nAgreement: {agreed} of {len(jobs)} jobs (the same k, or one within 3% of its measured time).")
+    return "\n".join(lines)
+
+
 def _jsonable(value):
     return None if value is None else float(value)
 
@@ -230,7 +259,7 @@ def launch(model: str, size: str, rate: str, args) -> dict:
             torchrun, "--standalone", f"--nproc_per_node={args.ranks}", os.path.abspath(__file__), "--worker",
             "--model", model, "--size", size, "--out", out, "--steps", str(args.steps),
             "--profile-steps", str(args.profile_steps), "--sweep-k", args.sweep_k, "--rounds", str(args.rounds),
-        ] + (["--trace-comm"] if args.trace_comm else [])
+        ] + (["--trace-comm"] if args.trace_comm else []) + (["--compare-search"] if args.compare_search else [])
         env = hostenv.worker_env(OMP_NUM_THREADS="1")
         proc = subprocess.run(netns.wrap(cmd, netns.parse_spec(rate)), capture_output=True, text=True, env=env)
         if proc.returncode != 0:
@@ -254,6 +283,8 @@ def main() -> None:
     p.add_argument("--trace-comm", action="store_true",
                    help="record every timed all-reduce (start, done) into the raw file (adds tracing overhead)")
     p.add_argument("--sweep-k", default="", help="extra k to time, for the raw file: e.g. '1,m/4,m/2'")
+    p.add_argument("--compare-search", action="store_true",
+                   help="also run auto without a budget (auto_budget=None, tune_steps=10) and compare the two picks")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -293,6 +324,8 @@ def main() -> None:
         kap = f"{kappa:.1%}" if kappa is not None else ""
         lines.append(f"| {model} | {rate} | {label} | {pred * 1e3:.1f} | {meas * 1e3:.1f} | {err:+.1%} | {kap} |")
     table = "\n".join(lines)
+    if args.compare_search:
+        table += "\n\n" + search_table(raw["jobs"])
     print(table)
     command = "python benchmarks/schedule_accuracy.py " + " ".join(sys.argv[1:])
     os.makedirs(os.path.dirname(args.output), exist_ok=True)

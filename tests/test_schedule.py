@@ -866,3 +866,18 @@ def test_sync_at_step_with_slowdown(shared):
             assert tiny.iteration_time == pytest.approx(exact.iteration_time, rel=1e-9, abs=1e-9)
             if not shared:  # shared, slower compute can issue a stale bucket later and so speed a sync one up
                 assert simulate(profiles, k, slowdown=0.5, **kw).iteration_time >= exact.iteration_time - 1e-12
+
+
+def test_the_margin_is_the_distance_to_the_threshold_of_each_trials_verdict():
+    from sapipe.schedule.tuner import Tuner
+
+    tuner = Tuner(2, 8, 0.03)
+    assert tuner.margin(100.0, 13.0) == pytest.approx(0.10)  # k1: waits 13 against 3% of 100
+    tuner.record(100.0, 13.0)
+    assert tuner.margin(90.0, 0.0) == pytest.approx(7.0 / 90.0)  # m: 90 against 97 = 100 (1 - 3%)
+    tuner.record(90.0, 0.0)
+    assert tuner.trial == 5
+    assert tuner.margin(95.0, 0.0) == pytest.approx(2.3 / 95.0)  # a probe: 95 against 92.7 = 90 (1 + 3%)
+    tuner.stop()
+    with pytest.raises(RuntimeError, match="nothing to judge"):
+        tuner.margin(1.0, 0.0)

@@ -229,7 +229,7 @@ class AutoController:
     def _judge_trial(self, iteration: int, hyperparams: List[Dict[str, Any]]) -> None:
         """The trial's value, agreed over ranks: the slowest rank's median of the means of
         consecutive pairs of iterations (a saturated link often alternates long and short
-        iterations, which a plain median misreads). Too noisy to tell 3% apart: measure on."""
+        iterations, which a plain median misreads). Too noisy for a verdict: measure on."""
         assert self.tuner is not None
         pairs = _pair_means(self._trial_times)
         median = statistics.median(pairs)
@@ -239,8 +239,8 @@ class AutoController:
             [median, statistics.median(_pair_means(self._trial_waits)), noise], "the scheduler's measurements"
         )
         tune = self._settings.tune_steps
-        if (noise > STALL_TOLERANCE / 2 and len(self._trial_times) < TRIAL_MAX_ROUNDS * tune
-                and self._within_budget(iteration + tune)):
+        if (len(self._trial_times) < TRIAL_MAX_ROUNDS * tune and self._within_budget(iteration + tune)
+                and noise > self._resolution(iteration_time, waits)):
             return  # every rank measures on (they agreed on the noise)
         self.tuner.record(iteration_time, waits)
         if self.tuner.trial is not None and not self._trial_fits(iteration):
@@ -256,6 +256,15 @@ class AutoController:
         else:
             self._runtime.restart(self.tuner.trial, iteration, hyperparams)
             self._begin_trial(iteration)
+
+    def _resolution(self, iteration_time: float, waits: float) -> float:
+        """The relative noise a trial may have: without a budget, half the tolerance (times 3%
+        apart told apart); with one, the distance to the threshold its verdict turns on, so
+        that a clear-cut trial ends early and leaves the budget to the next."""
+        if self._settings.auto_budget is None:
+            return STALL_TOLERANCE / 2
+        assert self.tuner is not None
+        return self.tuner.margin(iteration_time, waits)
 
     def _within_budget(self, iteration: int) -> bool:
         budget = self._settings.auto_budget

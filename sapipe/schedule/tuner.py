@@ -113,6 +113,20 @@ class Tuner:
         probe = max(self._lo + 1, probe)
         return self._finish(self._hi) if probe >= self._hi else probe
 
+    def margin(self, iteration_time: float, waits: float) -> float:
+        """How far, as a fraction of ``iteration_time``, a measurement of ``trial`` lies from
+        the threshold its verdict turns on (k₁'s waits against the tolerance, T(m) against
+        T(k₁), a probe against T(m)): a trial noisier than this has not settled its verdict."""
+        if self.trial is None:
+            raise RuntimeError("sapipe.schedule: the search is over; nothing to judge")
+        if not self.trials:
+            return abs(waits - self.tolerance * iteration_time) / iteration_time
+        if self.trial == self.m and len(self.trials) == 1:
+            threshold = self.trials[0].iteration_time * (1.0 - self.tolerance)
+        else:
+            threshold = self.measured[self.m].iteration_time * (1.0 + self.tolerance)
+        return abs(iteration_time - threshold) / iteration_time
+
     def stop(self) -> None:
         """End the search now (its budget is spent) with the best k measured so far."""
         if self.trial is None:
