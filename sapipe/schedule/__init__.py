@@ -9,6 +9,9 @@
   timelines for Perfetto.
 * :mod:`~sapipe.schedule.profiler` times the running job (per-layer compute, the link) and
   runs collectives to time the link and to combine the ranks' measurements.
+* :mod:`~sapipe.schedule.predict` predicts DDP, Pipe-SGD and sapipe on other clusters from
+  a saved profile (:mod:`~sapipe.schedule.saved_profile`) and a two-level link
+  (:mod:`~sapipe.schedule.cluster_link`); ``python -m sapipe.schedule.predict``.
 
 The simulator, solver, tuner and Chrome traces are pure Python (no torch, no
 torch.distributed) and are what this package imports; only the profiler, imported on its
