@@ -238,9 +238,7 @@ class AutoController:
         iteration_time, waits, noise = self._control.agree_on_max(
             [median, statistics.median(_pair_means(self._trial_waits)), noise], "the scheduler's measurements"
         )
-        tune = self._settings.tune_steps
-        if (len(self._trial_times) < TRIAL_MAX_ROUNDS * tune and self._within_budget(iteration + tune)
-                and noise > self._resolution(iteration_time, waits)):
+        if self._may_extend(iteration) and noise > self._resolution(iteration_time, waits):
             return  # every rank measures on (they agreed on the noise)
         self.tuner.record(iteration_time, waits)
         if self.tuner.trial is not None and not self._trial_fits(iteration):
@@ -256,6 +254,19 @@ class AutoController:
         else:
             self._runtime.restart(self.tuner.trial, iteration, hyperparams)
             self._begin_trial(iteration)
+
+    def _may_extend(self, iteration: int) -> bool:
+        """Whether the current trial may run ``tune_steps`` more iterations. Within a budget,
+        the first trial never does (a doubtful verdict on k₁'s waits is settled by measuring
+        k = m next, which keeps k₁ unless m is clearly faster), and the others only where a
+        further trial still fits after the extension."""
+        tune = self._settings.tune_steps
+        if len(self._trial_times) >= TRIAL_MAX_ROUNDS * tune:
+            return False
+        if self._settings.auto_budget is None:
+            return True
+        assert self.tuner is not None
+        return bool(self.tuner.trials) and self._trial_fits(iteration + tune)
 
     def _resolution(self, iteration_time: float, waits: float) -> float:
         """The relative noise a trial may have: without a budget, half the tolerance (times 3%
