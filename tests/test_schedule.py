@@ -881,3 +881,23 @@ def test_the_margin_is_the_distance_to_the_threshold_of_each_trials_verdict():
     tuner.stop()
     with pytest.raises(RuntimeError, match="nothing to judge"):
         tuner.margin(1.0, 0.0)
+
+
+def test_link_scale_fit_recovers_a_link_slower_than_profiled():
+    """Trials simulated on a link 2.5x slower than the profile's are best explained by c = 2.5
+    (their waits say it even where the times alone would not); the profile's own link by 1."""
+    from sapipe.schedule.tuner import Trial, fit_link_scale
+
+    rng = np.random.default_rng(5)
+    profiles, nbytes, beta = random_profiles(rng, 12, 0.6)
+
+    def seen(k, scale):
+        r = simulate(profiles, k, bucket_cap_bytes=4096, alpha=0.0, beta=beta * scale, bytes_per_layer=nbytes,
+                     shared_link=True, record_events=False)
+        return r.iteration_time, r.forward_wait + r.step_wait
+
+    slow = [Trial(k, *seen(k, 2.5)) for k in (3, 12)]
+    assert slow[0].waits > 0  # the slower link shows at k = 3
+    assert fit_link_scale(slow, seen) == 2.5
+    assert fit_link_scale([Trial(k, *seen(k, 1.0)) for k in (3, 12)], seen) == 1.0
+    assert fit_link_scale([], seen) == 1.0

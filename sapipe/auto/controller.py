@@ -181,12 +181,16 @@ class AutoController:
                     bytes_per_layer=layer_bytes, step_time=step_time,
                     sync_at_step=self.sync_at_step, **self.sim_options)
 
-    def predict(self, k: int, slowdown: Optional[float] = None, record_events: bool = True) -> simulator.SimResult:
-        """The model's steady-state iteration at ``k`` (with compute slow-down σ = ``slowdown``)."""
+    def predict(self, k: int, slowdown: Optional[float] = None, record_events: bool = True,
+                link_scale: float = 1.0) -> simulator.SimResult:
+        """The model's steady-state iteration at ``k`` (with compute slow-down σ = ``slowdown``,
+        and the link ``link_scale`` times as slow as profiled)."""
         assert self.layer_profiles is not None
         arguments = self.simulator_arguments()
         if slowdown is not None:
             arguments["slowdown"] = slowdown
+        arguments["alpha"] *= link_scale
+        arguments["beta"] *= link_scale
         return simulator.simulate(self.layer_profiles, k, record_events=record_events, **arguments)
 
     def _finish(self, iteration: int) -> None:
@@ -290,12 +294,17 @@ class AutoController:
         return None if self._settings.auto_budget is None else self._suggest
 
     def _suggest(self, lo: int, hi: int) -> int:
-        """The smallest k in (lo, hi] that the model, with the compute slow-down σ fitted to the
-        trials so far, predicts within half the tolerance of k = hi (known to be fast enough)."""
+        """The smallest k in (lo, hi] that the model, its link rescaled to explain the trials'
+        times and waits so far (:func:`~sapipe.schedule.tuner.fit_link_scale`), predicts
+        within half the tolerance of k = hi (known to be fast enough)."""
         assert self.tuner is not None
-        sigma = tuner.fit_slowdown(self.tuner.trials,
-                                   lambda k, s: self.predict(k, s, record_events=False).iteration_time)
-        times = {k: self.predict(k, sigma, record_events=False).iteration_time for k in range(lo + 1, hi + 1)}
+
+        def seen(k: int, scale: float):
+            r = self.predict(k, record_events=False, link_scale=scale)
+            return r.iteration_time, r.forward_wait + r.step_wait
+
+        scale = tuner.fit_link_scale(self.tuner.trials, seen)
+        times = {k: seen(k, scale)[0] for k in range(lo + 1, hi + 1)}
         return min(k for k in times if times[k] <= times[hi] * (1.0 + STALL_TOLERANCE / 2))
 
     # ------------------------------------------------------------------ saved profiles

@@ -36,13 +36,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import astuple, dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["SLOWDOWN_GRID", "Trial", "Tuner", "fit_slowdown"]
+__all__ = ["LINK_SCALES", "SLOWDOWN_GRID", "Trial", "Tuner", "fit_link_scale", "fit_slowdown"]
 
 #: Candidate σ for :func:`fit_slowdown`: 0 (communication costs compute nothing) up to 8
 #: (compute at 1/9 speed while the link is busy: in effect, no overlap at all).
 SLOWDOWN_GRID = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 8.0)
+
+#: Candidate factors for :func:`fit_link_scale`: the link as the profile measured it, times c.
+LINK_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)
 
 
 @dataclass(frozen=True)
@@ -174,3 +177,28 @@ def fit_slowdown(trials: Sequence[Trial], predict: Callable[[int, float], float]
         return math.fsum(math.log(predict(t.k, sigma) / t.iteration_time) ** 2 for t in usable)
 
     return min(sorted(grid), key=misfit)
+
+
+def fit_link_scale(trials: Sequence[Trial], predict: Callable[[int, float], Tuple[float, float]],
+                   scales: Sequence[float] = LINK_SCALES) -> float:
+    """The factor c of ``scales`` on the profiled link whose predictions ``predict(k, c)`` =
+    (iteration time, waits) best match the measured trials: least squares of the log ratio of
+    the times plus the waits' error relative to the measured time (on a tie, the c nearest 1).
+
+    The model chose k₁ as a k with no stall; when k₁'s trial waits, the link under the
+    running pipeline is slower than the synchronous profile saw (stale and sync traffic
+    share it, the host's cores are shared). The waits say by how much, so the search's next
+    probe can be placed where the corrected model expects the waits to vanish.
+    """
+    usable = [t for t in trials if t.iteration_time > 0 and math.isfinite(t.iteration_time) and math.isfinite(t.waits)]
+    if not usable:
+        return 1.0
+
+    def misfit(scale: float) -> float:
+        total = 0.0
+        for t in usable:
+            time, waits = predict(t.k, scale)
+            total += math.log(time / t.iteration_time) ** 2 + ((waits - t.waits) / t.iteration_time) ** 2
+        return total
+
+    return min(sorted(scales, key=lambda c: abs(math.log(c))), key=misfit)
