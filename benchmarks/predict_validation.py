@@ -16,7 +16,8 @@ one thread per rank, ``OMP_NUM_THREADS=1``):
 3. :func:`sapipe.schedule.predict.predict` from the ``1x4`` profile for each topology
    at ``--inter-node`` (the intra-node link derived from the profile), and, for reference,
    from each cluster job's own profile (intra-node link from the ``1x4`` profile where
-   a node has several ranks).
+   a node has several ranks) and from the other cluster job's profile (2x2's for 4x1 and
+   4x1's for 2x2: compute measured under the same emulated network, a different layout).
 
 Output: a table (measured vs predicted per mode and topology, error) on stdout and in
 ``--output`` (default ``benchmarks/results/predict_validation.md``) with the command.
@@ -170,13 +171,16 @@ def table(args, reference, jobs) -> str:
     from sapipe.schedule.simulator import simulate
 
     lines = ["| topology | mode | k measured / predicted | measured ms | predicted ms (1x4 profile) | error "
-             "| at the measured k | predicted ms (own profile) | error |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| at the measured k | predicted ms (the other topology's profile) | error "
+             "| predicted ms (own profile) | error |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     intra = intra_link_from_profile(reference)
     for topology, (result, own) in jobs.items():
         nodes, g = cluster.parse_topology(topology)
         pred = predict(reference, nodes, g, args.inter_node)
         ref = predict(own, nodes, g, args.inter_node, intra=intra if g > 1 else None)
+        others = [profile for name, (_, profile) in jobs.items() if name != topology]
+        cross = predict(others[0], nodes, g, args.inter_node, intra=intra if g > 1 else None) if others else None
         for mode in MODES:
             measured = result["measured"][mode] * 1e3
             p, r = pred.modes[mode], ref.modes[mode]
@@ -186,9 +190,10 @@ def table(args, reference, jobs) -> str:
                 at = simulate(reference.layer_profiles(p.alpha, p.beta), result["k"], record_events=False,
                               **simulator_arguments(reference, p.alpha, p.beta, reference.slowdown))
                 at_k = f"{at.iteration_time * 1e3:.1f} ({_err(at.iteration_time * 1e3, measured)})"
+            c = cross.modes[mode].iteration_time * 1e3 if cross is not None else math.nan
             lines.append(f"| {topology} | {mode} | {k} | {measured:.1f} | {p.iteration_time * 1e3:.1f} "
-                         f"| {_err(p.iteration_time * 1e3, measured)} | {at_k} | {r.iteration_time * 1e3:.1f} "
-                         f"| {_err(r.iteration_time * 1e3, measured)} |")
+                         f"| {_err(p.iteration_time * 1e3, measured)} | {at_k} | {c:.1f} | {_err(c, measured)} "
+                         f"| {r.iteration_time * 1e3:.1f} | {_err(r.iteration_time * 1e3, measured)} |")
     return "\n".join(lines)
 
 

@@ -86,6 +86,8 @@ def format_job(job) -> str:
     lines += [_mode_row(r, d, job["world"] * job["batch"]) for r in job["results"]]
     notes = list(job["notes"]) + [f"{r['mode']}: {r['note']}" for r in job["results"] if r.get("note") and r.get("t")]
     notes += [f"{r['mode']} scheduler: {r['decision']}" for r in job["results"] if r.get("decision")][:1]
+    decided = [f"{r['mode']} at {r['decided_at']}" for r in job["results"] if r.get("decided_at") is not None]
+    notes += [f"auto's k final by iteration: {', '.join(decided)}"] if decided else []
     if notes:
         lines += [""] + [f"* {n}" for n in notes]
     return "\n".join(lines) + "\n"

@@ -175,6 +175,7 @@ class TrainRunner(Runner):
         auto = self.opt.auto
         if auto is not None and auto.decision is not None:
             info["decision"] = str(auto.decision.summary())
+            info["decided_at"] = auto.decided_at  # the iteration whose step() made k final
             if auto.tuner is not None:
                 info["decision"] += f"; {auto.tuner.summary()}"
         timed = {k for k in self.ks[-len(self.times):]} if self.times else set()
