@@ -24,6 +24,7 @@ import sys
 import pytest
 import torch
 
+from sapipe.auto.controller import FIRST_TRIAL_HEAD
 from sapipe.config import UNPROFILED_STEPS
 from dist_utils import assert_close_dicts, run_ranks
 from models import loss_fn_for, make_batches, make_model
@@ -131,11 +132,13 @@ def test_switch_after_profiling_is_exact(kind, mode, k):
 
 @pytest.mark.parametrize("kind,mode,staleness", [("sgd", "dc", 2), ("adam", "wp3", 1), ("sgd", "wp1", 1)])
 def test_measured_search_restarts_the_pipeline_exactly(kind, mode, staleness):
-    """Trials of tune_steps=2 (after s unmeasured) iterations at k = 3 (the model's) and 7; then 5, final."""
+    """Trials of tune_steps=2 (after s unmeasured, and the first after FIRST_TRIAL_HEAD more)
+    iterations at k = 3 (the model's) and 7; then 5, final."""
     steps, tune = 20, 2
     out = run_ranks(_pinned, world_size=2, args=(kind, mode, 3, staleness, (7, 5), tune, steps))
     warmup = PROFILE_STEPS + UNPROFILED_STEPS
-    first, second = warmup + staleness + tune, warmup + 2 * (staleness + tune)  # restarts after these
+    first = warmup + FIRST_TRIAL_HEAD + staleness + tune  # restarts after these
+    second = first + staleness + tune
     assert out[0]["seen"] == ["auto"] * (second - 1) + [5] * (steps - second + 1)
     assert out[0]["k"] == 5
     ref = run_reference(
@@ -150,19 +153,19 @@ def test_measured_search_restarts_the_pipeline_exactly(kind, mode, staleness):
 
 
 def test_the_search_stops_within_its_budget_with_the_last_good_k():
-    """auto_budget=16: trials of 1 + 2 iterations at k = 3 (the model's), 7 and 5 end at 10, 13
-    and 16; a fourth would end at 19, so the search stops at 16 and keeps 5, exactly as a
-    drain-and-restart at each trial."""
-    steps, tune, budget = 20, 2, 16
+    """auto_budget=18: trials of 1 + 2 iterations (the first 2 more) at k = 3 (the model's), 7
+    and 5 end at 12, 15 and 18; a fourth would end at 21, so the search stops at 18 and keeps
+    5, exactly as a drain-and-restart at each trial."""
+    steps, tune, budget = 20, 2, 18
     out = run_ranks(_pinned, world_size=2, args=("adam", "wp1", 3, 1, (7, 5, 6, 4), tune, steps, budget))
     warmup = PROFILE_STEPS + UNPROFILED_STEPS
-    assert out[0]["decided_at"] == budget == warmup + 3 * (1 + tune)
+    assert out[0]["decided_at"] == budget == warmup + FIRST_TRIAL_HEAD + 3 * (1 + tune)
     assert out[0]["seen"] == ["auto"] * (budget - 1) + [5] * (steps - budget + 1) and out[0]["k"] == 5
     ref = run_reference(
         make_model("tied", seed=0, dtype=torch.float64), functools.partial(make_optimizer, "adam"),
         make_batches("tied", steps, 2, dtype=torch.float64), loss_fn_for("tied"),
         stale_layers=3, compensation="wp1", warmup_steps=warmup,
-        restarts=[(warmup + 3, 7), (warmup + 6, 5)],
+        restarts=[(warmup + FIRST_TRIAL_HEAD + 3, 7), (warmup + FIRST_TRIAL_HEAD + 6, 5)],
     )
     for rank in range(2):
         assert_close_dicts(out[rank]["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real")
@@ -217,7 +220,7 @@ def _search_resumed(rank, world_size, path, split, steps=18):
 
 def test_a_checkpoint_during_the_search_resumes_it(tmp_path):
     """Saved in the middle of the second trial: the resumed job finishes the same trial and search."""
-    out = run_ranks(_search_resumed, world_size=2, args=(str(tmp_path / "ck-{rank}.pt"), PROFILE_STEPS + UNPROFILED_STEPS + 4))
+    out = run_ranks(_search_resumed, world_size=2, args=(str(tmp_path / "ck-{rank}.pt"), PROFILE_STEPS + UNPROFILED_STEPS + FIRST_TRIAL_HEAD + 4))
     for rank in range(2):
         uninterrupted, k_a, resumed, k_b = out[rank]
         assert k_a == k_b == 5

@@ -48,6 +48,12 @@ STALL_TOLERANCE = 0.03
 #: ``STALL_TOLERANCE`` (the median's standard error above half of it).
 TRIAL_MAX_ROUNDS = 4
 
+#: The first trial, right after warm-up, leaves this many iterations unmeasured beyond the
+#: ``staleness`` every trial skips: the new layout's one-off costs (fresh buckets and state,
+#: the first stale updates) made the first measured iterations 5-15% slow on this project's
+#: CPU host, which tipped short trials towards staling more layers than needed.
+FIRST_TRIAL_HEAD = 2
+
 
 class Runtime(Protocol):
     """What the controller may ask of the optimizer's runtime."""
@@ -123,7 +129,7 @@ class AutoController:
         self.decision = solver.choose_k(self.layer_profiles, tolerance=STALL_TOLERANCE, **self.simulator_arguments())
         self._runtime.relayout(self.decision.k)
         m = len(layout.layers)
-        if self._settings.tune_steps > 0 and 0 < self.decision.k < m and self._trial_fits(self._pipeline.origin):
+        if self._settings.tune_steps > 0 and 0 < self.decision.k < m and self._trial_fits(self._pipeline.origin, first=True):
             # k = 0 and k = m need no check: the profile was measured at k = 0, and
             # nothing hides more communication than k = m.
             self.tuner = tuner.Tuner(self.decision.k, m, STALL_TOLERANCE, self._search_guide())
@@ -212,14 +218,14 @@ class AutoController:
     def _measure_trial(self, iteration: int, hyperparams: List[Dict[str, Any]], forward_start: Optional[float]) -> None:
         """Record one iteration of the trial; after ``tune_steps`` of them, report and move on.
 
-        The pipeline's first s steps are not measured (no stale update waits in them yet).
+        The trial's head is not measured (:meth:`_trial_head`).
         An iteration runs from its first forward to the end of its ``step()``, so what the
         training loop does between steps does not count. On CUDA the host does not block on
         communication, so an iteration synchronises the device before it is timed and its
         waits count as unknown (the search then always measures k = m).
         """
         assert self.tuner is not None
-        if iteration - self._trial_start <= self._settings.staleness:
+        if iteration - self._trial_start <= self._trial_head(first=not self.tuner.trials):
             return
         device = self._pipeline.buckets[0].device
         if device.type == "cuda":
@@ -285,9 +291,14 @@ class AutoController:
         budget = self._settings.auto_budget
         return budget is None or iteration <= budget
 
-    def _trial_fits(self, iteration: int) -> bool:
+    def _trial_head(self, first: bool) -> int:
+        """Iterations a trial leaves unmeasured: the pipeline's first s steps (no stale update
+        waits in them yet), and for the first trial the new layout's one-off costs."""
+        return self._settings.staleness + (FIRST_TRIAL_HEAD if first else 0)
+
+    def _trial_fits(self, iteration: int, first: bool = False) -> bool:
         """Whether a trial that starts after ``iteration`` ends within ``auto_budget``."""
-        return self._within_budget(iteration + self._settings.staleness + self._settings.tune_steps)
+        return self._within_budget(iteration + self._trial_head(first) + self._settings.tune_steps)
 
     def _search_guide(self):
         """With a budget, the search probes where the calibrated model points; without, it bisects."""
@@ -366,4 +377,4 @@ def _pair_means(values: List[float]) -> List[float]:
     return [statistics.fmean(values[i : i + 2]) for i in range(0, len(values), 2)]
 
 
-__all__ = ["AutoController", "Runtime", "STALL_TOLERANCE", "TRIAL_MAX_ROUNDS"]
+__all__ = ["AutoController", "FIRST_TRIAL_HEAD", "Runtime", "STALL_TOLERANCE", "TRIAL_MAX_ROUNDS"]
