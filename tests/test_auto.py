@@ -83,13 +83,14 @@ class _ScriptedTuner:
         return tuner
 
 
-def _pinned(rank, world_size, kind, mode, k, staleness=1, path=(), tune_steps=0, steps=STEPS, budget=30):
+def _pinned(rank, world_size, kind, mode, k, staleness=1, path=(), tune_steps=0, steps=STEPS, budget=30,
+            comm_bound=False):
     import sapipe
     from sapipe.schedule import solver, tuner
 
     real_choose = solver.choose_k
     solver.choose_k = lambda *a, **kw: dataclasses.replace(
-        real_choose(*a, **kw), k=kw["only_k"] if kw.get("only_k") is not None else k
+        real_choose(*a, **kw), k=kw["only_k"] if kw.get("only_k") is not None else k, comm_bound=comm_bound
     )
     _ScriptedTuner.path = path
     tuner.Tuner = _ScriptedTuner
@@ -171,6 +172,19 @@ def test_the_search_stops_within_its_budget_with_the_last_good_k():
         assert_close_dicts(out[rank]["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real")
 
 
+@pytest.mark.parametrize("budget", [30, None])
+def test_a_communication_bound_k_is_kept_unmeasured_within_a_budget(budget):
+    """The model finds k = 3 communication-bound: within a budget k is final at the end of
+    warm-up; without one the search still measures (here 7, then 5)."""
+    out = run_ranks(_pinned, world_size=2, args=("sgd", "none", 3, 1, (7, 5), 2, 20, budget, True))
+    warmup = PROFILE_STEPS + UNPROFILED_STEPS
+    if budget is None:
+        assert out[0]["k"] == 5 and out[0]["decided_at"] > warmup
+    else:
+        assert out[0]["k"] == 3 and out[0]["decided_at"] == warmup
+        assert out[0]["seen"] == ["auto"] * (warmup - 1) + [3] * (20 - warmup + 1)
+
+
 def _search_resumed(rank, world_size, path, split, steps=18):
     """The scripted search (3, then 7, then 5), uninterrupted vs checkpointed at ``split`` and resumed."""
     import sapipe
@@ -178,7 +192,7 @@ def _search_resumed(rank, world_size, path, split, steps=18):
 
     real_choose = solver.choose_k
     solver.choose_k = lambda *a, **kw: dataclasses.replace(
-        real_choose(*a, **kw), k=kw["only_k"] if kw.get("only_k") is not None else 3
+        real_choose(*a, **kw), k=kw["only_k"] if kw.get("only_k") is not None else 3, comm_bound=False
     )
     _ScriptedTuner.path = (7, 5)
     tuner.Tuner = _ScriptedTuner

@@ -129,13 +129,28 @@ class AutoController:
         self.decision = solver.choose_k(self.layer_profiles, tolerance=STALL_TOLERANCE, **self.simulator_arguments())
         self._runtime.relayout(self.decision.k)
         m = len(layout.layers)
-        if self._settings.tune_steps > 0 and 0 < self.decision.k < m and self._trial_fits(self._pipeline.origin, first=True):
-            # k = 0 and k = m need no check: the profile was measured at k = 0, and
-            # nothing hides more communication than k = m.
+        if self._worth_measuring(m):
             self.tuner = tuner.Tuner(self.decision.k, m, STALL_TOLERANCE, self._search_guide())
             self._begin_trial(self._pipeline.origin)
         else:
             self._finish(self._pipeline.origin)
+
+    def _worth_measuring(self, m: int) -> bool:
+        """Whether the model's k is checked on the job (the measured search).
+
+        k = 0 and k = m need no check: the profile was measured at k = 0, and nothing hides
+        more communication than k = m. Within a budget, a communication-bound k neither:
+        from it up every k runs at the link's pace, so trials of a few iterations can only
+        tell noise apart (in the scheduler benchmark they moved such jobs past the model's
+        k, each time to a slower one).
+        """
+        decision = self.decision
+        assert decision is not None
+        if self._settings.tune_steps == 0 or not 0 < decision.k < m:
+            return False
+        if self._settings.auto_budget is not None and decision.comm_bound:
+            return False
+        return self._trial_fits(self._pipeline.origin, first=True)
 
     def _compressed_link(self, profile: profiler.Profile, buckets) -> profiler.Profile:
         """The link model for compressed sums: the bytes the format puts on the wire, and the
