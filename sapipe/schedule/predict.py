@@ -34,6 +34,7 @@ Pure Python but for ``--plot`` (matplotlib).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
@@ -272,6 +273,8 @@ def run(args: argparse.Namespace) -> str:
         raise ConfigurationError(f"sapipe: --gpus-per-node must be >= 1; got {args.gpus_per_node}")
     if args.batch is not None and not args.batch > 0:
         raise ConfigurationError(f"sapipe: --batch must be > 0; got {args.batch}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigurationError("sapipe: --plot needs matplotlib (pip install matplotlib); the table needs nothing")
     hierarchical = {"auto": None, "on": True, "off": False}[args.hierarchical]
     predictions = [predict(profile, n, args.gpus_per_node, args.inter_node, args.intra_node, hierarchical,
                            args.slowdown) for n in _counts(args.nodes)]
