@@ -9,13 +9,16 @@ with the model on the GPU:
   whose worker runs its collectives on a CUDA side stream;
 * one NCCL rank, so the NCCL code path (device-side waits, no host blocking) runs too;
 * compressed sums (test_compression's configurations, float64) through the CUDA codec
-  kernels, on two Gloo ranks and on one NCCL rank, against the same reference.
+  kernels, on two Gloo ranks and on one NCCL rank, against the same reference;
+* the scheduler's profile of a model on the GPU: per-layer times are the GPU's, not the
+  times at which the host queued the layers' kernels.
 
 Every test skips without a GPU (CI has none); the kernels' own tests are in test_kernels.
 """
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
@@ -98,3 +101,64 @@ def test_compressed_sums_on_cuda_match_reference(config, ranks, backend):
     reference as on the CPU: Gloo's all-to-all and all-gather of CUDA bytes, and NCCL's."""
     per_rank = _compressed_results(ranks, backend)
     check_compressed(config, [run[COMPRESSED.index(config)] for run in per_rank])
+
+
+# ------------------------------------------------------------------ the profile on a GPU
+
+WIDTH, ROWS, HOST_OPS = 8192, 4096, 60
+
+
+class _HostHeavy(torch.nn.Module):
+    """Cheap on the GPU, costly to queue: a scale, then many tiny kernels on one element."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, x):
+        x = x * self.scale
+        tiny = x[:1, :1]
+        for _ in range(HOST_OPS):
+            tiny = tiny * 1.0 + 0.0
+        return x + 0.0 * tiny
+
+
+def _profile_on_gpu(rank: int, world_size: int):
+    import sapipe
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_HostHeavy(), torch.nn.Linear(WIDTH, WIDTH), _HostHeavy()).cuda()
+    x = torch.randn(ROWS, WIDTH, device="cuda")
+
+    def iteration():
+        model(x).square().mean().backward()
+
+    times = []  # forward + backward alone, without sapipe, each timed by the GPU finishing it
+    for _ in range(6):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        iteration()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        model.zero_grad()
+    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6), model, stale_layers="auto")
+    for _ in range(40):
+        opt.zero_grad()
+        iteration()
+        opt.step()
+        if opt.auto.decided:
+            break
+    profile = opt.auto.profile
+    opt.close()
+    return profile.forward, profile.backward, sorted(times)[len(times) // 2]
+
+
+def test_profile_times_layers_as_the_gpu_runs_them():
+    """The middle layer does almost all of the GPU's work and the outer two almost all of the
+    host's queueing: a profile of host queueing times would give it a small share. Measured
+    as the GPU runs it, it holds ≥ 80% of forward and of backward, and the profiled forward +
+    backward is the one timed without sapipe within 20%."""
+    (forward, backward, alone), = run_ranks(_profile_on_gpu, world_size=1, timeout=300, backend="nccl")
+    assert forward[1] >= 0.8 * sum(forward), forward
+    assert backward[1] >= 0.8 * sum(backward), backward
+    assert sum(forward) + sum(backward) == pytest.approx(alone, rel=0.2)

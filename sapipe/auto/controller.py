@@ -92,7 +92,8 @@ class AutoController:
     def start_profiling(self, layers: List[Layer]) -> None:
         """The layer order is known: time the warm-up's last iterations per layer."""
         if not self.decided and self.tuner is None:
-            self.timer = profiler.LayerTimer(len(layers), [layer.executed for layer in layers])
+            self.timer = profiler.LayerTimer(len(layers), [layer.executed for layer in layers],
+                                             sync=_device_sync(layers))
             self._pipeline.timer = self.timer
 
     def profiles(self, iteration: int) -> bool:
@@ -385,6 +386,15 @@ class AutoController:
             self.decision = solver.Decision(**search["decision"])
         if self.decided or self.tuner is not None:
             self.timer = self._pipeline.timer = None
+
+
+def _device_sync(layers: List[Layer]):
+    """For a model on a GPU: wait for its queued compute (profiled timestamps are then the GPU's,
+    see :class:`profiler.LayerTimer`); None on a CPU, where the host's clock is the compute's."""
+    device = next((p.device for layer in layers for p in layer.params), None)
+    if device is None or device.type != "cuda":
+        return None
+    return lambda: torch.cuda.current_stream(device).synchronize()
 
 
 def _pair_means(values: List[float]) -> List[float]:

@@ -60,14 +60,15 @@ class ForwardHooks:
             timer.begin_iteration()
         if self._runtime.pipeline.layout is None:
             return
-        start = time.perf_counter()
+        clock = self._runtime.pipeline.clock
+        start = clock()
         # A compiled forward runs no per-layer hook (before_layer): every pending update now.
         self._compiled_before = self.compiled
         layout = self._runtime.layout
         buckets = layout.buckets if self.compiled else layout.eager
         waited = sum(self._runtime.apply_deferred(bucket) for bucket in buckets)
         # before the first layer, for the profiler: a stall, and update compute that followed it
-        self._root_wait, self._root_update = waited, time.perf_counter() - start - waited
+        self._root_wait, self._root_update = waited, clock() - start - waited
         exposure = self._runtime.exposure
         if exposure is not None:  # waits for all-reduces because the script read p.grad
             self._root_wait, exposure.waited = self._root_wait + exposure.waited, 0.0
@@ -111,9 +112,10 @@ class ForwardHooks:
             bucket = self._runtime.layout.bucket_of_layer.get(index)
             waited = updated = 0.0
             if bucket is not None and bucket.pending_update is not None:
-                start = time.perf_counter()
+                clock = self._runtime.pipeline.clock
+                start = clock()
                 waited = self._runtime.apply_deferred(bucket)
-                updated = time.perf_counter() - start - waited
+                updated = clock() - start - waited
             timer = self._runtime.pipeline.timer
             if timer is not None:
                 if index == 0:

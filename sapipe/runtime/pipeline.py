@@ -215,13 +215,19 @@ class GradientPipeline:
         """(the summed gradient in ``bucket``'s ``slot``, seconds blocked on it); the slot is free after."""
         assert bucket.grads is not None
         handle, bucket.grads.in_flight[slot] = bucket.grads.in_flight[slot], None
-        start = time.perf_counter()
+        start = self.clock()
         handle.wait()  # summed in place (the back-end contract), flags behind the gradient
         summed = bucket.grads.slots[slot]
-        waited = time.perf_counter() - start
+        waited = self.clock() - start
         self.waited += waited
         self.waited_total += waited
         return summed, waited
+
+    def clock(self) -> float:
+        """The time; in a profiled iteration on a GPU, once the device caught up
+        (:meth:`LayerTimer.now`), so that a wait or an update is timed as the GPU spends it."""
+        timer = self.timer
+        return timer.now() if timer is not None else time.perf_counter()
 
     def wait_for_communication(self) -> None:
         """Block until every all-reduce in flight has arrived (each stays pending for its consumer)."""

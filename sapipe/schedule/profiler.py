@@ -80,10 +80,18 @@ class LayerTimer:
     ``executed[i]`` says whether layer i runs its own forward (a module whose parameters
     its parent uses directly, like ``nn.MultiheadAttention.out_proj``, never does: its
     forward time is part of the layer before it, and its u is 0).
+
+    ``sync``, for a model on a GPU, waits for the device's queued compute (its current
+    stream). A hook runs when the host *queues* a layer's kernels, long before the GPU runs
+    them, so on a GPU host timestamps alone say nothing about a layer's cost; with ``sync``
+    every timestamp of a profiled iteration (:meth:`now`) is taken once the GPU has caught
+    up, which makes it the GPU's completion time. Only the profiled iterations pay for it.
     """
 
-    def __init__(self, num_layers: int, executed: Optional[Sequence[bool]] = None):
+    def __init__(self, num_layers: int, executed: Optional[Sequence[bool]] = None,
+                 sync: Optional[Callable[[], None]] = None):
         self.num_layers = num_layers
+        self.sync = sync
         self.executed = list(executed) if executed is not None else [True] * num_layers
         self._forward: List[List[float]] = []
         self._backward: List[List[float]] = []
@@ -101,6 +109,12 @@ class LayerTimer:
         self._step_times: List[float] = []
         self._last_release: Optional[float] = None  # of the previous profiled iteration
         self.active = False
+
+    def now(self) -> float:
+        """The time, in a profiled iteration once the device's queued compute is done (``sync``)."""
+        if self.active and self.sync is not None:
+            self.sync()
+        return time.perf_counter()
 
     def begin_iteration(self) -> None:
         self._starts.clear()
@@ -120,7 +134,7 @@ class LayerTimer:
         depends on the all-reduce (see the module docstring).
         """
         if self.active and layer not in self._starts:
-            now = time.perf_counter()
+            now = self.now()
             self._starts[layer] = now
             self._waits[layer] = waited + updated
             self._updated[layer] = updated
@@ -139,11 +153,11 @@ class LayerTimer:
 
     def forward_end(self) -> None:
         if self.active and self._forward_end is None:
-            self._forward_end = time.perf_counter()
+            self._forward_end = self.now()
 
     def gradient_released(self, layer: int) -> None:
         if self.active:
-            self._releases[layer] = time.perf_counter()  # the last one of the layer wins
+            self._releases[layer] = self.now()  # the last one of the layer wins
 
     def end_iteration(self) -> None:
         """Turn this iteration's timestamps into u_i and b_i (skipped if incomplete)."""
