@@ -86,16 +86,23 @@ def _is_int8(values: Tensor) -> bool:
     return values.dtype == torch.int8
 
 
+def _divided(t: Tensor, by: float) -> Tensor:
+    """t / by, correctly rounded as the kernels divide. On CUDA torch divides by a Python
+    number as t · (1 / by), one rounding more (max|v| / 127 came out one ulp off); by a
+    tensor on the device it divides."""
+    return t / (torch.full((), by, dtype=t.dtype, device=t.device) if t.is_cuda else by)
+
+
 def _compress_rows(v: Tensor, values: Tensor, scales: Optional[Tensor], divide: float) -> Tensor:
     """``v`` [R, S] compressed into ``values`` / ``scales``; returns what they decode to, times
     ``divide`` (16-bit), in ``v``'s dtype."""
     if not _is_int8(values):
-        h = (v / divide).to(torch.float32).to(values.dtype)
+        h = _divided(v, divide).to(torch.float32).to(values.dtype)
         values.copy_(h)
         return h.to(v.dtype) * divide
     rows = v.shape[0]
     blocks = v.reshape(rows, -1, BLOCK)
-    scale = (blocks.abs().amax(dim=2) / 127).to(torch.float32)
+    scale = _divided(blocks.abs().amax(dim=2), 127).to(torch.float32)
     bad = ~torch.isfinite(blocks).all(dim=2) | ~torch.isfinite(scale)
     tiny = scale < torch.finfo(torch.float32).tiny
     scale = scale.masked_fill(bad, float("nan")).masked_fill(tiny, 0.0)
