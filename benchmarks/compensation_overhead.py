@@ -45,9 +45,20 @@ import hostenv  # noqa: E402
 TORCH_FUSED = "torch fused=True, no sapipe"
 
 MODES = [("none", "outer"), ("dc", "outer"), ("dc", "diagonal"), ("wp1", "outer"), ("wp2", "outer"), ("wp3", "outer")]
+#: passes (8 bytes per element: a float32 read and write) of a compression's encode and decode
+#: beyond ``none``'s, by definition: 16-bit reads g and writes half, then reads half and writes
+#: g (12 bytes); int8 with error feedback reads g and the residual for the chunk's scale, again
+#: to quantize, writes int8 and the residual, then reads int8 and writes g (26 bytes)
+CODEC_PASSES = {"fp16": 1.5, "bf16": 1.5, "int8": 3.25}
 
 
-def floor_streams(label: str, optimizer: str) -> int:
+def label_of(mode: str, form: str, compression: str = "") -> str:
+    """A row's name: ``dc/outer``, ``wp1``, ``none+bf16``."""
+    base = f"{mode}/{form}" if mode == "dc" else mode
+    return f"{base}+{compression}" if compression else base
+
+
+def floor_streams(label: str, optimizer: str) -> float:
     """The fewest extra passes over the stale parameters (float32 reads + writes per element,
     per step) that a mode needs beyond ``none``'s update, by its definition (docs/design.md §3, s = 1),
     for any implementation, however fused:
@@ -65,6 +76,8 @@ def floor_streams(label: str, optimizer: str) -> int:
       first: read x̃, g, l_{t−1}, write x̃ (+8 in all); Adam's is not, so its second pass
       reads g, l_{t−1}, l_t, x_t and both moments and writes x̃ (+9).
     """
+    if "+" in label:  # none with a compression on the wire: its encode and decode
+        return CODEC_PASSES[label.split("+")[1]]
     mode = label.split("/")[0]
     if mode == "dc":
         return 2 if label.endswith("diagonal") else 4
@@ -133,12 +146,15 @@ def worker(args) -> None:
         runs = []
         stream = []  # per round: seconds per pass over the stale parameters
         one_pass = PassTimer(sum(sizes[:k]), device)
-        for mode, form in MODES:
+        rows = [(mode, form, "") for mode, form in MODES if label_of(mode, form) in args.modes.split(",")]
+        rows += [("none", "outer", c) for c in args.compressions.split(",") if c]
+        for mode, form, compression in rows:
             model = spec.make_model().to(device)
             opt = sapipe.DistributedOptimizer(
-                spec.make_optimizer(model.parameters()), model, stale_layers=k, compensation=mode, dc_form=form
+                spec.make_optimizer(model.parameters()), model, stale_layers=k, compensation=mode, dc_form=form,
+                compression=compression or None,
             )
-            runs.append((f"{mode}/{form}" if mode == "dc" else mode, model, opt, []))
+            runs.append((label_of(mode, form, compression), model, opt, []))
         plain_model = spec.make_model().to(device)
         runs.append((TORCH_FUSED, plain_model, spec.make_optimizer(plain_model.parameters()), []))
         for round_ in range(args.rounds + 1):
@@ -186,6 +202,11 @@ def main() -> None:
     p.add_argument("--kappa", type=float, default=1.0,
                    help="stale share of the parameters: k = the fewest leading layers holding at least this "
                         "(default 1: k = m, every layer stale, the most compensation work)")
+    p.add_argument("--modes", default=",".join(label_of(*m) for m in MODES),
+                   help="the compensation modes timed (none first: the others are relative to it)")
+    p.add_argument("--compressions", default="",
+                   help="also none with each of these compressions on the wire (fp16, bf16, int8): the codec's cost")
+    p.add_argument("--fused-only", action="store_true", help="skip the pure-PyTorch run (SAPIPE_DISABLE_EXT=1)")
     p.add_argument("--output", default=os.path.join(HERE, "results", "compensation_overhead.md"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -193,7 +214,10 @@ def main() -> None:
         return worker(args)
     load_before = f"{os.getloadavg()[0]:.1f}"
     results = {}
-    for label, env in (("fused kernels", {}), ("pure PyTorch", {"SAPIPE_DISABLE_EXT": "1"})):
+    if not args.modes.startswith("none"):
+        sys.exit("--modes must start with none: every other mode is timed relative to it")
+    implementations = (("fused kernels", {}), ("pure PyTorch", {"SAPIPE_DISABLE_EXT": "1"}))
+    for label, env in implementations[:1] if args.fused_only else implementations:
         print(f"[compensation_overhead] {label} ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker"] + sys.argv[1:]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=hostenv.worker_env(**env))
@@ -205,16 +229,17 @@ def main() -> None:
         "pure PyTorch: ms/step | pure PyTorch: overhead vs none |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    fused, plain = results["fused kernels"], results["pure PyTorch"]
+    fused = results["fused kernels"]
+    plain = results.get("pure PyTorch", {"backend": "(not run)", "models": {}})
     for name, per_mode in fused["models"].items():
         for label, f in per_mode.items():
             if label in ("m", "k", "kappa", "stream_ms"):
                 continue
-            t = plain["models"][name][label]
+            t = plain["models"].get(name, {}).get(label)
             lines.append(
                 f"| {name} (k={per_mode['k']} of {per_mode['m']}, κ={per_mode['kappa']:.2f}; "
                 f"{per_mode['stream_ms']:.2f} ms) | {label} | {f['floor']:+.1%} | {f['median_ms']:.1f} | "
-                f"{f['overhead']:+.1%} | {t['median_ms']:.1f} | {t['overhead']:+.1%} |"
+                f"{f['overhead']:+.1%} | " + (f"{t['median_ms']:.1f} | {t['overhead']:+.1%} |" if t else "— | — |")
             )
     table = "\n".join(lines)
     print(f"backends: {fused['backend']} vs {plain['backend']}\n{table}")

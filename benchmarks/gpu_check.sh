@@ -2,8 +2,10 @@
 # Everything this project checks on a GPU, in one command (`make gpu-check`): build the
 # extensions in place against the machine's own torch (no venv: a GPU image ships a CUDA
 # torch, and `make venv` would install the CPU one), then the CUDA kernel tests (update and
-# compression kernels), the CUDA end-to-end tests (compressed sums included), the kernel
-# bandwidth benchmark (float32, with the codec's stages, and bfloat16) and the
+# compression kernels), the CUDA end-to-end tests (compressed sums and the profile on a GPU
+# included), the kernel bandwidth benchmark (float32, with the codec's stages, and bfloat16),
+# the profiles of scaling.py's models (benchmarks/gpu_profiles.py, for
+# `scaling.py --measured`), what a compression costs a compute-bound step, and the
 # compensation overhead of the full-size models. Logs and tables go to $GPU_OUT (default
 # gpu-results/); the last lines printed are the summaries.
 #
@@ -34,6 +36,16 @@ echo "== kernel bandwidth"
 $PY benchmarks/kernels.py --device cuda --json "$OUT/kernels_f32.json" >"$OUT/kernels_f32.md" 2>&1 || status=1
 $PY benchmarks/kernels.py --device cuda --dtype bfloat16 --n 33554432 --json "$OUT/kernels_bf16.json" \
   >"$OUT/kernels_bf16.md" 2>&1 || status=1
+
+echo "== profiles of scaling.py's models (one NCCL rank, fp32 and amp)"
+$PY benchmarks/gpu_profiles.py --out "$OUT/profiles" >"$OUT/profiles.log" 2>&1 || status=1
+tail -10 "$OUT/profiles.log"
+
+echo "== what a compression costs a compute-bound step (one NCCL rank, full-size models)"
+$PY benchmarks/compensation_overhead.py --device cuda --size full --models gpt2,resnet50,vgg16 --modes none \
+  --compressions bf16,int8 --fused-only --rounds 8 --output "$OUT/compression_cost_cuda.md" \
+  >"$OUT/compression_cost.log" 2>&1 || status=1
+tail -12 "$OUT/compression_cost.log"
 
 if [ "${1:-}" != quick ]; then
   echo "== compensation overhead (full-size models, one NCCL rank)"

@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -322,6 +323,8 @@ def main() -> None:
         ),
     }
     if args.only == "codec":
+        if dtype != torch.float32:
+            sys.exit("kernels.py: the codec's stages take float32 gradients here (--dtype float32)")
         cases = {}
     if dtype == torch.float32 and args.only != "update":  # the codec's gradients are float32 (or float64)
         cases.update(codec_cases(n, device))
