@@ -289,7 +289,9 @@ def gpt2_batches(settings: Sequence[str], nodes: int) -> Tuple[str, Dict[str, Di
 
 
 def write_figure(path: str, results: Dict[Tuple[str, str], List[Prediction]], names: Sequence[str],
-                 settings: Sequence[str], what: str) -> None:
+                 settings: Sequence[str], what: str, source: str = "") -> None:
+    """One panel per model (columns) and setting (rows). ``source``: where the profiles came
+    from, for the title (default: this script's FLOP counts on V100 nodes)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -300,13 +302,13 @@ def write_figure(path: str, results: Dict[Tuple[str, str], List[Prediction]], na
     for row, setting in enumerate(settings):
         for col, name in enumerate(names):
             model = MODELS[name]
+            rate = "" if source else f" ({RATES[setting] / 1e12:g} TFLOP/s)"
             plot_throughput(axes[row][col], results[(setting, name)], model.batch,
-                            f"{model.title}, {model.batch} {model.short_unit}/GPU, {setting} "
-                            f"({RATES[setting] / 1e12:g} TFLOP/s)")
+                            f"{model.title}, {model.batch} {model.short_unit}/GPU, {setting}{rate}")
             axes[row][col].set_xlabel("GPUs (8 per node)")
             axes[row][col].set_ylabel(f"{model.short_unit}/s")
-    fig.suptitle(f"{what}, predicted from FLOP counts (sapipe.schedule.predict)\n"
-                 f"V100 nodes, NVLink inside, {INTER} between")
+    fig.suptitle(f"{what}, " + (source or f"predicted from FLOP counts (sapipe.schedule.predict)\n"
+                                           f"V100 nodes, NVLink inside, {INTER} between"))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
