@@ -141,10 +141,23 @@ class Bucket:
         self.ready = [False] * len(params)
         self.num_ready = 0
         self.pending_update = None  # hyper-parameter snapshot of a deferred sync update
+        self._views: List[Tuple[Tensor, List[Tensor]]] = []  # per flat buffer: its per-parameter views
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.params[0].element_size()
+
+    def param_views(self, flat: Tensor) -> List[Tensor]:
+        """Each parameter's part of ``flat`` (one of this bucket's flat buffers), shaped like the
+        parameter: made once per buffer, so that backward's per-gradient copy slices nothing."""
+        for buffer, views in self._views:
+            if buffer is flat:
+                return views
+        views = [flat[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
+        if len(self._views) >= 8:  # buffers replaced (a restored state): drop the old views
+            self._views.clear()
+        self._views.append((flat, views))
+        return views
 
     def describe(self) -> str:
         names = ", ".join(layer.name or "<root>" for layer in self.layers[:3])

@@ -101,14 +101,14 @@ class ForwardHooks:
         index = layer.index
 
         def hook(module: nn.Module, args) -> None:
-            if torch.compiler.is_compiling():
-                self.compiled = True  # a side effect dynamo replays each time the compiled code runs
-                if not self._layer_work():
-                    return  # no run-time work: the compiled graph goes on through this layer
-            run(module, args)
+            if not torch.compiler.is_compiling():
+                work(module, args)  # eager: no dynamo wrapper, a hook runs for every layer every step
+                return
+            self.compiled = True  # a side effect dynamo replays each time the compiled code runs
+            if self._layer_work():
+                compiled_work(module, args)  # else the compiled graph goes on through this layer
 
-        @torch.compiler.disable
-        def run(module: nn.Module, args) -> None:
+        def work(module: nn.Module, args) -> None:
             bucket = self._runtime.layout.bucket_of_layer.get(index)
             waited = updated = 0.0
             if bucket is not None and bucket.pending_update is not None:
@@ -122,7 +122,10 @@ class ForwardHooks:
                     waited += self._root_wait
                     updated += self._root_update
                 timer.layer_forward(index, waited, updated)
-            self._tracer.record("layer_forward_start", layer=layer.name, iteration=self._next_iteration())
+            if self._tracer.enabled:
+                self._tracer.record("layer_forward_start", layer=layer.name, iteration=self._next_iteration())
+
+        compiled_work = torch.compiler.disable(work)  # a graph break, run eagerly
         return hook
 
     def _layer_work(self) -> bool:

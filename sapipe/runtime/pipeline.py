@@ -100,9 +100,11 @@ class GradientPipeline:
             return [bucket.local, slot] if mirrors_local(bucket) else [bucket.local]
         return [slot]
 
-    @torch.no_grad()
     def take(self, param: torch.Tensor, iteration: int) -> None:
         """``param.grad`` of ``iteration`` into its bucket; launch what is complete."""
+        if torch.is_grad_enabled():  # backward(create_graph=True): record none of this
+            with torch.no_grad():
+                return self.take(param, iteration)
         assert self.layout is not None
         bucket, i = self.layout.slot_of[id(param)]
         if bucket.ready[i]:
@@ -112,10 +114,9 @@ class GradientPipeline:
             )
         if bucket.num_ready == 0 and bucket.pending_update is not None:
             self._before_reuse(bucket)
-        offset, n = bucket.offsets[i], param.numel()
-        grad = param.grad.reshape(-1)
+        grad = param.grad
         for target in self.gradient_targets(bucket, iteration):  # the 2nd read hits cache
-            target[offset : offset + n].copy_(grad)
+            bucket.param_views(target)[i].copy_(grad)
         bucket.ready[i] = True
         bucket.num_ready += 1
         self._taken.append((param, param.grad, param.grad._version))

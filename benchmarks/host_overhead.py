@@ -1,0 +1,84 @@
+"""What sapipe's runtime costs the host per iteration, where compute is negligible.
+
+A model of many small layers keeps a GPU waiting on the host: its kernels are short, so
+each Python hook sapipe adds per layer and per gradient lengthens the step as much as it
+costs. This benchmark times that cost on the CPU, where it can be seen alone: ResNet-50's
+layer structure (107 layers, 161 parameters; ``bench_models.ResNet`` at width 4, 8×8 images,
+batch 1), one process (Gloo), torch's ``fused=True`` SGD alone against the same optimizer
+wrapped by sapipe at k = 0 and k = m. Rounds alternate the two; the cost is the median over
+rounds of (sapipe's median step − torch's), per iteration and per layer.
+
+    python benchmarks/host_overhead.py [--rounds 7] [--steps 40]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--steps", type=int, default=40)
+    args = p.parse_args()
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import bench_models
+    import sapipe
+
+    torch.set_num_threads(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    x, y = torch.randn(1, 3, 8, 8), torch.tensor([1])
+
+    def make():
+        torch.manual_seed(0)
+        model = bench_models.ResNet(4, 10, imagenet_stem=False)
+        return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True)
+
+    def median_step(model, opt) -> float:
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[5:])
+
+    plain = make()
+    print(f"torch {torch.__version__}, one thread; {args.rounds} rounds of {args.steps} steps")
+    print("| sapipe | layers | torch alone ms | sapipe − torch, ms per iteration | per layer, µs |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for label, k in (("k = 0", 0), ("k = m", None)):
+        model, base = make()
+        probe = sapipe.DistributedOptimizer(base, model)
+        model(x)
+        m = probe.num_layers
+        probe.close()
+        model, base = make()
+        opt = sapipe.DistributedOptimizer(base, model, stale_layers=m if k is None else k)
+        alone, extra = [], []
+        for _ in range(args.rounds):
+            a = median_step(*plain)
+            extra.append(median_step(model, opt) - a)
+            alone.append(a)
+        cost = statistics.median(extra)
+        print(f"| {label} | {m} | {statistics.median(alone) * 1e3:.2f} | {cost * 1e3:.2f} | {cost / m * 1e6:.1f} |")
+        opt.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
