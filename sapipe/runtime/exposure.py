@@ -198,11 +198,11 @@ class GradientExposure:
     def _point_grads(self, bucket: Bucket, exposed: ExposedGradient) -> None:
         skip = set(exposed.skip)
         touch = partial(self._touch, bucket, exposed)
+        views = bucket.param_views(exposed.grad) if exposed.grad is not None else None
         for i, param in enumerate(bucket.params):
             view = None
-            if exposed.grad is not None and i not in skip:
-                offset = bucket.offsets[i]
-                view = exposed.grad[offset : offset + param.numel()].view_as(param)
+            if views is not None and i not in skip:
+                view = views[i]
                 if not exposed.settled:
                     view = torch.Tensor._make_subclass(PendingGradient, view, False)
                     view._sapipe_touch = touch
