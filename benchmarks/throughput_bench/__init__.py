@@ -34,6 +34,7 @@ median, spread = interquartile range / median):
 | ``sapipe-<comp>`` | each ``--compensations`` mode at the auto k, or, without auto, at the *oracle* k: the smallest measured k within 3 % of pipesgd |
 | ``horovod`` | ``horovod.torch.DistributedOptimizer`` over Gloo (skipped with a note when not installed; ``make peers``) |
 | ``sapipe-auto-flat`` | on a job whose ranks span several nodes of several ranks (1 < torchrun's ``LOCAL_WORLD_SIZE`` < world; e.g. ``--clusters 2x2``): ``stale_layers="auto"`` with ``hierarchical=False``, one flat all-reduce per bucket, where every other sapipe mode sums node first |
+| ``ceiling-node-first`` | on such a job, ``ceiling`` with the buffer summed as sapipe sums across nodes (``HierarchicalAllReduce``: inside the node, across nodes, inside again): the bound for node-first schedules |
 | ``sapipe-auto-<compression>`` | ``stale_layers="auto"`` with ``compression=`` each ``--compressions`` format (default bf16, int8), judged against the job's *full-precision* ceiling |
 
 Every mode's optimizer is torch's ``fused=True`` SGD / Adam (``bench_models``), so that the

@@ -116,6 +116,8 @@ class Job:
                 out.append(TrainRunner(self, f"sapipe-auto-{compression}", "sapipe", "auto", compression=compression))
             if self.two_level():  # every sapipe mode sums node first; this one does not
                 out.append(TrainRunner(self, "sapipe-auto-flat", "sapipe", "auto", options={"hierarchical": False}))
+                if "ceiling" not in skip:  # perfect overlap with node-first sums: the bound for those
+                    out.append(TrainRunner(self, "ceiling-node-first", "ceiling-node-first"))
         return out
 
     def two_level(self) -> bool:
@@ -338,6 +340,8 @@ def worker(args) -> int:
         ctx.barrier()
     finally:
         _stop_horovod()
+        if getattr(ctx, "_node_first", None) is not None:
+            ctx._node_first.close()
         dist.destroy_process_group()
     return 0
 

@@ -36,6 +36,22 @@ class Ctx:
         # The second group that `ceiling` all-reduces on, created once, in the same order on every rank.
         self.side = dist.new_group(backend=self.backend, timeout=timeout)
 
+    def node_first_sum(self):
+        """sapipe's node-first sum (reduce-scatter in the node, all-reduce across nodes,
+        all-gather in the node) over the side group, made once (collective on every rank)."""
+        if getattr(self, "_node_first", None) is None:
+            import torch.distributed as dist
+
+            from sapipe.comm import HierarchicalAllReduce
+            from sapipe.comm.topology import Topology, node_name
+            from sapipe.trace import Tracer
+
+            names = [None] * self.world
+            dist.all_gather_object(names, node_name(), group=self.ctrl)
+            self._node_first = HierarchicalAllReduce.create(self.side, Topology.from_names(names), "ceiling",
+                                                            None, Tracer())
+        return self._node_first
+
     def sync(self):
         import torch
         if self.device.type == "cuda":

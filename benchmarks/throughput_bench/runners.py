@@ -82,8 +82,9 @@ class TrainRunner(Runner):
         self.opt = self.base
         self.net = self.model
         self._dist = dist
-        if self.kind == "ceiling":
+        if self.kind in ("ceiling", "ceiling-node-first"):
             self.buf = torch.zeros(job.numel, dtype=job.dtype, device=job.ctx.device)
+            self.sum = job.ctx.node_first_sum() if self.kind == "ceiling-node-first" else None
         elif self.kind == "ddp":
             self._setup_ddp()
         elif self.kind == "sapipe":
@@ -126,6 +127,11 @@ class TrainRunner(Runner):
             self.job.train_step(self.net, self.opt, i)
             work.wait()
             return
+        if self.kind == "ceiling-node-first":  # the same, summed as sapipe sums across nodes
+            handle = self.sum.start(self.buf, "the ceiling's gradients")
+            self.job.train_step(self.net, self.opt, i)
+            self.sum.wait(handle)
+            return
         self.job.train_step(self.net, self.opt, i)
         if self.kind == "sapipe":
             k = self.opt.stale_layers
@@ -162,7 +168,7 @@ class TrainRunner(Runner):
         return out
 
     def info(self):
-        if self.kind in ("local", "ceiling"):
+        if self.kind in ("local", "ceiling", "ceiling-node-first"):
             return {}
         if self.kind != "sapipe":
             return {"k": 0, "kappa": 0.0}
