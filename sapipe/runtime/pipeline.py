@@ -119,7 +119,7 @@ class GradientPipeline:
             bucket.param_views(target)[i].copy_(grad)
         bucket.ready[i] = True
         bucket.num_ready += 1
-        self._taken.append((param, param.grad, param.grad._version))
+        self._taken.append((param, grad, grad._version))
         if self.timer is not None:
             self.timer.gradient_released(self.layout.layer_of[id(param)])
         if bucket.num_ready == len(bucket.params):
