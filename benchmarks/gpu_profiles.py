@@ -32,6 +32,7 @@ sys.path.insert(0, HERE)
 
 import bench_models  # noqa: E402
 import scaling  # noqa: E402
+from compensation_overhead import synchronize  # noqa: E402
 
 #: the loss and learning rate each model trains with (bench_models' choices)
 LM_MODELS = {"gpt2"}
@@ -49,13 +50,6 @@ def batch_of(name: str, model: scaling.Model, batch: int, device, generator):
     x = torch.randn((batch,) + model.sample, generator=generator)
     y = torch.randint(0, CLASSES[name], (batch,), generator=generator)
     return x.to(device), y.to(device)
-
-
-def synchronize(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def record(name: str, setting: str, out: str, device, batch: int = 0) -> dict:

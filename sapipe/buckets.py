@@ -148,14 +148,13 @@ class Bucket:
         return self.numel * self.params[0].element_size()
 
     def param_views(self, flat: Tensor) -> List[Tensor]:
-        """Each parameter's part of ``flat`` (one of this bucket's flat buffers), shaped like the
-        parameter: made once per buffer, so that backward's per-gradient copy slices nothing."""
+        """Each parameter's part of ``flat`` (one of this bucket's flat buffers, made once with
+        its layout), shaped like the parameter: made once per buffer, so that backward's
+        per-gradient copy and ``p.grad`` exposure slice nothing."""
         for buffer, views in self._views:
             if buffer is flat:
                 return views
         views = [flat[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
-        if len(self._views) >= 8:  # buffers replaced (a restored state): drop the old views
-            self._views.clear()
         self._views.append((flat, views))
         return views
 

@@ -340,8 +340,7 @@ def worker(args) -> int:
         ctx.barrier()
     finally:
         _stop_horovod()
-        if getattr(ctx, "_node_first", None) is not None:
-            ctx._node_first.close()
+        ctx.close()
         dist.destroy_process_group()
     return 0
 

@@ -18,6 +18,7 @@ class Ctx:
         import torch.distributed as dist
 
         self.args = args
+        self._node_first = None  # node_first_sum(), made on first use
         self.rank = int(os.environ.get("RANK", 0))
         self.world = int(os.environ.get("WORLD_SIZE", 1))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -39,7 +40,7 @@ class Ctx:
     def node_first_sum(self):
         """sapipe's node-first sum (reduce-scatter in the node, all-reduce across nodes,
         all-gather in the node) over the side group, made once (collective on every rank)."""
-        if getattr(self, "_node_first", None) is None:
+        if self._node_first is None:
             import torch.distributed as dist
 
             from sapipe.comm import HierarchicalAllReduce
@@ -51,6 +52,12 @@ class Ctx:
             self._node_first = HierarchicalAllReduce.create(self.side, Topology.from_names(names), "ceiling",
                                                             None, Tracer())
         return self._node_first
+
+    def close(self):
+        """Stop what this rank started beside the process groups (the node-first sum's worker)."""
+        if self._node_first is not None:
+            self._node_first.close()
+            self._node_first = None
 
     def sync(self):
         import torch
