@@ -8,7 +8,10 @@ batch 1), one process (Gloo), torch's ``fused=True`` SGD alone against the same 
 wrapped by sapipe at k = 0 and k = m. Rounds alternate the two; the cost is the median over
 rounds of (sapipe's median step − torch's), per iteration and per layer.
 
-    python benchmarks/host_overhead.py [--rounds 7] [--steps 40]
+    python benchmarks/host_overhead.py [--rounds 7] [--steps 40] [--compressions bf16,int8]
+
+``--compressions`` adds k = m with each wire format (``compression=``): the codec's host cost
+per bucket (its passes, the two collectives and the worker thread's hand-over), one rank.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--compressions", default="", help="comma-separated formats to add at k = m (bf16,int8,fp16)")
     args = p.parse_args()
     import torch
     import torch.distributed as dist
@@ -62,9 +66,11 @@ def main() -> None:
     print("| sapipe | layers | torch alone ms | sapipe − torch, ms per iteration | per layer, µs |")
     print("| --- | ---: | ---: | ---: | ---: |")
     m = len(bench_models.describe_layers(plain[0], x))  # sapipe's layers, by its own rule
-    for label, k in (("k = 0", 0), ("k = m", m)):
+    cases = [("k = 0", 0, None), ("k = m", m, None)]
+    cases += [(f"k = m, {c}", m, c) for c in filter(None, args.compressions.split(","))]
+    for label, k, compression in cases:
         model, base = make()
-        opt = sapipe.DistributedOptimizer(base, model, stale_layers=k)
+        opt = sapipe.DistributedOptimizer(base, model, stale_layers=k, compression=compression)
         alone, extra = [], []
         for _ in range(args.rounds):
             a = median_step(*plain)

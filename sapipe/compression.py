@@ -161,7 +161,14 @@ class BucketCodec:
         self.inbox = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(slots)]
         self.gathered = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(slots)]
         self.own = [torch.zeros(fmt.message_bytes, dtype=torch.uint8, device=device) for _ in range(slots)]
-        self._flags = torch.zeros(world * fmt.flag_shard, dtype=torch.float32, device=device)
+        flags = torch.zeros(world * fmt.flag_shard, dtype=torch.float32, device=device)
+        self._flags_in, self._flags_rows = flags[: fmt.nflags], flags.view(world, fmt.flag_shard)
+        # the views each stage reads and writes, made once: a sum runs on the worker thread,
+        # where every Python-level tensor op holds the GIL the training thread launches with
+        self._outbox_views = [Messages(fmt, b) for b in self.outbox]
+        self._inbox_views = [Messages(fmt, b) for b in self.inbox]
+        self._gathered_views = [Messages(fmt, b) for b in self.gathered]
+        self._own_views = [Messages(fmt, b) for b in self.own]
         feedback = compression.error_feedback
         #: e of this rank's gradients (one per bucket value), and of the sums of its own shard it sent
         if feedback and residual is None:
@@ -173,30 +180,27 @@ class BucketCodec:
 
     def scatter_messages(self, wire: Tensor, slot: int) -> Tensor:
         """Stage 1's outgoing bytes: ``wire`` (values then flags) as W messages, one per shard."""
-        fmt = self.format
-        self._flags[: fmt.nflags].copy_(wire[fmt.numel :])
-        out = Messages(fmt, self.outbox[slot])
-        out.flags.copy_(self._flags.view(fmt.world, fmt.flag_shard))
-        codec_kernels.encode(wire[: fmt.numel], self.residual, out.values, out.scales)
+        numel = self.format.numel
+        self._flags_in.copy_(wire[numel:])
+        out = self._outbox_views[slot]
+        out.flags.copy_(self._flags_rows)
+        codec_kernels.encode(wire[:numel], self.residual, out.values, out.scales)
         return self.outbox[slot]
 
     def gather_message(self, slot: int) -> Tensor:
         """Stage 2's outgoing bytes: the W messages received for this rank's shard, summed in
         the gradient's dtype (in rank order) and compressed again as one message (16-bit: as
         the mean, which stays in fp16's range wherever each rank's values were)."""
-        fmt = self.format
-        received = Messages(fmt, self.inbox[slot])
-        mine = self.own[slot]
-        message = Messages(fmt, mine)
+        received, message = self._inbox_views[slot], self._own_views[slot]
         codec_kernels.sum_encode(received.values, received.scales, self.server_residual, message.values,
-                                 message.scales, fmt.world, self.dtype)
-        message.flags.copy_(received.flags.sum(dim=0))  # counts of ranks: exact in float32
-        return mine
+                                 message.scales, self.format.world, self.dtype)
+        torch.sum(received.flags, dim=0, out=message.flags[0])  # counts of ranks: exact in float32
+        return self.own[slot]
 
     def decode_sum(self, wire: Tensor, slot: int) -> None:
         """The gathered shards, decoded into ``wire``: the sum over ranks, values then flags."""
         fmt = self.format
-        gathered = Messages(fmt, self.gathered[slot])
+        gathered = self._gathered_views[slot]
         codec_kernels.decode(gathered.values, gathered.scales, wire[: fmt.numel], fmt.world)
         wire[fmt.numel :].copy_(gathered.flags.reshape(-1)[: fmt.nflags])
 
