@@ -1,0 +1,98 @@
+"""Where a rank's CPU goes per step: the training thread against every other thread.
+
+On a CPU host the ranks share the cores with their own communication: Gloo's threads (the
+transport, the sums), sapipe's back-end worker (a compressed sum's codec runs there) and
+the kernel's networking. This splits each step's CPU time by thread from
+``/proc/self/task/*/stat``: the training thread (the process's main thread) and the sum of
+all others, per mode, so that a step slower than ``local`` can be accounted for.
+
+Run under a launcher, e.g. on a loopback shaped to 2 Gbit/s::
+
+    sapipe-launch --emulate-net 2gbit --nproc-per-node 2 benchmarks/comm_cpu.py \\
+        --model gpt2 --modes local,ddp,m,m:bf16,m:int8
+
+Modes: ``local`` (no communication), ``ddp`` (DistributedDataParallel), and ``K[:FORMAT]``
+for sapipe at k = K (``m``: every layer) with ``compression=FORMAT``. Each mode trains
+``--steps`` timed steps after 5 untimed ones; rank 0 prints one row per mode. Every mode
+uses the model's ``fused=True`` torch optimizer (bench_models).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Dict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def thread_cpu_seconds() -> Dict[int, float]:
+    """User + system CPU seconds of each thread of this process, by thread id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    times = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        times[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="gpt2")
+    p.add_argument("--size", default="small")
+    p.add_argument("--modes", default="local,ddp,m,m:bf16,m:int8")
+    p.add_argument("--steps", type=int, default=40)
+    args = p.parse_args()
+    import torch
+    import torch.distributed as dist
+
+    import bench_models
+    import sapipe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    spec = bench_models.build(args.model, args.size)
+    x, y = spec.make_batch(spec.batch_size, torch.device("cpu"), torch.Generator().manual_seed(rank))
+    if rank == 0:
+        print(f"{args.model}/{args.size}, {dist.get_world_size()} ranks, one thread each; {args.steps} steps per mode")
+        print("| mode | step ms | training thread CPU ms/step | other threads CPU ms/step |")
+        print("| --- | ---: | ---: | ---: |")
+    for mode in args.modes.split(","):
+        model = spec.make_model()
+        if mode == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = spec.make_optimizer(model.parameters())
+        if mode not in ("local", "ddp"):
+            k, _, compression = mode.partition(":")
+            m = len(bench_models.describe_layers(model, x))
+            opt = sapipe.DistributedOptimizer(opt, model, stale_layers=m if k == "m" else int(k),
+                                              compression=compression or None)
+        for step in range(5 + args.steps):
+            if step == 5:
+                dist.barrier()
+                before, start = thread_cpu_seconds(), time.perf_counter()
+            opt.zero_grad()
+            spec.loss_fn(model(x), y).backward()
+            opt.step()
+        elapsed, after = time.perf_counter() - start, thread_cpu_seconds()
+        main_thread = os.getpid()
+        training = after[main_thread] - before.get(main_thread, 0.0)
+        others = sum(t - before.get(tid, 0.0) for tid, t in after.items() if tid != main_thread)
+        if rank == 0:
+            per = 1e3 / args.steps
+            print(f"| {mode} | {elapsed * per:.1f} | {training * per:.1f} | {others * per:.1f} |", flush=True)
+        if hasattr(opt, "close"):
+            opt.close()
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
