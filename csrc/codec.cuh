@@ -179,6 +179,26 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// v[k] (+)= row r's decoded value at lo + element(lane, k), for the block's first `span`
+// values (v[k] = 0 past them when not kAccumulate). An int8 row's scale is read once.
+template <typename T, int kKind, bool kAccumulate>
+__device__ __forceinline__ void add_row(T (&v)[kPerLane], const Rows& in, int64_t r, int64_t lo, int lane,
+                                        int64_t span) {
+  const char* row = static_cast<const char*>(in.values) + r * in.stride * value_bytes<kKind>();
+  const T s = kKind == kInt8 ? static_cast<T>(in.scales[r * in.scale_stride + lo / kBlock]) : T(1);
+  T x[kPerLane];
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int64_t i = element(lane, k);
+    x[k] = T(0);
+    if (i >= span) continue;
+    if (kKind == kInt8) x[k] = mul_rn(static_cast<T>(reinterpret_cast<const int8_t*>(row)[lo + i]), s);
+    else x[k] = static_cast<T>(from_bits<kKind>(reinterpret_cast<const uint16_t*>(row)[lo + i]));
+  }
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) v[k] = kAccumulate ? add_rn(v[k], x[k]) : x[k];
+}
+
 // One row <- the sum of `in`'s rows (+ residual[0:width)), compressed.
 template <typename T, int kKind>
 __global__ void __launch_bounds__(kThreads)
@@ -189,28 +209,35 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t b = int64_t(blockIdx.x) * (kThreads / kLanes) + threadIdx.x / kLanes; b < per_row; b += warps) {
     const int64_t lo = b * kBlock;
     const int64_t span = clamp_count(in.width - lo, kBlock);
+    // Row by row, each lane's 8 values at once: the 8 loads of a row are independent, so
+    // they are in flight together. Each value still adds the rows in rank order.
     T v[kPerLane];
+    add_row<T, kKind, false>(v, in, 0, lo, lane, span);
+    for (int64_t r = 1; r < in.rows; ++r) add_row<T, kKind, true>(v, in, r, lo, lane, span);
+    if (residual) {
 #pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
-      const int64_t i = element(lane, k);
-      v[k] = T(0);
-      if (i >= span) continue;
-      T acc = decoded_at<T, kKind>(in, 0, lo + i);
-      for (int64_t r = 1; r < in.rows; ++r) acc = add_rn(acc, decoded_at<T, kKind>(in, r, lo + i));
-      v[k] = residual ? add_rn(acc, residual[lo + i]) : acc;
+      for (int k = 0; k < kPerLane; ++k) {
+        const int64_t i = element(lane, k);
+        if (i < span) v[k] = add_rn(v[k], residual[lo + i]);
+      }
     }
     encode_warp_block<T, kKind>(v, lane, span, span, out, 0, b, divide, residual);
   }
 }
 
 // out[0:n) <- the rows decoded (16-bit: times multiply), row j filling [j * width, ...).
+// Rows go over blockIdx.y and a row's values over blockIdx.x, so that no value pays for a
+// 64-bit division to find its row.
 template <typename T, int kKind>
 __global__ void __launch_bounds__(kThreads) decode_kernel(Rows in, T* out, int64_t n, T multiply) {
   const int64_t stride = int64_t(gridDim.x) * kThreads;
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
-    const int64_t r = i / in.width, idx = i % in.width;
-    const T x = decoded_at<T, kKind>(in, r, idx);
-    out[i] = kKind == kInt8 ? x : mul_rn(x, multiply);
+  for (int64_t r = blockIdx.y; r < in.rows && r * in.width < n; r += gridDim.y) {
+    const int64_t first = r * in.width;
+    const int64_t count = n - first < in.width ? n - first : in.width;
+    for (int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x; idx < count; idx += stride) {
+      const T x = decoded_at<T, kKind>(in, r, idx);
+      out[first + idx] = kKind == kInt8 ? x : mul_rn(x, multiply);
+    }
   }
 }
 
@@ -243,7 +270,10 @@ cudaError_t launch_sum_encode(int kind, const Rows& in, T* residual, const Rows&
 template <typename T>
 cudaError_t launch_decode(int kind, const Rows& in, T* out, int64_t n, T multiply, int max_blocks,
                           cudaStream_t stream) {
-  const int grid = grid_for(n, kThreads, max_blocks);
+  const int64_t rows = in.width > 0 ? (n + in.width - 1) / in.width : 1;  // rows holding out's values
+  const int grid_y = static_cast<int>(rows < 1 ? 1 : (rows < 65535 ? rows : 65535));
+  const int per_row = grid_for(in.width < n ? in.width : n, kThreads, max_blocks / grid_y > 0 ? max_blocks / grid_y : 1);
+  const dim3 grid(per_row, grid_y);
   if (kind == kInt8) decode_kernel<T, kInt8><<<grid, kThreads, 0, stream>>>(in, out, n, multiply);
   else if (kind == kFp16) decode_kernel<T, kFp16><<<grid, kThreads, 0, stream>>>(in, out, n, multiply);
   else decode_kernel<T, kBf16><<<grid, kThreads, 0, stream>>>(in, out, n, multiply);
