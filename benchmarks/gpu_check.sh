@@ -5,8 +5,9 @@
 # compression kernels), the CUDA end-to-end tests (compressed sums and the profile on a GPU
 # included), the kernel bandwidth benchmark (float32, with the codec's stages, and bfloat16),
 # the profiles of scaling.py's models (benchmarks/gpu_profiles.py, for
-# `scaling.py --measured`), what a compression costs a compute-bound step, and the
-# compensation overhead of the full-size models. Logs and tables go to $GPU_OUT (default
+# `scaling.py --measured`), what a compression costs a compute-bound step, sapipe's host time
+# per iteration (benchmarks/host_overhead.py), and the compensation overhead of the full-size
+# models. Logs and tables go to $GPU_OUT (default
 # gpu-results/); the last lines printed are the summaries.
 #
 #   GPU_OUT=/some/dir PYTHON=python3 bash benchmarks/gpu_check.sh [quick]
@@ -53,6 +54,10 @@ $PY benchmarks/compensation_overhead.py --device cuda --size full --models gpt2,
   --compressions bf16,int8 --fused-only --rounds 8 --output "$OUT/compression_cost_cuda.md" \
   >"$OUT/compression_cost.log" 2>&1 || status=1
 tail -12 "$OUT/compression_cost.log"
+
+echo "== sapipe's host time per iteration (107 tiny layers, one NCCL rank: the step is the host's)"
+$PY benchmarks/host_overhead.py --device cuda --compressions bf16,int8 >"$OUT/host_overhead.md" 2>&1 || status=1
+tail -6 "$OUT/host_overhead.md"
 
 if [ "${1:-}" != quick ]; then
   echo "== compensation overhead (full-size models, one NCCL rank)"

@@ -8,10 +8,12 @@ batch 1), one process (Gloo), torch's ``fused=True`` SGD alone against the same 
 wrapped by sapipe at k = 0 and k = m. Rounds alternate the two; the cost is the median over
 rounds of (sapipe's median step − torch's), per iteration and per layer.
 
-    python benchmarks/host_overhead.py [--rounds 7] [--steps 40] [--compressions bf16,int8]
+    python benchmarks/host_overhead.py [--rounds 7] [--steps 40] [--compressions bf16,int8] [--device cuda]
 
 ``--compressions`` adds k = m with each wire format (``compression=``): the codec's host cost
 per bucket (its passes, the two collectives and the worker thread's hand-over), one rank.
+``--device cuda`` runs the same on a GPU (one NCCL rank): its kernels are too small to keep
+the device busy, so a step lasts as long as the host takes to issue it, launches included.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--compressions", default="", help="comma-separated formats to add at k = m (bf16,int8,fp16)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = p.parse_args()
     import torch
     import torch.distributed as dist
@@ -38,20 +41,24 @@ def main() -> None:
 
     import bench_models
     import sapipe
+    from compensation_overhead import synchronize
 
     torch.set_num_threads(1)
+    device = torch.device(args.device)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    x, y = torch.randn(1, 3, 8, 8), torch.tensor([1])
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1)
+    x, y = torch.randn(1, 3, 8, 8, device=device), torch.tensor([1], device=device)
 
     def make():
         torch.manual_seed(0)
-        model = bench_models.ResNet(4, 10, imagenet_stem=False)
+        model = bench_models.ResNet(4, 10, imagenet_stem=False).to(device)
         return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True)
 
     def median_step(model, opt) -> float:
+        synchronize(device)  # nothing queued from before
         times = []
         for _ in range(args.steps):
             start = time.perf_counter()
@@ -62,7 +69,8 @@ def main() -> None:
         return statistics.median(times[5:])
 
     plain = make()
-    print(f"torch {torch.__version__}, one thread; {args.rounds} rounds of {args.steps} steps")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"torch {torch.__version__}, {where}, one thread; {args.rounds} rounds of {args.steps} steps")
     print("| sapipe | layers | torch alone ms | sapipe − torch, ms per iteration | per layer, µs |")
     print("| --- | ---: | ---: | ---: | ---: |")
     m = len(bench_models.describe_layers(plain[0], x))  # sapipe's layers, by its own rule
