@@ -112,3 +112,29 @@ def test_skipped_step_keeps_ranks_in_agreement():
         for name, value in a["real"].items():
             assert np.isfinite(value).all(), f"{mode}: {name} not finite"
             assert np.array_equal(value, b["real"][name]), f"{mode}: ranks disagree on real {name}"
+
+
+def _scaler_without_itself(rank, world_size):
+    """torch's announced GradScaler protocol, driven by a real scaler: ``step()`` offered
+    without its ``grad_scaler`` parameter, so the scaler sets ``grad_scale`` / ``found_inf``
+    on the optimizer instead of passing itself."""
+    model = make_model("tied")
+    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model)
+    opt.step = lambda closure=None: type(opt).step(opt, closure)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = make_batches("tied", 1, world_size)[0][rank]
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(_loss(model, x, y, rank, 1, poison=False)).backward()
+    try:
+        scaler.step(opt)
+    except sapipe.UsageError as exc:
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        return {"error": str(exc), "unchanged": unchanged}
+    return {"error": None}
+
+
+def test_a_scaler_that_does_not_pass_itself_is_refused():
+    for r in run_ranks(_scaler_without_itself, world_size=2):
+        assert r["error"] is not None, "scaled gradients were stepped as if unscaled"
+        assert "grad_scaler" in r["error"] and "found_inf" in r["error"], r["error"]
+        assert r["unchanged"], "the refused step changed the weights"

@@ -18,6 +18,7 @@ import torch
 from ..buckets import Bucket, WeightHistory
 from ..compensation import Compensation, StaleStep
 from ..config import Settings
+from ..errors import UsageError
 from ..gradient_spec import GradientSpec
 from ..optim_math import OptimizerRule
 from . import unused
@@ -225,4 +226,19 @@ class Updater:
             bucket.weights.copy_(bucket.real)  # the parameters are views of weights: re-laid out next
 
 
-__all__ = ["Updater", "Hyperparams"]
+def require_scaler_in_step(optimizer) -> None:
+    """Refuse a ``GradScaler`` that scaled this step without passing itself to ``step()``.
+
+    torch has announced that ``GradScaler.step`` will stop passing ``grad_scaler=`` and set
+    ``optimizer.grad_scale`` / ``optimizer.found_inf`` instead. sapipe needs the scaler itself:
+    whether a step is skipped must be agreed over ranks and written back into every rank's
+    scaler. Stepping scaled gradients as if unscaled would be silently wrong, so this raises.
+    """
+    if getattr(optimizer, "found_inf", None) is not None or getattr(optimizer, "grad_scale", None) is not None:
+        raise UsageError(
+            "sapipe: a GradScaler stepped this optimizer without passing itself as step(grad_scaler=...) "
+            "(it set optimizer.grad_scale / found_inf instead, a protocol of newer torch); sapipe needs "
+            "the scaler itself to agree on skipped steps over ranks")
+
+
+__all__ = ["Updater", "Hyperparams", "require_scaler_in_step"]
