@@ -92,6 +92,20 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def init_one_rank_group(device) -> None:
+    """A process group of this process alone, on a free loopback port: NCCL for a GPU, Gloo
+    for the CPU (sapipe's optimizer runs in a group, even of one rank)."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
 class PassTimer:
     """Seconds per pass over ``elements`` float32 from memory: half of a ``torch`` copy (one
     read, one write), from buffers rotated so that the last level cache does not hold them.
@@ -116,21 +130,14 @@ class PassTimer:
 
 
 def worker(args) -> None:
-    import socket
-
     import torch
-    import torch.distributed as dist
 
     import bench_models
     import sapipe
 
     torch.set_num_threads(args.threads)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     device = torch.device(args.device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    init_one_rank_group(device)
     out = {"backend": sapipe.ops.backend(device.type), "models": {}}
     for name in args.models.split(","):
         spec = bench_models.build(name, args.size)

@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 
 import bench_models  # noqa: E402
 import scaling  # noqa: E402
-from compensation_overhead import synchronize  # noqa: E402
+from compensation_overhead import init_one_rank_group, synchronize  # noqa: E402
 
 #: the loss and learning rate each model trains with (bench_models' choices)
 LM_MODELS = {"gpt2"}
@@ -118,18 +118,13 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of this script")
     p.add_argument("--batch", type=int, default=0, help="samples per iteration (0: scaling.py's per-GPU batch)")
     args = p.parse_args()
-    import socket
-
     import torch
     import torch.distributed as dist
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_profiles: torch sees no CUDA device")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    init_one_rank_group(device)
     os.makedirs(args.out, exist_ok=True)
     summary = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "runs": []}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -41,15 +40,11 @@ def main() -> None:
 
     import bench_models
     import sapipe
-    from compensation_overhead import synchronize
+    from compensation_overhead import init_one_rank_group, synchronize
 
     torch.set_num_threads(1)
     device = torch.device(args.device)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1)
+    init_one_rank_group(device)
     x, y = torch.randn(1, 3, 8, 8, device=device), torch.tensor([1], device=device)
 
     def make():
