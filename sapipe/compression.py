@@ -7,9 +7,11 @@ sum itself taken in the gradient's own dtype (float32 or float64), never in 16 o
    shard j, compressed, to rank j. Rank j decodes the W messages it receives and adds
    them up, in rank order, in the gradient's dtype.
 2. **Gather** (an all-gather): rank j compresses its summed shard and every rank receives
-   every shard; each decodes all W of them into the bucket.
+   every shard; each decodes all W of them into the bucket, as the mean over ranks.
 
-Every rank decodes the same gathered bytes, so all hold the identical sum. Each element
+Every rank decodes the same gathered bytes, so all hold the identical mean. The division
+by W rides on what the formats do anyway (16-bit: the sum travels as its mean; int8: the
+gathered scales are divided, W per block), so no pass over the bucket is spent on it. Each element
 is rounded twice (once as a rank's gradient, once as the sum), whatever W is: a 16-bit
 ring all-reduce rounds W − 1 partial sums, and its error grows with the job. The link
 carries 2 (W − 1) / W of the compressed bucket each way, as a ring all-reduce does of
@@ -19,9 +21,10 @@ Formats (docs/design.md §5.9):
 
 * ``fp16`` / ``bf16``: each value cast to the 16-bit type (round to nearest even). The
   sum is sent as its mean (sum / W), which keeps it in fp16's range wherever each rank's
-  gradient was, and multiplied back by W once decoded.
+  gradient was, and decodes as that mean.
 * ``int8``: blocks of :data:`INT8_BLOCK` values share one float32 scale s = max|v| / 127;
-  a value travels as q = round(v / s) in [−127, 127] and arrives as q · s.
+  a value travels as q = round(v / s) in [−127, 127] and arrives as q · s (a sum: as
+  q · (s / W), its mean).
 
 **Error feedback** (on by default for int8, ``error_feedback=`` turns it on or off for any
 format) keeps what rounding dropped: rank r sends v = g + e and keeps e ← v − decoded(v)
@@ -197,11 +200,14 @@ class BucketCodec:
         torch.sum(received.flags, dim=0, out=message.flags[0])  # counts of ranks: exact in float32
         return self.own[slot]
 
-    def decode_sum(self, wire: Tensor, slot: int) -> None:
-        """The gathered shards, decoded into ``wire``: the sum over ranks, values then flags."""
+    def decode_mean(self, wire: Tensor, slot: int) -> None:
+        """The gathered shards, decoded into ``wire``: the values' mean over ranks, then the
+        flags' sum (how many ranks used each parameter)."""
         fmt = self.format
         gathered = self._gathered_views[slot]
-        codec_kernels.decode(gathered.values, gathered.scales, wire[: fmt.numel], fmt.world)
+        if gathered.scales is not None:  # int8 carries the sum: W scales per block, not W values
+            gathered.scales.div_(fmt.world)
+        codec_kernels.decode(gathered.values, gathered.scales, wire[: fmt.numel])  # 16-bit: the mean as sent
         wire[fmt.numel :].copy_(gathered.flags.reshape(-1)[: fmt.nflags])
 
     def at(self, slot: int) -> "SlotCodec":
@@ -244,8 +250,8 @@ class SlotCodec:
     def gathered(self) -> Tensor:
         return self.codec.gathered[self.slot]
 
-    def decode_sum(self, wire: Tensor) -> None:
-        self.codec.decode_sum(wire, self.slot)
+    def decode_mean(self, wire: Tensor) -> None:
+        self.codec.decode_mean(wire, self.slot)
 
     def partitions(self) -> List[Tuple[int, int, "SlotCodec"]]:
         """The units summed one by one: [start, end) of the wire and the unit's codec (one: all of it)."""

@@ -4,7 +4,9 @@ The engine hands a back-end one flat bucket at a time and later waits for it; wh
 back-end does in between (one all-reduce, chunked push-pull, Horovod's or BytePS's own
 queue) is its business. Every back-end must:
 
-* **sum** the tensor over the ranks of the job, in place;
+* **sum** the tensor over the ranks of the job, in place (a compressed sum, started with a
+  ``codec``, leaves the gradient's values as their mean and the flags behind them as their
+  sum: its decode divides by the world size at no extra pass, sapipe.compression);
 * be **deterministic across ranks**: the engine calls ``start`` in the same order on every
   rank, and the back-end must turn that into the same collectives in the same order;
 * **fail loudly within a bounded time**: a dead or hung peer surfaces as a

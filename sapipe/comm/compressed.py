@@ -76,13 +76,13 @@ class TorchCollectives(Collectives):
 
 
 def sum_compressed(codec: SlotCodec, wire: torch.Tensor, collectives: Collectives, tag: str) -> None:
-    """``wire`` (values, then flags) summed over the ranks in place, compressed on the wire:
-    the all-to-all of its compressed shards, their sum in the gradient's dtype, the
-    all-gather of the compressed sums, decoded."""
+    """``wire`` reduced over the ranks in place, compressed on the wire: its values averaged,
+    its flags summed. The all-to-all of its compressed shards, their sum in the gradient's
+    dtype, the all-gather of the compressed sums, decoded as the mean."""
     outgoing = codec.scatter_messages(wire)
     collectives.all_to_all(codec.inbox(), outgoing, f"{tag}.scatter")
     collectives.all_gather(codec.gathered(), codec.gather_message(), f"{tag}.gather")
-    codec.decode_sum(wire)
+    codec.decode_mean(wire)
 
 
 def check_codec(codec: Optional[Slot], tensor: torch.Tensor, name: str, what: str) -> Slot:

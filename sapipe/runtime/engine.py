@@ -39,11 +39,11 @@ class Runtime:
         compression = settings.wire_compression
         self._compression = None if compression is None else CompressedSums(
             compression, world_size, comm.compression_partition(settings.backend, settings.partition_bytes))
-        self.pipeline = GradientPipeline(settings, group, tracer, before_reuse=self.apply_deferred,
+        self.pipeline = GradientPipeline(settings, group, world_size, tracer, before_reuse=self.apply_deferred,
                                          topology=self.topology)
         self.updater = Updater(rule, MODES[settings.compensation](settings.staleness), settings,
                                world_size, self.pipeline)
-        self.exposure = (GradientExposure(self.pipeline, world_size, settings.staleness,
+        self.exposure = (GradientExposure(self.pipeline, settings.staleness,
                                           lambda: self.updater.scaling, self.apply_deferred)
                          if settings.expose_gradients else None)
         if self.exposure is not None:

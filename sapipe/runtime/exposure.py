@@ -87,12 +87,11 @@ def _tensors_in(args, kwargs):
 class GradientExposure:
     """Points ``p.grad`` at the gradient each parameter's update will use, once backward ends."""
 
-    def __init__(self, pipeline: GradientPipeline, world_size: int, staleness: int,
+    def __init__(self, pipeline: GradientPipeline, staleness: int,
                  scaling: Callable[[], Dict[int, Tuple[bool, float]]], apply_pending: Callable[[Bucket], float]):
         self._pipeline = pipeline
         self._scaling = scaling  # per iteration (finite, 1 / loss scale), as agreed at its step()
         self._apply_pending = apply_pending  # a bucket's deferred sync update; seconds waited
-        self._world_size = world_size
         self._staleness = staleness
         self.scaler = None  # the GradScaler the last step() received: the current loss scale
         self.iteration: Optional[int] = None  # whose gradients p.grad holds
@@ -174,13 +173,12 @@ class GradientExposure:
     def _arrive(self, bucket: Bucket, slot: int, exposed: ExposedGradient, finite: bool, factor: float) -> float:
         """The summed gradient in ``slot`` waited for and made the mean, or None if its step was
         skipped as not finite; its globally unused parameters skipped. Seconds waited."""
-        summed, waited = self._pipeline.take_arrived(bucket, slot)
+        mean, waited = self._pipeline.take_mean(bucket, slot)
         if not finite:
             exposed.grad = None
             return waited
-        summed.div_(self._world_size)
         if factor != 1.0:
-            summed.mul_(factor)
+            mean.mul_(factor)
         exposed.skip.extend(unused.unused_everywhere(bucket.grads, slot))
         return waited
 

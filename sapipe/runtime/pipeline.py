@@ -47,8 +47,9 @@ class GradientPipeline:
     while the bucket still has a deferred update pending (its buffer is about to be reused).
     """
 
-    def __init__(self, settings: Settings, group, tracer: Tracer, before_reuse: Callable[[Bucket], None],
-                 topology: Optional[Topology] = None):
+    def __init__(self, settings: Settings, group, world_size: int, tracer: Tracer,
+                 before_reuse: Callable[[Bucket], None], topology: Optional[Topology] = None):
+        self._world_size = world_size
         self._tracer = tracer
         self._before_reuse = before_reuse
         self._topology = topology  # hierarchical sums over these nodes (None: flat)
@@ -212,17 +213,20 @@ class GradientPipeline:
                     "expose_gradients=True (the default) for p.grad to hold the averaged gradient step() applies"
                 )
 
-    def take_arrived(self, bucket: Bucket, slot: int) -> Tuple[torch.Tensor, float]:
-        """(the summed gradient in ``bucket``'s ``slot``, seconds blocked on it); the slot is free after."""
+    def take_mean(self, bucket: Bucket, slot: int) -> Tuple[torch.Tensor, float]:
+        """(the gradient in ``bucket``'s ``slot`` averaged over the ranks, seconds blocked on
+        it); the slot is free after, its flags still counts of ranks."""
         assert bucket.grads is not None
         handle, bucket.grads.in_flight[slot] = bucket.grads.in_flight[slot], None
         start = self.clock()
-        handle.wait()  # summed in place (the back-end contract), flags behind the gradient
-        summed = bucket.grads.slots[slot]
+        handle.wait()  # reduced in place (the back-end contract), flags behind the gradient
+        mean = bucket.grads.slots[slot]
         waited = self.clock() - start
         self.waited += waited
         self.waited_total += waited
-        return summed, waited
+        if bucket.grads.codec is None:  # a sum; a compressed one arrives as the mean already
+            mean.div_(self._world_size)
+        return mean, waited
 
     def clock(self) -> float:
         """The time; in a profiled iteration on a GPU, once the device caught up

@@ -87,16 +87,15 @@ class Updater:
         if exposed is not None:
             waited = exposed.settle()  # its all-reduce, if nothing read p.grad before
             return exposed.grad, exposed.skip, waited
-        summed, waited = self._pipeline.take_arrived(bucket, slot)
-        grad = self._unscale(summed, iteration)
+        mean, waited = self._pipeline.take_mean(bucket, slot)
+        grad = self._unscale(mean, iteration)
         return grad, (unused.unused_everywhere(bucket.grads, slot) if grad is not None else []), waited
 
     def _unscale(self, grad: torch.Tensor, iteration: int) -> Optional[torch.Tensor]:
-        """The summed gradient of ``iteration`` as a mean, unscaled; None if it was not finite."""
+        """The averaged gradient of ``iteration`` unscaled; None if it was not finite."""
         finite, inverse_scale = self.scaling.get(iteration, (True, 1.0))
         if not finite:
             return None
-        grad.div_(self._world_size)
         return grad if inverse_scale == 1.0 else grad.mul_(inverse_scale)
 
     # ------------------------------------------------------------------ sync buckets

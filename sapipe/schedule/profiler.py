@@ -396,7 +396,7 @@ def time_codec(codec, wire: torch.Tensor, repeats: int = 3) -> float:
         for lo, hi, part in parts:
             part.scatter_messages(wire[lo:hi])
             part.gather_message()
-            part.decode_sum(wire[lo:hi])
+            part.decode_mean(wire[lo:hi])
         if wire.is_cuda:
             torch.cuda.synchronize(wire.device)
         times.append(time.perf_counter() - start)
