@@ -181,3 +181,50 @@ def test_wait_for_communication_blocks_until_in_flight_all_reduces_arrive():
     assert out[0]["blocked"] > 0.3, out  # rank 0 waited for rank 1's late stale all-reduce
     assert out[1]["blocked"] < 0.3, out
     assert out[0]["pending"] > 0 and out[1]["pending"] > 0  # nothing consumed: still the step's to apply
+
+
+# ops that read a tensor's value on the host: on CUDA each one waits for the device
+_HOST_READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.item")
+
+
+def _host_reads(rank, world_size, compensation, k, compression):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import sapipe
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.reads = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func).startswith(_HOST_READS):
+                self.reads.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = make_model("tied", seed=0)
+    opt = sapipe.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, stale_layers=k,
+                                      compensation=compensation, compression=compression, bucket_cap_mb=0.001)
+    batches = make_batches("tied", 10, world_size)
+    watch = HostReads()
+    for t in range(10):
+        x, y = batches[t][rank]
+        if t == 6:  # the pipeline is full from here on
+            watch.__enter__()
+        opt.zero_grad()
+        loss_fn_for("tied")(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+    watch.__exit__(None, None, None)
+    return watch.reads
+
+
+def test_steady_state_steps_read_nothing_back_to_the_host():
+    """A step of sapipe's, its pipeline full, reads no tensor value on the host (no ``item()``,
+    no ``bool(tensor)``): on a GPU each such read would stall the host until the device caught
+    up, and the next kernels could not be queued ahead. Seen on the training thread's
+    dispatcher, here on the CPU; the script's own clipping (no host read with ``foreach``)
+    runs between backward and step as in a user's loop."""
+    for compensation, k, compression in (("none", 0, None), ("wp1", 3, None), ("dc", 3, "int8"), ("wp3", 3, "bf16")):
+        for reads in run_ranks(_host_reads, world_size=2, args=(compensation, k, compression)):
+            assert reads == [], f"{compensation}, k={k}, {compression}: host reads {sorted(set(reads))}"
