@@ -149,6 +149,13 @@ def check_device(device: torch.device, dtype: torch.dtype) -> None:
         raise SystemExit(f"{why}; nothing to compare")
 
 
+
+def _cpu_isa() -> str:
+    """", instruction set X" of the compiled CPU kernels in use (SAPIPE_CPU_ISA caps it), if built."""
+    from sapipe import _ext
+
+    return f", instruction set {_ext.cpu.cpu_isa()}" if _ext.cpu is not None else ""
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=16 * 1024 * 1024, help="elements per buffer")
@@ -342,7 +349,7 @@ def main() -> None:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         print(f"n = {n:,} {args.dtype} ({mib:.0f} MiB per buffer), torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {load:.1f}, "
-              f"backend {ops.backend('cpu')}")
+              f"backend {ops.backend('cpu')}{_cpu_isa()}")
     rows: List[Row] = []
     for name, (bpe, ext_fn, ref_fn) in cases.items():
         # the yardstick is re-measured next to every kernel, so that load from elsewhere on a

@@ -11,10 +11,10 @@ PYBIND11_MODULE(_C, m) {
                                  &sapipe::cpu::codec_decode);
   m.attr("device_type") = "cpu";
   m.def("cpu_isa", &sapipe::cpu::isa_name,
-        "Instruction set of the CPU tile kernels in use: \"avx2\" or \"base\".");
+        "Instruction set of the CPU kernels in use: \"avx512\" (the codec; AVX2 update tiles), \"avx2\" or \"base\".");
   m.def(
       "set_cpu_isa", [](const std::string& name) { return sapipe::cpu::set_isa(name.c_str()); },
-      "Select the tile kernels' instruction set (\"base\" / \"avx2\"); False if unavailable.");
+      "Select the CPU kernels' instruction set (\"base\" / \"avx2\" / \"avx512\"); False if unavailable.");
 #if defined(_OPENMP)
   m.attr("openmp") = true;
 #else

@@ -1,6 +1,11 @@
-// Run-time choice of the CPU kernels' instruction set (update tiles and codec): AVX2 where the
-// CPU has it, else the baseline build. SAPIPE_CPU_ISA=base in the environment forces the
-// baseline.
+// Run-time choice of the CPU kernels' instruction set: the best the CPU has of
+//   base   the baseline build (update tiles and codec);
+//   avx2   AVX2 (+ F16C) builds of both;
+//   avx512 the AVX-512 (F, BW, VL) build of the codec, with the AVX2 update tiles (their
+//          loops are bound by the divider and memory, not by vector width).
+// SAPIPE_CPU_ISA=base|avx2 in the environment caps the choice (e.g. where 512-bit vectors
+// lower the core's clock for the training thread beside the codec). Every build gives the
+// same bits (no FMA contraction anywhere).
 #include "cpu_codec_types.h"
 #include "cpu_tile_types.h"
 
@@ -19,30 +24,45 @@ extern const CodecTable<double> codec_table_d;
 }  // namespace base
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define SAPIPE_HAVE_AVX2 1
+#define SAPIPE_HAVE_X86_VARIANTS 1
 namespace avx2 {
 extern const TileTable<float> table_f;
 extern const TileTable<double> table_d;
 extern const CodecTable<float> codec_table_f;
 extern const CodecTable<double> codec_table_d;
 }  // namespace avx2
+namespace avx512 {
+extern const CodecTable<float> codec_table_f;
+extern const CodecTable<double> codec_table_d;
+}  // namespace avx512
 #endif
 
 namespace {
 
-bool cpu_has_avx2() {
-#ifdef SAPIPE_HAVE_AVX2
+enum Isa : int { kBase = 0, kAvx2 = 1, kAvx512 = 2 };
+const char* const kIsaNames[] = {"base", "avx2", "avx512"};
+
+bool cpu_has(Isa isa) {
+#ifdef SAPIPE_HAVE_X86_VARIANTS
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");  // the codec uses F16C
-#else
-  return false;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");  // the codec uses F16C
+  if (isa == kAvx2) return avx2;
+  if (isa == kAvx512)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
 #endif
+  return isa == kBase;
 }
 
 int detect() {
-  const char* env = std::getenv("SAPIPE_CPU_ISA");
-  if (env && std::strcmp(env, "base") == 0) return 0;
-  return cpu_has_avx2() ? 1 : 0;
+  int cap = kAvx512;
+  if (const char* env = std::getenv("SAPIPE_CPU_ISA")) {
+    for (int i = kBase; i <= kAvx512; ++i)
+      if (std::strcmp(env, kIsaNames[i]) == 0) cap = i;
+  }
+  for (int i = cap; i > kBase; --i)
+    if (cpu_has(static_cast<Isa>(i))) return i;
+  return kBase;
 }
 
 std::atomic<int>& choice() {
@@ -50,50 +70,52 @@ std::atomic<int>& choice() {
   return c;
 }
 
+int chosen() { return choice().load(std::memory_order_relaxed); }
+
 }  // namespace
 
 template <>
 const TileTable<float>& tiles<float>() {
-#ifdef SAPIPE_HAVE_AVX2
-  if (choice().load(std::memory_order_relaxed) == 1) return avx2::table_f;
+#ifdef SAPIPE_HAVE_X86_VARIANTS
+  if (chosen() >= kAvx2) return avx2::table_f;
 #endif
   return base::table_f;
 }
 
 template <>
 const TileTable<double>& tiles<double>() {
-#ifdef SAPIPE_HAVE_AVX2
-  if (choice().load(std::memory_order_relaxed) == 1) return avx2::table_d;
+#ifdef SAPIPE_HAVE_X86_VARIANTS
+  if (chosen() >= kAvx2) return avx2::table_d;
 #endif
   return base::table_d;
 }
 
 template <>
 const CodecTable<float>& codec_tiles<float>() {
-#ifdef SAPIPE_HAVE_AVX2
-  if (choice().load(std::memory_order_relaxed) == 1) return avx2::codec_table_f;
+#ifdef SAPIPE_HAVE_X86_VARIANTS
+  if (chosen() == kAvx512) return avx512::codec_table_f;
+  if (chosen() == kAvx2) return avx2::codec_table_f;
 #endif
   return base::codec_table_f;
 }
 
 template <>
 const CodecTable<double>& codec_tiles<double>() {
-#ifdef SAPIPE_HAVE_AVX2
-  if (choice().load(std::memory_order_relaxed) == 1) return avx2::codec_table_d;
+#ifdef SAPIPE_HAVE_X86_VARIANTS
+  if (chosen() == kAvx512) return avx512::codec_table_d;
+  if (chosen() == kAvx2) return avx2::codec_table_d;
 #endif
   return base::codec_table_d;
 }
 
-const char* isa_name() { return choice().load() == 1 ? "avx2" : "base"; }
+const char* isa_name() { return kIsaNames[choice().load()]; }
 
 bool set_isa(const char* name) {
-  if (std::strcmp(name, "base") == 0) {
-    choice().store(0);
-    return true;
-  }
-  if (std::strcmp(name, "avx2") == 0 && cpu_has_avx2()) {
-    choice().store(1);
-    return true;
+  for (int i = kBase; i <= kAvx512; ++i) {
+    if (std::strcmp(name, kIsaNames[i]) == 0 && cpu_has(static_cast<Isa>(i))) {
+      choice().store(i);
+      return true;
+    }
   }
   return false;
 }

@@ -13,6 +13,10 @@ conversions.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -111,10 +115,14 @@ CASES = [  # (rows, width, n): n < rows * width leaves padding; widths off the b
 
 
 def _isas():
-    return ["base", "avx2"] if _ext.cpu.set_cpu_isa("avx2") else ["base"]
+    """The instruction sets this CPU runs the codec with."""
+    previous = _ext.cpu.cpu_isa()
+    found = ["base"] + [name for name in ("avx2", "avx512") if _ext.cpu.set_cpu_isa(name)]
+    _ext.cpu.set_cpu_isa(previous)
+    return found
 
 
-@pytest.fixture(params=["base", "avx2"])
+@pytest.fixture(params=["base", "avx2", "avx512"])
 def isa(request):
     if request.param not in _isas():
         pytest.skip(f"this CPU has no {request.param}")
@@ -267,11 +275,21 @@ def test_bad_arguments_raise_clearly():
     GPU machine's torch (2.11.0+cu130) an error raised inside sapipe._C crashed the
     interpreter (SIGSEGV in std::ostream's integer formatting), which must fail this test,
     not end the test run."""
-    import os
-    import subprocess
-    import sys
-
     code = BAD_CALLS.format(tests=os.path.dirname(os.path.abspath(__file__)))
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, f"the child interpreter died (rc {child.returncode}): {child.stderr[-2000:]}"
     assert child.stdout.split("\n")[:-1] == ["raised"] * 5, child.stdout
+
+@pytest.mark.parametrize("cap", ["base", "avx2"])
+def test_the_environment_caps_the_instruction_set(cap):
+    """SAPIPE_CPU_ISA=base|avx2 caps the run-time choice (the best the CPU has otherwise)."""
+    if cap not in _isas():
+        pytest.skip(f"this CPU has no {cap}")
+    code = "from sapipe import _ext; print(_ext.cpu.cpu_isa())"
+    env = dict(os.environ, SAPIPE_CPU_ISA=cap)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == cap, out.stderr[-2000:]
+    best = subprocess.run([sys.executable, "-c", code], env={k: v for k, v in os.environ.items()
+                                                             if k != "SAPIPE_CPU_ISA"},
+                          capture_output=True, text=True, timeout=120)
+    assert best.stdout.strip() == _isas()[-1], best.stderr[-2000:]

@@ -790,6 +790,7 @@ def test_kernels_follow_torch_optim(device, name, no_fallback):
 def test_cpu_isa_variants_agree_bitwise(no_fallback):
     """The AVX2 and baseline builds of the CPU tile kernels give identical bits."""
     _require("cpu")
+    previous = _ext.cpu.cpu_isa()
     if not _ext.cpu.set_cpu_isa("avx2"):
         pytest.skip("this CPU has no AVX2")
     gen = torch.Generator().manual_seed(11)
@@ -827,7 +828,7 @@ def test_cpu_isa_variants_agree_bitwise(no_fallback):
                          weight_decay=1e-2, decoupled=False, maximize=False)
                 results[(isa, dtype)] = outs + [p, b, m, v]
     finally:
-        _ext.cpu.set_cpu_isa("avx2")
+        _ext.cpu.set_cpu_isa(previous)
     for dtype in (F32, F64):
         for a, b in zip(results[("base", dtype)], results[("avx2", dtype)], strict=True):
             assert torch.equal(a, b)
