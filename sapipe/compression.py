@@ -202,10 +202,11 @@ class BucketCodec:
 
     def decode_mean(self, wire: Tensor, slot: int) -> None:
         """The gathered shards, decoded into ``wire``: the values' mean over ranks, then the
-        flags' sum (how many ranks used each parameter)."""
+        flags' sum (how many ranks used each parameter). The gathered bytes are spent: int8's
+        scales are divided in place."""
         fmt = self.format
         gathered = self._gathered_views[slot]
-        if gathered.scales is not None:  # int8 carries the sum: W scales per block, not W values
+        if gathered.scales is not None:  # int8 carries the sum: dividing one scale per block costs no pass
             gathered.scales.div_(fmt.world)
         codec_kernels.decode(gathered.values, gathered.scales, wire[: fmt.numel])  # 16-bit: the mean as sent
         wire[fmt.numel :].copy_(gathered.flags.reshape(-1)[: fmt.nflags])
