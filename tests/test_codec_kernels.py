@@ -280,6 +280,7 @@ def test_bad_arguments_raise_clearly():
     assert child.returncode == 0, f"the child interpreter died (rc {child.returncode}): {child.stderr[-2000:]}"
     assert child.stdout.split("\n")[:-1] == ["raised"] * 5, child.stdout
 
+
 @pytest.mark.parametrize("cap", ["base", "avx2"])
 def test_the_environment_caps_the_instruction_set(cap):
     """SAPIPE_CPU_ISA=base|avx2 caps the run-time choice (the best the CPU has otherwise)."""
