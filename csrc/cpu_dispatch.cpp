@@ -3,9 +3,10 @@
 //   avx2   AVX2 (+ F16C) builds of both;
 //   avx512 the AVX-512 (F, BW, VL) build of the codec, with the AVX2 update tiles (their
 //          loops are bound by the divider and memory, not by vector width).
-// SAPIPE_CPU_ISA=base|avx2 in the environment caps the choice (e.g. where 512-bit vectors
-// lower the core's clock for the training thread beside the codec). Every build gives the
-// same bits (no FMA contraction anywhere).
+// SAPIPE_CPU_ISA=base|avx2|avx512 in the environment caps the choice (e.g. avx2 where 512-bit
+// vectors lower the core's clock for the training thread beside the codec); another value
+// is ignored (sapipe/_ext.py warns). Every build gives the same bits (no FMA contraction
+// anywhere).
 #include "cpu_codec_types.h"
 #include "cpu_tile_types.h"
 

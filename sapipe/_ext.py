@@ -6,6 +6,8 @@
 :func:`module_for` gives the module that handles tensors on a device, or None; the first
 time a kernel needs a module that is absent, ONE warning says the pure-PyTorch path runs
 instead. ``SAPIPE_DISABLE_EXT=1`` in the environment disables both modules (no warning).
+``SAPIPE_CPU_ISA=base|avx2|avx512`` caps the CPU kernels' instruction set (csrc/cpu_dispatch.cpp);
+another value is ignored, with a warning.
 """
 from __future__ import annotations
 
@@ -39,6 +41,13 @@ def _load(name: str) -> Optional[ModuleType]:
 
 cpu = _load("_C")
 cuda = _load("_C_cuda")
+
+CPU_ISAS = ("base", "avx2", "avx512")  # what SAPIPE_CPU_ISA may cap the CPU kernels at
+_isa_cap = os.environ.get("SAPIPE_CPU_ISA", "")
+if _isa_cap and _isa_cap not in CPU_ISAS:
+    warnings.warn(f"sapipe: SAPIPE_CPU_ISA={_isa_cap!r} is not one of {', '.join(CPU_ISAS)}; it is ignored "
+                  f"and the CPU kernels use {cpu.cpu_isa() if cpu is not None else 'no compiled build'}",
+                  RuntimeWarning, stacklevel=2)
 
 
 def module_for(device: torch.device) -> Optional[ModuleType]:

@@ -294,3 +294,10 @@ def test_the_environment_caps_the_instruction_set(cap):
                                                              if k != "SAPIPE_CPU_ISA"},
                           capture_output=True, text=True, timeout=120)
     assert best.stdout.strip() == _isas()[-1], best.stderr[-2000:]
+
+
+def test_an_unknown_instruction_set_cap_warns():
+    code = "import warnings; warnings.simplefilter('error'); from sapipe import _ext"
+    env = dict(os.environ, SAPIPE_CPU_ISA="AVX2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "SAPIPE_CPU_ISA='AVX2' is not one of base, avx2, avx512" in out.stderr, out.stderr
