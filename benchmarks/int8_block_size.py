@@ -55,7 +55,7 @@ def compressed_mean(grads, worker, server, block: int) -> torch.Tensor:
         residual.copy_(v - sent[:n])
         total += sent
     out = []
-    for j, (s, residual) in enumerate(zip(total.view(WORLD, size), server)):
+    for s, residual in zip(total.view(WORLD, size), server):
         v = s + residual
         out.append(rounded(v, block))
         residual.copy_(v - out[-1])

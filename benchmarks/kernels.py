@@ -149,12 +149,12 @@ def check_device(device: torch.device, dtype: torch.dtype) -> None:
         raise SystemExit(f"{why}; nothing to compare")
 
 
-
 def _cpu_isa() -> str:
     """", instruction set X" of the compiled CPU kernels in use (SAPIPE_CPU_ISA caps it), if built."""
     from sapipe import _ext
 
     return f", instruction set {_ext.cpu.cpu_isa()}" if _ext.cpu is not None else ""
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

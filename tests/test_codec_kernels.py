@@ -117,7 +117,7 @@ CASES = [  # (rows, width, n): n < rows * width leaves padding; widths off the b
 def _isas():
     """The instruction sets this CPU runs the codec with."""
     previous = _ext.cpu.cpu_isa()
-    found = ["base"] + [name for name in ("avx2", "avx512") if _ext.cpu.set_cpu_isa(name)]
+    found = ["base"] + [name for name in _ext.CPU_ISAS[1:] if _ext.cpu.set_cpu_isa(name)]
     _ext.cpu.set_cpu_isa(previous)
     return found
 
