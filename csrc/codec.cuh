@@ -2,9 +2,9 @@
 // launchers taking a cudaStream_t. csrc/cuda_codec.cu wraps them for ATen tensors;
 // tests/test_kernels.py also compiles this header standalone with nvcc.
 //
-// One warp per block of kCodecBlock values (8 per lane, lane-strided so that a warp's loads
+// One warp per block of kCodecBlock values (2 per lane, lane-strided so that a warp's loads
 // are coalesced): an int8 block's max |v| is a warp reduction, and its scale is written by
-// lane 0. The sum stage reads the W received rows' block in rank order into the same
+// lane 0. The 16-bit formats are cut the same way. The sum stage reads the W received rows' block in rank order into the same
 // registers before encoding it; decoding is elementwise. Products and sums use the _rn
 // intrinsics, so that nvcc contracts nothing into an FMA: the arithmetic is that of the CPU
 // kernels and of the PyTorch reference, bit for bit (NaN payloads aside).
@@ -20,10 +20,10 @@ namespace sapipe_codec {
 
 enum : int { kFp16 = 0, kBf16 = 1, kInt8 = 2 };
 
-constexpr int kBlock = 256;               // values per int8 scale (csrc/codec.h kCodecBlock)
+constexpr int kBlock = 64;                // values per int8 scale (csrc/codec.h kCodecBlock)
 constexpr int kLanes = 32;
-constexpr int kPerLane = kBlock / kLanes;  // 8
-constexpr int kThreads = 256;              // 8 warps, 8 codec blocks, per CUDA block
+constexpr int kPerLane = kBlock / kLanes;  // 2
+constexpr int kThreads = 256;              // 8 warps, 8 codec blocks at a time, per CUDA block
 
 // Message rows: row r's values at values + r * stride (elements of the value type), its
 // scales (int8) at scales + r * scale_stride.
@@ -209,8 +209,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t b = int64_t(blockIdx.x) * (kThreads / kLanes) + threadIdx.x / kLanes; b < per_row; b += warps) {
     const int64_t lo = b * kBlock;
     const int64_t span = clamp_count(in.width - lo, kBlock);
-    // Row by row, each lane's 8 values at once: the 8 loads of a row are independent, so
-    // they are in flight together. Each value still adds the rows in rank order.
+    // Row by row, each lane's values at once: the loads of a row are independent, so they
+    // are in flight together. Each value still adds the rows in rank order.
     T v[kPerLane];
     add_row<T, kKind, false>(v, in, 0, lo, lane, span);
     for (int64_t r = 1; r < in.rows; ++r) add_row<T, kKind, true>(v, in, r, lo, lane, span);

@@ -35,7 +35,7 @@
 
 namespace sapipe {
 
-constexpr int64_t kCodecBlock = 256;  // int8 values per scale (= sapipe.compression.INT8_BLOCK)
+constexpr int64_t kCodecBlock = 64;  // int8 values per scale (= sapipe.compression.INT8_BLOCK)
 
 struct CodecRows {
   at::Tensor values;                // [R, S] int8 / float16 / bfloat16 (rows contiguous)

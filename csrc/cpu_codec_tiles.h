@@ -1,7 +1,9 @@
-// CPU codec kernels: one message row at a time, in blocks of kCodecBlock values held on the
-// stack, as plain loops over raw pointers so that one source compiles for several instruction
-// sets (cpu_codec_tiles.cpp: the baseline; cpu_codec_tiles_avx2.cpp: AVX2), chosen at run time
-// like the update kernels (cpu_dispatch.cpp). FMA stays off, so every ISA gives the same bits.
+// CPU codec kernels: one message row at a time, in tiles of kCodecTile values (int8: whole
+// blocks of kCodecBlock values, one scale each) held on the stack, as plain loops over raw
+// pointers so that one source compiles for several instruction sets (cpu_codec_tiles.cpp:
+// the baseline; cpu_codec_tiles_avx2.cpp: AVX2 + F16C; cpu_codec_tiles_avx512.cpp:
+// AVX-512), chosen at run time like the update kernels (cpu_dispatch.cpp). FMA stays off, so
+// every ISA gives the same bits.
 //
 // The 16-bit conversions are written out with integer and float operations the vectoriser
 // handles (no F16C, no library calls), rounding to nearest even as torch's conversions do;
@@ -128,9 +130,9 @@ template <>
 constexpr double kMaxFinite<double> = 1.7976931348623157e308;
 
 
-// v[0:kCodecBlock] = src[0:count] (+ residual), zero beyond count.
+// v[0:kCodecTile] = src[0:count] (+ residual), zero beyond count.
 template <typename T>
-inline void load_block(const T* src, const T* residual, int64_t count, T* __restrict v) {
+inline void load_tile(const T* src, const T* residual, int64_t count, T* __restrict v) {
   if (residual) {
     SAPIPE_CODEC_SIMD
     for (int64_t i = 0; i < count; ++i) v[i] = src[i] + residual[i];
@@ -138,7 +140,7 @@ inline void load_block(const T* src, const T* residual, int64_t count, T* __rest
     SAPIPE_CODEC_SIMD
     for (int64_t i = 0; i < count; ++i) v[i] = src[i];
   }
-  for (int64_t i = count; i < kCodecBlock; ++i) v[i] = T(0);
+  for (int64_t i = count; i < kCodecTile; ++i) v[i] = T(0);
 }
 
 // One int8 block: its scale and kCodecBlock values; residual[0:count] updated (when given).
@@ -229,10 +231,10 @@ inline void from_16_bits(const uint16_t* __restrict h, float* __restrict f, int6
   for (int64_t j = i; j < n; ++j) f[j] = from_16<kKind>(h[j]);
 }
 
-// One 16-bit block: `span` values as v / divide (a row's last block may be short);
+// One 16-bit tile: `span` values as v / divide (a row's last tile may be short);
 // residual[0:count] updated (when given).
 template <typename T, int kKind>
-inline void encode_block_16(const T* __restrict v, int64_t count, int64_t span, uint16_t* h, T divide,
+inline void encode_tile_16(const T* __restrict v, int64_t count, int64_t span, uint16_t* h, T divide,
                             T* residual) {
   const bool exact_inverse = is_power_of_two(divide);  // then v * (1 / divide) is v / divide
   const T inverse = T(1) / divide;
@@ -245,7 +247,7 @@ inline void encode_block_16(const T* __restrict v, int64_t count, int64_t span, 
       for (int64_t i = 0; i < span; ++i) h[i] = to_bf16(static_cast<float>(v[i] / divide));
     }
   } else {  // fp16: through a float block, for F16C's conversion
-    alignas(64) float f[kCodecBlock];
+    alignas(64) float f[kCodecTile];
     if (exact_inverse) {
       SAPIPE_CODEC_SIMD
       for (int64_t i = 0; i < span; ++i) f[i] = static_cast<float>(v[i] * inverse);
@@ -256,7 +258,7 @@ inline void encode_block_16(const T* __restrict v, int64_t count, int64_t span, 
     to_16_bits<kKind>(f, h, span);
   }
   if (residual) {
-    alignas(64) float f[kCodecBlock];
+    alignas(64) float f[kCodecTile];
     from_16_bits<kKind>(h, f, count);
     SAPIPE_CODEC_SIMD
     for (int64_t i = 0; i < count; ++i) {
@@ -266,19 +268,33 @@ inline void encode_block_16(const T* __restrict v, int64_t count, int64_t span, 
   }
 }
 
-// out[0:count] = (add ? out + : ) the block decoded; 16-bit values times `multiply`.
+inline int64_t clamp_count(int64_t available, int64_t limit) {
+  return available <= 0 ? 0 : (available < limit ? available : limit);
+}
+
+// out[0:count] = (add ? out + : ) one int8 block decoded (count <= kCodecBlock).
+template <typename T>
+inline void decode_block_i8(const int8_t* __restrict q, float scale, int64_t count, bool add,
+                            T* __restrict out) {
+  const T s = static_cast<T>(scale);
+  if (add) {
+    SAPIPE_CODEC_SIMD
+    for (int64_t i = 0; i < count; ++i) out[i] = out[i] + static_cast<T>(q[i]) * s;
+  } else {
+    SAPIPE_CODEC_SIMD
+    for (int64_t i = 0; i < count; ++i) out[i] = static_cast<T>(q[i]) * s;
+  }
+}
+
+// out[0:count] = (add ? out + : ) the tile decoded (int8: block b's scale at scales[b]);
+// 16-bit values times `multiply`.
 template <typename T, int kKind>
-inline void decode_block(const void* values, const float* scale, int64_t count, T multiply,
-                         bool add, T* __restrict out) {
+inline void decode_tile(const void* values, const float* scales, int64_t count, T multiply,
+                        bool add, T* __restrict out) {
   if (kKind == kCodecInt8) {
     const int8_t* q = static_cast<const int8_t*>(values);
-    const T s = static_cast<T>(*scale);
-    if (add) {
-      SAPIPE_CODEC_SIMD
-      for (int64_t i = 0; i < count; ++i) out[i] = out[i] + static_cast<T>(q[i]) * s;
-    } else {
-      SAPIPE_CODEC_SIMD
-      for (int64_t i = 0; i < count; ++i) out[i] = static_cast<T>(q[i]) * s;
+    for (int64_t lo = 0, b = 0; lo < count; lo += kCodecBlock, ++b) {
+      decode_block_i8(q + lo, scales[b], clamp_count(count - lo, kCodecBlock), add, out + lo);
     }
     return;
   }
@@ -293,7 +309,7 @@ inline void decode_block(const void* values, const float* scale, int64_t count, 
     }
     return;
   }
-  alignas(64) float f[kCodecBlock];
+  alignas(64) float f[kCodecTile];
   from_16_bits<kKind>(h, f, count);
   if (add) {
     SAPIPE_CODEC_SIMD
@@ -313,64 +329,60 @@ inline const char* row_at(const void* base, int64_t row, int64_t stride, int64_t
   return static_cast<const char*>(base) + row * stride * bytes;
 }
 
-inline int64_t clamp_count(int64_t available, int64_t limit) {
-  return available <= 0 ? 0 : (available < limit ? available : limit);
-}
-
-// Block `block` of an outgoing row: its first `span` values from v (int8 blocks are whole:
-// span = kCodecBlock), residual[0:count] updated.
+// The tile of an outgoing row that starts at value `lo`: its first `span` values from v
+// (int8: whole blocks, span a multiple of kCodecBlock), residual[0:count] updated.
 template <typename T, int kKind>
-inline void encode_block(const T* v, int64_t count, int64_t span, const CodecRow& out, int64_t block,
-                         T divide, T* residual) {
-  char* values = static_cast<char*>(out.values) + block * kCodecBlock * value_bytes<kKind>();
-  if (kKind == kCodecInt8) {
-    encode_block_i8(v, count, reinterpret_cast<int8_t*>(values), out.scales + block, residual);
-  } else {
-    encode_block_16<T, kKind>(v, count, span, reinterpret_cast<uint16_t*>(values), divide, residual);
+inline void encode_tile(const T* v, int64_t count, int64_t span, const CodecRow& out, int64_t lo,
+                        T divide, T* residual) {
+  char* values = static_cast<char*>(out.values) + lo * value_bytes<kKind>();
+  if (kKind != kCodecInt8) {
+    encode_tile_16<T, kKind>(v, count, span, reinterpret_cast<uint16_t*>(values), divide, residual);
+    return;
+  }
+  for (int64_t i = 0; i < span; i += kCodecBlock) {
+    encode_block_i8(v + i, clamp_count(count - i, kCodecBlock), reinterpret_cast<int8_t*>(values) + i,
+                    out.scales + (lo + i) / kCodecBlock, residual ? residual + i : nullptr);
   }
 }
 
 template <typename T, int kKind>
 void encode_row_impl(const T* src, T* residual, int64_t len, const CodecRow& out, T divide) {
-  alignas(64) T v[kCodecBlock];
-  for (int64_t b = 0; b * kCodecBlock < out.width; ++b) {
-    const int64_t lo = b * kCodecBlock;
-    const int64_t span = clamp_count(out.width - lo, kCodecBlock);
+  alignas(64) T v[kCodecTile];
+  for (int64_t lo = 0; lo < out.width; lo += kCodecTile) {
+    const int64_t span = clamp_count(out.width - lo, kCodecTile);
     const int64_t count = clamp_count(len - lo, span);
-    const T* block = v;
-    if (count == kCodecBlock && !residual) block = src + lo;  // read in place: nothing to add
-    else load_block(src + lo, residual ? residual + lo : nullptr, count, v);
-    encode_block<T, kKind>(block, count, span, out, b, divide, residual ? residual + lo : nullptr);
+    const T* tile = v;
+    if (count == kCodecTile && !residual) tile = src + lo;  // read in place: nothing to add
+    else load_tile(src + lo, residual ? residual + lo : nullptr, count, v);
+    encode_tile<T, kKind>(tile, count, span, out, lo, divide, residual ? residual + lo : nullptr);
   }
 }
 
 template <typename T, int kKind>
 void sum_encode_row_impl(const CodecRowsIn& in, T* residual, const CodecRow& out, T divide) {
-  alignas(64) T v[kCodecBlock];
+  alignas(64) T v[kCodecTile];
   const int64_t bytes = value_bytes<kKind>();
-  for (int64_t b = 0; b * kCodecBlock < in.width; ++b) {
-    const int64_t lo = b * kCodecBlock;
-    const int64_t span = clamp_count(in.width - lo, kCodecBlock);
+  for (int64_t lo = 0; lo < in.width; lo += kCodecTile) {
+    const int64_t span = clamp_count(in.width - lo, kCodecTile);
     for (int64_t r = 0; r < in.rows; ++r) {
       const void* values = row_at(in.values, r, in.stride, bytes) + lo * bytes;
-      const float* scale = in.scales ? in.scales + r * in.scale_stride + b : nullptr;
-      decode_block<T, kKind>(values, scale, span, T(1), r > 0, v);
+      const float* scales = in.scales ? in.scales + r * in.scale_stride + lo / kCodecBlock : nullptr;
+      decode_tile<T, kKind>(values, scales, span, T(1), r > 0, v);
     }
     if (residual) {
       SAPIPE_CODEC_SIMD
       for (int64_t i = 0; i < span; ++i) v[i] = v[i] + residual[lo + i];
     }
-    encode_block<T, kKind>(v, span, span, out, b, divide, residual ? residual + lo : nullptr);
+    encode_tile<T, kKind>(v, span, span, out, lo, divide, residual ? residual + lo : nullptr);
   }
 }
 
 template <typename T, int kKind>
 void decode_row_impl(const void* values, const float* scales, int64_t len, T* out, T multiply) {
   const int64_t bytes = value_bytes<kKind>();
-  for (int64_t lo = 0, b = 0; lo < len; lo += kCodecBlock, ++b) {
-    const int64_t count = len - lo < kCodecBlock ? len - lo : kCodecBlock;
-    decode_block<T, kKind>(static_cast<const char*>(values) + lo * bytes, scales ? scales + b : nullptr,
-                           count, multiply, false, out + lo);
+  for (int64_t lo = 0; lo < len; lo += kCodecTile) {
+    decode_tile<T, kKind>(static_cast<const char*>(values) + lo * bytes, scales ? scales + lo / kCodecBlock : nullptr,
+                          clamp_count(len - lo, kCodecTile), multiply, false, out + lo);
   }
 }
 

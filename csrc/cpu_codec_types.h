@@ -9,7 +9,10 @@ namespace cpu {
 
 enum CodecKind : int { kCodecFp16 = 0, kCodecBf16 = 1, kCodecInt8 = 2 };
 
-constexpr int64_t kCodecBlock = 256;  // = sapipe::kCodecBlock (codec.h)
+constexpr int64_t kCodecBlock = 64;  // int8 values per scale (= sapipe::kCodecBlock, codec.h)
+// Values the kernels hold on the stack at a time: whole int8 blocks, long enough that the
+// vectorised loops' set-up is paid once per several blocks.
+constexpr int64_t kCodecTile = 4 * kCodecBlock;
 
 // One outgoing row: `width` values (16-bit bits or int8) and, for int8, width / kCodecBlock
 // scales.

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from . import _ext
 
-BLOCK = 256  # int8 values per scale (csrc/codec.h kCodecBlock)
+BLOCK = 64  # int8 values per scale (csrc/codec.h kCodecBlock)
 _KERNEL_DTYPES = (torch.float32, torch.float64)
 
 

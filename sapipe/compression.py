@@ -57,7 +57,7 @@ from . import codec_kernels
 from .errors import ConfigurationError
 
 COMPRESSIONS = ("fp16", "bf16", "int8")
-INT8_BLOCK = codec_kernels.BLOCK  # values per int8 scale: 1/64 byte of scale per value
+INT8_BLOCK = codec_kernels.BLOCK  # values per int8 scale: 1/16 byte of scale per value
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -66,6 +66,14 @@ def validate(compression: Optional[str]) -> Optional[str]:
     if compression is not None and compression not in COMPRESSIONS:
         raise ValueError(f"compression must be None or one of {', '.join(map(repr, COMPRESSIONS))}; got {compression!r}")
     return compression
+
+
+def wire_constants(kind: Optional[str]) -> Dict[str, int]:
+    """The format's fixed constants that ranks, and a checkpoint and the job resuming it, must
+    share although no setting names them: int8's block size (it decides the bytes on the wire
+    and the shards a server residual covers). Empty for the other formats, whose bytes and
+    checkpoints do not depend on it."""
+    return {"int8_block": INT8_BLOCK} if kind == "int8" else {}
 
 
 @dataclass(frozen=True)
@@ -367,6 +375,6 @@ def _clone(tensor: Optional[Tensor]) -> Optional[Tensor]:
     return tensor.clone() if tensor is not None else None
 
 
-__all__ = ["COMPRESSIONS", "INT8_BLOCK", "Codec", "Compression", "WireFormat", "BucketCodec", "SlotCodec",
+__all__ = ["COMPRESSIONS", "INT8_BLOCK", "wire_constants", "Codec", "Compression", "WireFormat", "BucketCodec", "SlotCodec",
            "PartitionedCodec", "PartitionedFormat", "PartitionedSlot", "Slot", "make_codec", "partition_bounds",
            "validate"]

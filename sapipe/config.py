@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 from .comm import BACKENDS, compression_refusal
 from .compensation import MODES
-from .compression import Compression, validate as validate_compression
+from .compression import Compression, validate as validate_compression, wire_constants
 from .errors import ConfigurationError
 
 DC_FORMS = ("outer", "diagonal")
@@ -265,8 +265,10 @@ class Settings:
         return max(self.warmup_steps, self.profile_steps + UNPROFILED_STEPS) if self.auto else self.warmup_steps
 
     def resume_fingerprint(self) -> Dict[str, str]:
-        """What a checkpoint must agree on (not the timeout, nor the search's trial length)."""
-        return describe({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["resume"]})
+        """What a checkpoint must agree on (not the timeout, nor the search's trial length), the
+        wire format's constants included (its residuals are laid out by them)."""
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["resume"]}
+        return describe(dict(settings, **wire_constants(self.compression)))
 
 
 def settings_help(indent: int = 0) -> str:

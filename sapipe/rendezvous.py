@@ -27,6 +27,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import comm, config
 from .comm.topology import Topology, node_name
+from .compression import wire_constants
 from .errors import CommunicationError, ConfigurationError, SapipeError, UnsupportedOptimizerError, UsageError
 from .layers import LayerRecorder, uncompiled
 from .optim_generic import rule_for
@@ -110,7 +111,8 @@ def agree(group, arguments: Dict[str, Any], optimizer: Any, model: Any,
     unavailable = comm.availability(backend) if backend in comm.BACKENDS else None
     if local_error is None and unavailable is not None:
         local_error = ConfigurationError(unavailable)
-    job = dict(describe_job(optimizer, model), backend_available=unavailable is None)
+    job = dict(describe_job(optimizer, model), backend_available=unavailable is None,
+               **wire_constants(arguments.get("compression")))  # e.g. two sapipe versions' int8 blocks
     fingerprint = config.describe(dict(arguments, **job))
     gathered: List[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (fingerprint, node_name()), group=group)

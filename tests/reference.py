@@ -179,7 +179,7 @@ def clip_by_value(limit: float) -> Callable[[Tensors], Tensors]:
 
 
 def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, int]]]] = None,
-                    block: int = 256, error_feedback: Optional[bool] = None,
+                    block: int = 64, error_feedback: Optional[bool] = None,
                     chunks: Optional[Sequence[Sequence[Tuple[int, int]]]] = None) -> Callable[[List[Tensors]], Tensors]:
     """The mean of the ranks' gradients as sapipe's compressed sum delivers it (docs/design.md
     §5.9), as a function of the ranks' gradients, one call per iteration (error feedback keeps

@@ -24,6 +24,7 @@ CASES = [
     ("sgd", 7, "none", 2, 1, "int8"),
     ("adam", 0, "none", 1, 0, "bf16"),
 ]
+INT8_CASE = 7
 
 
 def _case_id(case) -> str:
@@ -131,6 +132,27 @@ def _other_config(rank, world_size, path):
     except sapipe.ConfigurationError as exc:
         return str(exc)
     return "loaded"
+
+
+def _older_int8(rank, world_size, path):
+    model, opt, sched = _setup(*CASES[INT8_CASE], seed=0)
+    try:
+        sapipe.load_checkpoint(path, model, opt)
+    except sapipe.ConfigurationError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_checkpoint_of_another_int8_block_is_refused(resumed_runs, tmp_path):
+    """A checkpoint written by a sapipe whose int8 blocks differ (its server residuals cover
+    other shards) is refused by name, not resumed with misplaced residuals."""
+    written = resumed_runs[3]
+    for rank in range(2):
+        state = torch.load(written / f"case{INT8_CASE}-{rank}.pt", weights_only=False)
+        state["optimizer"]["settings"]["int8_block"] = "256"
+        torch.save(state, tmp_path / f"older-{rank}.pt")
+    messages = run_ranks(_older_int8, world_size=2, args=(str(tmp_path / "older-{rank}.pt"),))
+    assert all("this job has int8_block=64 but the checkpoint has int8_block=256" in m for m in messages), messages
 
 
 def test_mismatched_checkpoint_is_refused(resumed_runs):

@@ -122,6 +122,27 @@ def test_compression_is_refused_by_name_where_the_back_end_cannot_carry_it(backe
     assert compression_refusal(backend, None) is None
 
 
+
+def _construct_int8_with_block(rank, world_size, block_of_rank_1):
+    """A DistributedOptimizer with int8 where rank 1 runs a sapipe whose int8 block differs."""
+    import sapipe.compression
+
+    if rank == 1:
+        sapipe.compression.INT8_BLOCK = block_of_rank_1
+    model = make_model("mlp")
+    try:
+        sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, compression="int8", timeout=20)
+    except sapipe.ConfigurationError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_whose_int8_blocks_differ_are_refused():
+    """Two installs of sapipe with different int8 wire formats would misread each other's bytes."""
+    messages = run_ranks(_construct_int8_with_block, world_size=2, args=(256,))
+    for message in messages:
+        assert "rank 1 has int8_block=256 but rank 0 has int8_block=64" in message, message
+
 def test_requires_initialised_process_group():
     model = make_model("mlp")
     with pytest.raises(sapipe.ConfigurationError, match="init_process_group"):
