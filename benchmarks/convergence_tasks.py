@@ -21,13 +21,13 @@ Tasks
 ``units``   the "error feedback matters" task, in the compression study only: linear
             regression of 16 targets given in four units (x1000, x100, x10, x1, in turn) on 32
             standardised synthetic features, plain SGD on the raw (unscaled) targets. int8 sends
-            each block of 256 consecutive gradient values as multiples of max|v| / 127; the
-            weights of a x1 target sit in the same blocks as those of a x1000 target, and their
-            gradients are about 1000x smaller. Without error feedback, an entry below max / 254
-            rounds to zero, so the x1 targets learn only while their error is large and stall
-            well short of the fit; error feedback keeps adding such entries up until they are
-            sent. Data and settings are not tuned beyond showing this. A single layer: every
-            mode is ``sync``.
+            each block of 64 consecutive gradient values (here two rows of the weight) as
+            multiples of max|v| / 127; a x1 target's weights share their blocks with a x10
+            target's, whose gradients are about 10x larger, so the x1 gradients are rounded to
+            a few levels and their small entries to zero. Without error feedback that rounding
+            is the same step after step and its error accumulates in the weights; error
+            feedback keeps adding what was dropped until it is sent. Data and settings are not
+            tuned beyond showing this. A single layer: every mode is ``sync``.
             Metric: test R² (%), the mean of the 16 targets' (each target counts equally,
             whatever its unit).
 
@@ -292,7 +292,7 @@ def _units_task(*, features=32, targets=16, lr=0.5, steps=300, quick_steps=20, e
         notes=(f"Linear({features}, {targets}), synthetic (seed 0): {features} N(0, 1) features, "
                f"{targets} noisy linear targets in units {units} in turn, MSE on the raw targets, "
                "4096/1024 split; metric = the targets' mean R². Shows what error feedback is for: "
-               "the x1 targets' gradients are ~1/1000 of the x1000 ones' in the same int8 blocks"),
+               "the x1 targets' gradients are ~1/10 of the x10 ones' in the same int8 blocks"),
     )
 
 

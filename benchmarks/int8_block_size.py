@@ -5,13 +5,13 @@ trains slightly worse with ``compression="int8"`` and error feedback than uncomp
 its ×1 targets' gradients share int8 blocks with gradients about 1000 times larger. This
 replays that task's training, 4 ranks simulated in one process with the same data, seeds
 and batches as the study, and rounds the gradient as sapipe's compressed sum does (each
-rank's gradient plus its residual, split into W shards, rounded per block; the sum of each
-shard plus the server residual, rounded again; docs/design.md §5.9), with blocks of
-``--blocks`` values within each shard instead of sapipe's 256. The rounding is written out
-in PyTorch here (scale = max|v| / 127, round half to even, clamp to ±127), so that the
-block size can vary; sapipe's own codec is not used.
+rank's gradient plus its residual, split into W shards of whole blocks, rounded per block;
+the sum of each shard plus the server residual, rounded again; docs/design.md §5.9), with
+blocks of each of ``--blocks`` values (sapipe's are 64). The rounding is written out in
+PyTorch here (scale = max|v| / 127, round half to even, clamp to ±127), so that the block
+size can vary; sapipe's own codec is not used.
 
-    python benchmarks/int8_block_size.py [--seeds 3] [--blocks 256,64,32]
+    python benchmarks/int8_block_size.py [--seeds 3] [--blocks 256,128,64,32]
 
 Prints the test R² (%) per seed: all 16 targets, and the ×1 targets alone.
 """
@@ -44,10 +44,15 @@ def shards(v: torch.Tensor, size: int) -> list:
     return list(padded.view(WORLD, size))
 
 
+def shard_size(n: int, block: int) -> int:
+    """Values per shard: 1/W of the ``n`` values, rounded up to whole blocks (as sapipe's)."""
+    return -(-n // (WORLD * block)) * block
+
+
 def compressed_mean(grads, worker, server, block: int) -> torch.Tensor:
     """The mean of the ranks' ``grads`` after both roundings, residuals updated in place."""
     n = grads[0].numel()
-    size = -(-n // WORLD)
+    size = shard_size(n, block)
     total = torch.zeros(WORLD * size)
     for g, residual in zip(grads, worker):
         v = g + residual
@@ -69,7 +74,7 @@ def train(seed: int, block: int, data) -> tuple:
     gens = [torch.Generator().manual_seed(1000 * seed + r) for r in range(WORLD)]
     n = sum(p.numel() for p in model.parameters())
     worker = [torch.zeros(n) for _ in range(WORLD)]
-    server = [torch.zeros(-(-n // WORLD)) for _ in range(WORLD)]
+    server = [torch.zeros(shard_size(n, max(block, 1))) for _ in range(WORLD)]
     for _ in range(STEPS):
         grads = []
         for gen in gens:
@@ -91,7 +96,7 @@ def train(seed: int, block: int, data) -> tuple:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--blocks", default="256,64,32", help="int8 block sizes to simulate")
+    p.add_argument("--blocks", default="256,128,64,32", help="int8 block sizes to simulate")
     args = p.parse_args()
     torch.set_num_threads(1)
     data = make_units_data()

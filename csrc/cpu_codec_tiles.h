@@ -130,6 +130,10 @@ template <>
 constexpr double kMaxFinite<double> = 1.7976931348623157e308;
 
 
+inline int64_t clamp_count(int64_t available, int64_t limit) {
+  return available <= 0 ? 0 : (available < limit ? available : limit);
+}
+
 // v[0:kCodecTile] = src[0:count] (+ residual), zero beyond count.
 template <typename T>
 inline void load_tile(const T* src, const T* residual, int64_t count, T* __restrict v) {
@@ -143,13 +147,17 @@ inline void load_tile(const T* src, const T* residual, int64_t count, T* __restr
   for (int64_t i = count; i < kCodecTile; ++i) v[i] = T(0);
 }
 
-// One int8 block: its scale and kCodecBlock values; residual[0:count] updated (when given).
-// Simple loops over the block on the stack, each one the vectoriser turns into plain vector
-// code: max|v| (and v * 0, NaN exactly when some v is inf or NaN), the rounded quotients,
-// their narrowing to int8, the residual.
+// residual[0:n] = v - r * step: what the int8 rounding r of v dropped. Called with n =
+// kCodecBlock for whole blocks, so that the loop's trip count is a constant there.
 template <typename T>
-inline void encode_block_i8(const T* __restrict v, int64_t count, int8_t* q, float* scale,
-                            T* residual) {
+inline void residual_i8(const T* __restrict v, const T* __restrict r, T step, int64_t n, T* __restrict residual) {
+  SAPIPE_CODEC_SIMD
+  for (int64_t i = 0; i < n; ++i) residual[i] = v[i] - r[i] * step;
+}
+
+// max|v| over one int8 block, and v * 0 summed (NaN exactly when some v is inf or NaN).
+template <typename T>
+inline void block_max(const T* __restrict v, T* max_out, T* nonfinite_out) {
   T m = T(0), nonfinite = T(0);
   SAPIPE_CODEC_SIMD_MAX
   for (int64_t i = 0; i < kCodecBlock; ++i) {
@@ -157,6 +165,17 @@ inline void encode_block_i8(const T* __restrict v, int64_t count, int8_t* q, flo
     m = a > m ? a : m;
     nonfinite += v[i] * T(0);
   }
+  *max_out = m;
+  *nonfinite_out = nonfinite;
+}
+
+// One int8 block, given its max|v| (`m`) and `nonfinite` (block_max): its scale and
+// kCodecBlock values; residual[0:count] updated (when given). Simple loops over the block,
+// each one the vectoriser turns into plain vector code: the rounded quotients, their
+// narrowing to int8, the residual.
+template <typename T>
+inline void quantize_block_i8(const T* __restrict v, int64_t count, T m, T nonfinite, int8_t* q, float* scale,
+                              T* residual) {
   const float s = static_cast<float>(m / T(127));
   if (nonfinite != T(0) || !(s <= 3.4028234663852886e38f)) {
     // NaN, or beyond float32's range: the block travels as NaN; its residual is kept (codec.h)
@@ -186,9 +205,25 @@ inline void encode_block_i8(const T* __restrict v, int64_t count, int8_t* q, flo
   for (int64_t i = 0; i < kCodecBlock; ++i) q[i] = static_cast<int8_t>(static_cast<int32_t>(r[i]));
   *scale = s;
   if (residual) {
-    const T step = T(s);
-    SAPIPE_CODEC_SIMD
-    for (int64_t i = 0; i < count; ++i) residual[i] = v[i] - r[i] * step;
+    if (count == kCodecBlock) residual_i8(v, r, T(s), kCodecBlock, residual);  // a fixed trip count
+    else residual_i8(v, r, T(s), count, residual);
+  }
+}
+
+// The int8 blocks of a tile: v[0:span] (span a multiple of kCodecBlock), residual[0:count].
+// All maxima first, then each block's rounding: the blocks' reductions and divisions, each
+// a chain of dependent instructions, then overlap instead of running one after another.
+template <typename T>
+inline void encode_tile_i8(const T* __restrict v, int64_t count, int64_t span, int8_t* q, float* scales,
+                           T* residual) {
+  constexpr int64_t kBlocks = kCodecTile / kCodecBlock;
+  T m[kBlocks], nonfinite[kBlocks];
+  const int64_t blocks = span / kCodecBlock;
+  for (int64_t b = 0; b < blocks; ++b) block_max(v + b * kCodecBlock, &m[b], &nonfinite[b]);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * kCodecBlock;
+    quantize_block_i8(v + lo, clamp_count(count - lo, kCodecBlock), m[b], nonfinite[b], q + lo, scales + b,
+                      residual ? residual + lo : nullptr);
   }
 }
 
@@ -235,7 +270,7 @@ inline void from_16_bits(const uint16_t* __restrict h, float* __restrict f, int6
 // residual[0:count] updated (when given).
 template <typename T, int kKind>
 inline void encode_tile_16(const T* __restrict v, int64_t count, int64_t span, uint16_t* h, T divide,
-                            T* residual) {
+                           T* residual) {
   const bool exact_inverse = is_power_of_two(divide);  // then v * (1 / divide) is v / divide
   const T inverse = T(1) / divide;
   if (kKind == kCodecBf16) {  // the conversion is a few integer operations: in the same loop
@@ -246,7 +281,7 @@ inline void encode_tile_16(const T* __restrict v, int64_t count, int64_t span, u
       SAPIPE_CODEC_SIMD
       for (int64_t i = 0; i < span; ++i) h[i] = to_bf16(static_cast<float>(v[i] / divide));
     }
-  } else {  // fp16: through a float block, for F16C's conversion
+  } else {  // fp16: through a float tile, for F16C's conversion
     alignas(64) float f[kCodecTile];
     if (exact_inverse) {
       SAPIPE_CODEC_SIMD
@@ -268,22 +303,24 @@ inline void encode_tile_16(const T* __restrict v, int64_t count, int64_t span, u
   }
 }
 
-inline int64_t clamp_count(int64_t available, int64_t limit) {
-  return available <= 0 ? 0 : (available < limit ? available : limit);
-}
-
-// out[0:count] = (add ? out + : ) one int8 block decoded (count <= kCodecBlock).
+// out[0:n] = (add ? out + : ) q * s.
 template <typename T>
-inline void decode_block_i8(const int8_t* __restrict q, float scale, int64_t count, bool add,
-                            T* __restrict out) {
-  const T s = static_cast<T>(scale);
+inline void scaled_i8(const int8_t* __restrict q, T s, int64_t n, bool add, T* __restrict out) {
   if (add) {
     SAPIPE_CODEC_SIMD
-    for (int64_t i = 0; i < count; ++i) out[i] = out[i] + static_cast<T>(q[i]) * s;
+    for (int64_t i = 0; i < n; ++i) out[i] = out[i] + static_cast<T>(q[i]) * s;
   } else {
     SAPIPE_CODEC_SIMD
-    for (int64_t i = 0; i < count; ++i) out[i] = static_cast<T>(q[i]) * s;
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(q[i]) * s;
   }
+}
+
+// out[0:count] = (add ? out + : ) one int8 block decoded (count <= kCodecBlock; a whole
+// block with a constant trip count).
+template <typename T>
+inline void decode_block_i8(const int8_t* q, float scale, int64_t count, bool add, T* out) {
+  if (count == kCodecBlock) scaled_i8(q, static_cast<T>(scale), kCodecBlock, add, out);
+  else scaled_i8(q, static_cast<T>(scale), count, add, out);
 }
 
 // out[0:count] = (add ? out + : ) the tile decoded (int8: block b's scale at scales[b]);
@@ -339,10 +376,7 @@ inline void encode_tile(const T* v, int64_t count, int64_t span, const CodecRow&
     encode_tile_16<T, kKind>(v, count, span, reinterpret_cast<uint16_t*>(values), divide, residual);
     return;
   }
-  for (int64_t i = 0; i < span; i += kCodecBlock) {
-    encode_block_i8(v + i, clamp_count(count - i, kCodecBlock), reinterpret_cast<int8_t*>(values) + i,
-                    out.scales + (lo + i) / kCodecBlock, residual ? residual + i : nullptr);
-  }
+  encode_tile_i8(v, count, span, reinterpret_cast<int8_t*>(values), out.scales + lo / kCodecBlock, residual);
 }
 
 template <typename T, int kKind>

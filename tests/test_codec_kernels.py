@@ -109,8 +109,10 @@ def test_encoding_rounds_as_torchs_conversion(kind):
 # ------------------------------------------------------------------- kernel vs reference
 
 
-CASES = [  # (rows, width, n): n < rows * width leaves padding; widths off the block size
+CASES = [  # (rows, width, n): n < rows * width leaves padding; widths off the block size, and
+    # int8 rows of whole blocks that end inside the CPU kernels' 256-value tiles
     (1, 256, 256), (2, 512, 1000), (3, 768, 2304), (4, 300, 1111), (8, 1024, 8000), (2, 256, 17),
+    (3, 192, 500), (2, 320, 639), (5, 64, 200),
 ]
 
 
