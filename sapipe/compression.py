@@ -375,6 +375,6 @@ def _clone(tensor: Optional[Tensor]) -> Optional[Tensor]:
     return tensor.clone() if tensor is not None else None
 
 
-__all__ = ["COMPRESSIONS", "INT8_BLOCK", "wire_constants", "Codec", "Compression", "WireFormat", "BucketCodec", "SlotCodec",
+__all__ = ["COMPRESSIONS", "INT8_BLOCK", "Codec", "Compression", "WireFormat", "BucketCodec", "SlotCodec",
            "PartitionedCodec", "PartitionedFormat", "PartitionedSlot", "Slot", "make_codec", "partition_bounds",
-           "validate"]
+           "validate", "wire_constants"]
