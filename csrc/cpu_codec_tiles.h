@@ -21,10 +21,12 @@
 
 #if defined(_OPENMP)
 #define SAPIPE_CODEC_SIMD _Pragma("omp simd")
-#define SAPIPE_CODEC_SIMD_MAX _Pragma("omp simd reduction(max : m) reduction(+ : nonfinite)")
+#define SAPIPE_CODEC_SIMD_MAX _Pragma("omp simd reduction(max : m)")
+#define SAPIPE_CODEC_SIMD_SUM _Pragma("omp simd reduction(+ : sum)")
 #else
 #define SAPIPE_CODEC_SIMD
 #define SAPIPE_CODEC_SIMD_MAX
+#define SAPIPE_CODEC_SIMD_SUM
 #endif
 
 namespace sapipe {
@@ -155,23 +157,30 @@ inline void residual_i8(const T* __restrict v, const T* __restrict r, T step, in
   for (int64_t i = 0; i < n; ++i) residual[i] = v[i] - r[i] * step;
 }
 
-// max|v| over one int8 block, and v * 0 summed (NaN exactly when some v is inf or NaN).
+// max|v| over one int8 block.
 template <typename T>
-inline void block_max(const T* __restrict v, T* max_out, T* nonfinite_out) {
-  T m = T(0), nonfinite = T(0);
+inline T block_max(const T* __restrict v) {
+  T m = T(0);
   SAPIPE_CODEC_SIMD_MAX
   for (int64_t i = 0; i < kCodecBlock; ++i) {
     const T a = std::fabs(v[i]);
     m = a > m ? a : m;
-    nonfinite += v[i] * T(0);
   }
-  *max_out = m;
-  *nonfinite_out = nonfinite;
+  return m;
 }
 
-// One int8 block, given its max|v| (`m`) and `nonfinite` (block_max): its scale and
-// kCodecBlock values; residual[0:count] updated (when given). Simple loops over the block,
-// each one the vectoriser turns into plain vector code: the rounded quotients, their
+// v[0:n] * 0 summed: NaN exactly when some v is inf or NaN, else 0.
+template <typename T>
+inline T nonfinite_sum(const T* __restrict v, int64_t n) {
+  T sum = T(0);
+  SAPIPE_CODEC_SIMD_SUM
+  for (int64_t i = 0; i < n; ++i) sum += v[i] * T(0);
+  return sum;
+}
+
+// One int8 block, given its max|v| (`m`: block_max) and `nonfinite` (nonfinite_sum): its
+// scale and kCodecBlock values; residual[0:count] updated (when given). Simple loops over the
+// block, each one the vectoriser turns into plain vector code: the rounded quotients, their
 // narrowing to int8, the residual.
 template <typename T>
 inline void quantize_block_i8(const T* __restrict v, int64_t count, T m, T nonfinite, int8_t* q, float* scale,
@@ -212,14 +221,20 @@ inline void quantize_block_i8(const T* __restrict v, int64_t count, T m, T nonfi
 
 // The int8 blocks of a tile: v[0:span] (span a multiple of kCodecBlock), residual[0:count].
 // All maxima first, then each block's rounding: the blocks' reductions and divisions, each
-// a chain of dependent instructions, then overlap instead of running one after another.
+// a chain of dependent instructions, then overlap instead of running one after another. The
+// check for inf and NaN is one reduction over the tile, per block only where it finds one.
 template <typename T>
 inline void encode_tile_i8(const T* __restrict v, int64_t count, int64_t span, int8_t* q, float* scales,
                            T* residual) {
   constexpr int64_t kBlocks = kCodecTile / kCodecBlock;
-  T m[kBlocks], nonfinite[kBlocks];
+  T m[kBlocks], nonfinite[kBlocks] = {};
   const int64_t blocks = span / kCodecBlock;
-  for (int64_t b = 0; b < blocks; ++b) block_max(v + b * kCodecBlock, &m[b], &nonfinite[b]);
+  for (int64_t b = 0; b < blocks; ++b) m[b] = block_max(v + b * kCodecBlock);
+  // One check of the whole tile; which block holds an inf or NaN only when one does.
+  const T any = span == kCodecTile ? nonfinite_sum(v, kCodecTile) : nonfinite_sum(v, span);
+  if (any != T(0)) {
+    for (int64_t b = 0; b < blocks; ++b) nonfinite[b] = nonfinite_sum(v + b * kCodecBlock, kCodecBlock);
+  }
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t lo = b * kCodecBlock;
     quantize_block_i8(v + lo, clamp_count(count - lo, kCodecBlock), m[b], nonfinite[b], q + lo, scales + b,
@@ -457,3 +472,4 @@ const CodecTable<double> codec_table_d = make_codec_table<double>();
 
 #undef SAPIPE_CODEC_SIMD
 #undef SAPIPE_CODEC_SIMD_MAX
+#undef SAPIPE_CODEC_SIMD_SUM
