@@ -4,8 +4,8 @@
 //
 // One warp per block of kCodecBlock values (2 per lane, lane-strided so that a warp's loads
 // are coalesced): an int8 block's max |v| is a warp reduction, and its scale is written by
-// lane 0. The 16-bit formats are cut the same way. The sum stage reads the W received rows' block in rank order into the same
-// registers before encoding it; decoding is elementwise. Products and sums use the _rn
+// lane 0. The 16-bit formats are cut the same way. The sum stage reads the W received rows'
+// block in rank order into the same registers before encoding it; decoding is elementwise. Products and sums use the _rn
 // intrinsics, so that nvcc contracts nothing into an FMA: the arithmetic is that of the CPU
 // kernels and of the PyTorch reference, bit for bit (NaN payloads aside).
 #pragma once
