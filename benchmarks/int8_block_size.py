@@ -1,9 +1,9 @@
 """What int8's block size does to the ``units`` task: a one-process simulation.
 
 The convergence study's ``units`` task (benchmarks/convergence_tasks.py; RESULTS.md §5)
-trains slightly worse with ``compression="int8"`` and error feedback than uncompressed:
-its ×1 targets' gradients share int8 blocks with gradients about 1000 times larger. This
-replays that task's training, 4 ranks simulated in one process with the same data, seeds
+trains slightly worse with ``compression="int8"`` and error feedback than uncompressed
+where its ×1 targets' gradients share int8 blocks with gradients about 1000 times larger:
+with blocks of 256 or 128 values, not with sapipe's 64. This replays that task's training, 4 ranks simulated in one process with the same data, seeds
 and batches as the study, and rounds the gradient as sapipe's compressed sum does (each
 rank's gradient plus its residual, split into W shards of whole blocks, rounded per block;
 the sum of each shard plus the server residual, rounded again; docs/design.md §5.9), with

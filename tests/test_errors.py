@@ -122,7 +122,6 @@ def test_compression_is_refused_by_name_where_the_back_end_cannot_carry_it(backe
     assert compression_refusal(backend, None) is None
 
 
-
 def _construct_int8_with_block(rank, world_size, block_of_rank_1):
     """A DistributedOptimizer with int8 where rank 1 runs a sapipe whose int8 block differs."""
     import sapipe.compression
