@@ -318,15 +318,15 @@ inline void encode_tile_16(const T* __restrict v, int64_t count, int64_t span, u
   }
 }
 
-// out[0:n] = (add ? out + : ) q * s.
-template <typename T>
-inline void scaled_i8(const int8_t* __restrict q, T s, int64_t n, bool add, T* __restrict out) {
+// out[0:n] = (add ? out + : ) x * s: x int8 quotients, or 16-bit values already widened.
+template <typename T, typename X>
+inline void scaled(const X* __restrict x, T s, int64_t n, bool add, T* __restrict out) {
   if (add) {
     SAPIPE_CODEC_SIMD
-    for (int64_t i = 0; i < n; ++i) out[i] = out[i] + static_cast<T>(q[i]) * s;
+    for (int64_t i = 0; i < n; ++i) out[i] = out[i] + static_cast<T>(x[i]) * s;
   } else {
     SAPIPE_CODEC_SIMD
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(q[i]) * s;
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(x[i]) * s;
   }
 }
 
@@ -334,8 +334,8 @@ inline void scaled_i8(const int8_t* __restrict q, T s, int64_t n, bool add, T* _
 // block with a constant trip count).
 template <typename T>
 inline void decode_block_i8(const int8_t* q, float scale, int64_t count, bool add, T* out) {
-  if (count == kCodecBlock) scaled_i8(q, static_cast<T>(scale), kCodecBlock, add, out);
-  else scaled_i8(q, static_cast<T>(scale), count, add, out);
+  if (count == kCodecBlock) scaled(q, static_cast<T>(scale), kCodecBlock, add, out);
+  else scaled(q, static_cast<T>(scale), count, add, out);
 }
 
 // out[0:count] = (add ? out + : ) the tile decoded (int8: block b's scale at scales[b]);
@@ -363,13 +363,7 @@ inline void decode_tile(const void* values, const float* scales, int64_t count, 
   }
   alignas(64) float f[kCodecTile];
   from_16_bits<kKind>(h, f, count);
-  if (add) {
-    SAPIPE_CODEC_SIMD
-    for (int64_t i = 0; i < count; ++i) out[i] = out[i] + static_cast<T>(f[i]) * multiply;
-  } else {
-    SAPIPE_CODEC_SIMD
-    for (int64_t i = 0; i < count; ++i) out[i] = static_cast<T>(f[i]) * multiply;
-  }
+  scaled(f, multiply, count, add, out);
 }
 
 template <int kKind>
