@@ -22,11 +22,9 @@
 #if defined(_OPENMP)
 #define SAPIPE_CODEC_SIMD _Pragma("omp simd")
 #define SAPIPE_CODEC_SIMD_MAX _Pragma("omp simd reduction(max : m)")
-#define SAPIPE_CODEC_SIMD_SUM _Pragma("omp simd reduction(+ : sum)")
 #else
 #define SAPIPE_CODEC_SIMD
 #define SAPIPE_CODEC_SIMD_MAX
-#define SAPIPE_CODEC_SIMD_SUM
 #endif
 
 namespace sapipe {
@@ -98,19 +96,23 @@ inline float from_16(uint16_t h) {
   return kKind == kCodecFp16 ? from_fp16(h) : from_bf16(h);
 }
 
+// A float's or double's bits as an integer of its width; signed, so that a maximum of them
+// (abs_bits) needs only the signed comparison every SIMD set has.
 template <typename T>
 struct BitsOf {
-  using type = uint32_t;
+  using type = int32_t;
 };
 template <>
 struct BitsOf<double> {
-  using type = uint64_t;
+  using type = int64_t;
 };
+template <typename T>
+using Bits = typename BitsOf<T>::type;
 
 // `pick` for a float or double value.
 template <typename T>
 inline T pick_value(bool condition, T yes, T no) {
-  using U = typename BitsOf<T>::type;
+  using U = Bits<T>;
   U y, n;
   std::memcpy(&y, &yes, sizeof y);
   std::memcpy(&n, &no, sizeof n);
@@ -157,37 +159,47 @@ inline void residual_i8(const T* __restrict v, const T* __restrict r, T step, in
   for (int64_t i = 0; i < n; ++i) residual[i] = v[i] - r[i] * step;
 }
 
-// max|v| over one int8 block.
 template <typename T>
-inline T block_max(const T* __restrict v) {
-  T m = T(0);
+constexpr Bits<T> kAbsMask = 0x7fffffff;  // all bits but the sign
+template <>
+constexpr int64_t kAbsMask<double> = 0x7fffffffffffffffll;
+
+// The bits of |x|. Non-negative floats order as their bits do, and inf and NaN order above
+// every finite value, so the largest abs_bits of a block is its max|v|, or an inf or NaN
+// where it holds one: unlike a float maximum it does not skip NaN, so no second pass looks
+// for them. And an integer maximum may be taken in any order: it vectorises to a tree.
+template <typename T>
+inline Bits<T> abs_bits(T x) {
+  Bits<T> u;
+  std::memcpy(&u, &x, sizeof u);
+  return u & kAbsMask<T>;
+}
+
+// The bits of max|v| over one int8 block.
+template <typename T>
+inline Bits<T> block_max_bits(const T* __restrict v) {
+  Bits<T> m = 0;
   SAPIPE_CODEC_SIMD_MAX
   for (int64_t i = 0; i < kCodecBlock; ++i) {
-    const T a = std::fabs(v[i]);
+    const auto a = abs_bits(v[i]);
     m = a > m ? a : m;
   }
   return m;
 }
 
-// v[0:n] * 0 summed: NaN exactly when some v is inf or NaN, else 0.
+// One int8 block, given the bits of its max|v| (block_max_bits): its scale and kCodecBlock
+// values; residual[0:count] updated (when given). Simple loops over the block, each one the
+// vectoriser turns into plain vector code: the rounded quotients, their narrowing to int8,
+// the residual.
 template <typename T>
-inline T nonfinite_sum(const T* __restrict v, int64_t n) {
-  T sum = T(0);
-  SAPIPE_CODEC_SIMD_SUM
-  for (int64_t i = 0; i < n; ++i) sum += v[i] * T(0);
-  return sum;
-}
-
-// One int8 block, given its max|v| (`m`: block_max) and `nonfinite` (nonfinite_sum): its
-// scale and kCodecBlock values; residual[0:count] updated (when given). Simple loops over the
-// block, each one the vectoriser turns into plain vector code: the rounded quotients, their
-// narrowing to int8, the residual.
-template <typename T>
-inline void quantize_block_i8(const T* __restrict v, int64_t count, T m, T nonfinite, int8_t* q, float* scale,
-                              T* residual) {
+inline void quantize_block_i8(const T* __restrict v, int64_t count, Bits<T> max_bits,
+                              int8_t* q, float* scale, T* residual) {
+  T m;
+  std::memcpy(&m, &max_bits, sizeof m);
   const float s = static_cast<float>(m / T(127));
-  if (nonfinite != T(0) || !(s <= 3.4028234663852886e38f)) {
-    // NaN, or beyond float32's range: the block travels as NaN; its residual is kept (codec.h)
+  if (!(s <= 3.4028234663852886e38f)) {
+    // the block holds an inf or a NaN, or its scale is beyond float32's range: it travels as
+    // NaN; its residual is kept (codec.h)
     *scale = float_of(0x7fc00000u);
     for (int64_t i = 0; i < kCodecBlock; ++i) q[i] = 0;
     return;
@@ -207,39 +219,42 @@ inline void quantize_block_i8(const T* __restrict v, int64_t count, T m, T nonfi
   // A normal scale keeps every |v| / s within 127 (1 + 2^-21), which rounds to at most 127:
   // no clamp is needed (the reference's clamp never acts).
   const T inverse = T(1) / T(s);
+  *scale = s;
+  if (!residual) {  // one loop: no rounded values to keep for the residual
+    SAPIPE_CODEC_SIMD
+    for (int64_t i = 0; i < kCodecBlock; ++i)
+      q[i] = static_cast<int8_t>(static_cast<int32_t>((v[i] * inverse + kRoundMagic<T>) - kRoundMagic<T>));
+    return;
+  }
   alignas(64) T r[kCodecBlock];
   SAPIPE_CODEC_SIMD
   for (int64_t i = 0; i < kCodecBlock; ++i) r[i] = (v[i] * inverse + kRoundMagic<T>) - kRoundMagic<T>;
   SAPIPE_CODEC_SIMD
   for (int64_t i = 0; i < kCodecBlock; ++i) q[i] = static_cast<int8_t>(static_cast<int32_t>(r[i]));
-  *scale = s;
-  if (residual) {
-    if (count == kCodecBlock) residual_i8(v, r, T(s), kCodecBlock, residual);  // a fixed trip count
-    else residual_i8(v, r, T(s), count, residual);
+  if (count == kCodecBlock) residual_i8(v, r, T(s), kCodecBlock, residual);  // a fixed trip count
+  else residual_i8(v, r, T(s), count, residual);
+}
+
+// The int8 blocks of a tile, given their max_bits: v[0:span] (span a multiple of
+// kCodecBlock), residual[0:count]. Every block's maximum is known before any is rounded, so
+// the blocks' reductions and divisions, each a chain of dependent instructions, overlap
+// instead of running one after another.
+template <typename T>
+inline void quantize_tile_i8(const T* __restrict v, int64_t count, int64_t span,
+                             const Bits<T>* max_bits, int8_t* q, float* scales, T* residual) {
+  for (int64_t b = 0; b < span / kCodecBlock; ++b) {
+    const int64_t lo = b * kCodecBlock;
+    quantize_block_i8(v + lo, clamp_count(count - lo, kCodecBlock), max_bits[b], q + lo, scales + b,
+                      residual ? residual + lo : nullptr);
   }
 }
 
-// The int8 blocks of a tile: v[0:span] (span a multiple of kCodecBlock), residual[0:count].
-// All maxima first, then each block's rounding: the blocks' reductions and divisions, each
-// a chain of dependent instructions, then overlap instead of running one after another. The
-// check for inf and NaN is one reduction over the tile, per block only where it finds one.
 template <typename T>
 inline void encode_tile_i8(const T* __restrict v, int64_t count, int64_t span, int8_t* q, float* scales,
                            T* residual) {
-  constexpr int64_t kBlocks = kCodecTile / kCodecBlock;
-  T m[kBlocks], nonfinite[kBlocks] = {};
-  const int64_t blocks = span / kCodecBlock;
-  for (int64_t b = 0; b < blocks; ++b) m[b] = block_max(v + b * kCodecBlock);
-  // One check of the whole tile; which block holds an inf or NaN only when one does.
-  const T any = span == kCodecTile ? nonfinite_sum(v, kCodecTile) : nonfinite_sum(v, span);
-  if (any != T(0)) {
-    for (int64_t b = 0; b < blocks; ++b) nonfinite[b] = nonfinite_sum(v + b * kCodecBlock, kCodecBlock);
-  }
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t lo = b * kCodecBlock;
-    quantize_block_i8(v + lo, clamp_count(count - lo, kCodecBlock), m[b], nonfinite[b], q + lo, scales + b,
-                      residual ? residual + lo : nullptr);
-  }
+  Bits<T> max_bits[kCodecTile / kCodecBlock];
+  for (int64_t b = 0; b < span / kCodecBlock; ++b) max_bits[b] = block_max_bits(v + b * kCodecBlock);
+  quantize_tile_i8(v, count, span, max_bits, q, scales, residual);
 }
 
 // Whether x = 2^k (1, 2, 4, ... or 1/2, ...): dividing by it is multiplying by 1 / x, exactly.
@@ -338,6 +353,55 @@ inline void decode_block_i8(const int8_t* q, float scale, int64_t count, bool ad
   else scaled(q, static_cast<T>(scale), count, add, out);
 }
 
+// out[0:kCodecBlock] = (add ? out + : ) x * s, as `scaled`, returning the bits of the
+// block's new max|out| (block_max_bits): the last pass over a block finds its maximum too.
+template <typename T, typename X>
+inline Bits<T> scaled_block_max(const X* __restrict x, T s, bool add, T* __restrict out) {
+  Bits<T> m = 0;
+  if (add) {
+    SAPIPE_CODEC_SIMD_MAX
+    for (int64_t i = 0; i < kCodecBlock; ++i) {
+      out[i] = out[i] + static_cast<T>(x[i]) * s;
+      const auto a = abs_bits(out[i]);
+      m = a > m ? a : m;
+    }
+  } else {
+    SAPIPE_CODEC_SIMD_MAX
+    for (int64_t i = 0; i < kCodecBlock; ++i) {
+      out[i] = static_cast<T>(x[i]) * s;
+      const auto a = abs_bits(out[i]);
+      m = a > m ? a : m;
+    }
+  }
+  return m;
+}
+
+// v[0:span] = the sum of in's int8 rows over the tile at `lo` (+ residual[0:span]), and each
+// block's max_bits, found in the last pass (the last row's, or the residual's: x * 1 is x).
+template <typename T>
+inline void sum_tile_i8(const CodecRowsIn& in, int64_t lo, int64_t span, const T* residual, T* __restrict v,
+                        Bits<T>* max_bits) {
+  const int64_t blocks = span / kCodecBlock;
+  const auto row = [&](int64_t r) { return static_cast<const int8_t*>(in.values) + r * in.stride + lo; };
+  const auto scales = [&](int64_t r) { return in.scales + r * in.scale_stride + lo / kCodecBlock; };
+  const int64_t summed = residual ? in.rows : in.rows - 1;  // rows added before the last pass
+  for (int64_t r = 0; r < summed; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      scaled(row(r) + b * kCodecBlock, static_cast<T>(scales(r)[b]), kCodecBlock, r > 0, v + b * kCodecBlock);
+    }
+  }
+  if (residual) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      max_bits[b] = scaled_block_max(residual + b * kCodecBlock, T(1), true, v + b * kCodecBlock);
+    }
+    return;
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t at = b * kCodecBlock;
+    max_bits[b] = scaled_block_max(row(summed) + at, static_cast<T>(scales(summed)[b]), summed > 0, v + at);
+  }
+}
+
 // out[0:count] = (add ? out + : ) the tile decoded (int8: block b's scale at scales[b]);
 // 16-bit values times `multiply`.
 template <typename T, int kKind>
@@ -407,6 +471,13 @@ void sum_encode_row_impl(const CodecRowsIn& in, T* residual, const CodecRow& out
   const int64_t bytes = value_bytes<kKind>();
   for (int64_t lo = 0; lo < in.width; lo += kCodecTile) {
     const int64_t span = clamp_count(in.width - lo, kCodecTile);
+    if (kKind == kCodecInt8) {  // the blocks' maxima found while summing
+      Bits<T> max_bits[kCodecTile / kCodecBlock];
+      sum_tile_i8(in, lo, span, residual ? residual + lo : nullptr, v, max_bits);
+      quantize_tile_i8(v, span, span, max_bits, static_cast<int8_t*>(out.values) + lo,
+                       out.scales + lo / kCodecBlock, residual ? residual + lo : nullptr);
+      continue;
+    }
     for (int64_t r = 0; r < in.rows; ++r) {
       const void* values = row_at(in.values, r, in.stride, bytes) + lo * bytes;
       const float* scales = in.scales ? in.scales + r * in.scale_stride + lo / kCodecBlock : nullptr;
@@ -466,4 +537,3 @@ const CodecTable<double> codec_table_d = make_codec_table<double>();
 
 #undef SAPIPE_CODEC_SIMD
 #undef SAPIPE_CODEC_SIMD_MAX
-#undef SAPIPE_CODEC_SIMD_SUM

@@ -141,6 +141,18 @@ def _both(device, run):
     return run(kernels), run(reference)
 
 
+def _assert_same_messages(got, want, where, kind: str, every_byte: bool) -> None:
+    """``got`` and ``want``: (message buffer, values, scales, residual or None, ...) from the
+    kernels and the reference."""
+    if every_byte:  # the untouched gaps between fields included
+        assert torch.equal(got[0], want[0]), (where, "message bytes")
+    assert _same(got[1].float(), want[1].float()), (where, "values")  # NaN payloads aside
+    if kind == "int8":
+        assert _same(got[2], want[2]), (where, "scales")
+    if got[3] is not None:
+        assert _same(got[3], want[3]), (where, "residual")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["fp16", "bf16", "int8"])
@@ -160,26 +172,21 @@ def test_encode_matches_the_reference(device, dtype, kind, feedback, nonfinite, 
             return buffer, values, scales, residual
 
         got, want = _both(device, run)
-        where = (rows, width, n)
-        if not nonfinite:  # every byte, the untouched gaps between fields included
-            assert torch.equal(got[0], want[0]), (where, "message bytes")
-        assert _same(got[1].float(), want[1].float()), (where, "values")  # NaN payloads aside
-        if kind == "int8":
-            assert _same(got[2], want[2]), (where, "scales")
-        if feedback:
-            assert _same(got[3], want[3]), (where, "residual")
+        _assert_same_messages(got, want, (rows, width, n), kind, every_byte=not nonfinite)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["fp16", "bf16", "int8"])
 @pytest.mark.parametrize("feedback", [False, True])
-def test_sum_encode_and_decode_match_the_reference(device, dtype, kind, feedback, isa):
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_sum_encode_and_decode_match_the_reference(device, dtype, kind, feedback, nonfinite, isa):
     for rows, width, n in CASES:
         if kind == "int8" and width % ck.BLOCK:
             continue
         _, received, received_scales = _messages(kind, rows, width, device)
-        ck.reference_encode(_data(rows * width, dtype, device, seed=n), None, received, received_scales, 1.0)
+        sent = _data(rows * width, dtype, device, seed=n, nonfinite=nonfinite)  # int8: NaN blocks
+        ck.reference_encode(sent, None, received, received_scales, 1.0)
         start = _data(width, dtype, device, seed=rows) * 1e-3 if feedback else None
 
         def run(fn):
@@ -188,13 +195,11 @@ def test_sum_encode_and_decode_match_the_reference(device, dtype, kind, feedback
             fn["sum_encode"](received, received_scales, residual, values, scales, rows, dtype)
             out = torch.full((n,), 7.0, dtype=dtype, device=device)
             fn["decode"](received, received_scales, out, rows)
-            return buffer, residual, out
+            return buffer, values, scales, residual, out
 
         got, want = _both(device, run)
-        assert torch.equal(got[0], want[0]), (rows, width, n, "summed message bytes")
-        if feedback:
-            assert torch.equal(got[1], want[1]), (rows, width, n, "server residual")
-        assert torch.equal(got[2], want[2]), (rows, width, n, "decoded")
+        _assert_same_messages(got, want, (rows, width, n, "the sum"), kind, every_byte=not nonfinite)
+        assert _same(got[4], want[4]), (rows, width, n, "decoded")
 
 
 # ------------------------------------------------------------------- tiny and non-finite values
