@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #define SAPIPE_CPU_ISA base
 #include "cpu_codec_tiles.h"

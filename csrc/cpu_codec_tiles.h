@@ -13,7 +13,7 @@
 // another value as a branch (a float operation must not be moved where it might trap) and
 // then does not vectorise the loop.
 //
-// Include cpu_codec_types.h, <cmath> and <cstring> before this file, then define
+// Include cpu_codec_types.h, <cmath>, <cstring> and <type_traits> before this file, then define
 // SAPIPE_CPU_ISA (and SAPIPE_CODEC_F16C where F16C's conversions may be used: <immintrin.h>).
 #ifndef SAPIPE_CPU_ISA
 #error "define SAPIPE_CPU_ISA (the namespace of this instruction-set variant) first"
@@ -96,15 +96,14 @@ inline float from_16(uint16_t h) {
   return kKind == kCodecFp16 ? from_fp16(h) : from_bf16(h);
 }
 
-// A float's or double's bits as an integer of its width; signed, so that a maximum of them
-// (abs_bits) needs only the signed comparison every SIMD set has.
+// A float's or double's bits as an unsigned integer of its width.
 template <typename T>
 struct BitsOf {
-  using type = int32_t;
+  using type = uint32_t;
 };
 template <>
 struct BitsOf<double> {
-  using type = int64_t;
+  using type = uint64_t;
 };
 template <typename T>
 using Bits = typename BitsOf<T>::type;
@@ -159,8 +158,13 @@ inline void residual_i8(const T* __restrict v, const T* __restrict r, T step, in
   for (int64_t i = 0; i < n; ++i) residual[i] = v[i] - r[i] * step;
 }
 
+// |x|'s bits as a signed integer (never negative): signed, so that a maximum of them needs
+// only the signed comparison every SIMD set has.
 template <typename T>
-constexpr Bits<T> kAbsMask = 0x7fffffff;  // all bits but the sign
+using AbsBits = std::make_signed_t<Bits<T>>;
+
+template <typename T>
+constexpr AbsBits<T> kAbsMask = 0x7fffffff;  // all bits but the sign
 template <>
 constexpr int64_t kAbsMask<double> = 0x7fffffffffffffffll;
 
@@ -169,16 +173,16 @@ constexpr int64_t kAbsMask<double> = 0x7fffffffffffffffll;
 // where it holds one: unlike a float maximum it does not skip NaN, so no second pass looks
 // for them. And an integer maximum may be taken in any order: it vectorises to a tree.
 template <typename T>
-inline Bits<T> abs_bits(T x) {
-  Bits<T> u;
+inline AbsBits<T> abs_bits(T x) {
+  AbsBits<T> u;
   std::memcpy(&u, &x, sizeof u);
   return u & kAbsMask<T>;
 }
 
 // The bits of max|v| over one int8 block.
 template <typename T>
-inline Bits<T> block_max_bits(const T* __restrict v) {
-  Bits<T> m = 0;
+inline AbsBits<T> block_max_bits(const T* __restrict v) {
+  AbsBits<T> m = 0;
   SAPIPE_CODEC_SIMD_MAX
   for (int64_t i = 0; i < kCodecBlock; ++i) {
     const auto a = abs_bits(v[i]);
@@ -192,7 +196,7 @@ inline Bits<T> block_max_bits(const T* __restrict v) {
 // vectoriser turns into plain vector code: the rounded quotients, their narrowing to int8,
 // the residual.
 template <typename T>
-inline void quantize_block_i8(const T* __restrict v, int64_t count, Bits<T> max_bits,
+inline void quantize_block_i8(const T* __restrict v, int64_t count, AbsBits<T> max_bits,
                               int8_t* q, float* scale, T* residual) {
   T m;
   std::memcpy(&m, &max_bits, sizeof m);
@@ -241,7 +245,7 @@ inline void quantize_block_i8(const T* __restrict v, int64_t count, Bits<T> max_
 // instead of running one after another.
 template <typename T>
 inline void quantize_tile_i8(const T* __restrict v, int64_t count, int64_t span,
-                             const Bits<T>* max_bits, int8_t* q, float* scales, T* residual) {
+                             const AbsBits<T>* max_bits, int8_t* q, float* scales, T* residual) {
   for (int64_t b = 0; b < span / kCodecBlock; ++b) {
     const int64_t lo = b * kCodecBlock;
     quantize_block_i8(v + lo, clamp_count(count - lo, kCodecBlock), max_bits[b], q + lo, scales + b,
@@ -249,10 +253,27 @@ inline void quantize_tile_i8(const T* __restrict v, int64_t count, int64_t span,
   }
 }
 
+// v[0:kCodecTile] = src + residual, and each block's max_bits found in the same pass.
+template <typename T>
+inline void load_tile_i8(const T* __restrict src, const T* __restrict residual, T* __restrict v,
+                         AbsBits<T>* max_bits) {
+  for (int64_t b = 0; b < kCodecTile / kCodecBlock; ++b) {
+    const int64_t at = b * kCodecBlock;
+    AbsBits<T> m = 0;
+    SAPIPE_CODEC_SIMD_MAX
+    for (int64_t i = at; i < at + kCodecBlock; ++i) {
+      v[i] = src[i] + residual[i];
+      const auto a = abs_bits(v[i]);
+      m = a > m ? a : m;
+    }
+    max_bits[b] = m;
+  }
+}
+
 template <typename T>
 inline void encode_tile_i8(const T* __restrict v, int64_t count, int64_t span, int8_t* q, float* scales,
                            T* residual) {
-  Bits<T> max_bits[kCodecTile / kCodecBlock];
+  AbsBits<T> max_bits[kCodecTile / kCodecBlock];
   for (int64_t b = 0; b < span / kCodecBlock; ++b) max_bits[b] = block_max_bits(v + b * kCodecBlock);
   quantize_tile_i8(v, count, span, max_bits, q, scales, residual);
 }
@@ -263,6 +284,15 @@ inline bool is_power_of_two(T x) {
   int exponent = 0;
   return x > T(0) && std::frexp(x, &exponent) == T(0.5);
 }
+
+// Division by a row's `value` (the 16-bit formats carry v / W): a multiplication by
+// `inverse` where that is exact (value = 2^k). Made once per row.
+template <typename T>
+struct Divisor {
+  T value, inverse;
+  bool exact;
+  explicit Divisor(T d) : value(d), inverse(T(1) / d), exact(is_power_of_two(d)) {}
+};
 
 // h[0:n] = f[0:n] in 16 bits; F16C's conversion instruction where this build has it (the
 // same rounding as to_fp16).
@@ -299,10 +329,10 @@ inline void from_16_bits(const uint16_t* __restrict h, float* __restrict f, int6
 // One 16-bit tile: `span` values as v / divide (a row's last tile may be short);
 // residual[0:count] updated (when given).
 template <typename T, int kKind>
-inline void encode_tile_16(const T* __restrict v, int64_t count, int64_t span, uint16_t* h, T divide,
+inline void encode_tile_16(const T* __restrict v, int64_t count, int64_t span, uint16_t* h, const Divisor<T>& d,
                            T* residual) {
-  const bool exact_inverse = is_power_of_two(divide);  // then v * (1 / divide) is v / divide
-  const T inverse = T(1) / divide;
+  const bool exact_inverse = d.exact;  // then v * inverse is v / divide
+  const T inverse = d.inverse, divide = d.value;
   if (kKind == kCodecBf16) {  // the conversion is a few integer operations: in the same loop
     if (exact_inverse) {
       SAPIPE_CODEC_SIMD
@@ -356,8 +386,8 @@ inline void decode_block_i8(const int8_t* q, float scale, int64_t count, bool ad
 // out[0:kCodecBlock] = (add ? out + : ) x * s, as `scaled`, returning the bits of the
 // block's new max|out| (block_max_bits): the last pass over a block finds its maximum too.
 template <typename T, typename X>
-inline Bits<T> scaled_block_max(const X* __restrict x, T s, bool add, T* __restrict out) {
-  Bits<T> m = 0;
+inline AbsBits<T> scaled_block_max(const X* __restrict x, T s, bool add, T* __restrict out) {
+  AbsBits<T> m = 0;
   if (add) {
     SAPIPE_CODEC_SIMD_MAX
     for (int64_t i = 0; i < kCodecBlock; ++i) {
@@ -380,7 +410,7 @@ inline Bits<T> scaled_block_max(const X* __restrict x, T s, bool add, T* __restr
 // block's max_bits, found in the last pass (the last row's, or the residual's: x * 1 is x).
 template <typename T>
 inline void sum_tile_i8(const CodecRowsIn& in, int64_t lo, int64_t span, const T* residual, T* __restrict v,
-                        Bits<T>* max_bits) {
+                        AbsBits<T>* max_bits) {
   const int64_t blocks = span / kCodecBlock;
   const auto row = [&](int64_t r) { return static_cast<const int8_t*>(in.values) + r * in.stride + lo; };
   const auto scales = [&](int64_t r) { return in.scales + r * in.scale_stride + lo / kCodecBlock; };
@@ -443,7 +473,7 @@ inline const char* row_at(const void* base, int64_t row, int64_t stride, int64_t
 // (int8: whole blocks, span a multiple of kCodecBlock), residual[0:count] updated.
 template <typename T, int kKind>
 inline void encode_tile(const T* v, int64_t count, int64_t span, const CodecRow& out, int64_t lo,
-                        T divide, T* residual) {
+                        const Divisor<T>& divide, T* residual) {
   char* values = static_cast<char*>(out.values) + lo * value_bytes<kKind>();
   if (kKind != kCodecInt8) {
     encode_tile_16<T, kKind>(v, count, span, reinterpret_cast<uint16_t*>(values), divide, residual);
@@ -453,11 +483,19 @@ inline void encode_tile(const T* v, int64_t count, int64_t span, const CodecRow&
 }
 
 template <typename T, int kKind>
-void encode_row_impl(const T* src, T* residual, int64_t len, const CodecRow& out, T divide) {
+void encode_row_impl(const T* src, T* residual, int64_t len, const CodecRow& out, T divide_by) {
+  const Divisor<T> divide(divide_by);
   alignas(64) T v[kCodecTile];
   for (int64_t lo = 0; lo < out.width; lo += kCodecTile) {
     const int64_t span = clamp_count(out.width - lo, kCodecTile);
     const int64_t count = clamp_count(len - lo, span);
+    if (kKind == kCodecInt8 && residual && count == kCodecTile) {  // the maxima found while adding
+      AbsBits<T> max_bits[kCodecTile / kCodecBlock];
+      load_tile_i8(src + lo, residual + lo, v, max_bits);
+      quantize_tile_i8(v, count, span, max_bits, static_cast<int8_t*>(out.values) + lo,
+                       out.scales + lo / kCodecBlock, residual + lo);
+      continue;
+    }
     const T* tile = v;
     if (count == kCodecTile && !residual) tile = src + lo;  // read in place: nothing to add
     else load_tile(src + lo, residual ? residual + lo : nullptr, count, v);
@@ -466,13 +504,14 @@ void encode_row_impl(const T* src, T* residual, int64_t len, const CodecRow& out
 }
 
 template <typename T, int kKind>
-void sum_encode_row_impl(const CodecRowsIn& in, T* residual, const CodecRow& out, T divide) {
+void sum_encode_row_impl(const CodecRowsIn& in, T* residual, const CodecRow& out, T divide_by) {
+  const Divisor<T> divide(divide_by);
   alignas(64) T v[kCodecTile];
   const int64_t bytes = value_bytes<kKind>();
   for (int64_t lo = 0; lo < in.width; lo += kCodecTile) {
     const int64_t span = clamp_count(in.width - lo, kCodecTile);
     if (kKind == kCodecInt8) {  // the blocks' maxima found while summing
-      Bits<T> max_bits[kCodecTile / kCodecBlock];
+      AbsBits<T> max_bits[kCodecTile / kCodecBlock];
       sum_tile_i8(in, lo, span, residual ? residual + lo : nullptr, v, max_bits);
       quantize_tile_i8(v, span, span, max_bits, static_cast<int8_t*>(out.values) + lo,
                        out.scales + lo / kCodecBlock, residual ? residual + lo : nullptr);
