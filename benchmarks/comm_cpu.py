@@ -12,7 +12,8 @@ Run under a launcher, e.g. on a loopback shaped to 2 Gbit/s::
         --model gpt2 --modes local,ddp,m,m:bf16,m:int8
 
 Modes: ``local`` (no communication), ``ddp`` (DistributedDataParallel), and ``K[:FORMAT]``
-for sapipe at k = K (``m``: every layer) with ``compression=FORMAT``. Each mode trains
+for sapipe at k = K (``m``: every layer) with ``compression=FORMAT``; ``--bucket-cap-mb``
+sets both one's buckets. Each mode trains
 ``--steps`` timed steps after 5 untimed ones; rank 0 prints one row per mode. Every mode
 uses the model's ``fused=True`` torch optimizer (bench_models).
 """
@@ -48,6 +49,7 @@ def main() -> None:
     p.add_argument("--size", default="small")
     p.add_argument("--modes", default="local,ddp,m,m:bf16,m:int8")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="sapipe's bucket size (and DDP's)")
     args = p.parse_args()
     import torch
     import torch.distributed as dist
@@ -62,18 +64,18 @@ def main() -> None:
     x, y = spec.make_batch(spec.batch_size, torch.device("cpu"), torch.Generator().manual_seed(rank))
     if rank == 0:
         print(f"{args.model}/{args.size}, {dist.get_world_size()} ranks, one thread each; {args.steps} steps per mode")
-        print("| mode | step ms | training thread CPU ms/step | other threads CPU ms/step |")
-        print("| --- | ---: | ---: | ---: |")
+        print("| mode | buckets | step ms | training thread CPU ms/step | other threads CPU ms/step |")
+        print("| --- | ---: | ---: | ---: | ---: |")
     for mode in args.modes.split(","):
         model = spec.make_model()
         if mode == "ddp":
-            model = torch.nn.parallel.DistributedDataParallel(model)
+            model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
         opt = spec.make_optimizer(model.parameters())
         if mode not in ("local", "ddp"):
             k, _, compression = mode.partition(":")
             m = len(bench_models.describe_layers(model, x))
             opt = sapipe.DistributedOptimizer(opt, model, stale_layers=m if k == "m" else int(k),
-                                              compression=compression or None)
+                                              compression=compression or None, bucket_cap_mb=args.bucket_cap_mb)
         for step in range(5 + args.steps):
             if step == 5:
                 dist.barrier()
@@ -87,7 +89,8 @@ def main() -> None:
         others = sum(t - before.get(tid, 0.0) for tid, t in after.items() if tid != main_thread)
         if rank == 0:
             per = 1e3 / args.steps
-            print(f"| {mode} | {elapsed * per:.1f} | {training * per:.1f} | {others * per:.1f} |", flush=True)
+            buckets = len(opt.buckets) if hasattr(opt, "buckets") else "–"
+            print(f"| {mode} | {buckets} | {elapsed * per:.1f} | {training * per:.1f} | {others * per:.1f} |", flush=True)
         if hasattr(opt, "close"):
             opt.close()
         dist.barrier()
