@@ -11,7 +11,12 @@ Run under a launcher, e.g. on a loopback shaped to 2 Gbit/s::
     sapipe-launch --emulate-net 2gbit --nproc-per-node 2 benchmarks/comm_cpu.py \\
         --model gpt2 --modes local,ddp,m,m:bf16,m:int8
 
-Modes: ``local`` (no communication), ``ddp`` (DistributedDataParallel), and ``K[:FORMAT]``
+``--peer-batch N`` has every rank but rank 0 train on N samples: with a light peer, rank 0
+computes on a core of its own while its communication threads run beside the peer's, as a
+GPU host's communication runs on cores its compute does not use. Rank 0 reports.
+
+Modes: ``local`` (no communication), ``comm`` (no compute: one all-reduce of the gradient's
+float32 values per step, T_comm), ``ddp`` (DistributedDataParallel), and ``K[:FORMAT]``
 for sapipe at k = K (``m``: every layer) with ``compression=FORMAT``; ``--bucket-cap-mb``
 sets both one's buckets. Each mode trains
 ``--steps`` timed steps after 5 untimed ones; rank 0 prints one row per mode. Every mode
@@ -50,6 +55,8 @@ def main() -> None:
     p.add_argument("--modes", default="local,ddp,m,m:bf16,m:int8")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="sapipe's bucket size (and DDP's)")
+    p.add_argument("--peer-batch", type=int, default=0,
+                   help="samples per step on every rank but rank 0 (0: the model's batch, as rank 0's)")
     args = p.parse_args()
     import torch
     import torch.distributed as dist
@@ -61,9 +68,12 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     spec = bench_models.build(args.model, args.size)
-    x, y = spec.make_batch(spec.batch_size, torch.device("cpu"), torch.Generator().manual_seed(rank))
+    batch = args.peer_batch if rank > 0 and args.peer_batch > 0 else spec.batch_size
+    x, y = spec.make_batch(batch, torch.device("cpu"), torch.Generator().manual_seed(rank))
     if rank == 0:
-        print(f"{args.model}/{args.size}, {dist.get_world_size()} ranks, one thread each; {args.steps} steps per mode")
+        peers = f", the others {args.peer_batch} samples" if args.peer_batch > 0 else ""
+        print(f"{args.model}/{args.size}, {dist.get_world_size()} ranks, one thread each, rank 0 {spec.batch_size} "
+              f"samples per step{peers}; {args.steps} steps per mode")
         print("| mode | buckets | step ms | training thread CPU ms/step | other threads CPU ms/step |")
         print("| --- | ---: | ---: | ---: | ---: |")
     for mode in args.modes.split(","):
@@ -71,7 +81,8 @@ def main() -> None:
         if mode == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
         opt = spec.make_optimizer(model.parameters())
-        if mode not in ("local", "ddp"):
+        flat = torch.zeros(sum(p.numel() for p in model.parameters())) if mode == "comm" else None
+        if mode not in ("local", "ddp", "comm"):
             k, _, compression = mode.partition(":")
             m = len(bench_models.describe_layers(model, x))
             opt = sapipe.DistributedOptimizer(opt, model, stale_layers=m if k == "m" else int(k),
@@ -80,6 +91,9 @@ def main() -> None:
             if step == 5:
                 dist.barrier()
                 before, start = thread_cpu_seconds(), time.perf_counter()
+            if flat is not None:  # the link alone: one all-reduce of the gradient's values
+                dist.all_reduce(flat)
+                continue
             opt.zero_grad()
             spec.loss_fn(model(x), y).backward()
             opt.step()
