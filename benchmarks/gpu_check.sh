@@ -10,9 +10,12 @@
 # models. Logs and tables go to $GPU_OUT (default
 # gpu-results/); the last lines printed are the summaries.
 #
-#   GPU_OUT=/some/dir PYTHON=python3 bash benchmarks/gpu_check.sh [quick]
+#   GPU_OUT=/some/dir PYTHON=python3 bash benchmarks/gpu_check.sh [quick|compression]
 #
 # `quick` skips the compensation-overhead run (the longest part, ~4 min on an H100).
+# `compression` runs only what the compression needs checked: the build, the codec's CUDA
+# kernels and compressed end-to-end tests, the codec's bandwidth, what a compression costs
+# a compute-bound step and sapipe's host time compressed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -35,6 +38,21 @@ echo "== tests"
 $PY -m pytest -q -rs tests/test_codec_kernels.py tests/test_cuda.py -k "codec or compressed or profile" \
   >"$OUT/tests_codec.log" 2>&1 || status=1
 tail -3 "$OUT/tests_codec.log"
+if [ "${1:-}" = compression ]; then
+  echo "== the codec's bandwidth"
+  $PY benchmarks/kernels.py --device cuda --only codec --json "$OUT/kernels_codec.json" >"$OUT/kernels_codec.md" 2>&1 \
+    || status=1
+  echo "== what a compression costs a compute-bound step (one NCCL rank, full-size models)"
+  $PY benchmarks/compensation_overhead.py --device cuda --size full --models gpt2,resnet50,vgg16 --modes none \
+    --compressions bf16,int8 --fused-only --rounds 8 --output "$OUT/compression_cost_cuda.md" \
+    >"$OUT/compression_cost.log" 2>&1 || status=1
+  tail -12 "$OUT/compression_cost.log"
+  echo "== sapipe's host time per iteration, compressed (107 tiny layers, one NCCL rank)"
+  $PY benchmarks/host_overhead.py --device cuda --compressions bf16,int8 >"$OUT/host_overhead.md" 2>&1 || status=1
+  tail -6 "$OUT/host_overhead.md"
+  cat "$OUT/kernels_codec.md"
+  exit $status
+fi
 $PY -m pytest -q -rs tests/test_kernels.py -k cuda >"$OUT/tests_kernels.log" 2>&1 || status=1
 tail -1 "$OUT/tests_kernels.log"
 $PY -m pytest -q -rs tests/test_cuda.py -k "not compressed and not profile" >"$OUT/tests_modes.log" 2>&1 || status=1
