@@ -45,6 +45,12 @@ inline void base_tile(const TileSrc<T>& s, int64_t off, int64_t len, T* __restri
   }
 }
 
+// Whether the composed gradient is the gradient itself (no DC, no local terms).
+template <typename T>
+inline bool is_plain(const TileSrc<T>& s) {
+  return !s.prev && s.form == kTileNoDc && !s.local;
+}
+
 // h[0:len] = the composed gradient. `coeff` = lam * <g, D> of the tile's tensor (outer form).
 template <typename T>
 inline void compose_tile(const TileSrc<T>& s, int64_t off, int64_t len, T coeff, T* __restrict h) {
@@ -105,17 +111,29 @@ inline void sgd_momentum_loop(const SgdTile<T>& a, const T* x, const T* mb, int6
 // gradient (may be overwritten), x = the weights, mb = the momentum buffer (not read when
 // `first`); b <- the new momentum buffer, r <- x + (-lr) * d_p. r may be x (in place); mb may
 // be b.
+// Whether sgd_math takes its one-loop path (sgd_momentum_loop), which only reads h.
+template <typename T>
+inline bool sgd_in_one_loop(const SgdTile<T>& a, bool first) {
+  return a.has_momentum && !first && !a.maximize;
+}
+
+template <typename T>
+inline void sgd_one_loop(const SgdTile<T>& a, const T* x, const T* mb, int64_t len, const T* __restrict h, T* b,
+                         T* r) {
+  if (a.has_wd) {
+    if (a.nesterov) sgd_momentum_loop<T, true, true>(a, x, mb, len, h, b, r);
+    else sgd_momentum_loop<T, true, false>(a, x, mb, len, h, b, r);
+  } else {
+    if (a.nesterov) sgd_momentum_loop<T, false, true>(a, x, mb, len, h, b, r);
+    else sgd_momentum_loop<T, false, false>(a, x, mb, len, h, b, r);
+  }
+}
+
 template <typename T>
 inline void sgd_math(const SgdTile<T>& a, bool first, const T* x, const T* mb, int64_t len,
                      T* __restrict h, T* b, T* r) {
-  if (a.has_momentum && !first && !a.maximize) {
-    if (a.has_wd) {
-      if (a.nesterov) sgd_momentum_loop<T, true, true>(a, x, mb, len, h, b, r);
-      else sgd_momentum_loop<T, true, false>(a, x, mb, len, h, b, r);
-    } else {
-      if (a.nesterov) sgd_momentum_loop<T, false, true>(a, x, mb, len, h, b, r);
-      else sgd_momentum_loop<T, false, false>(a, x, mb, len, h, b, r);
-    }
+  if (sgd_in_one_loop(a, first)) {
+    sgd_one_loop(a, x, mb, len, h, b, r);
     return;
   }
   if (a.maximize) {
@@ -216,13 +234,19 @@ void sgd_tile(const TileSrc<T>& s, const SgdTile<T>& a, int64_t off, int64_t len
               double* lanes) {
   alignas(64) T h[kTile];
   alignas(64) T b[kTile];
-  compose_tile(s, off, len, coeff, h);
   const T* p = a.param + off;
   const T* mb = a.buf ? a.buf + off : nullptr;
   const StepExtras<T>& e = a.extra;
   const bool need_step = e.peek_dst || e.dots;
   // The new momentum goes straight into the state (OPT), or onto the stack (OPT_peek).
   T* nb = !a.peek && a.has_momentum ? a.buf + off : b;
+  if (is_plain(s) && (a.peek || !need_step) && sgd_in_one_loop(a, a.first)) {
+    // the gradient as it is, read where it lies: no tile to compose
+    sgd_one_loop(a, p, mb, len, s.g + off, nb, a.dst + off);
+    if (e.hist) copy_tile(a.dst + off, len, e.hist + off);
+    return;
+  }
+  compose_tile(s, off, len, coeff, h);
   if (a.peek || !need_step) {  // plain OPT / OPT_peek, and OPT + history write
     sgd_math(a, a.first, p, mb, len, h, nb, a.dst + off);
     if (e.hist) copy_tile(a.dst + off, len, e.hist + off);  // after every read of the sources
@@ -328,7 +352,6 @@ void adam_tile(const TileSrc<T>& s, const AdamTile<T>& a, int64_t off, int64_t l
   alignas(64) T h[kTile];
   alignas(64) T m[kTile];
   alignas(64) T v[kTile];
-  compose_tile(s, off, len, coeff, h);
   const T* p = a.param + off;
   T* ea = a.exp_avg + off;
   T* eas = a.exp_avg_sq + off;
@@ -337,6 +360,14 @@ void adam_tile(const TileSrc<T>& s, const AdamTile<T>& a, int64_t off, int64_t l
   // The new moments go straight into the state (OPT), or onto the stack (OPT_peek).
   T* nm = a.peek ? m : ea;
   T* nv = a.peek ? v : eas;
+  if (is_plain(s) && (a.peek || !need_step) && !a.maximize) {
+    // the gradient as it is, read where it lies: no tile to compose (adam_math's one loop)
+    if (a.l2) adam_loop_for<T, true>(a, a.neg_ss, a.bc2s, p, ea, eas, len, s.g + off, nm, nv, a.dst + off);
+    else adam_loop_for<T, false>(a, a.neg_ss, a.bc2s, p, ea, eas, len, s.g + off, nm, nv, a.dst + off);
+    if (e.hist) copy_tile(a.dst + off, len, e.hist + off);
+    return;
+  }
+  compose_tile(s, off, len, coeff, h);
   if (a.peek || !need_step) {  // plain OPT / OPT_peek, and OPT + history write
     adam_math(a, a.neg_ss, a.bc2s, p, ea, eas, len, h, nm, nv, a.dst + off);
     if (e.hist) copy_tile(a.dst + off, len, e.hist + off);  // after every read of the sources

@@ -224,7 +224,7 @@ class GradientPipeline:
         waited = self.clock() - start
         self.waited += waited
         self.waited_total += waited
-        if bucket.grads.codec is None:  # a sum; a compressed one arrives as the mean already
+        if bucket.grads.codec is None and self._world_size > 1:  # a sum; a compressed one arrives as the mean
             mean.div_(self._world_size)
         return mean, waited
 
