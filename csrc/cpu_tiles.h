@@ -6,7 +6,9 @@
 //
 // Per tile, the composed gradient is built in a small stack buffer (L1-resident) by a few
 // simple `#pragma omp simd` loops with no per-element branches (option tests are per tile),
-// then the optimizer arithmetic consumes it and writes the outputs. Reads of an element always
+// then the optimizer arithmetic consumes it and writes the outputs. A gradient with nothing
+// to compose (no DC, no local terms) is read where it lies by the one-loop SGD and Adam
+// steps: copying it to the stack first cost those steps up to half their time. Reads of an element always
 // precede the write of that element, so outputs may alias inputs element-wise.
 //
 // An in-place update's extras (StepExtras: history write, fused peek, the step's dots) reuse
@@ -107,10 +109,6 @@ inline void sgd_momentum_loop(const SgdTile<T>& a, const T* x, const T* mb, int6
   }
 }
 
-// One SGD step of torch.optim.SGD (sapipe.ops.reference_sgd) on `len` elements: h = the
-// gradient (may be overwritten), x = the weights, mb = the momentum buffer (not read when
-// `first`); b <- the new momentum buffer, r <- x + (-lr) * d_p. r may be x (in place); mb may
-// be b.
 // Whether sgd_math takes its one-loop path (sgd_momentum_loop), which only reads h.
 template <typename T>
 inline bool sgd_in_one_loop(const SgdTile<T>& a, bool first) {
@@ -129,6 +127,10 @@ inline void sgd_one_loop(const SgdTile<T>& a, const T* x, const T* mb, int64_t l
   }
 }
 
+// One SGD step of torch.optim.SGD (sapipe.ops.reference_sgd) on `len` elements: h = the
+// gradient (may be overwritten), x = the weights, mb = the momentum buffer (not read when
+// `first`); b <- the new momentum buffer, r <- x + (-lr) * d_p. r may be x (in place); mb may
+// be b.
 template <typename T>
 inline void sgd_math(const SgdTile<T>& a, bool first, const T* x, const T* mb, int64_t len,
                      T* __restrict h, T* b, T* r) {
