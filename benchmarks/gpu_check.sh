@@ -38,18 +38,23 @@ echo "== tests"
 $PY -m pytest -q -rs tests/test_codec_kernels.py tests/test_cuda.py -k "codec or compressed or profile" \
   >"$OUT/tests_codec.log" 2>&1 || status=1
 tail -3 "$OUT/tests_codec.log"
-if [ "${1:-}" = compression ]; then
-  echo "== the codec's bandwidth"
-  $PY benchmarks/kernels.py --device cuda --only codec --json "$OUT/kernels_codec.json" >"$OUT/kernels_codec.md" 2>&1 \
-    || status=1
+# What a compression costs a compute-bound step, and sapipe's host time per iteration
+# (compressed too): run by the full check and by `compression`.
+compression_cost() {
   echo "== what a compression costs a compute-bound step (one NCCL rank, full-size models)"
   $PY benchmarks/compensation_overhead.py --device cuda --size full --models gpt2,resnet50,vgg16 --modes none \
     --compressions bf16,int8 --fused-only --rounds 8 --output "$OUT/compression_cost_cuda.md" \
     >"$OUT/compression_cost.log" 2>&1 || status=1
   tail -12 "$OUT/compression_cost.log"
-  echo "== sapipe's host time per iteration, compressed (107 tiny layers, one NCCL rank)"
+  echo "== sapipe's host time per iteration (107 tiny layers, one NCCL rank: the step is the host's)"
   $PY benchmarks/host_overhead.py --device cuda --compressions bf16,int8 >"$OUT/host_overhead.md" 2>&1 || status=1
   tail -6 "$OUT/host_overhead.md"
+}
+if [ "${1:-}" = compression ]; then
+  echo "== the codec's bandwidth"
+  $PY benchmarks/kernels.py --device cuda --only codec --json "$OUT/kernels_codec.json" >"$OUT/kernels_codec.md" 2>&1 \
+    || status=1
+  compression_cost
   cat "$OUT/kernels_codec.md"
   exit $status
 fi
@@ -67,15 +72,7 @@ echo "== profiles of scaling.py's models (one NCCL rank, fp32 and amp)"
 $PY benchmarks/gpu_profiles.py --out "$OUT/profiles" >"$OUT/profiles.log" 2>&1 || status=1
 tail -10 "$OUT/profiles.log"
 
-echo "== what a compression costs a compute-bound step (one NCCL rank, full-size models)"
-$PY benchmarks/compensation_overhead.py --device cuda --size full --models gpt2,resnet50,vgg16 --modes none \
-  --compressions bf16,int8 --fused-only --rounds 8 --output "$OUT/compression_cost_cuda.md" \
-  >"$OUT/compression_cost.log" 2>&1 || status=1
-tail -12 "$OUT/compression_cost.log"
-
-echo "== sapipe's host time per iteration (107 tiny layers, one NCCL rank: the step is the host's)"
-$PY benchmarks/host_overhead.py --device cuda --compressions bf16,int8 >"$OUT/host_overhead.md" 2>&1 || status=1
-tail -6 "$OUT/host_overhead.md"
+compression_cost
 
 if [ "${1:-}" != quick ]; then
   echo "== compensation overhead (full-size models, one NCCL rank)"
