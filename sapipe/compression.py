@@ -159,14 +159,18 @@ class BucketCodec:
     ``slots``: how many of the bucket's sums may be in flight at once (its staleness slots).
     ``residual``: with error feedback, the worker residual to keep (a partition's slice of
     its bucket's, :class:`PartitionedCodec`); by default one of its own.
+    ``ranks_per_message``: how many ranks' gradients each message sums (a node's, when sums
+    go node first: :class:`NodeFirstCodec`); the sum still arrives as the mean over all of them.
     The arithmetic is sapipe.codec_kernels' (compiled kernels where built).
     """
 
     def __init__(self, compression: Compression, numel: int, nflags: int, world: int, dtype: torch.dtype,
-                 device: torch.device, slots: int = 1, *, residual: Optional[Tensor] = None):
+                 device: torch.device, slots: int = 1, *, residual: Optional[Tensor] = None,
+                 ranks_per_message: int = 1):
         self.compression = compression
         self.format = fmt = WireFormat(compression.kind, numel, nflags, world)
         self.dtype = dtype
+        self.ranks_per_message = ranks_per_message
         size = world * fmt.message_bytes
         self.outbox = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(slots)]
         self.inbox = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(slots)]
@@ -195,7 +199,8 @@ class BucketCodec:
         self._flags_in.copy_(wire[numel:])
         out = self._outbox_views[slot]
         out.flags.copy_(self._flags_rows)
-        codec_kernels.encode(wire[:numel], self.residual, out.values, out.scales)
+        # 16-bit: a node's sum travels as its mean over the node's ranks, in range as one rank's is
+        codec_kernels.encode(wire[:numel], self.residual, out.values, out.scales, divide=self.ranks_per_message)
         return self.outbox[slot]
 
     def gather_message(self, slot: int) -> Tensor:
@@ -215,7 +220,7 @@ class BucketCodec:
         fmt = self.format
         gathered = self._gathered_views[slot]
         if gathered.scales is not None:  # int8 carries the sum: dividing one scale per block costs no pass
-            gathered.scales.div_(fmt.world)
+            gathered.scales.div_(fmt.world * self.ranks_per_message)
         codec_kernels.decode(gathered.values, gathered.scales, wire[: fmt.numel])  # 16-bit: the mean as sent
         wire[fmt.numel :].copy_(gathered.flags.reshape(-1)[: fmt.nflags])
 
@@ -229,6 +234,7 @@ class BucketCodec:
         return {"residual": _clone(self.residual), "server_residual": _clone(self.server_residual)}
 
     def load_state_dict(self, state: Dict[str, Optional[Tensor]]) -> None:
+        _check_node_size(state, 1)
         for name in ("residual", "server_residual"):
             mine, saved = getattr(self, name), state.get(name)
             if mine is not None and saved is not None:
@@ -285,6 +291,10 @@ class PartitionedFormat:
     @property
     def world(self) -> int:
         return self.parts[0].world
+
+    @property
+    def numel(self) -> int:
+        return sum(fmt.numel for fmt in self.parts)
 
     def wire_bytes(self) -> int:
         """Bytes each rank sends (and receives) for the whole bucket: every partition's."""
@@ -355,16 +365,116 @@ class PartitionedSlot:
         return [(lo, hi, part.at(self.slot)) for (lo, hi), part in zip(self.codec.wire_bounds, self.codec.parts)]
 
 
+class NodeFirstCodec:
+    """One bucket's compressed sum node first (``hierarchical=``, sapipe.comm.hierarchical).
+
+    The bucket's values are cut into L equal shards (L ranks per node; the last zero-padded),
+    each followed by all the bucket's flags. Inside the node the shards are summed at full
+    precision; local rank j then compresses the node's sum of shard j and sums it across
+    the N nodes with the ranks of local index j, as a :class:`BucketCodec` of one shard
+    over N ranks, whose messages each carry a node's sum of L gradients. Across nodes each
+    NIC carries the compressed bytes of one bucket, not of L.
+
+    Error feedback keeps this rank's residuals of its shard only (the residual of what it
+    sent, and of the sum it sent). A shard's bounds move when ``"auto"`` lays the buckets out
+    again, so both are dropped then (one step's rounding of the shard); ``residual`` (one
+    per bucket value) is None.
+    """
+
+    residual = None
+
+    def __init__(self, compression: Compression, numel: int, nflags: int, nodes: int, node_size: int,
+                 dtype: torch.dtype, device: torch.device, slots: int = 1):
+        self.compression = compression
+        self.numel, self.nflags, self.node_size = numel, nflags, node_size
+        self.shard_numel = math.ceil(numel / node_size)
+        self.shard = BucketCodec(compression, self.shard_numel, nflags, nodes, dtype, device, slots,
+                                 ranks_per_message=node_size)
+
+    @property
+    def format(self) -> WireFormat:
+        """What crosses between nodes: one shard's compressed sum over the N nodes."""
+        return self.shard.format
+
+    @property
+    def row_numel(self) -> int:
+        """Values of one shard as it is summed inside the node: its values, then the flags."""
+        return self.shard_numel + self.nflags
+
+    def pack(self, wire: Tensor, rows: Tensor) -> None:
+        """``wire`` (values, then flags) into ``rows``, L rows of :attr:`row_numel`: row j
+        holds shard j of the values (zero past the bucket's end), then every flag."""
+        size, rows = self.shard_numel, rows.view(self.node_size, self.row_numel)
+        for j in range(self.node_size):
+            lo, hi = j * size, min((j + 1) * size, self.numel)
+            rows[j, : hi - lo].copy_(wire[lo:hi])
+            rows[j, hi - lo : size].zero_()
+        rows[:, size:].copy_(wire[self.numel :].expand(self.node_size, self.nflags))
+
+    def unpack(self, rows: Tensor, wire: Tensor) -> None:
+        """The summed ``rows`` back into ``wire``: each shard's values, and the flags (alike in every row)."""
+        size, rows = self.shard_numel, rows.view(self.node_size, self.row_numel)
+        for j in range(self.node_size):
+            lo, hi = j * size, min((j + 1) * size, self.numel)
+            wire[lo:hi].copy_(rows[j, : hi - lo])
+        wire[self.numel :].copy_(rows[0, size:])
+
+    def at(self, slot: int) -> "NodeFirstSlot":
+        """This codec bound to staleness slot ``slot``'s scratch bytes, for one sum."""
+        return NodeFirstSlot(self, slot)
+
+    def state_dict(self) -> Dict[str, object]:
+        return {"node_size": self.node_size, **self.shard.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        _check_node_size(state, self.node_size)
+        residual = state.get("residual")
+        if isinstance(residual, Tensor) and residual.numel() != self.shard_numel:
+            raise ConfigurationError(f"sapipe: the checkpoint's residual covers a shard of {residual.numel()} values, "
+                                     f"this rank's shard holds {self.shard_numel}")
+        self.shard.load_state_dict({k: v for k, v in state.items() if k != "node_size"})
+
+
+@dataclass(frozen=True)
+class NodeFirstSlot:
+    """What the node-first back-end is handed with a bucket's slot (:class:`NodeFirstCodec`)."""
+
+    codec: NodeFirstCodec
+    slot: int
+
+    def partitions(self) -> List[Tuple[int, int, SlotCodec]]:
+        """The one unit this rank compresses: its shard of the node's sum, as one row of
+        :meth:`NodeFirstCodec.pack` holds it, and that shard's codec bound to this slot."""
+        return [(0, self.codec.row_numel, self.codec.shard.at(self.slot))]
+
+
+def _check_node_size(state: Dict, node_size: int) -> None:
+    """ConfigurationError unless the checkpointed codec's sums went node first over the same
+    number of ranks per node (1: flat), so its residuals cover the same values."""
+    saved = state.get("node_size", 1)
+    if saved != node_size:
+        def how(n):
+            return "flat" if n == 1 else f"node first over {n} ranks per node"
+        raise ConfigurationError(f"sapipe: the checkpoint's compressed sums went {how(saved)}, this job's go "
+                                 f"{how(node_size)}: their error-feedback residuals cover other values")
+
+
 #: a bucket's codec, and what a back-end is handed with a slot of it (see ``partitions()``)
-Codec = Union[BucketCodec, PartitionedCodec]
-Slot = Union[SlotCodec, PartitionedSlot]
+Codec = Union[BucketCodec, PartitionedCodec, NodeFirstCodec]
+Slot = Union[SlotCodec, PartitionedSlot, NodeFirstSlot]
 
 
 def make_codec(compression: Compression, numel: int, nflags: int, world: int, dtype: torch.dtype,
-               device: torch.device, slots: int = 1, partition_bytes: Optional[int] = None) -> Codec:
+               device: torch.device, slots: int = 1, partition_bytes: Optional[int] = None,
+               node_size: int = 1) -> Codec:
     """A bucket's codec: one unit (``partition_bytes`` None), or partitions of
     ``partition_bytes`` of the uncompressed bucket (at least one value each), as
-    ``backend="pushpull"`` cuts it."""
+    ``backend="pushpull"`` cuts it; with ``node_size`` > 1 ranks per node, summed node first."""
+    if node_size > 1:
+        if partition_bytes is not None or world % node_size:
+            raise ConfigurationError(f"sapipe: node-first sums need whole nodes and no partitions; got world {world}, "
+                                     f"{node_size} ranks per node, partition_bytes={partition_bytes}")
+        return NodeFirstCodec(compression, numel, nflags, world // node_size, node_size, dtype, device, slots)
     if partition_bytes is None:
         return BucketCodec(compression, numel, nflags, world, dtype, device, slots)
     per_partition = max(1, partition_bytes // torch.empty((), dtype=dtype).element_size())
@@ -376,5 +486,5 @@ def _clone(tensor: Optional[Tensor]) -> Optional[Tensor]:
 
 
 __all__ = ["COMPRESSIONS", "INT8_BLOCK", "Codec", "Compression", "WireFormat", "BucketCodec", "SlotCodec",
-           "PartitionedCodec", "PartitionedFormat", "PartitionedSlot", "Slot", "make_codec", "partition_bounds",
+           "NodeFirstCodec", "NodeFirstSlot", "PartitionedCodec", "PartitionedFormat", "PartitionedSlot", "Slot", "make_codec", "partition_bounds",
            "validate", "wire_constants"]

@@ -176,7 +176,7 @@ class Settings:
     )
     hierarchical: Optional[bool] = _setting(
         None, _optional_boolean,
-        """with ``backend="torch"`` and no compression: sum each bucket inside each node first, then across nodes, then inside the node again (Horovod's hierarchical all-reduce; :mod:`sapipe.comm.hierarchical`); ``None``: wherever the job spans several nodes of the same number (> 1) of ranks (torchrun's ``GROUP_RANK``, else the host name, tells a rank's node); ``True``: required; ``False``: one flat all-reduce.""",
+        """with ``backend="torch"``: sum each bucket inside each node first, then across nodes, then inside the node again (Horovod's hierarchical all-reduce; :mod:`sapipe.comm.hierarchical`); with ``compression``, only the sum across nodes is compressed; ``None``: wherever the job spans several nodes of the same number (> 1) of ranks (torchrun's ``GROUP_RANK``, else the host name, tells a rank's node); ``True``: required; ``False``: one flat all-reduce.""",
     )
     partition_mb: float = _setting(
         4.0, _positive_number,

@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 
 __all__ = ["ReferenceResult", "run_reference", "layer_order", "opt_peek", "dc_correct", "clip_by_norm", "clip_by_value",
-           "compressed_mean"]
+           "compressed_mean", "node_first_mean"]
 
 Tensors = Dict[str, torch.Tensor]
 
@@ -194,9 +194,10 @@ def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, in
     (``None``: int8 only) v is the value plus the residual that rank (or, for the sum, the
     shard's owner) kept from its last call: what v's rounding dropped.
     ``buckets``: per bucket, its (parameter name, numel) in flat order (int8 only).
-    ``chunks``: per bucket, the [start, end) of each of its partitions (``backend="pushpull"``):
-    each partition is split into W shards and summed as above on its own; None: the bucket
-    is one partition.
+    ``chunks``: per bucket, the [start, end) of each of its partitions (``backend="pushpull"``;
+    node-first shards, whose last may reach past the bucket's end, zero-padded): each
+    partition is split into W shards and summed as above on its own; None: the bucket is one
+    partition.
     """
     half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(kind)
     feedback = kind == "int8" if error_feedback is None else error_feedback
@@ -249,15 +250,36 @@ def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, in
         mean: Tensors = {}
         for b, layout in enumerate(buckets):
             numel = sum(n for _, n in layout)
-            flat = [torch.cat([l[nm].reshape(-1) for nm, _ in layout]) for l in local]
             bounds = chunks[b] if chunks is not None else [(0, numel)]
+            end = max(hi for _, hi in bounds)
+            flat = [torch.nn.functional.pad(torch.cat([l[nm].reshape(-1) for nm, _ in layout]), (0, end - numel))
+                    for l in local]
             values = torch.cat([reduce_int8([f[lo:hi] for f in flat], (b, c)) for c, (lo, hi) in enumerate(bounds)])
-            values = values / world
+            values = values[:numel] / world
             offset = 0
             for nm, n in layout:
                 mean[nm] = values[offset:offset + n].view_as(local[0][nm])
                 offset += n
         return mean
+
+    return reduce
+
+
+def node_first_mean(kind: str, buckets: Sequence[Sequence[Tuple[str, int]]], nodes: Sequence[Sequence[int]],
+                    error_feedback: Optional[bool] = None) -> Callable[[List[Tensors]], Tensors]:
+    """The mean as sapipe's compressed sum node first delivers it (sapipe.comm.hierarchical):
+    each node's gradients averaged exactly, and those N means summed compressed
+    (:func:`compressed_mean`), each bucket cut into L shards of ceil(numel / L) values
+    (the last zero-padded), each shard summed over the nodes on its own."""
+    size = len(nodes[0])
+    chunks = []
+    for layout in buckets:
+        shard = math.ceil(sum(n for _, n in layout) / size)
+        chunks.append([(j * shard, (j + 1) * shard) for j in range(size)])
+    across = compressed_mean(kind, buckets, chunks=chunks, error_feedback=error_feedback)
+
+    def reduce(local: List[Tensors]) -> Tensors:
+        return across([{nm: sum(local[r][nm] for r in node) / size for nm in local[0]} for node in nodes])
 
     return reduce
 

@@ -16,7 +16,7 @@ from sapipe.launch import LaunchError, cluster, netns, plan
 
 from dist_utils import assert_close_dicts
 from models import loss_fn_for, make_batches, make_model
-from reference import run_reference
+from reference import node_first_mean, run_reference
 
 PY = sys.executable
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -104,22 +104,25 @@ def _leftover_namespaces():
     return [line.split()[0] for line in out.splitlines() if line.startswith("sapipe")]
 
 
-def test_a_2x2_job_trains_as_the_float64_reference(tmp_path):
+@pytest.mark.parametrize("compression", [None, "int8"])
+def test_a_2x2_job_trains_as_the_float64_reference(tmp_path, compression):
     """4 ranks on 2 emulated nodes (Gloo across a shaped bridge), k = 3 with wp1, buckets summed
-    node first: every rank's real and held weights are the reference's (rtol 1e-9), and the
-    namespaces are gone."""
+    node first (int8: compressed across nodes only): every rank's real and held weights are
+    the reference's (rtol 1e-9), and the namespaces are gone."""
     _requires_cluster()
-    out = _run(_launch(tmp_path), timeout=300)
+    out = _run(_launch(tmp_path, *(["--compression", compression] if compression else [])), timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     assert [(r["world"], r["node"]) for r in ranks] == [(4, 0), (4, 0), (4, 1), (4, 1)]
-    assert {r["sum"] for r in ranks} == {"HierarchicalAllReduce"}, "two nodes of two ranks sum node first"
+    node_first = "HierarchicalAllReduce" if compression is None else "HierarchicalCompressedSum"
+    assert {r["sum"] for r in ranks} == {node_first}, "two nodes of two ranks sum node first"
     import cluster_job
 
+    reduce = None if compression is None else node_first_mean(compression, ranks[0]["buckets"], ((0, 1), (2, 3)))
     ref = run_reference(make_model("tied", seed=0, dtype=torch.float64),
                         lambda params: torch.optim.AdamW(params, lr=cluster_job.LR),
                         make_batches("tied", cluster_job.STEPS, 4, dtype=torch.float64), loss_fn_for("tied"),
-                        stale_layers=cluster_job.STALE_LAYERS, compensation=cluster_job.COMPENSATION)
+                        stale_layers=cluster_job.STALE_LAYERS, compensation=cluster_job.COMPENSATION, reduce=reduce)
     for r in ranks:
         assert_close_dicts(r["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {r['rank']} real")
         assert_close_dicts(r["held"], ref.held[-1][r["rank"]], rtol=1e-9, atol=1e-11, what=f"rank {r['rank']} held")

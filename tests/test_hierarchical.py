@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
 from dist_utils import assert_close_dicts, run_ranks
 from models import loss_fn_for, make_batches, make_model
-from reference import run_reference
+from reference import compressed_mean, node_first_mean, run_reference
 from sapipe.comm.hierarchical import resolve
 from sapipe.comm.topology import Topology
 from sapipe.errors import ConfigurationError
@@ -31,16 +32,20 @@ def test_the_topology_of_node_names():
 
 def test_when_sums_go_node_first():
     one_node = Topology.from_names(["a", "a"])
-    assert resolve(None, "torch", None, TWO_BY_TWO) and not resolve(None, "torch", "int8", TWO_BY_TWO)
+    assert resolve(None, "torch", None, TWO_BY_TWO) and resolve(None, "torch", "int8", TWO_BY_TWO)
     assert not resolve(None, "pushpull", None, TWO_BY_TWO) and not resolve(False, "torch", None, TWO_BY_TWO)
     assert not resolve(None, "torch", None, one_node)
     with pytest.raises(ConfigurationError, match="needs several nodes.*1 node × 2"):
         resolve(True, "torch", None, one_node)
-    with pytest.raises(ConfigurationError, match="backend='torch' without compression.*'int8'"):
-        resolve(True, "torch", "int8", TWO_BY_TWO)
+    with pytest.raises(ConfigurationError, match="runs on backend='torch'; got backend='pushpull'"):
+        resolve(True, "pushpull", "int8", TWO_BY_TWO)
 
 
-CASES = [(0, "none", None), (3, "wp1", None), (3, "dc", False)]  # (k, compensation, hierarchical=)
+# (k, compensation, hierarchical=, compression=)
+CASES = [(0, "none", None, None), (3, "wp1", None, None), (3, "dc", False, None),
+         (0, "none", None, "int8"), (3, "wp1", None, "int8"), (3, "dc", None, "bf16"), (3, "none", None, "fp16"),
+         (3, "wp1", False, "int8")]
+NODES = ((0, 1), (2, 3))
 STEPS = 5
 
 
@@ -49,22 +54,29 @@ def _train(rank, world_size, cases):
 
     os.environ["GROUP_RANK"] = str(rank // 2)  # 2 "nodes" of 2 ranks, as torchrun would say
     out = []
-    for k, mode, hierarchical in cases:
+    for k, mode, hierarchical, compression in cases:
         model = make_model("tied", seed=rank, dtype=torch.float64)
         opt = sapipe.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, stale_layers=k,
-                                          compensation=mode, hierarchical=hierarchical, bucket_cap_mb=0.0007,
-                                          timeout=60)
-        for step in make_batches("tied", STEPS, world_size, dtype=torch.float64):
-            x, y = step[rank]
-            opt.zero_grad()
-            loss_fn_for("tied")(model(x), y).backward()
-            opt.step()
-        opt.synchronize()
-        with opt.real_weights():
-            real = {n: p.detach().clone() for n, p in model.named_parameters()}
-        out.append({"real": real, "sum": type(opt._pipeline.sync_comm).__name__, "buckets": len(opt.buckets)})
+                                          compensation=mode, hierarchical=hierarchical, compression=compression,
+                                          bucket_cap_mb=0.0007, timeout=60)
+        real = _run_steps(model, opt, rank, make_batches("tied", STEPS, world_size, dtype=torch.float64))
+        names = {id(p): n for n, p in model.named_parameters()}
+        layouts = [[(names[id(p)], p.numel()) for p in bucket.params] for bucket in opt.buckets]
+        out.append({"real": real, "sum": type(opt._pipeline.sync_comm).__name__, "buckets": layouts})
         opt.close()
     return out
+
+
+def _run_steps(model, opt, rank, batches):
+    """``batches`` trained on (this rank's share of each); the real weights after them."""
+    for step in batches:
+        x, y = step[rank]
+        opt.zero_grad()
+        loss_fn_for("tied")(model(x), y).backward()
+        opt.step()
+    opt.synchronize()
+    with opt.real_weights():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
@@ -72,20 +84,43 @@ def two_nodes():
     return run_ranks(_train, world_size=4, args=(CASES,), timeout=300)
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"k{k}-{m}-h{h}" for k, m, h in CASES])
+def _reference(k, mode, reduce):
+    return run_reference(make_model("tied", seed=0, dtype=torch.float64),
+                         lambda params: torch.optim.AdamW(params, lr=0.01),
+                         make_batches("tied", STEPS, 4, dtype=torch.float64), loss_fn_for("tied"),
+                         stale_layers=k, compensation=mode, reduce=reduce).real[-1]
+
+
+def _expected_sum(hierarchical, compression) -> str:
+    if hierarchical is False:
+        return "AllReduce" if compression is None else "CompressedSum"
+    return "HierarchicalAllReduce" if compression is None else "HierarchicalCompressedSum"
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"k{k}-{m}-h{h}-{c}" for k, m, h, c in CASES])
 def test_two_nodes_of_two_train_as_the_reference(two_nodes, index):
     """Node first (the default on two nodes) or flat, every rank's weights are the float64
-    reference's; uneven buckets go through the padded shards."""
-    k, mode, hierarchical = CASES[index]
-    ref = run_reference(make_model("tied", seed=0, dtype=torch.float64),
-                        lambda params: torch.optim.AdamW(params, lr=0.01),
-                        make_batches("tied", STEPS, 4, dtype=torch.float64), loss_fn_for("tied"),
-                        stale_layers=k, compensation=mode)
+    reference's; uneven buckets go through the padded shards. Compressed node first, the
+    reference averages each node exactly and sums the node means compressed, shard by
+    shard (``reference.node_first_mean``); flat, it sums all four ranks compressed."""
+    k, mode, hierarchical, compression = CASES[index]
+    buckets = two_nodes[0][index]["buckets"]
+    node_first = hierarchical is not False
+    reduce = None
+    if compression is not None:
+        reduce = (node_first_mean(compression, buckets, NODES) if node_first
+                  else compressed_mean(compression, buckets))
+    ref = _reference(k, mode, reduce)
     for rank, results in enumerate(two_nodes):
         got = results[index]
-        assert got["sum"] == ("AllReduce" if hierarchical is False else "HierarchicalAllReduce")
-        assert got["buckets"] >= 2
-        assert_close_dicts(got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank}")
+        assert got["sum"] == _expected_sum(hierarchical, compression)
+        assert len(got["buckets"]) >= 2
+        assert_close_dicts(got["real"], ref, rtol=1e-9, atol=1e-11, what=f"rank {rank}")
+    if compression == "int8" and node_first:  # not the flat compressed sum's weights, nor the uncompressed ones
+        for other in (compressed_mean(compression, buckets), None):
+            elsewhere = _reference(k, mode, other)
+            moved = max((elsewhere[n] - ref[n]).abs().max().item() for n in ref)
+            assert moved > 1e-7, f"node first moved the weights by only {moved:.1e}"
 
 
 def _required_on_one_node(rank, world_size):
@@ -104,13 +139,13 @@ def test_hierarchical_true_on_one_node_is_refused_on_every_rank():
         assert message is not None and "hierarchical=True needs several nodes" in message, message
 
 
-def _auto_on_two_nodes(rank, world_size):
+def _auto_on_two_nodes(rank, world_size, compression):
     import sapipe
 
     os.environ["GROUP_RANK"] = str(rank // 2)
     model = make_model("tied", seed=rank)
     opt = sapipe.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, stale_layers="auto",
-                                      profile_steps=3, tune_steps=0)
+                                      profile_steps=3, tune_steps=0, compression=compression)
     sync, probed = opt._pipeline.sync_comm, []
     own_sum = sync.sum_now
     sync.sum_now = lambda tensor: (probed.append(tensor.numel()), own_sum(tensor))
@@ -119,19 +154,27 @@ def _auto_on_two_nodes(rank, world_size):
         opt.zero_grad()
         loss_fn_for("tied")(model(x), y).backward()
         opt.step()
-    result = (opt.auto.decided, opt.stale_layers, opt.auto.profile.raw["probe_times"], len(probed))
+    raw = opt.auto.profile.raw
+    result = (opt.auto.decided, opt.stale_layers, raw["probe_times"], len(probed), raw.get("wire_ratio"))
     opt.close()
     return result
 
 
-def test_auto_probes_the_two_level_sum_and_decides_alike():
+@pytest.mark.parametrize("compression", [None, "int8"])
+def test_auto_probes_the_two_level_sum_and_decides_alike(compression):
     """The scheduler times its link probes through the hierarchical sum itself
-    (``CommBackend.sum_now``), and every rank decides the same k from them."""
-    results = run_ranks(_auto_on_two_nodes, world_size=4, timeout=300)
-    decided, k, probes, probed = results[0]
+    (``CommBackend.sum_now``), and every rank decides the same k from them. Compressed, it
+    scales the link to the bytes that cross between nodes: int8's 1 + 4/64 bytes per
+    4-byte value (flags and padding aside)."""
+    results = run_ranks(_auto_on_two_nodes, world_size=4, args=(compression,), timeout=300)
+    decided, k, probes, probed, wire_ratio = results[0]
     assert decided and all(r[:2] == (decided, k) for r in results)
     assert len(probes) >= 2 and all(t > 0 for t in probes)
     assert probed > len(probes), "every probe (and its warm-up) went through the back-end's own sum"
+    if compression is None:
+        assert wire_ratio is None
+    else:
+        assert 0.26 < wire_ratio < 0.4, wire_ratio
 
 
 def _sums(rank, world_size, numel):
@@ -161,3 +204,54 @@ def test_a_pipelined_bucket_sums_as_a_flat_all_reduce(numel):
     for r in results:
         assert torch.allclose(torch.as_tensor(r["hierarchical"]), torch.as_tensor(r["flat"]), rtol=1e-13, atol=1e-13)
         assert (r["hierarchical"] == results[0]["hierarchical"]).all()
+
+
+RESUME_STEPS, SPLIT = 6, 3
+
+
+def _node_first_int8(seed):
+    import sapipe
+
+    model = make_model("tied", seed=seed, dtype=torch.float64)
+    opt = sapipe.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, stale_layers=3,
+                                      compensation="wp1", compression="int8", bucket_cap_mb=0.0007, timeout=60)
+    return model, opt
+
+
+def _resume_node_first(rank, world_size):
+    """Uninterrupted, and resumed from a checkpoint taken after SPLIT steps, node first with
+    int8; then that checkpoint loaded by the same job seen as one node (flat sums)."""
+    os.environ["GROUP_RANK"] = str(rank // 2)
+    batches = make_batches("tied", RESUME_STEPS, world_size, dtype=torch.float64)
+    model, opt = _node_first_int8(seed=0)
+    expected = _run_steps(model, opt, rank, batches)
+    opt.close()
+    model, opt = _node_first_int8(seed=0)
+    _run_steps(model, opt, rank, batches[:SPLIT])
+    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optimizer": opt.state_dict()}
+    residual = max(b["codec"]["residual"].abs().max().item() for b in saved["optimizer"]["buckets"])
+    opt.close()
+    model, opt = _node_first_int8(seed=rank + 7)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    resumed = _run_steps(model, opt, rank, batches[SPLIT:])
+    opt.close()
+    os.environ["GROUP_RANK"] = "0"  # the same four ranks on one node: the sums go flat
+    model, opt = _node_first_int8(seed=0)
+    try:
+        opt.load_state_dict(saved["optimizer"])
+        refusal = None
+    except ConfigurationError as exc:
+        refusal = str(exc)
+    opt.close()
+    return {"expected": expected, "resumed": resumed, "residual": residual, "refusal": refusal}
+
+
+def test_a_node_first_int8_checkpoint_resumes_bit_identically_on_the_same_nodes_only():
+    """The shard residuals travel in the checkpoint: the resumed run is bit-identical. A job
+    whose sums go flat (here: the same ranks on one node) refuses them by name."""
+    for rank, out in enumerate(run_ranks(_resume_node_first, world_size=4, timeout=300)):
+        assert out["residual"] > 0
+        for name, value in out["expected"].items():
+            assert np.array_equal(out["resumed"][name], value), (rank, name)
+        assert out["refusal"] is not None and "went node first over 2 ranks per node" in out["refusal"], out["refusal"]

@@ -67,9 +67,14 @@ def test_compressed_sums_by_hand():
     # one node: the profiler's rule (2 alpha, beta * wire_ratio + codec)
     a, b = ClusterLink(1, 4, INTER, INTRA).allreduce()
     assert ClusterLink(1, 4, INTER, INTRA).compressed_sum(0.5, 1e-11) == pytest.approx((2 * a, b * 0.5 + 1e-11))
-    # 8x8: the all-to-all puts 8 ranks' cross-node shards through the node's NIC
-    got = ClusterLink(8, 8, INTER, INTRA, hierarchical=True).compressed_sum(0.5, 1e-11)
+    # 8x8 flat: the all-to-all puts 8 ranks' cross-node shards through the node's NIC
+    got = ClusterLink(8, 8, INTER, INTRA, hierarchical=False).compressed_sum(0.5, 1e-11)
     assert got == pytest.approx((2 * 2 * 63 * 1e-5, 2 * 8 * 7 / 8 / 1e9 * 0.5 + 1e-11), rel=1e-12)
+    # 8x8 node first: full precision inside the node, one compressed share per rank across
+    # nodes (a ring's bytes per NIC), the codec on 1/8 of the bucket
+    got = ClusterLink(8, 8, INTER, INTRA, hierarchical=True).compressed_sum(0.5, 1e-11)
+    want = (2 * 7 * 1e-6 + 2 * 2 * 7 * 1e-5, 2 * 7 / 8 / 1e10 + 2 * 7 / 8 / 1e9 * 0.5 + 1e-11 / 8)
+    assert got == pytest.approx(want, rel=1e-12)
     # one rank per node: a ring's bytes
     a, b = ClusterLink(4, 1, INTER).allreduce()
     assert ClusterLink(4, 1, INTER).compressed_sum(0.25, 0.0) == pytest.approx((2 * a, b * 0.25))
@@ -155,8 +160,9 @@ def test_predict_refuses_nonsense():
         predict(p, 2, 2, "1gbit", slowdown=-0.5)
     with pytest.raises(ConfigurationError, match="needs the inter-node link"):
         predict(p, 2, 2, None)
-    with pytest.raises(ConfigurationError, match="hierarchical=True runs on backend='torch' without compression"):
-        predict(_profile(compression="bf16", wire_ratio=0.5), 2, 2, "1gbit", hierarchical=True)
+    with pytest.raises(ConfigurationError, match="hierarchical=True runs on backend='torch'; the profile has "
+                                                 "backend='pushpull'"):
+        predict(_profile(backend="pushpull"), 2, 2, "1gbit", hierarchical=True)
 
 
 def test_node_first_where_sapipe_would_sum_node_first():
@@ -169,7 +175,7 @@ def test_node_first_where_sapipe_would_sum_node_first():
             for backend, compression in (("torch", None), ("pushpull", None), ("torch", "int8")):
                 assert sapipe_hierarchical(None, backend, compression, nodes, g) == \
                     resolve(None, backend, compression, topology)
-                if topology.two_level and backend == "torch" and compression is None:
+                if topology.two_level and backend == "torch":
                     assert sapipe_hierarchical(True, backend, compression, nodes, g) == \
                         resolve(True, backend, compression, topology)
 

@@ -36,6 +36,7 @@ median, spread = interquartile range / median):
 | ``sapipe-auto-flat`` | on a job whose ranks span several nodes of several ranks (1 < torchrun's ``LOCAL_WORLD_SIZE`` < world; e.g. ``--clusters 2x2``): ``stale_layers="auto"`` with ``hierarchical=False``, one flat all-reduce per bucket, where every other sapipe mode sums node first |
 | ``ceiling-node-first`` | on such a job, ``ceiling`` with the buffer summed as sapipe sums across nodes (``HierarchicalAllReduce``: inside the node, across nodes, inside again): the bound for node-first schedules |
 | ``sapipe-auto-<compression>`` | ``stale_layers="auto"`` with ``compression=`` each ``--compressions`` format (default bf16, int8), judged against the job's *full-precision* ceiling |
+| ``sapipe-auto-<compression>-flat`` | on such a job, ``sapipe-auto-<compression>`` with ``hierarchical=False``: each bucket's compressed sum over all ranks at once, where ``sapipe-auto-<compression>`` compresses only the sum across nodes |
 
 Every mode's optimizer is torch's ``fused=True`` SGD / Adam (``bench_models``), so that the
 baselines step with the fastest update torch has, as their best users would run them; sapipe

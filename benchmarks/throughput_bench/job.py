@@ -114,8 +114,11 @@ class Job:
                 out.append(TrainRunner(self, f"sapipe-auto-{backend}", "sapipe", "auto", backend=backend))
             for compression in [c for c in a.compressions.split(",") if c]:
                 out.append(TrainRunner(self, f"sapipe-auto-{compression}", "sapipe", "auto", compression=compression))
-            if self.two_level():  # every sapipe mode sums node first; this one does not
+            if self.two_level():  # every sapipe mode sums node first; these do not
                 out.append(TrainRunner(self, "sapipe-auto-flat", "sapipe", "auto", options={"hierarchical": False}))
+                for compression in [c for c in a.compressions.split(",") if c]:
+                    out.append(TrainRunner(self, f"sapipe-auto-{compression}-flat", "sapipe", "auto",
+                                           compression=compression, options={"hierarchical": False}))
                 if "ceiling" not in skip:  # perfect overlap with node-first sums: the bound for those
                     out.append(TrainRunner(self, "ceiling-node-first", "ceiling-node-first"))
         return out

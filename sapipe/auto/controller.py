@@ -26,8 +26,6 @@ from typing import Any, Dict, List, Optional, Protocol
 
 import torch
 
-from .. import comm
-from ..compression import make_codec
 from ..config import Settings
 from ..layers import Layer
 from ..rendezvous import ControlChannel
@@ -156,19 +154,21 @@ class AutoController:
     def _compressed_link(self, profile: profiler.Profile, buckets) -> profiler.Profile:
         """The link model for compressed sums: the bytes the format puts on the wire, and the
         local work of compressing and summing, timed on a scratch copy of the largest bucket
-        (the slowest rank's time, so every rank models alike)."""
-        world = buckets[0].grads.codec.format.world
-        ring = sum(2 * (world - 1) / world * b.nbytes for b in buckets)
+        (the slowest rank's time, so every rank models alike). Where sums go node first, the
+        probes timed the two-level sum at full precision, and only the bytes across nodes
+        shrink: the model scales both levels (the profiled iterations' β bounds it below)."""
+        formats = [b.grads.codec.format for b in buckets]
+        element = buckets[0].params[0].element_size()
+        ring = sum(2 * (f.world - 1) / f.world * f.numel * element for f in formats)
         if ring == 0:
-            return profile  # one rank: nothing travels
+            return profile  # one rank (or one node): nothing compressed travels
         largest = max(buckets, key=lambda b: b.numel)
-        settings = self._settings
-        scratch = make_codec(settings.wire_compression, largest.numel, len(largest.params), world, largest.dtype,
-                             largest.device, partition_bytes=comm.compression_partition(settings.backend,
-                                                                                        settings.partition_bytes))
+        sums = self._runtime.compression
+        assert sums is not None
+        scratch = sums.codec(largest.numel, len(largest.params), largest.dtype, largest.device)
         wire = torch.randn(largest.numel + len(largest.params), dtype=largest.dtype, device=largest.device)
         (seconds,) = self._control.agree_on_max([profiler.time_codec(scratch, wire)], "the time to compress")
-        wire_ratio = sum(b.grads.codec.format.wire_bytes() for b in buckets) / ring
+        wire_ratio = sum(f.wire_bytes() for f in formats) / ring
         return profiler.compressed(profile, wire_ratio, seconds / largest.nbytes)
 
     def _set_model_inputs(self, layers: List[Layer], element_size: int) -> None:

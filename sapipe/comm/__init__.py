@@ -7,7 +7,7 @@ is one small class (see :mod:`sapipe.comm.base` for the contract):
 ``torch``      one all-reduce per bucket on a process group of its own (default);
                on several nodes: inside the node, across nodes, inside the node again
                (:mod:`sapipe.comm.hierarchical`); compressed: one compressed sum per
-               bucket (all-to-all + all-gather)
+               bucket (all-to-all + all-gather), across nodes only where sums go node first
 ``pushpull``   BytePS's pattern on torch.distributed: 4 MB chunks, reduce-scatter +
                all-gather, in the order the next forward needs them; compressed: each
                chunk compressed and summed on its own, in the same order
@@ -32,7 +32,7 @@ from .base import CommBackend, Handle
 from .compressed import CompressedSum, TorchCollectives
 from .pushpull import DEFAULT_PARTITION_BYTES, PushPull
 from .groups import new_group_like, release_group
-from .hierarchical import HierarchicalAllReduce
+from . import hierarchical
 from .topology import Topology
 from .torch_backend import AllReduce
 
@@ -91,15 +91,15 @@ def create(
 
     Every instance gets process groups of its own over ``process_group``'s ranks. With
     ``compression``, each start is handed the bucket's codec (see :func:`compression_refusal`).
-    With ``topology`` (``backend="torch"``, uncompressed), buckets are summed hierarchically
-    over its nodes (:mod:`sapipe.comm.hierarchical`).
+    With ``topology`` (``backend="torch"``), buckets are summed hierarchically over its nodes
+    (:mod:`sapipe.comm.hierarchical`), compressed across nodes with ``compression``.
     """
     refusal = compression_refusal(backend, compression)
     if refusal is not None:
         raise ConfigurationError(f"sapipe: {refusal}")  # validated before; reached only by direct calls
     if backend == "torch":
-        if topology is not None and compression is None:
-            return HierarchicalAllReduce.create(process_group, topology, name, timeout, tracer)
+        if topology is not None:
+            return hierarchical.create(process_group, topology, compression, name, timeout, tracer)
         if compression is not None:
             return CompressedSum(TorchCollectives(new_group_like(process_group, timeout)), name, timeout, tracer)
         return AllReduce(new_group_like(process_group, timeout), name, timeout, tracer)

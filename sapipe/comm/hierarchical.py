@@ -18,6 +18,13 @@ of the back-end runs them, one bucket after another in start order (the same on 
 A large bucket is cut into a few pieces whose steps are pipelined (``sum_by_shards``): a
 piece crosses between nodes while the next is reduced inside the node, so the node's own
 steps hide behind the slow one.
+
+**Compressed** (``compression=``, :class:`HierarchicalCompressedSum`): the same three steps,
+the middle one a compressed sum (sapipe.comm.compressed) of the shard over the N nodes, its
+bytes and its error feedback those of a :class:`sapipe.compression.NodeFirstCodec`. Only the
+network carries compressed bytes; inside the node the shards travel at full precision. A
+flat compressed sum over all W ranks would put each of a node's L ranks' all-to-all through
+the node's NIC: L times the compressed bytes of a ring (sapipe.schedule.cluster_link).
 """
 from __future__ import annotations
 
@@ -27,12 +34,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..compression import NodeFirstSlot
 from ..errors import ConfigurationError, UsageError
 from ..trace import Tracer
 from .base import Handle
+from .compressed import TorchCollectives, sum_compressed
 from .groups import new_subgroup, release_group
 from .topology import Topology
-from .worker import InStartOrder, Job, Scratch, sum_by_shards
+from .worker import InStartOrder, Job, Scratch, all_gather_single, reduce_scatter_single, sum_by_shards
 
 
 #: A bucket is cut into up to MAX_PIECES pieces of at least PIECE_BYTES, whose steps are
@@ -43,16 +52,14 @@ MAX_PIECES = 4
 
 def resolve(requested: Optional[bool], backend: str, compression: Optional[str], topology: Topology) -> bool:
     """Whether buckets are summed hierarchically: ``requested`` (None: wherever the topology
-    has two levels and the back-end is ``torch`` without compression), or ConfigurationError
+    has two levels and the back-end is ``torch``, compressed or not), or ConfigurationError
     naming the contradiction when True cannot be honoured."""
     if requested is False:
         return False
     if requested is None:
-        return backend == "torch" and compression is None and topology.two_level
-    if backend != "torch" or compression is not None:
-        raise ConfigurationError(
-            f"sapipe: hierarchical=True runs on backend='torch' without compression; got backend={backend!r}, "
-            f"compression={compression!r}")
+        return backend == "torch" and topology.two_level
+    if backend != "torch":
+        raise ConfigurationError(f"sapipe: hierarchical=True runs on backend='torch'; got backend={backend!r}")
     if not topology.two_level:
         raise ConfigurationError(
             f"sapipe: hierarchical=True needs several nodes with the same number (> 1) of ranks each; this job "
@@ -111,4 +118,54 @@ class HierarchicalAllReduce(InStartOrder):
         return group
 
 
-__all__ = ["HierarchicalAllReduce", "resolve"]
+class HierarchicalCompressedSum(HierarchicalAllReduce):
+    """Compressed sums node first: full precision inside the node, compressed across nodes
+    (module docstring). Each start is handed the bucket's :class:`NodeFirstSlot`."""
+
+    operation = "hierarchical compressed sum"
+
+    def __init__(self, intra, inter, local_size: int, name: str, timeout: Optional[timedelta], tracer: Tracer):
+        super().__init__(intra, inter, local_size, name, timeout, tracer)
+        self._across = TorchCollectives(inter)
+
+    def start(self, tensor: torch.Tensor, what: str, priority: int = 0, codec: Optional[NodeFirstSlot] = None) -> Handle:
+        if not isinstance(codec, NodeFirstSlot) or codec.codec.numel + codec.codec.nflags != tensor.numel():
+            raise UsageError(f"sapipe: the node-first compressed sum of {what} was started without its codec "
+                             f"(or with another bucket's)")
+        return self.enqueue(self.new_job(tensor, what, detail=codec))
+
+    def sum_now(self, tensor: torch.Tensor) -> None:
+        """``tensor`` summed now at full precision over the two levels, in start order with
+        the buckets: the scheduler's probe of the link, whose bytes across nodes
+        :mod:`sapipe.auto` then scales to the format's."""
+        self.wait(self.enqueue(self.new_job(tensor, "a link probe")))  # no codec: full precision
+
+    def close(self) -> None:
+        self._across.group = None  # released with ``_inter`` by the parent
+        super().close()
+
+    def run_unit(self, job: Job, unit: None) -> None:
+        """Reduce-scatter inside the node, the compressed sum of this rank's shard across
+        nodes, all-gather inside the node."""
+        slot: Optional[NodeFirstSlot] = job.detail
+        if slot is None:  # a link probe
+            return super().run_unit(job, unit)
+        codec, (_, _, shard_codec) = slot.codec, slot.partitions()[0]
+        rows = self._scratch.get("rows", codec.node_size * codec.row_numel, job.tensor)
+        shard = self._scratch.get("shard", codec.row_numel, job.tensor)
+        codec.pack(job.tensor, rows)
+        intra = self._group("_intra")
+        reduce_scatter_single(shard, rows, op=dist.ReduceOp.SUM, group=intra)
+        sum_compressed(shard_codec, shard, self._across, str(job.sequence))
+        all_gather_single(rows, shard, group=intra)
+        codec.unpack(rows, job.tensor)
+
+
+def create(process_group, topology: Topology, compression: Optional[str], name: str,
+           timeout: Optional[timedelta], tracer: Tracer) -> HierarchicalAllReduce:
+    """The node-first back-end over ``topology``: compressed across nodes when ``compression`` is set."""
+    kind = HierarchicalAllReduce if compression is None else HierarchicalCompressedSum
+    return kind.create(process_group, topology, name, timeout, tracer)
+
+
+__all__ = ["HierarchicalAllReduce", "HierarchicalCompressedSum", "create", "resolve"]

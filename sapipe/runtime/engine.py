@@ -37,8 +37,10 @@ class Runtime:
         self.topology = topology if topology is not None and hierarchical.resolve(
             settings.hierarchical, settings.backend, settings.compression, topology) else None
         compression = settings.wire_compression
-        self._compression = None if compression is None else CompressedSums(
-            compression, world_size, comm.compression_partition(settings.backend, settings.partition_bytes))
+        #: how buckets are compressed (None: they are not); the scheduler times the same codec
+        self.compression = None if compression is None else CompressedSums(
+            compression, world_size, comm.compression_partition(settings.backend, settings.partition_bytes),
+            node_size=self.topology.local_size if self.topology is not None else 1)
         self.pipeline = GradientPipeline(settings, group, world_size, tracer, before_reuse=self.apply_deferred,
                                          topology=self.topology)
         self.updater = Updater(rule, MODES[settings.compensation](settings.staleness), settings,
@@ -58,7 +60,7 @@ class Runtime:
         """The first layout, once the layer order is known."""
         s = self._settings
         self.pipeline.layout = Layout(layers, k, s.bucket_cap_bytes, self._group_of, s.staleness,
-                                      self.updater.compensation, self._compression)
+                                      self.updater.compensation, self.compression)
 
     def apply_deferred(self, bucket: Bucket) -> float:
         """The bucket's pending synchronous update, if any; seconds waited for its all-reduce."""

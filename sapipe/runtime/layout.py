@@ -12,19 +12,26 @@ import torch
 
 from ..buckets import Bucket, StalenessBuffer, build_buckets
 from ..compensation import Compensation
-from ..compression import Compression, make_codec
+from ..compression import Codec, Compression, make_codec
 from ..layers import Layer
 from ..optim_math import OptimizerRule
 
 
 class CompressedSums(NamedTuple):
     """How the buckets' sums are compressed (sapipe.compression): the format, the world size,
-    and the bytes of bucket compressed as one unit (the back-end's partition; None: the whole
-    bucket), which fix each bucket's codec."""
+    the bytes of bucket compressed as one unit (the back-end's partition; None: the whole
+    bucket), and the ranks per node where sums go node first (1: flat), which fix each
+    bucket's codec."""
 
     compression: Compression
     world: int
     partition_bytes: Optional[int] = None
+    node_size: int = 1
+
+    def codec(self, numel: int, nflags: int, dtype: torch.dtype, device: torch.device, slots: int = 1) -> Codec:
+        """The codec of a bucket of ``numel`` values and ``nflags`` flags."""
+        return make_codec(self.compression, numel, nflags, self.world, dtype, device, slots=slots,
+                          partition_bytes=self.partition_bytes, node_size=self.node_size)
 
 
 class Layout:
@@ -59,9 +66,8 @@ class Layout:
         if bucket.stale and self._compensation.needs_prev_local:
             bucket.prev_local = torch.zeros_like(bucket.grads.slots[0])
         if self._compression is not None:
-            compression, world, partition_bytes = self._compression
-            bucket.grads.codec = make_codec(compression, bucket.numel, len(bucket.params), world, bucket.dtype,
-                                            bucket.device, slots=depth, partition_bytes=partition_bytes)
+            bucket.grads.codec = self._compression.codec(bucket.numel, len(bucket.params), bucket.dtype,
+                                                         bucket.device, slots=depth)
 
     def relaid(self, k: int) -> "Layout":
         """The same layers laid out for ``k`` stale layers (no weights or state moved yet)."""
@@ -90,7 +96,7 @@ class Layout:
 def _move_residuals(old: List[Bucket], new: List[Bucket]) -> None:
     """Each parameter's error-feedback residual (what its rank's rounding kept back) to its
     new place. A residual of a sum (kept per shard, of a bucket or of a partition, whose
-    bounds move) is dropped."""
+    bounds move) is dropped, as are the residuals of a node-first codec (kept per shard)."""
     places = {id(p): (b, off) for b in old for p, off in zip(b.params, b.offsets) if b.grads.codec.residual is not None}
     for bucket in new:
         residual = bucket.grads.codec.residual

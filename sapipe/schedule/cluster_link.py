@@ -30,9 +30,14 @@ of gradient then takes α + β·B:
   sending 2(P−1)/P of its compressed bucket (the bytes of a ring): 2α, and per byte of
   gradient ``wire_ratio`` × the wire's β plus the codec's local work ``codec_per_byte``,
   as :func:`sapipe.schedule.profiler.compressed` models a measured link. Across nodes the
-  all-to-all is not a ring: each of a node's G ranks sends (N−1)/N of its compressed
+  all-to-all is not a ring: flat, each of a node's G ranks sends (N−1)/N of its compressed
   bucket to other nodes, through the node's one NIC, so the wire's β is
   2·G·(N−1)/N / rate_inter there (G times a ring's); inside one node it is the ring's.
+  Node first (two-level), the node's steps carry full precision and the compressed sum
+  runs across nodes on each rank's 1/G share, its local work on that share only:
+
+      t = 2(G−1)·(lat_intra + B/G / rate_intra) + 2·2(N−1)·lat_inter
+          + B · (wire_ratio · 2(N−1)/N / rate_inter + codec_per_byte / G)
 
 The intra-node link can be *derived from a profile* measured on one node of W > 1 ranks
 (:func:`intra_link_from_profile`): its flat ring gives β = 2(W−1)/W / rate and
@@ -142,18 +147,23 @@ class ClusterLink:
         return 2 * (p - 1) * edge.latency, 2 * (p - 1) / p * _per_byte(edge.rate)
 
     def compressed_sum(self, wire_ratio: float, codec_per_byte: float) -> Tuple[float, float]:
-        """(α, β per byte of gradient) of one compressed sum (module docstring): flat, never
-        node first (sapipe sums compressed buckets flat)."""
+        """(α, β per byte of gradient) of one compressed sum (module docstring): node first
+        where :attr:`two_level`, else flat."""
         if not wire_ratio > 0 or not codec_per_byte >= 0:
             raise ConfigurationError(f"sapipe: compression needs wire_ratio > 0 and codec_per_byte >= 0; "
                                      f"got {wire_ratio}, {codec_per_byte}")
-        flat = ClusterLink(self.nodes, self.ranks_per_node, self.inter, self.intra, hierarchical=False)
-        alpha, beta = flat.allreduce()
         n, g = self.nodes, self.ranks_per_node
-        if n > 1 and g > 1:  # G ranks' all-to-all through the node's NIC: G times a ring's bytes
-            beta = 2 * g * (n - 1) / n * _per_byte(self.inter.rate)
         if self.world_size == 1:
             return 0.0, 0.0
+        if self.two_level:
+            intra = self._intra()
+            across = 2 * (n - 1) / n * _per_byte(self.inter.rate) * wire_ratio
+            alpha = 2 * (g - 1) * intra.latency + 2 * 2 * (n - 1) * self.inter.latency
+            return alpha, 2 * (g - 1) / g * _per_byte(intra.rate) + across + codec_per_byte / g
+        flat = ClusterLink(self.nodes, self.ranks_per_node, self.inter, self.intra, hierarchical=False)
+        alpha, beta = flat.allreduce()
+        if n > 1 and g > 1:  # G ranks' all-to-all through the node's NIC: G times a ring's bytes
+            beta = 2 * g * (n - 1) / n * _per_byte(self.inter.rate)
         return 2 * alpha, beta * wire_ratio + codec_per_byte
 
     def describe(self) -> str:
@@ -192,15 +202,15 @@ def sapipe_hierarchical(requested: Optional[bool], backend: str, compression: Op
                         ranks_per_node: int) -> bool:
     """Whether sapipe sums node first on ``nodes`` × ``ranks_per_node``: the rule of
     :func:`sapipe.comm.hierarchical.resolve` (None: on where there are two levels, with
-    ``backend="torch"`` and no compression; True with another back-end or compression:
-    refused). Unlike a job, which refuses True on a cluster of one level, a prediction
-    then sums flat (a sweep over node counts starts at one node)."""
+    ``backend="torch"``, compressed or not; True with another back-end: refused). Unlike a
+    job, which refuses True on a cluster of one level, a prediction then sums flat (a sweep
+    over node counts starts at one node). Every ``compression`` goes node first alike."""
     two_level = nodes > 1 and ranks_per_node > 1
     if requested is None:
-        return backend == "torch" and compression is None and two_level
-    if requested and (backend != "torch" or compression is not None):
-        raise ConfigurationError(f"sapipe: hierarchical=True runs on backend='torch' without compression; the "
-                                 f"profile has backend={backend!r}, compression={compression!r}")
+        return backend == "torch" and two_level
+    if requested and backend != "torch":
+        raise ConfigurationError(f"sapipe: hierarchical=True runs on backend='torch'; the profile has "
+                                 f"backend={backend!r}")
     return bool(requested) and two_level
 
 
