@@ -43,7 +43,7 @@ class Ctx:
         if self._node_first is None:
             import torch.distributed as dist
 
-            from sapipe.comm import HierarchicalAllReduce
+            from sapipe.comm.hierarchical import HierarchicalAllReduce
             from sapipe.comm.topology import Topology, node_name
             from sapipe.trace import Tracer
 
