@@ -255,3 +255,43 @@ def test_a_node_first_int8_checkpoint_resumes_bit_identically_on_the_same_nodes_
         for name, value in out["expected"].items():
             assert np.array_equal(out["resumed"][name], value), (rank, name)
         assert out["refusal"] is not None and "went node first over 2 ranks per node" in out["refusal"], out["refusal"]
+
+
+def _compressed_sums(rank, world_size, kind, numel, nflags):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from sapipe.comm.hierarchical import HierarchicalCompressedSum
+    from sapipe.compression import Compression, make_codec
+    from sapipe.trace import Tracer
+
+    topology = Topology.from_names([f"node {r // 2}" for r in range(world_size)])
+    backend = HierarchicalCompressedSum.create(dist.group.WORLD, topology, "sync", timedelta(seconds=60), Tracer(False))
+    codec = make_codec(Compression.of(kind), numel, nflags, world_size, torch.float64, torch.device("cpu"),
+                       node_size=topology.local_size)
+    gen = torch.Generator().manual_seed(rank)
+    values = torch.randn(numel, generator=gen, dtype=torch.float64)
+    flags = (torch.arange(nflags) % (rank + 2) == 0).to(torch.float64)  # which parameters this rank used
+    wire = torch.cat([values, flags])
+    exact = wire.clone()
+    dist.all_reduce(exact)
+    backend.wait(backend.start(wire, "a bucket", codec=codec.at(0)))
+    backend.close()
+    return {"got": wire, "mean": exact[:numel] / world_size, "flags": exact[numel:]}
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_a_node_first_compressed_sum_delivers_the_mean_and_the_exact_flag_counts(kind):
+    """One bucket of uneven length (the last shard padded), summed node first and compressed
+    across nodes: every rank holds the same values, the mean within the format's two
+    roundings, and every parameter's count of ranks that used it, exactly."""
+    numel, nflags = 1001, 7
+    results = run_ranks(_compressed_sums, world_size=4, args=(kind, numel, nflags), timeout=120)
+    tolerance = {"int8": 2 * 4 / 127, "bf16": 2 * 2 ** -8}[kind]  # two roundings, relative to the largest value
+    for r in results:
+        got, mean = torch.as_tensor(r["got"]), torch.as_tensor(r["mean"])
+        assert torch.equal(got, torch.as_tensor(results[0]["got"]))
+        assert torch.equal(got[numel:], torch.as_tensor(r["flags"]))
+        error = (got[:numel] - mean).abs().max().item()
+        assert 0 < error < tolerance * mean.abs().max().item(), error
