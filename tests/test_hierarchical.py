@@ -32,13 +32,13 @@ def test_the_topology_of_node_names():
 
 def test_when_sums_go_node_first():
     one_node = Topology.from_names(["a", "a"])
-    assert resolve(None, "torch", None, TWO_BY_TWO) and resolve(None, "torch", "int8", TWO_BY_TWO)
-    assert not resolve(None, "pushpull", None, TWO_BY_TWO) and not resolve(False, "torch", None, TWO_BY_TWO)
-    assert not resolve(None, "torch", None, one_node)
+    assert resolve(None, "torch", TWO_BY_TWO)
+    assert not resolve(None, "pushpull", TWO_BY_TWO) and not resolve(False, "torch", TWO_BY_TWO)
+    assert not resolve(None, "torch", one_node)
     with pytest.raises(ConfigurationError, match="needs several nodes.*1 node × 2"):
-        resolve(True, "torch", None, one_node)
+        resolve(True, "torch", one_node)
     with pytest.raises(ConfigurationError, match="runs on backend='torch'; got backend='pushpull'"):
-        resolve(True, "pushpull", "int8", TWO_BY_TWO)
+        resolve(True, "pushpull", TWO_BY_TWO)
 
 
 # (k, compensation, hierarchical=, compression=)

@@ -172,12 +172,10 @@ def test_node_first_where_sapipe_would_sum_node_first():
     for nodes in (1, 2, 4):
         for g in (1, 2, 8):
             topology = Topology(tuple(tuple(range(i * g, (i + 1) * g)) for i in range(nodes)))
-            for backend, compression in (("torch", None), ("pushpull", None), ("torch", "int8")):
-                assert sapipe_hierarchical(None, backend, compression, nodes, g) == \
-                    resolve(None, backend, compression, topology)
+            for backend in ("torch", "pushpull"):
+                assert sapipe_hierarchical(None, backend, nodes, g) == resolve(None, backend, topology)
                 if topology.two_level and backend == "torch":
-                    assert sapipe_hierarchical(True, backend, compression, nodes, g) == \
-                        resolve(True, backend, compression, topology)
+                    assert sapipe_hierarchical(True, backend, nodes, g) == resolve(True, backend, topology)
 
 
 def test_the_model_inputs_are_those_auto_builds():

@@ -158,8 +158,8 @@ class AutoController:
         probes timed the two-level sum at full precision, and only the bytes across nodes
         shrink: the model scales both levels (the profiled iterations' β bounds it below)."""
         formats = [b.grads.codec.format for b in buckets]
-        element = buckets[0].params[0].element_size()
-        ring = sum(2 * (f.world - 1) / f.world * f.numel * element for f in formats)
+        ring = sum(2 * (f.world - 1) / f.world * f.numel * b.nbytes / b.numel  # the values compressed, in bytes
+                   for f, b in zip(formats, buckets) if b.numel)
         if ring == 0:
             return profile  # one rank (or one node): nothing compressed travels
         largest = max(buckets, key=lambda b: b.numel)

@@ -50,7 +50,7 @@ PIECE_BYTES = 1 << 20
 MAX_PIECES = 4
 
 
-def resolve(requested: Optional[bool], backend: str, compression: Optional[str], topology: Topology) -> bool:
+def resolve(requested: Optional[bool], backend: str, topology: Topology) -> bool:
     """Whether buckets are summed hierarchically: ``requested`` (None: wherever the topology
     has two levels and the back-end is ``torch``, compressed or not), or ConfigurationError
     naming the contradiction when True cannot be honoured."""

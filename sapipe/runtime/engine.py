@@ -35,7 +35,7 @@ class Runtime:
         self.job_topology = topology  # which ranks share a node (None: not learnt)
         #: the nodes a hierarchical sum spans (None: flat sums); raises when hierarchical=True cannot be met
         self.topology = topology if topology is not None and hierarchical.resolve(
-            settings.hierarchical, settings.backend, settings.compression, topology) else None
+            settings.hierarchical, settings.backend, topology) else None
         compression = settings.wire_compression
         #: how buckets are compressed (None: they are not); the scheduler times the same codec
         self.compression = None if compression is None else CompressedSums(

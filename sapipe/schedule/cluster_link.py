@@ -198,13 +198,12 @@ def intra_link_from_profile(profile) -> LinkSpec:
     return LinkSpec(2 * (w - 1) / w / beta, alpha / (2 * (w - 1)))
 
 
-def sapipe_hierarchical(requested: Optional[bool], backend: str, compression: Optional[str], nodes: int,
-                        ranks_per_node: int) -> bool:
+def sapipe_hierarchical(requested: Optional[bool], backend: str, nodes: int, ranks_per_node: int) -> bool:
     """Whether sapipe sums node first on ``nodes`` × ``ranks_per_node``: the rule of
     :func:`sapipe.comm.hierarchical.resolve` (None: on where there are two levels, with
     ``backend="torch"``, compressed or not; True with another back-end: refused). Unlike a
     job, which refuses True on a cluster of one level, a prediction then sums flat (a sweep
-    over node counts starts at one node). Every ``compression`` goes node first alike."""
+    over node counts starts at one node)."""
     two_level = nodes > 1 and ranks_per_node > 1
     if requested is None:
         return backend == "torch" and two_level

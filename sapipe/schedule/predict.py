@@ -121,7 +121,7 @@ def _links(profile: SavedProfile, nodes: int, ranks_per_node: int, inter: LinkSp
            hierarchical: Optional[bool]) -> Tuple[ClusterLink, ClusterLink]:
     """The cluster as sapipe sums on it, and as DDP does (flat); the intra-node link derived
     from the profile where it is needed and not given."""
-    two_level = sapipe_hierarchical(hierarchical, profile.backend, profile.compression, nodes, ranks_per_node)
+    two_level = sapipe_hierarchical(hierarchical, profile.backend, nodes, ranks_per_node)
     cluster = ClusterLink(nodes, ranks_per_node, inter, intra, hierarchical=two_level)
     if intra is None and (cluster.needs_intra() or ClusterLink(nodes, ranks_per_node, inter).needs_intra()):
         cluster = ClusterLink(nodes, ranks_per_node, inter, intra_link_from_profile(profile), hierarchical=two_level)
