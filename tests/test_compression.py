@@ -191,10 +191,22 @@ def test_auto_models_the_compressed_link_alike_on_every_rank(backend):
 POISONED = 4  # rank 1's loss is inf in this iteration: its gradient is inf/NaN everywhere
 
 
-def _with_a_poisoned_step(rank, world_size):
+def _residuals(codec):
+    """A bucket codec's error-feedback residuals (a node-first codec keeps its shard's)."""
+    codec = getattr(codec, "shard", codec)
+    return [codec.residual, codec.server_residual]
+
+
+def _with_a_poisoned_step(rank, world_size, node_first):
     """GradScaler over a compressed run whose rank 1 sends inf/NaN in iteration POISONED: the
-    scale, whether the residuals stayed finite, and the final real weights, per configuration."""
+    scale, whether the residuals stayed finite, and the final real weights, per configuration
+    (``node_first``: ranks in pairs on 2 "nodes", summed node first)."""
+    import os
+
     import sapipe
+
+    if node_first:
+        os.environ["GROUP_RANK"] = str(rank // 2)
 
     batches = make_batches("tied", STEPS + 2, world_size, dtype=torch.float64)
     out = []
@@ -215,22 +227,28 @@ def _with_a_poisoned_step(rank, world_size):
             scaler.update()
         opt.synchronize()
         codecs = [b.grads.codec for b in opt.buckets]
-        finite = all(torch.isfinite(r).all().item() for c in codecs for r in (c.residual, c.server_residual))
+        finite = all(torch.isfinite(r).all().item() for c in codecs for r in _residuals(c))
         with opt.real_weights():
             real = {n: p.detach().clone() for n, p in model.named_parameters()}
-        out.append({"scale": scaler.get_scale(), "residuals finite": finite, "real": real})
+        out.append({"scale": scaler.get_scale(), "residuals finite": finite, "real": real,
+                    "sum": type(opt._pipeline.sync_comm).__name__})
         opt.close()
     return out
 
 
-def test_a_step_gradscaler_skips_leaves_every_residual_finite():
+@pytest.mark.parametrize("world_size,node_first", [(2, False), (4, True)], ids=["flat", "node-first"])
+def test_a_step_gradscaler_skips_leaves_every_residual_finite(world_size, node_first):
     """The poisoned iteration travels as inf/NaN (an int8 block holding one as NaN), so
-    GradScaler skips it on both ranks and backs off once; no residual keeps a non-finite
-    value, so the steps after it train on finite gradients and the ranks stay in agreement."""
-    first, second = run_ranks(_with_a_poisoned_step, world_size=2)
-    for a, b in zip(first, second):
-        assert a["scale"] == b["scale"] == 2.0**9, "both ranks back off once, and only once"
-        assert a["residuals finite"] and b["residuals finite"]
-        for name, value in a["real"].items():
-            assert np.isfinite(value).all(), name
-            assert np.array_equal(value, b["real"][name]), f"ranks disagree on {name}"
+    GradScaler skips it on every rank and backs off once; no residual keeps a non-finite
+    value, so the steps after it train on finite gradients and the ranks stay in agreement.
+    Node first, the inf crosses the node's full-precision sum before it is compressed."""
+    per_rank = run_ranks(_with_a_poisoned_step, world_size=world_size, args=(node_first,))
+    for configs in zip(*per_rank):
+        first = configs[0]
+        assert first["sum"] == ("HierarchicalCompressedSum" if node_first else "CompressedSum")
+        for other in configs:
+            assert other["scale"] == 2.0**9, "every rank backs off once, and only once"
+            assert other["residuals finite"]
+            for name, value in first["real"].items():
+                assert np.isfinite(value).all(), name
+                assert np.array_equal(value, other["real"][name]), f"ranks disagree on {name}"
