@@ -138,17 +138,26 @@ def test_a_failing_node_ends_the_job_and_the_namespaces(tmp_path):
 
 
 def test_an_interrupted_launch_removes_its_namespaces(tmp_path):
+    """SIGTERM to the launcher stops the job and deletes its namespaces. The kernel may take
+    a while to create namespaces while it still tears down the previous tests' (their
+    sockets linger), so the wait for the cluster is generous; the launcher is stopped
+    whatever happens, so that a failure here leaves nothing to the next test."""
     _requires_cluster()
     proc = subprocess.Popen(_launch(tmp_path, inter="1mbit"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=_env())
-    deadline = time.monotonic() + 60
-    while not _leftover_namespaces() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _leftover_namespaces(), "the cluster never came up"
-    time.sleep(2)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
-    assert not _leftover_namespaces()
+    try:
+        deadline = time.monotonic() + 180
+        while not _leftover_namespaces() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert _leftover_namespaces(), f"the cluster never came up (launcher: {proc.poll()})"
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)
+    assert not _leftover_namespaces(), proc.stderr.read()[-2000:]
 
 
 def test_a_host_that_cannot_build_it_says_why(monkeypatch):
