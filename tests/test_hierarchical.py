@@ -295,3 +295,32 @@ def test_a_node_first_compressed_sum_delivers_the_mean_and_the_exact_flag_counts
         assert torch.equal(got[numel:], torch.as_tensor(r["flags"]))
         error = (got[:numel] - mean).abs().max().item()
         assert 0 < error < tolerance * mean.abs().max().item(), error
+
+
+def _reduce_scatters(rank, world_size):
+    import torch.distributed as dist
+
+    from sapipe.comm.worker import Scratch, reduce_scatter_sum
+
+    inputs = [torch.randn(4 * 1001, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+              for r in range(world_size)]
+    mine = slice(rank * 1001, (rank + 1) * 1001)
+    expected = inputs[0][mine].clone()
+    for x in inputs[1:]:
+        expected += x[mine]  # rank order
+    ours, theirs, scratch = torch.empty(1001, dtype=torch.float64), torch.empty(1001, dtype=torch.float64), Scratch()
+    reduce_scatter_sum(ours, inputs[rank].clone(), dist.group.WORLD, scratch, "received")
+    waited = torch.empty(1001, dtype=torch.float64)
+    work = reduce_scatter_sum(waited, inputs[rank].clone(), dist.group.WORLD, scratch, "other", async_op=True)
+    work.wait()
+    dist.reduce_scatter_tensor(theirs, inputs[rank].clone())
+    return {"ours": ours, "waited": waited, "theirs": theirs, "expected": expected}
+
+
+def test_the_cpu_reduce_scatter_sums_each_shard_in_rank_order():
+    """On the CPU a reduce-scatter is an all-to-all and a local sum (worker.reduce_scatter_sum):
+    each rank's shard is the sum of every rank's, added in rank order, bit for bit, and
+    torch's reduce-scatter's within rounding."""
+    for r in run_ranks(_reduce_scatters, world_size=4, timeout=120):
+        assert np.array_equal(r["ours"], r["expected"]) and np.array_equal(r["waited"], r["expected"])
+        assert np.allclose(r["ours"], r["theirs"], rtol=1e-13, atol=1e-13)

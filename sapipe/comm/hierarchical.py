@@ -41,7 +41,7 @@ from .base import Handle
 from .compressed import TorchCollectives, sum_compressed
 from .groups import new_subgroup, release_group
 from .topology import Topology
-from .worker import InStartOrder, Job, Scratch, all_gather_single, reduce_scatter_single, sum_by_shards
+from .worker import InStartOrder, Job, Scratch, all_gather_single, reduce_scatter_sum, sum_by_shards
 
 
 #: A bucket is cut into up to MAX_PIECES pieces of at least PIECE_BYTES, whose steps are
@@ -155,7 +155,7 @@ class HierarchicalCompressedSum(HierarchicalAllReduce):
         shard = self._scratch.get("shard", codec.row_numel, job.tensor)
         codec.pack(job.tensor, rows)
         intra = self._group("_intra")
-        reduce_scatter_single(shard, rows, op=dist.ReduceOp.SUM, group=intra)
+        reduce_scatter_sum(shard, rows, intra, self._scratch, "received")
         sum_compressed(shard_codec, shard, self._across, str(job.sequence))
         all_gather_single(rows, shard, group=intra)
         codec.unpack(rows, job.tensor)

@@ -58,8 +58,8 @@ def sum_by_shards(tensor: torch.Tensor, parts: int, group, scratch: Scratch, acr
     views = [tensor[lo:lo + per_piece] for lo in range(0, tensor.numel(), per_piece)] or [tensor]
     padded = [_padded(view, parts, scratch, f"padded{i}") for i, view in enumerate(views)]
     shards = [scratch.get(f"shard{i}", work.numel() // parts, tensor) for i, work in enumerate(padded)]
-    done = [reduce_scatter_single(shard, work, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            for shard, work in zip(shards, padded)]
+    done = [reduce_scatter_sum(shard, work, group, scratch, f"received{i}", async_op=True)
+            for i, (shard, work) in enumerate(zip(shards, padded))]
     if across is not None:
         done = [_then(w, lambda s=shard: dist.all_reduce(s, op=dist.ReduceOp.SUM, group=across, async_op=True))
                 for w, shard in zip(done, shards)]
@@ -70,6 +70,34 @@ def sum_by_shards(tensor: torch.Tensor, parts: int, group, scratch: Scratch, acr
     for view, work in zip(views, padded):
         if work is not view:
             view.copy_(work[: view.numel()])
+
+
+def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, group, scratch: Scratch, name: str,
+                       async_op: bool = False):
+    """A reduce-scatter: this rank's 1/W of ``full`` summed over ``group``'s W ranks, into
+    ``shard``; its work when ``async_op``. On the CPU it is an all-to-all of the W shards and
+    their sum in rank order (in ``scratch``'s buffer ``name``): Gloo's own reduce-scatter
+    took 2–2.5× as long for 10 MiB on 2 and 4 ranks (benchmarks/RESULTS.md §1)."""
+    if full.device.type != "cpu":
+        return reduce_scatter_single(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    received = scratch.get(name, full.numel(), full)
+    done = _SumOnWait(dist.all_to_all_single(received, full, group=group, async_op=True), received, shard)
+    if not async_op:
+        return done.wait()
+    return done
+
+
+class _SumOnWait:
+    """The work of an all-to-all whose ``wait`` also sums the received rows into ``shard``."""
+
+    def __init__(self, work, received: torch.Tensor, shard: torch.Tensor):
+        self._work, self._rows, self._shard = work, received.view(-1, shard.numel()), shard
+
+    def wait(self) -> None:
+        self._work.wait()
+        self._shard.copy_(self._rows[0])  # then the other ranks' rows, in rank order
+        for row in self._rows[1:]:
+            self._shard.add_(row)
 
 
 def _padded(view: torch.Tensor, parts: int, scratch: Scratch, name: str) -> torch.Tensor:
@@ -259,4 +287,4 @@ class InStartOrder(WorkerBackend):
 
 
 __all__ = ["InStartOrder", "Job", "Scratch", "WorkerBackend", "all_gather_single", "reduce_scatter_single",
-           "sum_by_shards"]
+           "reduce_scatter_sum", "sum_by_shards"]
