@@ -302,6 +302,14 @@ inline void adam_loop_for(const AdamTile<T>& a, T neg_ss, T bc2s, const T* x, co
   }
 }
 
+// adam_math's one-loop path (not maximising), which only reads h.
+template <typename T>
+inline void adam_one_loop(const AdamTile<T>& a, T neg_ss, T bc2s, const T* x, const T* ea, const T* eas,
+                          int64_t len, const T* h, T* m, T* v, T* r) {
+  if (a.l2) adam_loop_for<T, true>(a, neg_ss, bc2s, x, ea, eas, len, h, m, v, r);
+  else adam_loop_for<T, false>(a, neg_ss, bc2s, x, ea, eas, len, h, m, v, r);
+}
+
 // One Adam(W) step of torch.optim.Adam (sapipe.ops.reference_adam) on `len` elements: h = the
 // gradient (may be overwritten), x = the weights, ea / eas = the moments; m, v <- the new
 // moments, r <- the new weights. r may be x, m may be ea, v may be eas (element-wise in place).
@@ -309,8 +317,7 @@ template <typename T>
 inline void adam_math(const AdamTile<T>& a, T neg_ss, T bc2s, const T* x, const T* ea,
                       const T* eas, int64_t len, T* __restrict h, T* m, T* v, T* r) {
   if (!a.maximize) {
-    if (a.l2) adam_loop_for<T, true>(a, neg_ss, bc2s, x, ea, eas, len, h, m, v, r);
-    else adam_loop_for<T, false>(a, neg_ss, bc2s, x, ea, eas, len, h, m, v, r);
+    adam_one_loop(a, neg_ss, bc2s, x, ea, eas, len, h, m, v, r);
     return;
   }
   // maximising: the step on -g, loop by loop
@@ -363,9 +370,8 @@ void adam_tile(const TileSrc<T>& s, const AdamTile<T>& a, int64_t off, int64_t l
   T* nm = a.peek ? m : ea;
   T* nv = a.peek ? v : eas;
   if (is_plain(s) && (a.peek || !need_step) && !a.maximize) {
-    // the gradient as it is, read where it lies: no tile to compose (adam_math's one loop)
-    if (a.l2) adam_loop_for<T, true>(a, a.neg_ss, a.bc2s, p, ea, eas, len, s.g + off, nm, nv, a.dst + off);
-    else adam_loop_for<T, false>(a, a.neg_ss, a.bc2s, p, ea, eas, len, s.g + off, nm, nv, a.dst + off);
+    // the gradient as it is, read where it lies: no tile to compose
+    adam_one_loop(a, a.neg_ss, a.bc2s, p, ea, eas, len, s.g + off, nm, nv, a.dst + off);
     if (e.hist) copy_tile(a.dst + off, len, e.hist + off);
     return;
   }
