@@ -206,6 +206,12 @@ class Bucket:
             "codec": None if self.grads.codec is None else self.grads.codec.state_dict(),
         }
 
+    def check_state_dict(self, state: dict) -> None:
+        """ConfigurationError, naming why, where :meth:`state_dict`'s ``state`` (of a bucket of
+        the same parameters) cannot be restored here: its compressed sums' residuals cover other values."""
+        if self.grads is not None and self.grads.codec is not None and state.get("codec") is not None:
+            self.grads.codec.check_state_dict(state["codec"])
+
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s content into this (identically laid out) bucket."""
         assert self.grads is not None and self.weights is not None

@@ -233,8 +233,12 @@ class BucketCodec:
     def state_dict(self) -> Dict[str, Optional[Tensor]]:
         return {"residual": _clone(self.residual), "server_residual": _clone(self.server_residual)}
 
-    def load_state_dict(self, state: Dict[str, Optional[Tensor]]) -> None:
+    def check_state_dict(self, state: Dict[str, Optional[Tensor]]) -> None:
+        """ConfigurationError where ``state``'s residuals cover other values (they went node first)."""
         _check_node_size(state, 1)
+
+    def load_state_dict(self, state: Dict[str, Optional[Tensor]]) -> None:
+        self.check_state_dict(state)
         for name in ("residual", "server_residual"):
             mine, saved = getattr(self, name), state.get(name)
             if mine is not None and saved is not None:
@@ -342,14 +346,20 @@ class PartitionedCodec:
     def state_dict(self) -> Dict[str, object]:
         return {"residual": _clone(self.residual), "server_residuals": [_clone(r) for r in self.server_residuals]}
 
-    def load_state_dict(self, state: Dict[str, object]) -> None:
-        if self.residual is not None and state.get("residual") is not None:
-            self.residual.copy_(state["residual"])
+    def check_state_dict(self, state: Dict[str, object]) -> None:
+        """ConfigurationError where ``state``'s residuals cover other values: sums that went node
+        first, or another number of partitions."""
+        _check_node_size(state, 1)
         saved = state.get("server_residuals") or []
         if len(saved) != len(self.parts):
             raise ConfigurationError(f"sapipe: the checkpoint holds {len(saved)} partitions of this bucket, "
                                      f"this layout {len(self.parts)}")
-        for part, residual in zip(self.parts, saved):
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        self.check_state_dict(state)
+        if self.residual is not None and state.get("residual") is not None:
+            self.residual.copy_(state["residual"])
+        for part, residual in zip(self.parts, state["server_residuals"]):
             part.load_state_dict({"server_residual": residual})
 
 
@@ -368,8 +378,9 @@ class PartitionedSlot:
 class NodeFirstCodec:
     """One bucket's compressed sum node first (``hierarchical=``, sapipe.comm.hierarchical).
 
-    The bucket's values are cut into L equal shards (L ranks per node; the last zero-padded),
-    each followed by all the bucket's flags. Inside the node the shards are summed at full
+    The bucket's values are cut into L shards of ceil(numel / L) values (L ranks per node;
+    zero-padded where they reach past the bucket's end, :meth:`shard_bounds`), each
+    followed by all the bucket's flags. Inside the node the shards are summed at full
     precision; local rank j then compresses the node's sum of shard j and sums it across
     the N nodes with the ranks of local index j, as a :class:`BucketCodec` of one shard
     over N ranks, whose messages each carry a node's sum of L gradients. Across nodes each
@@ -401,12 +412,18 @@ class NodeFirstCodec:
         """Values of one shard as it is summed inside the node: its values, then the flags."""
         return self.shard_numel + self.nflags
 
+    def shard_bounds(self) -> List[Tuple[int, int]]:
+        """[start, end) of each of the L shards within the bucket's values. Shard j starts at
+        j · ceil(numel / L); past the bucket's end it is empty (a bucket of 5 values over 4
+        ranks per node: shards of 2, 2, 1 and 0 values), and the rest of its row is zeros."""
+        size = self.shard_numel
+        return [(min(j * size, self.numel), min((j + 1) * size, self.numel)) for j in range(self.node_size)]
+
     def pack(self, wire: Tensor, rows: Tensor) -> None:
         """``wire`` (values, then flags) into ``rows``, L rows of :attr:`row_numel`: row j
         holds shard j of the values (zero past the bucket's end), then every flag."""
         size, rows = self.shard_numel, rows.view(self.node_size, self.row_numel)
-        for j in range(self.node_size):
-            lo, hi = j * size, min((j + 1) * size, self.numel)
+        for j, (lo, hi) in enumerate(self.shard_bounds()):
             rows[j, : hi - lo].copy_(wire[lo:hi])
             rows[j, hi - lo : size].zero_()
         rows[:, size:].copy_(wire[self.numel :].expand(self.node_size, self.nflags))
@@ -414,8 +431,7 @@ class NodeFirstCodec:
     def unpack(self, rows: Tensor, wire: Tensor) -> None:
         """The summed ``rows`` back into ``wire``: each shard's values, and the flags (alike in every row)."""
         size, rows = self.shard_numel, rows.view(self.node_size, self.row_numel)
-        for j in range(self.node_size):
-            lo, hi = j * size, min((j + 1) * size, self.numel)
+        for j, (lo, hi) in enumerate(self.shard_bounds()):
             wire[lo:hi].copy_(rows[j, : hi - lo])
         wire[self.numel :].copy_(rows[0, size:])
 
@@ -426,8 +442,13 @@ class NodeFirstCodec:
     def state_dict(self) -> Dict[str, object]:
         return {"node_size": self.node_size, **self.shard.state_dict()}
 
+    def check_state_dict(self, state: Dict[str, object]) -> None:
+        """ConfigurationError unless ``state``'s sums went node first over as many ranks per node
+        (the same buckets, checked before, then give the same shards)."""
+        _check_node_size(state, self.node_size)
+
     def load_state_dict(self, state: Dict[str, object]) -> None:
-        _check_node_size(state, self.node_size)  # the same buckets (checked before) then give the same shards
+        self.check_state_dict(state)
         self.shard.load_state_dict({k: v for k, v in state.items() if k != "node_size"})
 
 
@@ -446,9 +467,11 @@ class NodeFirstSlot:
 
 def _check_node_size(state: Dict, node_size: int) -> None:
     """ConfigurationError unless the checkpointed codec's sums went node first over the same
-    number of ranks per node (1: flat), so its residuals cover the same values."""
+    number of ranks per node (1: flat), so its residuals cover the same values; a codec
+    without error feedback saved none, and resumes either way."""
     saved = state.get("node_size", 1)
-    if saved != node_size:
+    residuals = [state.get("residual"), state.get("server_residual"), *(state.get("server_residuals") or [])]
+    if saved != node_size and any(r is not None for r in residuals):
         def how(n):
             return "flat" if n == 1 else f"node first over {n} ranks per node"
         raise ConfigurationError(f"sapipe: the checkpoint's compressed sums went {how(saved)}, this job's go "

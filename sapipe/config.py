@@ -49,8 +49,11 @@ def _int_at_least(low: int) -> Callable[[str, Any], int]:
     return check
 
 
-def _positive_number(name: str, value: Any) -> float:
-    _require(_is_number(value) and value > 0, f"{name} must be a number > 0; got {value!r}")
+MAX_MIB = 2.0**40  # a size in MiB whose bytes (2**60) still fit an int64
+
+
+def _mebibytes(name: str, value: Any) -> float:
+    _require(_is_number(value) and 0 < value <= MAX_MIB, f"{name} must be a number of MiB > 0 and <= 2**40; got {value!r}")
     return float(value)
 
 
@@ -146,7 +149,7 @@ class Settings:
         "iterations run fully synchronously before the stale layers switch.",
     )
     bucket_cap_mb: float = _setting(
-        25.0, _positive_number,
+        25.0, _mebibytes,
         "bucket size cap; a layer larger than the cap gets its own bucket.",
     )
     timeout: Optional[timedelta] = _setting(
@@ -179,7 +182,7 @@ class Settings:
         """with ``backend="torch"``: sum each bucket inside each node first, then across nodes, then inside the node again (Horovod's hierarchical all-reduce; :mod:`sapipe.comm.hierarchical`); with ``compression``, only the sum across nodes is compressed; ``None``: wherever the job spans several nodes of the same number (> 1) of ranks (torchrun's ``GROUP_RANK``, else the host name, tells a rank's node); ``True``: required; ``False``: one flat all-reduce.""",
     )
     partition_mb: float = _setting(
-        4.0, _positive_number,
+        4.0, _mebibytes,
         """chunk size of ``backend="pushpull"`` (BytePS's default: 4 MB).""",
     )
     tune_steps: int = _setting(

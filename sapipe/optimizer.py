@@ -226,8 +226,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """"fused" (sapipe's kernels) or "generic" (the wrapped optimizer's own step()); design §3.10."""
         return self._updater.rule.path
 
-    # GradScaler hands itself to step() (see step's docstring) instead of unscaling p.grad.
-    _step_supports_amp_scaling = True
+    _step_supports_amp_scaling = True  # GradScaler hands itself to step() instead of unscaling p.grad
 
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None) -> None:  # type: ignore[override]
@@ -239,11 +238,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         iteration's gradients are later unscaled with its own scale, or, if not finite,
         dropped wherever they would be used — now, at a deferred update, or one
         ``staleness`` later — without disturbing the staleness pipeline.
+
+        With no backward since the last step and no ``p.grad`` held it does nothing, as ``torch.optim``'s
+        step does (DDP's sends nothing): one rank's extra step leaves every rank's collectives in line.
         """
         if closure is not None:
             raise UsageError("sapipe: step(closure) is not supported; call loss.backward() before step()")
         if self._pipeline.layout is None:
             raise UsageError("sapipe: step() was called before the model's first forward and backward")
+        if self._runtime.nothing_to_step():
+            return
         iteration = self._iteration + 1
         hyperparams = [self._updater.rule.hyperparams(g) for g in self.param_groups]
         if iteration == 1:
@@ -311,12 +315,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._runtime.swap_back(predicted)
 
     def close(self) -> None:
-        """Finish cleanly: wait for every collective still in flight (the last stale
-        all-reduce is never consumed), remove sapipe's hooks from the model, and destroy
-        the process groups sapipe created. The model keeps its current weights; under
-        weight prediction call this outside ``real_weights()`` after copying what you need.
-        Collective: every rank calls it. Idempotent; run at exit if the job did not (design §5.4).
-        """
+        """Finish cleanly: wait for every collective in flight (the last stale all-reduce is never
+        consumed), remove sapipe's hooks and destroy the process groups sapipe created. The model keeps
+        its weights (under weight prediction the predicted ones: close outside ``real_weights()``).
+        Collective: every rank calls it. Idempotent; run at exit if the job did not (design §5.4)."""
         if self._closed:
             return
         self._closed = True
@@ -387,11 +389,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_resumable(state, self._rank, self._world_size, self._settings_fingerprint())
         if self._pipeline.in_backward:
             raise UsageError("sapipe: load a checkpoint between step() and the next forward, not during backward")
-        if self.auto is not None:
-            self.auto.load_state_dict({"decided": state["decided"], "search": state["search"]})
         if self._pipeline.layout is None:
             self._build_layout(state["order"], k=state["k"])
-        self._runtime.restore(state, state_allocated=self._iteration > 0)
+        self._runtime.restore(state, state_allocated=self._iteration > 0)  # refuses before changing anything
+        if self.auto is not None:
+            self.auto.load_state_dict({"decided": state["decided"], "search": state["search"]})
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
         self._iteration = state["iteration"]

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from . import comm, config
+from . import comm, config, ops
 from .comm.topology import Topology, node_name
 from .compression import wire_constants
 from .errors import CommunicationError, ConfigurationError, SapipeError, UnsupportedOptimizerError, UsageError
@@ -88,7 +88,10 @@ def _trainable_parameters(optimizer: torch.optim.Optimizer, model: nn.Module) ->
 
 
 def describe_job(optimizer: Any, model: Any) -> Dict[str, Any]:
-    """What must agree across ranks besides the arguments: optimizer and model shapes."""
+    """What must agree across ranks besides the arguments: the optimizer, the model's parameters
+    (which train decides the buckets) and buffers (broadcast from rank 0 at construction), and
+    the kernels that will update them (the compiled ones and their PyTorch reference round alike
+    only to within float rounding)."""
     try:
         groups = [
             {k: v for k, v in g.items() if k != "params"} | {"shapes": [tuple(p.shape) for p in g["params"]]}
@@ -96,10 +99,14 @@ def describe_job(optimizer: Any, model: Any) -> Dict[str, Any]:
         ]
     except Exception:  # noqa: BLE001 - a broken optimizer is reported by local validation
         groups = []
-    # A compiled module is described by the module it compiled: compiling is no configuration difference.
-    shapes = ([(name, tuple(p.shape), str(p.dtype)) for name, p in uncompiled(model).named_parameters()]
-              if isinstance(model, nn.Module) else [])
-    return {"optimizer": type(optimizer).__name__, "param_groups": groups, "model_parameters": shapes}
+    job: Dict[str, Any] = {"optimizer": type(optimizer).__name__, "param_groups": groups}
+    if isinstance(model, nn.Module):
+        module = uncompiled(model)  # compiling is no configuration difference
+        parameters = list(module.named_parameters())
+        job["model_parameters"] = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in parameters]
+        job["model_buffers"] = [(name, tuple(b.shape), str(b.dtype)) for name, b in module.named_buffers()]
+        job["kernels"] = sorted({ops.backend(p.device) for _, p in parameters})
+    return job
 
 
 def agree(group, arguments: Dict[str, Any], optimizer: Any, model: Any,
@@ -113,7 +120,7 @@ def agree(group, arguments: Dict[str, Any], optimizer: Any, model: Any,
         local_error = ConfigurationError(unavailable)
     job = dict(describe_job(optimizer, model), backend_available=unavailable is None,
                **wire_constants(arguments.get("compression")))  # e.g. two sapipe versions' int8 blocks
-    fingerprint = config.describe(dict(arguments, **job))
+    fingerprint = config.describe(dict({k: _by_value(v) for k, v in arguments.items()}, **job))
     gathered: List[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (fingerprint, node_name()), group=group)
     differences = config.mismatches([fp for fp, _ in gathered])
@@ -122,6 +129,13 @@ def agree(group, arguments: Dict[str, Any], optimizer: Any, model: Any,
     if local_error is not None:
         raise local_error
     return Topology.from_names([name for _, name in gathered])
+
+
+def _by_value(value: Any) -> Any:
+    """A number as its value (25 and 25.0 configure alike), anything else as it is."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 @torch.no_grad()

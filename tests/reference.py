@@ -180,17 +180,20 @@ def clip_by_value(limit: float) -> Callable[[Tensors], Tensors]:
 
 def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, int]]]] = None,
                     block: int = 64, error_feedback: Optional[bool] = None,
-                    chunks: Optional[Sequence[Sequence[Tuple[int, int]]]] = None) -> Callable[[List[Tensors]], Tensors]:
+                    chunks: Optional[Sequence[Sequence[Tuple[int, int]]]] = None,
+                    ranks_per_message: int = 1) -> Callable[[List[Tensors]], Tensors]:
     """The mean of the ranks' gradients as sapipe's compressed sum delivers it (docs/design.md
     §5.9), as a function of the ranks' gradients, one call per iteration (error feedback keeps
     its residuals between calls).
 
     Every bucket is split into W shards (int8: each a whole number of ``block``-value blocks,
     zero-padded); rank r's shard j is rounded once as r's, the W rounded shards are added in
-    float64 in rank order, the sum is rounded once more, and the result is divided by W.
-    16-bit: each value cast (the sum as sum / W, then times W). int8: per block, the float32
-    scale s = max|v| / 127 (0 below float32's normal range) and q = round(v · (1 / s)) clamped to
-    ±127. With error feedback
+    float64 in rank order, and the sum is rounded once more. 16-bit: each value cast through
+    float32, a rank's as value / L, the sum as sum / W, which is what arrives. int8: per
+    block, the float32 scale s = max|v| / 127 (0 below float32's normal range) and
+    q = round(v · (1 / s)) clamped to ±127; the sum arrives as q · (s / (W · L)), that
+    division of the scale taken in float32.
+    With error feedback
     (``None``: int8 only) v is the value plus the residual that rank (or, for the sum, the
     shard's owner) kept from its last call: what v's rounding dropped.
     ``buckets``: per bucket, its (parameter name, numel) in flat order (int8 only).
@@ -198,6 +201,8 @@ def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, in
     node-first shards, whose last may reach past the bucket's end, zero-padded): each
     partition is split into W shards and summed as above on its own; None: the bucket is one
     partition.
+    ``ranks_per_message``: L, how many ranks' gradients each "rank" here stands for (a node's
+    sum, :func:`node_first_mean`); the result is the mean over all W · L.
     """
     half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(kind)
     feedback = kind == "int8" if error_feedback is None else error_feedback
@@ -211,24 +216,28 @@ def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, in
             residual[key] = v - out
         return out
 
-    def int8(v: torch.Tensor) -> torch.Tensor:
+    def int8(v: torch.Tensor, quantised: Optional[list] = None) -> torch.Tensor:
+        """``v`` rounded as int8 blocks (what it decodes to); ``quantised`` receives (q, s)."""
         blocks = v.reshape(-1, block)
         scale = (blocks.abs().max(dim=1).values / 127).to(torch.float32).to(torch.float64)
         scale = torch.where(scale < torch.finfo(torch.float32).tiny, torch.zeros_like(scale), scale)  # sent as zeros
         q = torch.round(blocks * (1 / torch.where(scale > 0, scale, torch.ones_like(scale)))[:, None]).clamp(-127, 127)
+        if quantised is not None:
+            quantised[:] = [q, scale]
         return (q * scale[:, None]).reshape(-1)
 
     def reduce_16_bit(local: List[Tensors]) -> Tensors:
         world = len(local)
-        sixteen = lambda divide: lambda v: (v / divide).to(half).to(torch.float64) * divide  # noqa: E731
+        sixteen = lambda divide: lambda v: (v / divide).to(torch.float32).to(half).to(torch.float64) * divide  # noqa: E731
         mean: Tensors = {}
         for nm in local[0]:
-            total = sum(fed(l[nm], ("rank", r, nm), sixteen(1)) for r, l in enumerate(local))
+            total = sum(fed(l[nm], ("rank", r, nm), sixteen(ranks_per_message)) / ranks_per_message
+                        for r, l in enumerate(local))
             mean[nm] = fed(total, ("sum", nm), sixteen(world)) / world
         return mean
 
     def reduce_int8(flat: List[torch.Tensor], unit: Tuple) -> torch.Tensor:
-        """The sum of the ranks' ``flat`` values (one partition) as int8's two roundings deliver it."""
+        """The mean of the ranks' ``flat`` values (one partition) as int8's two roundings deliver it."""
         world, numel = len(flat), flat[0].numel()
         shard = math.ceil(math.ceil(numel / world) / block) * block
         padded = [torch.nn.functional.pad(f, (0, world * shard - numel)) for f in flat]
@@ -239,13 +248,16 @@ def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, in
             acc = sent[0][j].clone()
             for r in range(1, world):
                 acc += sent[r][j]
-            total.append(fed(acc, ("sum", unit, j), int8))
+            q_s: list = []
+            fed(acc, ("sum", unit, j), lambda v: int8(v, q_s))
+            q, scale = q_s
+            arrived = (scale.to(torch.float32) / (world * ranks_per_message)).to(torch.float64)
+            total.append((q * arrived[:, None]).reshape(-1))
         return torch.cat(total)[:numel]
 
     def reduce(local: List[Tensors]) -> Tensors:
         if half is not None:
             return reduce_16_bit(local)
-        world = len(local)
         assert buckets is not None, "int8 needs the bucket layout"
         mean: Tensors = {}
         for b, layout in enumerate(buckets):
@@ -255,7 +267,7 @@ def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, in
             flat = [torch.nn.functional.pad(torch.cat([l[nm].reshape(-1) for nm, _ in layout]), (0, end - numel))
                     for l in local]
             values = torch.cat([reduce_int8([f[lo:hi] for f in flat], (b, c)) for c, (lo, hi) in enumerate(bounds)])
-            values = values[:numel] / world
+            values = values[:numel]
             offset = 0
             for nm, n in layout:
                 mean[nm] = values[offset:offset + n].view_as(local[0][nm])
@@ -268,18 +280,19 @@ def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, in
 def node_first_mean(kind: str, buckets: Sequence[Sequence[Tuple[str, int]]], nodes: Sequence[Sequence[int]],
                     error_feedback: Optional[bool] = None) -> Callable[[List[Tensors]], Tensors]:
     """The mean as sapipe's compressed sum node first delivers it (sapipe.comm.hierarchical):
-    each node's gradients averaged exactly, and those N means summed compressed
-    (:func:`compressed_mean`), each bucket cut into L shards of ceil(numel / L) values
-    (the last zero-padded), each shard summed over the nodes on its own."""
+    each node's gradients summed exactly (in rank order), and those N sums summed compressed
+    as messages of L ranks each (:func:`compressed_mean`), each bucket cut into L shards of
+    ceil(numel / L) values (zero-padded past the bucket's end), each shard summed over the
+    nodes on its own."""
     size = len(nodes[0])
     chunks = []
     for layout in buckets:
         shard = math.ceil(sum(n for _, n in layout) / size)
         chunks.append([(j * shard, (j + 1) * shard) for j in range(size)])
-    across = compressed_mean(kind, buckets, chunks=chunks, error_feedback=error_feedback)
+    across = compressed_mean(kind, buckets, chunks=chunks, error_feedback=error_feedback, ranks_per_message=size)
 
     def reduce(local: List[Tensors]) -> Tensors:
-        return across([{nm: sum(local[r][nm] for r in node) / size for nm in local[0]} for node in nodes])
+        return across([{nm: sum(local[r][nm] for r in node) for nm in local[0]} for node in nodes])
 
     return reduce
 

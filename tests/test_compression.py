@@ -160,6 +160,11 @@ def test_the_link_model_for_compressed_sums():
     slow_seen = Profile(forward=[1.0], backward=[1.0], step_time=0.0, alpha=1e-4, beta=4e-9,
                         beta_isolated=4e-9, beta_observed=3e-9)
     assert compressed(slow_seen, 0.26, 1e-10).beta == 3e-9
+    # node first over 4 ranks per node: a rank compresses a quarter of each bucket, and the
+    # profile keeps the codec's cost per byte compressed (a whole bucket's, for predictions)
+    node_first = compressed(profile, 0.26, 1e-10, codec_share=0.25)
+    assert node_first.beta == pytest.approx(4e-9 * 0.26 + 1e-10 / 4)
+    assert (node_first.raw["codec_per_byte"], node_first.raw["codec_share"]) == (1e-10, 0.25)
 
 
 def _auto_compressed(rank, world_size, backend):

@@ -124,3 +124,25 @@ def test_unknown_compression_is_refused_by_name():
     with pytest.raises(ValueError, match="'fp16', 'bf16', 'int8'.*'fp8'"):
         validate("fp8")
     assert validate(None) is None and validate("bf16") == "bf16"
+
+
+@pytest.mark.parametrize("node_size,numel", [(3, 1), (4, 1), (4, 2), (4, 5), (8, 10), (3, 7), (4, 9)])
+def test_node_first_shards_cover_small_buckets(node_size, numel):
+    """A bucket cut into L node-first shards of ceil(numel / L) values: row j holds values
+    [j·size, (j+1)·size) clipped to the bucket (shards past its end are empty), zeros
+    after them, then every flag; unpacking the rows gives the bucket back."""
+    from sapipe.compression import NodeFirstCodec
+
+    nflags = 3
+    codec = NodeFirstCodec(Compression.of("int8"), numel, nflags, 2, node_size, torch.float64, torch.device("cpu"))
+    wire = torch.arange(1.0, numel + nflags + 1, dtype=torch.float64)
+    rows = torch.full((node_size * codec.row_numel,), float("nan"), dtype=torch.float64)
+    codec.pack(wire, rows)
+    size = -(-numel // node_size)
+    for j, row in enumerate(rows.view(node_size, -1)):
+        values = wire[min(j * size, numel):min((j + 1) * size, numel)]
+        expected = torch.cat([values, torch.zeros(size - len(values), dtype=torch.float64), wire[numel:]])
+        assert torch.equal(row, expected), (j, row)
+    back = torch.zeros_like(wire)
+    codec.unpack(rows, back)
+    assert torch.equal(back, wire)

@@ -28,6 +28,9 @@ BAD_ARGUMENTS = {
     "negative timeout": ({"timeout": -5}, "ConfigurationError", "timeout"),
     "unknown backend": ({"backend": "mpi"}, "ConfigurationError", "backend must be one of"),
     "zero partition": ({"backend": "pushpull", "partition_mb": 0}, "ConfigurationError", "partition_mb"),
+    "a bucket beyond int64 bytes": ({"bucket_cap_mb": 1e308}, "ConfigurationError", "bucket_cap_mb must be a number of MiB"),
+    "a partition beyond int64 bytes": ({"backend": "pushpull", "partition_mb": 2.0**41}, "ConfigurationError",
+                                       "partition_mb must be a number of MiB > 0 and <= 2**40"),
     "byteps missing": ({"backend": "byteps"}, "ConfigurationError", "byteps.torch"),
     "negative tune steps": ({"stale_layers": "auto", "tune_steps": -1}, "ConfigurationError", "tune_steps must be an int >= 0"),
     "budget not an int": ({"stale_layers": "auto", "auto_budget": 2.5}, "ConfigurationError", "auto_budget must be None or an int >= 1"),
@@ -57,10 +60,20 @@ def _optimizer(case, model):
     return torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+def _model(case, rank):
+    """The MLP; rank 1's differs where the case says the ranks' models do."""
+    model = make_model("mlp")
+    if rank == 1 and case == "ranks disagree on a buffer":
+        model.register_buffer("steps_seen", torch.zeros(1))  # a buffer rank 0's model lacks
+    if rank == 1 and case == "ranks disagree on which parameters train":
+        next(model.parameters()).requires_grad_(False)
+    return model
+
+
 def _construct(rank, world_size, cases):
     results = {}
     for case, kwargs in cases.items():
-        model = make_model("mlp")
+        model = _model(case, rank)
         start = time.monotonic()
         try:
             sapipe.DistributedOptimizer(_optimizer(case, model), model, **({"timeout": 20} | kwargs[rank]))
@@ -80,6 +93,9 @@ def _cases():
     cases["ranks disagree on k"] = [{"stale_layers": 0}, {"stale_layers": 1}]
     cases["ranks disagree on mode"] = [{"stale_layers": 1, "compensation": c} for c in ("dc", "wp1")]
     cases["ranks disagree on compression"] = [{"compression": "bf16"}, {}]
+    cases["ranks disagree on a buffer"] = [{}, {}]
+    cases["ranks disagree on which parameters train"] = [{}, {}]
+    cases["one number written two ways"] = [{"bucket_cap_mb": 25, "timeout": 20}, {"bucket_cap_mb": 25.0, "timeout": 20.0}]
     return cases
 
 
@@ -91,6 +107,9 @@ EXPECTED = {name: (cls, text) for name, (_, cls, text) in BAD_ARGUMENTS.items()}
     "ranks disagree on k": ("ConfigurationError", "rank 1 has stale_layers=1 but rank 0 has stale_layers=0"),
     "ranks disagree on mode": ("ConfigurationError", "compensation="),
     "ranks disagree on compression": ("ConfigurationError", "rank 1 has compression=None but rank 0 has compression='bf16'"),
+    # rank 0's buffers are broadcast at construction, and the layout follows the trainable parameters
+    "ranks disagree on a buffer": ("ConfigurationError", "model_buffers"),
+    "ranks disagree on which parameters train": ("ConfigurationError", "model_parameters"),
 }
 
 
@@ -108,6 +127,12 @@ def test_bad_configuration_is_refused_on_every_rank(construction_results, case):
         assert text in message, f"rank {rank}: message does not name the cause: {message}"
         assert message.startswith("sapipe"), message
         assert elapsed < 30, f"rank {rank}: took {elapsed:.1f}s"
+
+
+def test_one_number_written_two_ways_is_one_setting(construction_results):
+    """25 on one rank and 25.0 on another configure the same job."""
+    for rank, results in enumerate(construction_results):
+        assert results["one number written two ways"][0] == "no error", results["one number written two ways"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -67,12 +67,12 @@ def _train(rank, world_size, cases):
     return out
 
 
-def _run_steps(model, opt, rank, batches):
+def _run_steps(model, opt, rank, batches, task="tied"):
     """``batches`` trained on (this rank's share of each); the real weights after them."""
     for step in batches:
         x, y = step[rank]
         opt.zero_grad()
-        loss_fn_for("tied")(model(x), y).backward()
+        loss_fn_for(task)(model(x), y).backward()
         opt.step()
     opt.synchronize()
     with opt.real_weights():
@@ -155,7 +155,8 @@ def _auto_on_two_nodes(rank, world_size, compression):
         loss_fn_for("tied")(model(x), y).backward()
         opt.step()
     raw = opt.auto.profile.raw
-    result = (opt.auto.decided, opt.stale_layers, raw["probe_times"], len(probed), raw.get("wire_ratio"))
+    result = (opt.auto.decided, opt.stale_layers, raw["probe_times"], len(probed), raw.get("wire_ratio"),
+              raw.get("codec_share"))
     opt.close()
     return result
 
@@ -167,7 +168,7 @@ def test_auto_probes_the_two_level_sum_and_decides_alike(compression):
     scales the link to the bytes that cross between nodes: int8's 1 + 4/64 bytes per
     4-byte value (flags and padding aside)."""
     results = run_ranks(_auto_on_two_nodes, world_size=4, args=(compression,), timeout=300)
-    decided, k, probes, probed, wire_ratio = results[0]
+    decided, k, probes, probed, wire_ratio, codec_share = results[0]
     assert decided and all(r[:2] == (decided, k) for r in results)
     assert len(probes) >= 2 and all(t > 0 for t in probes)
     assert probed > len(probes), "every probe (and its warm-up) went through the back-end's own sum"
@@ -175,6 +176,9 @@ def test_auto_probes_the_two_level_sum_and_decides_alike(compression):
         assert wire_ratio is None
     else:
         assert 0.26 < wire_ratio < 0.4, wire_ratio
+        # each rank compresses its shard of the largest bucket: the codec's time is per byte of
+        # that shard (what a whole bucket costs, for predictions), its share of the link 1/L
+        assert 0.5 <= codec_share < 0.52, codec_share
 
 
 def _sums(rank, world_size, numel):
@@ -238,23 +242,40 @@ def _resume_node_first(rank, world_size):
     opt.close()
     os.environ["GROUP_RANK"] = "0"  # the same four ranks on one node: the sums go flat
     model, opt = _node_first_int8(seed=0)
+    _run_steps(model, opt, rank, batches[:1])
+    before = opt.state_dict()
     try:
         opt.load_state_dict(saved["optimizer"])
         refusal = None
     except ConfigurationError as exc:
         refusal = str(exc)
+    untouched = _same(opt.state_dict(), before)
     opt.close()
-    return {"expected": expected, "resumed": resumed, "residual": residual, "refusal": refusal}
+    return {"expected": expected, "resumed": resumed, "residual": residual, "refusal": refusal,
+            "untouched": untouched}
+
+
+def _same(a, b) -> bool:
+    """Whether two state dicts hold the same structure and bits."""
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def test_a_node_first_int8_checkpoint_resumes_bit_identically_on_the_same_nodes_only():
     """The shard residuals travel in the checkpoint: the resumed run is bit-identical. A job
-    whose sums go flat (here: the same ranks on one node) refuses them by name."""
+    whose sums go flat (here: the same ranks on one node) refuses them by name, mid-training
+    too, with nothing of its own state changed."""
     for rank, out in enumerate(run_ranks(_resume_node_first, world_size=4, timeout=300)):
         assert out["residual"] > 0
         for name, value in out["expected"].items():
             assert np.array_equal(out["resumed"][name], value), (rank, name)
         assert out["refusal"] is not None and "went node first over 2 ranks per node" in out["refusal"], out["refusal"]
+        assert out["untouched"], f"rank {rank}: the refused load changed the optimizer's state"
 
 
 def _compressed_sums(rank, world_size, kind, numel, nflags):
@@ -324,3 +345,52 @@ def test_the_cpu_reduce_scatter_sums_each_shard_in_rank_order():
     for r in run_ranks(_reduce_scatters, world_size=4, timeout=120):
         assert np.array_equal(r["ours"], r["expected"]) and np.array_equal(r["waited"], r["expected"])
         assert np.allclose(r["ours"], r["theirs"], rtol=1e-13, atol=1e-13)
+
+
+# 2 nodes of 3 ranks: L = 3 is no power of two (int8's scales are divided by N·L = 6 in
+# float32), and a 1-value bucket leaves two of its three node-first shards empty.
+THREE_PER_NODE = ((0, 1, 2), (3, 4, 5))
+# (hierarchical=, compression=)
+SIX_RANK_CASES = [(None, "int8"), (None, "bf16"), (False, "int8")]
+
+
+def _prelu_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.PReLU(), torch.nn.Linear(10, 3)).to(torch.float64)
+
+
+def _train_three_per_node(rank, world_size, cases, batches):
+    import sapipe
+
+    os.environ["GROUP_RANK"] = str(rank // 3)
+    out = []
+    for hierarchical, compression in cases:
+        model = _prelu_model()
+        opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                                          stale_layers=1, compensation="dc", hierarchical=hierarchical,
+                                          compression=compression, bucket_cap_mb=1e-6, timeout=60)
+        real = _run_steps(model, opt, rank, batches, task="mlp")
+        names = {id(p): n for n, p in model.named_parameters()}
+        out.append({"real": real, "sum": type(opt._pipeline.sync_comm).__name__,
+                    "buckets": [[(names[id(p)], p.numel()) for p in bucket.params] for bucket in opt.buckets]})
+        opt.close()
+    return out
+
+
+def test_two_nodes_of_three_with_a_one_value_bucket_train_as_the_reference():
+    """Six ranks as 2 nodes of 3, one bucket per layer (the PReLU's holds 1 value): node first
+    with int8 and bf16, and flat int8 over all 6, every rank's weights are the float64
+    reference's, whose int8 divides the arriving scales by N·L (or W) in float32 as sapipe
+    does."""
+    batches = make_batches("mlp", STEPS, 6, dtype=torch.float64, sizes=(6, 3))
+    results = run_ranks(_train_three_per_node, world_size=6, args=(SIX_RANK_CASES, batches), timeout=300)
+    for index, (hierarchical, compression) in enumerate(SIX_RANK_CASES):
+        buckets = results[0][index]["buckets"]
+        assert [1] in [[n for _, n in b] for b in buckets], buckets
+        reduce = (compressed_mean(compression, buckets) if hierarchical is False
+                  else node_first_mean(compression, buckets, THREE_PER_NODE))
+        ref = run_reference(_prelu_model(), lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), batches,
+                            loss_fn_for("mlp"), stale_layers=1, compensation="dc", reduce=reduce).real[-1]
+        for rank, got in enumerate(r[index] for r in results):
+            assert got["sum"] == _expected_sum(hierarchical, compression)
+            assert_close_dicts(got["real"], ref, rtol=1e-9, atol=1e-11, what=f"rank {rank}, {compression}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from dist_utils import run_ranks
@@ -228,3 +229,47 @@ def test_steady_state_steps_read_nothing_back_to_the_host():
     for compensation, k, compression in (("none", 0, None), ("wp1", 3, None), ("dc", 3, "int8"), ("wp3", 3, "bf16")):
         for reads in run_ranks(_host_reads, world_size=2, args=(compensation, k, compression)):
             assert reads == [], f"{compensation}, k={k}, {compression}: host reads {sorted(set(reads))}"
+
+
+STRAY_CASES = [(1, "dc", None), (1, "dc", "int8"), (0, "none", None)]
+
+
+def _stray_steps(rank, world_size, stray):
+    """Each case trained for STEPS; with ``stray``, rank 1 alone also runs a forward without
+    backward and a step() without gradients after iteration 3, as a script that skips a
+    batch's backward but not its step would. The real weights after the run, per case."""
+    import sapipe
+
+    batches = make_batches("mlp", STEPS, world_size)
+    out = []
+    for k, mode, compression in STRAY_CASES:
+        model = make_model("mlp", seed=0)
+        opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                                          stale_layers=k, compensation=mode, compression=compression,
+                                          bucket_cap_mb=0.0001, timeout=30)
+        for t, step in enumerate(batches, start=1):
+            x, y = step[rank]
+            opt.zero_grad()
+            loss_fn_for("mlp")(model(x), y).backward()
+            opt.step()
+            if stray and rank == 1 and t == 3:
+                opt.zero_grad()
+                model(x)
+                opt.step()
+        opt.synchronize()
+        with opt.real_weights():
+            out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        opt.close()
+    return out
+
+
+def test_one_ranks_step_without_gradients_changes_nothing():
+    """A step() with no backward since the last and no p.grad held does nothing, as torch.optim's
+    (and DDP's, which sends nothing then): called on one rank only, it must not pair with
+    the other rank's next collective. Every rank ends with the weights of the run without it."""
+    clean = run_ranks(_stray_steps, world_size=2, args=(False,))
+    stray = run_ranks(_stray_steps, world_size=2, args=(True,))
+    for case in range(len(STRAY_CASES)):
+        for rank in range(2):
+            for name, value in clean[0][case].items():
+                assert np.array_equal(stray[rank][case][name], value), (STRAY_CASES[case], rank, name)

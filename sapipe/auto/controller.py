@@ -154,7 +154,9 @@ class AutoController:
     def _compressed_link(self, profile: profiler.Profile, buckets) -> profiler.Profile:
         """The link model for compressed sums: the bytes the format puts on the wire, and the
         local work of compressing and summing, timed on a scratch copy of the largest bucket
-        (the slowest rank's time, so every rank models alike). Where sums go node first, the
+        (the slowest rank's time, so every rank models alike), per byte this rank compresses
+        (node first: its shard, 1/L of the bucket; the saved profile's ``codec_per_byte`` is
+        thus what compressing a whole bucket costs, for predictions of other layouts). Where sums go node first, the
         probes timed the two-level sum at full precision, and only the bytes across nodes
         shrink: the model scales both levels (the profiled iterations' β bounds it below)."""
         formats = [b.grads.codec.format for b in buckets]
@@ -169,7 +171,8 @@ class AutoController:
         wire = torch.randn(largest.numel + len(largest.params), dtype=largest.dtype, device=largest.device)
         (seconds,) = self._control.agree_on_max([profiler.time_codec(scratch, wire)], "the time to compress")
         wire_ratio = sum(f.wire_bytes() for f in formats) / ring
-        return profiler.compressed(profile, wire_ratio, seconds / largest.nbytes)
+        compressed_bytes = scratch.format.numel * largest.nbytes / largest.numel  # node first: one shard
+        return profiler.compressed(profile, wire_ratio, seconds / compressed_bytes, compressed_bytes / largest.nbytes)
 
     def _set_model_inputs(self, layers: List[Layer], element_size: int) -> None:
         """The simulator's inputs from the measured profile."""

@@ -19,9 +19,10 @@ A large bucket is cut into a few pieces whose steps are pipelined (``sum_by_shar
 piece crosses between nodes while the next is reduced inside the node, so the node's own
 steps hide behind the slow one.
 
-**Compressed** (``compression=``, :class:`HierarchicalCompressedSum`): the same three steps,
-the middle one a compressed sum (sapipe.comm.compressed) of the shard over the N nodes, its
-bytes and its error feedback those of a :class:`sapipe.compression.NodeFirstCodec`. Only the
+**Compressed** (``compression=``, :class:`HierarchicalCompressedSum`): the same three steps
+on each bucket whole (not cut into pieces), the middle one a compressed sum
+(sapipe.comm.compressed) of the shard over the N nodes, its bytes and its error feedback
+those of a :class:`sapipe.compression.NodeFirstCodec`. Only the
 network carries compressed bytes; inside the node the shards travel at full precision. A
 flat compressed sum over all W ranks would put each of a node's L ranks' all-to-all through
 the node's NIC: L times the compressed bytes of a ring (sapipe.schedule.cluster_link).
@@ -141,6 +142,7 @@ class HierarchicalCompressedSum(HierarchicalAllReduce):
         self.wait(self.enqueue(self.new_job(tensor, "a link probe")))  # no codec: full precision
 
     def close(self) -> None:
+        self.stop_worker()  # what was started finishes on the groups before they go
         self._across.group = None  # released with ``_inter`` by the parent
         super().close()
 

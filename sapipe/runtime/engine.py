@@ -70,6 +70,11 @@ class Runtime:
         for bucket in self.pipeline.buckets:
             self.apply_deferred(bucket)
 
+    def nothing_to_step(self) -> bool:
+        """Whether ``step()`` has nothing to sum or apply on this rank: no backward since the
+        last one, and no parameter holds a gradient (a step then starts no collective)."""
+        return not self.pipeline.in_backward and all(p.grad is None for b in self.pipeline.buckets for p in b.params)
+
     def take_gradients(self, iteration: int, grad_scaler, optimizer, control) -> None:
         """``step()``'s first part: every gradient of ``iteration`` on its way, and what the step
         applies settled: as ``p.grad`` holds it (exposed), or as backward handed it over."""
@@ -155,23 +160,32 @@ class Runtime:
         ``state_allocated``: this job has stepped already, so its optimizer state moves over
         before the checkpoint's overwrites it (a checkpoint may be loaded mid-training).
         """
-        if [layer.name for layer in self.layout.layers] != state["layers"]:
-            raise ConfigurationError("sapipe: the checkpoint's layer order differs from this model's")
+        layout = self._checked_layout(state)
         self.pipeline.origin = state["pipeline_origin"]
         self.updater.scaling = dict(state["scaling"])
-        self._restore_buckets(state["k"], state["buckets"], state_allocated)
+        self._restore_buckets(layout, state["buckets"], state_allocated)
         self.pipeline.end_iteration()
         if self.exposure is not None:
             self.exposure.reset()
 
-    def _restore_buckets(self, k: int, saved_buckets: List[Dict[str, Any]], state_allocated: bool) -> None:
-        """A checkpoint's buckets (see ``Bucket.state_dict``), laid out for its ``k``."""
-        previous = self.layout if state_allocated else None
-        self.pipeline.layout = self.layout.relaid(k)
-        self.layout.allocate_state(self.updater.rule, previous)
-        if [[layer.name for layer in b.layers] for b in self.layout.buckets] != [b["layers"] for b in saved_buckets]:
+    def _checked_layout(self, state: Dict[str, Any]) -> Layout:
+        """This job's layers laid out for the checkpoint's k, once every saved bucket is known to
+        fit it; else ConfigurationError naming why, before anything of this job has changed."""
+        if [layer.name for layer in self.layout.layers] != state["layers"]:
+            raise ConfigurationError("sapipe: the checkpoint's layer order differs from this model's")
+        layout = self.layout.relaid(state["k"])
+        if [[layer.name for layer in b.layers] for b in layout.buckets] != [b["layers"] for b in state["buckets"]]:
             raise ConfigurationError("sapipe: the checkpoint's bucket layout differs (bucket_cap_mb or model changed)")
-        for bucket, saved in zip(self.layout.buckets, saved_buckets):
+        for bucket, saved in zip(layout.buckets, state["buckets"]):
+            bucket.check_state_dict(saved)
+        return layout
+
+    def _restore_buckets(self, layout: Layout, saved_buckets: List[Dict[str, Any]], state_allocated: bool) -> None:
+        """A checkpoint's buckets (see ``Bucket.state_dict``) into ``layout``, which becomes the job's."""
+        previous = self.layout if state_allocated else None
+        self.pipeline.layout = layout
+        layout.allocate_state(self.updater.rule, previous)
+        for bucket, saved in zip(layout.buckets, saved_buckets):
             bucket.load_state_dict(saved)
 
     @torch.no_grad()

@@ -28,8 +28,10 @@ of gradient then takes α + β·B:
 * **Compressed** (``compression=``, :mod:`sapipe.comm.compressed`): two collectives, an
   all-to-all of compressed shards and an all-gather of the summed shards, each rank
   sending 2(P−1)/P of its compressed bucket (the bytes of a ring): 2α, and per byte of
-  gradient ``wire_ratio`` × the wire's β plus the codec's local work ``codec_per_byte``,
-  as :func:`sapipe.schedule.profiler.compressed` models a measured link. Across nodes the
+  gradient ``wire_ratio`` × the wire's β plus the codec's local work ``codec_per_byte``
+  (per byte of a bucket a rank compresses whole, as a flat sum does; a saved profile
+  holds that whichever way its own sums went), as
+  :func:`sapipe.schedule.profiler.compressed` models a measured link. Across nodes the
   all-to-all is not a ring: flat, each of a node's G ranks sends (N−1)/N of its compressed
   bucket to other nodes, through the node's one NIC, so the wire's β is
   2·G·(N−1)/N / rate_inter there (G times a ring's); inside one node it is the ring's.

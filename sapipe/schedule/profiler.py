@@ -368,19 +368,21 @@ def combine(
     )
 
 
-def compressed(profile: Profile, wire_ratio: float, codec_per_byte: float) -> Profile:
+def compressed(profile: Profile, wire_ratio: float, codec_per_byte: float, codec_share: float = 1.0) -> Profile:
     """``profile``'s link model for compressed sums (docs/design.md §5.9), per byte of gradient.
 
     The probes timed an all-reduce of the gradients' dtype. A compressed sum is two
     collectives (2α) carrying ``wire_ratio`` of those bytes, plus compressing, summing and
-    decoding, ``codec_per_byte`` seconds per byte of gradient (timed on this host). β stays
-    at least what the profiled iterations, which ran compressed, observed.
+    decoding, ``codec_per_byte`` seconds per byte compressed (timed on this host), of
+    ``codec_share`` of each bucket (1; node first, a rank's shard: 1/L). β stays at least
+    what the profiled iterations, which ran compressed, observed.
     """
-    beta = profile.beta_isolated * wire_ratio + codec_per_byte
+    beta = profile.beta_isolated * wire_ratio + codec_per_byte * codec_share
     if not math.isnan(profile.beta_observed):
         beta = max(beta, profile.beta_observed)
     return dataclasses.replace(profile, alpha=2 * profile.alpha, beta=beta,
-                               raw=dict(profile.raw, wire_ratio=wire_ratio, codec_per_byte=codec_per_byte))
+                               raw=dict(profile.raw, wire_ratio=wire_ratio, codec_per_byte=codec_per_byte,
+                                        codec_share=codec_share))
 
 
 def time_codec(codec, wire: torch.Tensor, repeats: int = 3) -> float:

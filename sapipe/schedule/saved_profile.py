@@ -46,7 +46,7 @@ class SavedProfile:
     backend: str
     compression: Optional[str]
     wire_ratio: float  # bytes on the wire per byte of gradient (1 without compression)
-    codec_per_byte: float  # seconds of local (de)compression per byte of gradient (0 without)
+    codec_per_byte: float  # seconds of local (de)compression per byte of a bucket compressed whole (0 without)
     bucket_cap_bytes: int
     sync_at_step: bool  # the script read p.grad before step() (clipping, GradScaler.unscale_)
     device: str  # "cpu" or the GPU's name
