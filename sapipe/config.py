@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 from .comm import BACKENDS, compression_refusal
 from .compensation import MODES
-from .compression import Compression, validate as validate_compression, wire_constants
+from .compression import COMPRESSIONS, Compression, validate as validate_compression, wire_constants
 from .errors import ConfigurationError
 
 DC_FORMS = ("outer", "diagonal")
@@ -271,6 +271,7 @@ class Settings:
         """What a checkpoint must agree on (not the timeout, nor the search's trial length), the
         wire format's constants included (its residuals are laid out by them)."""
         settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["resume"]}
+        settings["error_feedback"] = effective_error_feedback(self.compression, self.error_feedback)
         return describe(dict(settings, **wire_constants(self.compression)))
 
 
@@ -282,6 +283,14 @@ def settings_help(indent: int = 0) -> str:
         default = f.default if not isinstance(f.default, str) else repr(f.default)
         lines.append(f"{pad}    {f.name} (default {default}): {f.metadata['help']}")
     return "\n".join(lines) + "\n"
+
+
+def effective_error_feedback(compression: Any, error_feedback: Any) -> Any:
+    """``error_feedback`` as it acts: None (the default) is on for int8 and off for the 16-bit
+    formats, so ranks and checkpoints that differ only in spelling the default agree."""
+    if error_feedback is None and compression in COMPRESSIONS:
+        return compression == "int8"
+    return error_feedback
 
 
 def describe(args: Dict[str, Any]) -> Dict[str, str]:

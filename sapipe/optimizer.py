@@ -118,8 +118,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.model = model
         self.settings: config.Settings = settings
         self._group, self._rank, self._world_size = group, dist.get_rank(group), dist.get_world_size(group)
-        if trace is None:
-            trace = os.environ.get("SAPIPE_TRACE") or False
+        trace = (os.environ.get("SAPIPE_TRACE") or False) if trace is None else trace
         self.tracer = Tracer(enabled=bool(trace))
         self._spans = BackwardSpans(self.tracer) if trace else None
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -256,6 +255,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._runtime.take_gradients(iteration, grad_scaler, self, self._control)
         self._runtime.end_step(iteration, hyperparams)
         self._iteration = iteration
+        self.optimizer._opt_called = True  # what an LR scheduler built on it checks: "its step() ran"
         if self.auto is not None:
             self.auto.end_step(iteration, hyperparams, self._forward.forward_start)
         self._pipeline.end_iteration()

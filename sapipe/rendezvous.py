@@ -120,7 +120,10 @@ def agree(group, arguments: Dict[str, Any], optimizer: Any, model: Any,
         local_error = ConfigurationError(unavailable)
     job = dict(describe_job(optimizer, model), backend_available=unavailable is None,
                **wire_constants(arguments.get("compression")))  # e.g. two sapipe versions' int8 blocks
-    fingerprint = config.describe(dict({k: _by_value(v) for k, v in arguments.items()}, **job))
+    settings = {k: _by_value(v) for k, v in arguments.items()}
+    settings["error_feedback"] = config.effective_error_feedback(arguments.get("compression"),
+                                                                 arguments.get("error_feedback"))
+    fingerprint = config.describe(dict(settings, **job))
     gathered: List[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (fingerprint, node_name()), group=group)
     differences = config.mismatches([fp for fp, _ in gathered])

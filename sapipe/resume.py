@@ -25,12 +25,20 @@ def check_resumable(state: Any, rank: int, world_size: int, fingerprint: Dict[st
         )
     if state["rank"] != rank:
         raise ConfigurationError(f"sapipe: rank {rank} was given rank {state['rank']}'s checkpoint")
-    differences = config.mismatches([state["settings"], fingerprint])
+    differences = config.mismatches([_as_acting(state["settings"]), fingerprint])
     if differences:
         raise ConfigurationError(
             "sapipe: the checkpoint's configuration differs from this optimizer's: "
             + "; ".join(d.replace("rank 1", "this job").replace("rank 0", "the checkpoint") for d in differences)
         )
+
+
+def _as_acting(saved: Dict[str, str]) -> Dict[str, str]:
+    """A saved fingerprint with ``error_feedback`` as it acted: checkpoints written before the
+    fingerprint resolved it hold None (the format's default) there."""
+    if saved.get("error_feedback") != "None" or saved.get("compression", "None") == "None":
+        return saved
+    return dict(saved, error_feedback=repr(saved["compression"] == repr("int8")))
 
 
 __all__ = ["CHECKPOINT_FORMAT", "check_resumable"]

@@ -31,7 +31,7 @@ def _case_id(case) -> str:
     return "{}-k{}-{}-s{}-w{}".format(*case) + (f"-{case[5]}" if len(case) > 5 else "")
 
 
-def _setup(kind, k, mode, s, warmup, compression=None, *, seed):
+def _setup(kind, k, mode, s, warmup, compression=None, *, seed, error_feedback=None):
     model = make_model("tied", seed=seed)
     base = {
         "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
@@ -40,7 +40,7 @@ def _setup(kind, k, mode, s, warmup, compression=None, *, seed):
     }[kind](model.parameters())
     opt = sapipe.DistributedOptimizer(
         base, model, stale_layers=k, compensation=mode, staleness=s, warmup_steps=warmup,
-        bucket_cap_mb=0.001, timeout=60, compression=compression,
+        bucket_cap_mb=0.001, timeout=60, compression=compression, error_feedback=error_feedback,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.9**e)
     return model, opt, sched
@@ -153,6 +153,41 @@ def test_checkpoint_of_another_int8_block_is_refused(resumed_runs, tmp_path):
         torch.save(state, tmp_path / f"older-{rank}.pt")
     messages = run_ranks(_older_int8, world_size=2, args=(str(tmp_path / "older-{rank}.pt"),))
     assert all("this job has int8_block=64 but the checkpoint has int8_block=256" in m for m in messages), messages
+
+
+BF16_CASE = 9
+SPELLED_OUT = [(INT8_CASE, True), (BF16_CASE, False)]  # each format's default error feedback, written out
+
+
+def _second_half_spelled_out(rank, world_size, paths):
+    results = []
+    for (index, feedback), path in zip(SPELLED_OUT * 2, paths):
+        model, opt, sched = _setup(*CASES[index], seed=rank + 7, error_feedback=feedback)
+        sched.load_state_dict(sapipe.load_checkpoint(path, model, opt)["scheduler"])
+        _train(model, opt, sched, rank, world_size, range(SPLIT, STEPS))
+        results.append(_weights(model, opt))
+    return results
+
+
+def test_the_default_error_feedback_written_out_resumes_the_same(resumed_runs, tmp_path):
+    """error_feedback=None means on for int8 and off for 16 bits: a job that writes that value
+    out continues a checkpoint of the default bit-identically, as does one written before
+    checkpoints recorded the value (their settings say None)."""
+    expected, _, _, written = resumed_runs
+    paths = []
+    for index, _ in SPELLED_OUT:
+        paths.append(str(written / f"case{index}-{{rank}}.pt"))
+    for index, _ in SPELLED_OUT:  # as written before: the setting as given
+        for rank in range(2):
+            state = torch.load(written / f"case{index}-{rank}.pt", weights_only=False)
+            state["optimizer"]["settings"]["error_feedback"] = "None"
+            torch.save(state, tmp_path / f"older{index}-{rank}.pt")
+        paths.append(str(tmp_path / f"older{index}-{{rank}}.pt"))
+    resumed = run_ranks(_second_half_spelled_out, world_size=2, args=(paths,))
+    for rank in range(2):
+        for run, (index, _) in enumerate(SPELLED_OUT * 2):
+            for name, value in expected[rank][index]["real"].items():
+                assert np.array_equal(resumed[rank][run]["real"][name], value), (rank, CASES[index], run, name)
 
 
 def test_mismatched_checkpoint_is_refused(resumed_runs):

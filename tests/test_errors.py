@@ -96,6 +96,7 @@ def _cases():
     cases["ranks disagree on a buffer"] = [{}, {}]
     cases["ranks disagree on which parameters train"] = [{}, {}]
     cases["one number written two ways"] = [{"bucket_cap_mb": 25, "timeout": 20}, {"bucket_cap_mb": 25.0, "timeout": 20.0}]
+    cases["the default written out"] = [{"compression": "int8"}, {"compression": "int8", "error_feedback": True}]
     return cases
 
 
@@ -129,10 +130,12 @@ def test_bad_configuration_is_refused_on_every_rank(construction_results, case):
         assert elapsed < 30, f"rank {rank}: took {elapsed:.1f}s"
 
 
-def test_one_number_written_two_ways_is_one_setting(construction_results):
-    """25 on one rank and 25.0 on another configure the same job."""
+@pytest.mark.parametrize("case", ["one number written two ways", "the default written out"])
+def test_one_setting_written_two_ways_agrees(construction_results, case):
+    """25 on one rank and 25.0 on another configure the same job, as do int8's error feedback
+    left to its default (on) and written out."""
     for rank, results in enumerate(construction_results):
-        assert results["one number written two ways"][0] == "no error", results["one number written two ways"]
+        assert results[case][0] == "no error", results[case]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -451,3 +451,41 @@ def test_training_over_a_subgroup_equals_ddp_over_it():
     for rank in (0, 1):
         assert out[rank]["world"] == (rank, 2)
         assert_close_dicts(out[rank]["sapipe"], out[rank]["ddp"], rtol=0, atol=1e-6, what=f"rank {rank} subgroup")
+
+
+def _scheduler_before_wrapping(rank, world_size):
+    """A scheduler built on the torch optimizer, which is then wrapped (the README allows
+    either order); the warnings torch's schedulers raised, per update path."""
+    import warnings
+
+    import sapipe
+
+    batches = make_batches("mlp", 3, world_size)
+    caught = {}
+    for name, make in (("fused", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+                       ("generic", lambda p: torch.optim.RMSprop(p, lr=0.01))):
+        model = make_model("mlp", seed=0)
+        base = make(model.parameters())
+        sched = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)
+        opt = sapipe.DistributedOptimizer(base, model, stale_layers=1)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for step in batches:
+                x, y = step[rank]
+                opt.zero_grad()
+                loss_fn_for("mlp")(model(x), y).backward()
+                opt.step()
+                sched.step()
+        caught[name] = ([str(w.message) for w in seen if "lr_scheduler" in str(w.message)], opt.update_path,
+                        base.param_groups[0]["lr"])
+        opt.close()
+    return caught
+
+
+def test_a_scheduler_built_before_wrapping_sees_the_steps():
+    """torch's schedulers warn "lr_scheduler.step() before optimizer.step()" unless the
+    optimizer they were built on says its step ran: sapipe's step says so for it."""
+    for caught in run_ranks(_scheduler_before_wrapping, world_size=2):
+        for name, (messages, path, lr) in caught.items():
+            assert path == name and messages == [], (name, messages)
+            assert lr == pytest.approx((0.1 if name == "fused" else 0.01) * 0.5**3)
