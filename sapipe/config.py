@@ -53,7 +53,8 @@ MAX_MIB = 2.0**40  # a size in MiB whose bytes (2**60) still fit an int64
 
 
 def _mebibytes(name: str, value: Any) -> float:
-    _require(_is_number(value) and 0 < value <= MAX_MIB, f"{name} must be a number of MiB > 0 and <= 2**40; got {value!r}")
+    _require(_is_number(value) and 0 < value <= MAX_MIB,
+             f"{name} must be a number of MiB > 0 and <= 2**40; got {value!r}")
     return float(value)
 
 

@@ -156,9 +156,10 @@ class AutoController:
         local work of compressing and summing, timed on a scratch copy of the largest bucket
         (the slowest rank's time, so every rank models alike), per byte this rank compresses
         (node first: its shard, 1/L of the bucket; the saved profile's ``codec_per_byte`` is
-        thus what compressing a whole bucket costs, for predictions of other layouts). Where sums go node first, the
-        probes timed the two-level sum at full precision, and only the bytes across nodes
-        shrink: the model scales both levels (the profiled iterations' β bounds it below)."""
+        thus what compressing a whole bucket costs, for predictions of other layouts). Where
+        sums go node first, the probes timed the two-level sum at full precision, and only the
+        bytes across nodes shrink: the model scales both levels (the profiled iterations' β
+        bounds it below)."""
         formats = [b.grads.codec.format for b in buckets]
         ring = sum(2 * (f.world - 1) / f.world * f.numel * b.nbytes / b.numel  # the values compressed, in bytes
                    for f, b in zip(formats, buckets) if b.numel)
