@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .bucket_layout import bucket_layout
+from .errors import ConfigurationError, UnsupportedOptimizerError
 from .layers import Layer
 from .optim_math import SegmentState
 
@@ -194,6 +195,7 @@ class Bucket:
             "layers": [layer.name for layer in self.layers],
             "stale": self.stale,
             "segments": [seg.state.state_dict() for seg in self.segments if seg.state is not None],
+            "segment_bounds": [[seg.start, seg.end] for seg in self.segments],
             "slots": slots,
             "flags": [flags.clone() for flags in self.grads.flags],
             "unused_here": [list(unused) for unused in self.grads.unused_here],
@@ -206,9 +208,21 @@ class Bucket:
             "codec": None if self.grads.codec is None else self.grads.codec.state_dict(),
         }
 
-    def check_state_dict(self, state: dict) -> None:
-        """ConfigurationError, naming why, where :meth:`state_dict`'s ``state`` (of a bucket of
-        the same parameters) cannot be restored here: its compressed sums' residuals cover other values."""
+    def check_state_dict(self, state: dict, path: str) -> None:
+        """Raise, naming why, where :meth:`state_dict`'s ``state`` (of a bucket of the same
+        layers) cannot be restored into this bucket updated on ``path`` ("fused" or "generic"):
+        other param groups, state kept by the other path, residuals over other values."""
+        bounds = [[seg.start, seg.end] for seg in self.segments]
+        saved_bounds = state.get("segment_bounds")  # absent from checkpoints written before it was kept
+        if len(state["segments"]) != len(bounds) or (saved_bounds is not None and
+                                                     [list(b) for b in saved_bounds] != bounds):
+            raise ConfigurationError(f"sapipe: the checkpoint's {self.describe()} splits into other param groups "
+                                     "than this job's (the optimizer's param groups changed)")
+        for saved in state["segments"]:
+            if ("buffers" in saved) != (path == "fused"):
+                kept = "fused" if "buffers" in saved else "generic"
+                raise UnsupportedOptimizerError(f"sapipe: the checkpoint's optimizer state was kept by the {kept} "
+                                                f"update path; this job takes the {path} one")
         if self.grads is not None and self.grads.codec is not None and state.get("codec") is not None:
             self.grads.codec.check_state_dict(state["codec"])
 

@@ -12,6 +12,7 @@ generic path (:mod:`sapipe.optim_generic`, which also chooses the path: ``rule_f
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Type
@@ -35,12 +36,22 @@ class SegmentState:
     momentum_started: bool = False  # SGD: the momentum buffer holds data
     scratch: Dict[str, Tensor] = field(default_factory=dict)  # reused work space; never saved
     #: offset in the segment -> (steps, momentum_started) of a parameter whose counters differ
-    #: from the segment's: updates skipped it, unused (docs/design.md §3.9, sapipe.runtime.unused)
+    #: from the segment's: updates skipped it, unused (docs/design.md §3.9, sapipe.runtime.unused),
+    #: or the state it came with was at another step
     param_counters: Dict[int, Tuple[int, bool]] = field(default_factory=dict)
 
     def counters_at(self, offset: int) -> Tuple[int, bool]:
         """(steps, momentum_started) of the parameter at ``offset`` in the segment."""
         return self.param_counters.get(offset, (self.steps, self.momentum_started))
+
+    def settle(self, counters: Mapping[int, Tuple[int, bool]]) -> None:
+        """Keep every parameter's ``counters`` (offset in the segment -> counters): the most
+        common become the segment's own, the others its exceptions."""
+        if not counters:
+            return
+        common = collections.Counter(counters.values()).most_common(1)[0][0]
+        self.steps, self.momentum_started = common
+        self.param_counters = {offset: c for offset, c in counters.items() if c != common}
 
     def part(self, lo: int, hi: int, counters: Tuple[int, bool]) -> "SegmentState":
         """The state of the slice [lo, hi) of the segment (whole parameters, all at ``counters``),
@@ -87,28 +98,21 @@ class OptimizerRule:
         self.optimizer = optimizer  # the wrapped optimizer: its groups, and its state to take over
 
     def unsupported(self) -> Optional[str]:
-        """Why this rule cannot reproduce the wrapped optimizer exactly (an option, or state its
-        segments cannot hold: one step count per segment), or None."""
+        """Why this rule cannot reproduce the wrapped optimizer exactly (an option it has no
+        kernel for), or None. State at any steps is fine: each parameter keeps its counters."""
         assert self.optimizer is not None
-        for index, group in enumerate(self.optimizer.param_groups):
+        for group in self.optimizer.param_groups:
             option = next((name for name in self._unsupported_options if group.get(name)), None)
             if option is not None:
                 return f"{option}=True has no fused rule"
-            points = {self._point(self.optimizer.state.get(p) or {}) for p in group["params"]}
-            if len(points) > 1:
-                return f"its state holds the parameters of param group {index} at different steps ({sorted(points)})"
         return None
 
     #: options of the optimizer the fused kernels do not implement
     _unsupported_options: Tuple[str, ...] = ()
 
-    def _point(self, torch_state: Mapping[str, Any]) -> Any:
-        """How far ``torch.optim`` state of one parameter is (its step count, or whether the
-        momentum buffer exists): what must agree for all parameters of a segment; falsy: no state."""
+    def _counters(self, torch_state: Mapping[str, Any]) -> Optional[Tuple[int, bool]]:
+        """(steps, momentum_started) of one parameter's ``torch.optim`` state; None: no state."""
         raise NotImplementedError
-
-    def _resume_at(self, state: SegmentState, point: Any) -> None:
-        """Set the segment's counters from the parameters' common ``_point``."""
 
     def _torch_counters(self, state: SegmentState) -> Optional[Dict[str, Any]]:
         """The non-buffer entries of one parameter's ``torch.optim`` state (fresh objects), or
@@ -125,20 +129,16 @@ class OptimizerRule:
         state = SegmentState({name: torch.zeros_like(like) for name in self.buffer_names})
         if self.optimizer is None or not params:
             return state
-        held = [self.optimizer.state.get(p) or {} for p, _ in params]
-        points = {self._point(s) for s in held}
-        if len(points) > 1:
-            raise UnsupportedOptimizerError(
-                f"sapipe: the optimizer's state holds the parameters of one bucket segment at different "
-                f"steps ({sorted(points)}); load such state before wrapping, so they take the generic path"
-            )
-        point = points.pop()
-        if point:
-            for (p, offset), torch_state in zip(params, held):
+        counters = {}
+        for p, offset in params:
+            torch_state = self.optimizer.state.get(p) or {}
+            taken = self._counters(torch_state)
+            if taken is not None:
                 for name, buffer in state.buffers.items():
                     buffer[offset : offset + p.numel()].copy_(torch_state[name].reshape(-1))
                 del self.optimizer.state[p]
-            self._resume_at(state, point)
+            counters[offset] = taken or (0, False)
+        state.settle(counters)
         return state
 
     def export_state(self, state: SegmentState, params: Places) -> Dict[Tensor, Dict[str, Any]]:
@@ -201,11 +201,8 @@ class SGDRule(OptimizerRule):
     classes = (torch.optim.SGD,)
     buffer_names = ("momentum_buffer",)
 
-    def _point(self, torch_state):
-        return torch_state.get("momentum_buffer") is not None
-
-    def _resume_at(self, state, point):
-        state.momentum_started = True
+    def _counters(self, torch_state):
+        return (0, True) if torch_state.get("momentum_buffer") is not None else None
 
     def _torch_counters(self, state):
         return {} if state.momentum_started else None
@@ -234,11 +231,8 @@ class AdamRule(OptimizerRule):
     buffer_names = ("exp_avg", "exp_avg_sq")
     _unsupported_options = ("amsgrad",)
 
-    def _point(self, torch_state):
-        return int(torch_state["step"]) if "step" in torch_state else 0
-
-    def _resume_at(self, state, point):
-        state.steps = point
+    def _counters(self, torch_state):
+        return (int(torch_state["step"]), False) if int(torch_state.get("step", 0)) else None
 
     def _torch_counters(self, state):
         if state.steps == 0:

@@ -1,8 +1,8 @@
 """State in and out: the wrapped optimizer's plain ``torch.optim`` state dict (docs/design.md §3.10).
 
 *In.* A wrapped optimizer that already holds state (trained before, or given a DDP job's
-``optimizer.state_dict()`` by ``load_state_dict`` before or after wrapping) continues from
-it: the fused rules take each parameter's state into their flat segments at the first
+``optimizer.state_dict()``: its own ``load_state_dict`` before wrapping, or sapipe's
+:meth:`~sapipe.DistributedOptimizer.load_state_dict` after) continues from it: the fused rules take each parameter's state into their flat segments at the first
 ``step()`` (it leaves ``optimizer.state``); the generic path uses it where it is.
 
 *Out.* :func:`export` is the wrapped optimizer's own ``state_dict()`` with every
@@ -39,8 +39,7 @@ def export(optimizer: torch.optim.Optimizer, rule: OptimizerRule, buckets: Seque
 def load(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any], stepped: bool) -> OptimizerRule:
     """``optimizer.load_state_dict(state_dict)`` into the wrapped optimizer before the first
     ``step()``, keeping the param-group dicts that sapipe and LR schedulers share; returns the
-    rule for the loaded state (state whose parameters are at different steps takes the
-    generic path)."""
+    rule for the loaded optimizer (its options decide it; state at any steps stays fused)."""
     if stepped:
         raise UsageError(
             "sapipe: load a torch.optim state dict before the first step() (or into the optimizer before "

@@ -125,3 +125,14 @@ def assert_close_dicts(actual: dict, expected: dict, rtol: float, atol: float, w
         if not np.allclose(a, e, rtol=rtol, atol=atol):
             err = np.max(np.abs(a - e))
             raise AssertionError(f"{what}: {name} differs, max abs error {err:.3e} (rtol={rtol}, atol={atol})")
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Whether two state dicts hold the same structure and bits."""
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return a == b

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import sapipe
-from dist_utils import run_ranks
+from dist_utils import run_ranks, same_state
 from models import loss_fn_for, make_batches, make_model
 from optimizers import GENERIC
 
@@ -188,6 +188,30 @@ def test_the_default_error_feedback_written_out_resumes_the_same(resumed_runs, t
         for run, (index, _) in enumerate(SPELLED_OUT * 2):
             for name, value in expected[rank][index]["real"].items():
                 assert np.array_equal(resumed[rank][run]["real"][name], value), (rank, CASES[index], run, name)
+
+
+def _other_groups(rank, world_size, path):
+    """CASES[0]'s checkpoint (one param group) into the same job whose SGD has two groups."""
+    model = make_model("tied", seed=0)
+    params = list(model.parameters())
+    base = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:], "lr": 0.01}], lr=0.05, momentum=0.9,
+                           nesterov=True, weight_decay=1e-3)
+    opt = sapipe.DistributedOptimizer(base, model, stale_layers=3, bucket_cap_mb=0.001, timeout=60)
+    _train(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0), rank, world_size, range(1))
+    before = opt.state_dict()
+    try:
+        opt.load_state_dict(torch.load(path.format(rank=rank), weights_only=False)["optimizer"])
+        message = "loaded"
+    except sapipe.ConfigurationError as exc:
+        message = str(exc)
+    return message, same_state(opt.state_dict(), before)
+
+
+def test_a_checkpoint_of_other_param_groups_is_refused_before_anything_changes(resumed_runs):
+    path = str(resumed_runs[3] / "case0-{rank}.pt")
+    for message, unchanged in run_ranks(_other_groups, world_size=2, args=(path,)):
+        assert "splits into other param groups" in message, message
+        assert unchanged
 
 
 def test_mismatched_checkpoint_is_refused(resumed_runs):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_utils import assert_close_dicts, run_ranks
+from dist_utils import assert_close_dicts, run_ranks, same_state
 from models import loss_fn_for, make_batches, make_model
 from reference import compressed_mean, node_first_mean, run_reference
 from sapipe.comm.hierarchical import resolve
@@ -249,21 +249,10 @@ def _resume_node_first(rank, world_size):
         refusal = None
     except ConfigurationError as exc:
         refusal = str(exc)
-    untouched = _same(opt.state_dict(), before)
+    untouched = same_state(opt.state_dict(), before)
     opt.close()
     return {"expected": expected, "resumed": resumed, "residual": residual, "refusal": refusal,
             "untouched": untouched}
-
-
-def _same(a, b) -> bool:
-    """Whether two state dicts hold the same structure and bits."""
-    if torch.is_tensor(a):
-        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def test_a_node_first_int8_checkpoint_resumes_bit_identically_on_the_same_nodes_only():

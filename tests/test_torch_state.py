@@ -5,7 +5,8 @@
   steps to 1e-6 (without the state it does not).
 * Out: ``opt.torch_state_dict()`` after 5 sapipe steps is DDP's own state dict after 5, and
   DDP continues from it to DDP's 10 steps.
-* State whose parameters are at different steps (stale layers' state) takes the generic path.
+* State whose parameters are at different steps (stale layers' state) stays on the fused path,
+  each parameter at its own step, and its checkpoint resumes in a fresh job.
 """
 from __future__ import annotations
 
@@ -115,7 +116,8 @@ def test_torch_state_dict_continues_under_ddp(kind):
 
 def _stale_state_round_trip(rank, world_size):
     """After k = 3 the stale layers' state is one step behind: loaded into a fresh AdamW it
-    takes the generic path, and continues as DDP does from the same state."""
+    stays on the fused path, and continues as DDP does from the same state; a checkpoint of
+    that job, loaded into a fresh one (whose optimizer holds no state), continues alike."""
     model = make_model("tied", seed=rank)
     opt = sapipe.DistributedOptimizer(FACTORIES["adamw"](model.parameters()), model, stale_layers=3,
                                       bucket_cap_mb=0.0004)
@@ -130,16 +132,29 @@ def _stale_state_round_trip(rank, world_size):
     model.load_state_dict(weights)
     opt = sapipe.DistributedOptimizer(FACTORIES["adamw"](model.parameters()), model, bucket_cap_mb=0.0004)
     opt.load_state_dict(copy.deepcopy(exported))
-    _train(model, opt, model, rank, range(SPLIT, STEPS))
+    _train(model, opt, model, rank, range(SPLIT, SPLIT + 2))
+    checkpoint = {"model": copy.deepcopy(model.state_dict()), "optimizer": opt.state_dict()}
+    _train(model, opt, model, rank, range(SPLIT + 2, STEPS))
     opt.synchronize()
-    return {"steps": steps, "path": opt.update_path, "diff": _distance(model, reference)}
+    path, diff = opt.update_path, _distance(model, reference)
+    continued = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.close()
+    model = make_model("tied", seed=rank + 7)
+    model.load_state_dict(checkpoint["model"])
+    opt = sapipe.DistributedOptimizer(FACTORIES["adamw"](model.parameters()), model, bucket_cap_mb=0.0004)
+    opt.load_state_dict(checkpoint["optimizer"])
+    _train(model, opt, model, rank, range(SPLIT + 2, STEPS))
+    opt.synchronize()
+    resumed = max((p.detach() - continued[n]).abs().max().item() for n, p in model.named_parameters())
+    return {"steps": steps, "path": path, "diff": diff, "resumed": resumed}
 
 
-def test_state_at_different_steps_takes_the_generic_path():
+def test_state_at_different_steps_stays_fused_and_resumes():
     for rank, out in enumerate(run_ranks(_stale_state_round_trip, world_size=2)):
         assert out["steps"] == [SPLIT - 1, SPLIT], out  # stale layers: no update at pipeline step 1
-        assert out["path"] == "generic"
+        assert out["path"] == "fused"
         assert out["diff"] <= 1e-6, f"rank {rank}: max |sapipe - DDP| = {out['diff']:.3e}"
+        assert out["resumed"] == 0.0, f"rank {rank}: the resumed checkpoint moved by {out['resumed']:.3e}"
 
 
 def _group_state(rank, world_size):
@@ -167,8 +182,8 @@ def test_which_path():
         assert rule_for(optimizer).path == "generic", type(optimizer)
     partly = torch.optim.Adam(params, lr=0.1)
     params[0].grad = torch.ones_like(params[0])
-    partly.step()  # state for one parameter only: one step count per segment cannot hold it
-    assert rule_for(partly).path == "generic"
+    partly.step()  # state for one parameter only: each keeps its own counters
+    assert rule_for(partly).path == "fused"
     horovod_like = type("SGD", (torch.optim.SGD,), {"__module__": "horovod.torch.optimizer"})
     for optimizer, text in ((torch.optim.LBFGS(params), "LBFGS"), (horovod_like(params, lr=0.1), "distributed")):
         with pytest.raises(sapipe.UnsupportedOptimizerError, match=text):

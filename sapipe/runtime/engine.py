@@ -170,14 +170,15 @@ class Runtime:
 
     def _checked_layout(self, state: Dict[str, Any]) -> Layout:
         """This job's layers laid out for the checkpoint's k, once every saved bucket is known to
-        fit it; else ConfigurationError naming why, before anything of this job has changed."""
+        fit it (layers, param groups, update path, residuals); else an error naming why, before
+        anything of this job has changed."""
         if [layer.name for layer in self.layout.layers] != state["layers"]:
             raise ConfigurationError("sapipe: the checkpoint's layer order differs from this model's")
         layout = self.layout.relaid(state["k"])
         if [[layer.name for layer in b.layers] for b in layout.buckets] != [b["layers"] for b in state["buckets"]]:
             raise ConfigurationError("sapipe: the checkpoint's bucket layout differs (bucket_cap_mb or model changed)")
         for bucket, saved in zip(layout.buckets, state["buckets"]):
-            bucket.check_state_dict(saved)
+            bucket.check_state_dict(saved, self.updater.rule.path)
         return layout
 
     def _restore_buckets(self, layout: Layout, saved_buckets: List[Dict[str, Any]], state_allocated: bool) -> None:

@@ -22,15 +22,11 @@ that share their counters (:func:`pieces`).
 """
 from __future__ import annotations
 
-import collections
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Iterator, List, Sequence, Tuple
 
 from torch import Tensor
 
 from ..buckets import Bucket, Segment, StalenessBuffer
-
-Counters = Tuple[int, bool]  # (steps, momentum_started) of one parameter
-
 
 def write_flags(flags: Tensor, missing: Sequence[int]) -> None:
     """This rank's contribution: 1 per parameter, 0 for the ``missing`` (bucket indices) ones."""
@@ -86,17 +82,7 @@ def pieces(bucket: Bucket, skip: Sequence[int] = ()) -> Iterator[Segment]:
             yield Segment(segment.group, segment.start + lo, segment.start + hi, lengths, part)
             for _, rel in run:
                 counters[rel] = (part.steps, part.momentum_started)
-        settle(state, counters)
+        state.settle(counters)
 
 
-def settle(state, counters: Dict[int, Counters]) -> None:
-    """Keep every parameter's ``counters`` (offset in the segment -> counters): the most common
-    become the segment's own, the others its exceptions."""
-    if not counters:
-        return
-    common = collections.Counter(counters.values()).most_common(1)[0][0]
-    state.steps, state.momentum_started = common
-    state.param_counters = {rel: c for rel, c in counters.items() if c != common}
-
-
-__all__ = ["write_flags", "unused_everywhere", "skipped_ranges", "pieces", "settle"]
+__all__ = ["write_flags", "unused_everywhere", "skipped_ranges", "pieces"]
