@@ -212,6 +212,7 @@ def _search_resumed(rank, world_size, path, split, steps=18):
             x, y = batches[t][rank]
             opt.zero_grad()
             loss_fn_for("tied")(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)  # reads p.grad: the model's sync_at_step
             opt.step()
 
     results = []
@@ -227,17 +228,20 @@ def _search_resumed(rank, world_size, path, split, steps=18):
             train(model, opt, range(stop, steps))
         with opt.real_weights():
             results.append({n: p.detach().clone() for n, p in model.named_parameters()})
-        results.append(opt.stale_layers)
+        opt.save_profile(path.format(rank=rank) + ".profile.json")  # what the warm-up measured, resumed too
+        results.append((opt.stale_layers, opt.auto.sync_at_step,
+                        json.loads(open(path.format(rank=rank) + ".profile.json").read())["sync_at_step"]))
         opt.close()
     return results
 
 
 def test_a_checkpoint_during_the_search_resumes_it(tmp_path):
-    """Saved in the middle of the second trial: the resumed job finishes the same trial and search."""
+    """Saved in the middle of the second trial: the resumed job finishes the same trial and
+    search, knows the script reads p.grad (the model's sync_at_step) and saves its profile."""
     out = run_ranks(_search_resumed, world_size=2, args=(str(tmp_path / "ck-{rank}.pt"), PROFILE_STEPS + UNPROFILED_STEPS + FIRST_TRIAL_HEAD + 4))
     for rank in range(2):
-        uninterrupted, k_a, resumed, k_b = out[rank]
-        assert k_a == k_b == 5
+        uninterrupted, decided_a, resumed, decided_b = out[rank]
+        assert decided_a == decided_b == (5, True, True), (decided_a, decided_b)
         assert_close_dicts(resumed, uninterrupted, rtol=0, atol=0, what=f"rank {rank}")
 
 

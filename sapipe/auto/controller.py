@@ -17,6 +17,7 @@ it anew with k stale layers).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -375,6 +376,8 @@ class AutoController:
             # the model's inputs, so the resumed job predicts the final k as this one would
             "profiles": [dataclasses.asdict(p) for p in self.layer_profiles or []], "link": self.link,
             "sim_options": dict(self.sim_options), "decision": dataclasses.asdict(self.decision),
+            # what the warm-up measured: for save_profile() once decided, and the model's sync_at_step
+            "profile": dataclasses.asdict(self.profile), "sync_at_step": self.sync_at_step,
         }}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -388,6 +391,9 @@ class AutoController:
             self.layer_profiles = [solver.LayerProfile(**p) for p in search["profiles"]] or None
             self.link, self.sim_options = tuple(search["link"]), dict(search["sim_options"])
             self.decision = solver.Decision(**search["decision"])
+            if "profile" in search:  # absent from checkpoints written before it was kept
+                self.profile = profiler.Profile(**copy.deepcopy(search["profile"]))
+            self.sync_at_step = search.get("sync_at_step", False)
         if self.decided or self.tuner is not None:
             self.timer = self._pipeline.timer = None
 

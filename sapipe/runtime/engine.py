@@ -167,6 +167,9 @@ class Runtime:
         self.pipeline.end_iteration()
         if self.exposure is not None:
             self.exposure.reset()
+        # the pending sync updates now, as the next forward would: a compiled model's first forward
+        # in this process runs no per-layer hook that could (the same arithmetic either way)
+        self.synchronize()
 
     def _checked_layout(self, state: Dict[str, Any]) -> Layout:
         """This job's layers laid out for the checkpoint's k, once every saved bucket is known to
