@@ -130,6 +130,12 @@ def test_the_intra_node_link_of_a_compressed_profile():
     p = _profile(compression="int8", wire_ratio=0.25, codec_per_byte=3e-11, alpha=alpha, beta=beta)
     derived = intra_link_from_profile(p)
     assert (derived.rate, derived.latency) == pytest.approx((INTRA.rate, INTRA.latency), rel=1e-9)
+    # β raised to what the compressed sums were seen to take: the probes' own wire β decides
+    wire = 2 * 3 / 4 / INTRA.rate
+    seen = _profile(compression="int8", wire_ratio=0.25, codec_per_byte=3e-11, alpha=alpha, beta=3 * beta,
+                    wire_beta=wire)
+    derived = intra_link_from_profile(seen)
+    assert (derived.rate, derived.latency) == pytest.approx((INTRA.rate, INTRA.latency), rel=1e-9)
 
 
 @pytest.mark.parametrize("changes,message", [

@@ -363,7 +363,8 @@ class AutoController:
             compression=settings.compression, wire_ratio=float(profile.raw.get("wire_ratio", 1.0)),
             codec_per_byte=float(profile.raw.get("codec_per_byte", 0.0)),
             bucket_cap_bytes=settings.bucket_cap_bytes, sync_at_step=self.sync_at_step, device=device,
-            stale_layers=self.decision.k, iteration_time=self.decision.iteration_time)
+            stale_layers=self.decision.k, iteration_time=self.decision.iteration_time,
+            wire_beta=profile.beta_isolated if math.isfinite(profile.beta_isolated) else 0.0)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -179,7 +179,9 @@ def intra_link_from_profile(profile) -> LinkSpec:
     """The intra-node link a one-node profile of W > 1 ranks measured (module docstring).
 
     ``profile`` is a :class:`~sapipe.schedule.saved_profile.SavedProfile`. A compressed
-    profile's link is first turned back into the wire's (α/2, (β − codec)/wire_ratio).
+    profile's link is first turned back into the wire's: α/2, and β of the probes'
+    full-precision sums (``wire_beta``; in profiles without it, (β − codec)/wire_ratio, which
+    over-counts where the compressed sums were seen to take longer than modelled).
     ConfigurationError, naming why, where the profile cannot tell it.
     """
     w = profile.world_size
@@ -192,8 +194,9 @@ def intra_link_from_profile(profile) -> LinkSpec:
             "sapipe: the intra-node link cannot be derived from a profile of 1 rank (nothing was sent); give the "
             "intra-node link")
     alpha, beta = profile.alpha, profile.beta
-    if profile.compression is not None:
-        alpha, beta = alpha / 2, (beta - profile.codec_per_byte) / profile.wire_ratio
+    if profile.compression is not None:  # the wire's own: the probes' full-precision sum where recorded
+        modelled = (beta - profile.codec_per_byte) / profile.wire_ratio
+        alpha, beta = alpha / 2, profile.wire_beta if profile.wire_beta > 0 else modelled
     if not beta > 0:
         raise ConfigurationError(
             f"sapipe: the profile's link has beta={profile.beta} s/byte, no rate to derive; give the intra-node link")

@@ -52,6 +52,9 @@ class SavedProfile:
     device: str  # "cpu" or the GPU's name
     stale_layers: int  # the k auto settled on
     iteration_time: float  # the model's prediction at that k on the profiled job
+    #: seconds per byte of the full-precision sum the link probes timed (a compressed job's β mixes
+    #: in the codec and what its compressed sums were seen to take); 0: not recorded
+    wire_beta: float = 0.0
 
     # ------------------------------------------------------------------ derived
 
@@ -95,11 +98,12 @@ class SavedProfile:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise ConfigurationError(f"sapipe: {source} is not a sapipe profile ({FORMAT!r}); found format {found!r}")
-        names = [f.name for f in dataclasses.fields(cls)]
-        missing = [name for name in names if name not in data]
+        fields = dataclasses.fields(cls)
+        missing = [f.name for f in fields if f.name not in data and f.default is dataclasses.MISSING]
         if missing:
             raise ConfigurationError(f"sapipe: {source} lacks {', '.join(missing)}")
-        values = {name: tuple(data[name]) if isinstance(data[name], list) else data[name] for name in names}
+        present = [f.name for f in fields if f.name in data]
+        values = {name: tuple(data[name]) if isinstance(data[name], list) else data[name] for name in present}
         profile = cls(**values)
         profile._check(source)
         return profile
