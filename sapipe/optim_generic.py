@@ -189,6 +189,7 @@ class TorchStepRule(OptimizerRule):
         params = [p for p, _ in state.places]
         group = dict(hp, params=params)
         kept = [(p.data, p.grad) for p in params]
+        shared = _shared_state(optimizer)
         groups, optimizer.param_groups = optimizer.param_groups, [group]
         try:
             for p, offset in state.places:
@@ -201,12 +202,33 @@ class TorchStepRule(OptimizerRule):
                 p.data = data
                 p.grad = grad_before
         changed = sorted(k for k in group if k != "params" and (k not in hp or _changed(hp[k], group[k])))
+        where = "in its param group"
+        if not changed:
+            after = _shared_state(optimizer)
+            changed = sorted(str(k) for k in after.keys() | shared.keys() if not _equal(shared.get(k), after.get(k)))
+            where = "in its state outside any parameter's"
         if changed:
             raise UnsupportedOptimizerError(
-                f"sapipe cannot wrap {_qualified(type(optimizer))}: its step() changed {changed} in its param "
-                "group. State kept per param group would advance once per bucket (sapipe runs step() over "
-                "each bucket's parameters), not once per step; only per-parameter state can be kept"
+                f"sapipe cannot wrap {_qualified(type(optimizer))}: its step() changed {changed} {where}. "
+                "State kept per param group or per optimizer would advance once per bucket (sapipe runs step() "
+                "over each bucket's parameters), not once per step; only per-parameter state can be kept"
             )
+
+
+def _shared_state(optimizer: torch.optim.Optimizer) -> Dict[Any, Any]:
+    """The entries of ``optimizer.state`` keyed by something other than a parameter (a global
+    step count, say), as they stand: copies of tensors, the values otherwise."""
+    return {k: v.clone() if isinstance(v, Tensor) else copy.copy(v) for k, v in optimizer.state.items()
+            if not isinstance(k, Tensor)}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - not comparable: treat as changed
+        return False
 
 
 def _changed(before: Any, after: Any) -> bool:

@@ -44,6 +44,15 @@ class GroupStepAdam(torch.optim.Adam):
         return super().step(closure)
 
 
+class GlobalStepRMSprop(torch.optim.RMSprop):
+    """RMSprop that also counts steps in its state under a key that is no parameter."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.state["global_step"] = self.state.get("global_step", 0) + 1
+        return super().step(closure)
+
+
 class SGDSubclass(torch.optim.SGD):
     """A subclass of a fused-path class: its own step() must run (here, the same math)."""
 

@@ -18,7 +18,7 @@ import torch
 import sapipe
 from dist_utils import run_ranks
 from models import loss_fn_for, make_batches, make_model
-from optimizers import GENERIC, GroupStepAdam
+from optimizers import GENERIC, GlobalStepRMSprop, GroupStepAdam
 from sapipe.optim_generic import rule_for
 
 STEPS, SPLIT = 10, 5
@@ -157,9 +157,9 @@ def test_state_at_different_steps_stays_fused_and_resumes():
         assert out["resumed"] == 0.0, f"rank {rank}: the resumed checkpoint moved by {out['resumed']:.3e}"
 
 
-def _group_state(rank, world_size):
+def _group_state(rank, world_size, make=GroupStepAdam):
     model = make_model("tied")
-    opt = sapipe.DistributedOptimizer(GroupStepAdam(model.parameters(), lr=0.01), model, timeout=20)
+    opt = sapipe.DistributedOptimizer(make(model.parameters(), lr=0.01), model, timeout=20)
     try:
         _train(model, opt, model, rank, range(2))
         opt.synchronize()
@@ -171,6 +171,13 @@ def _group_state(rank, world_size):
 def test_state_kept_in_param_groups_is_refused():
     for message in run_ranks(_group_state, world_size=2):
         assert "GroupStepAdam" in message and "['group_step']" in message and "once per bucket" in message, message
+
+
+def test_state_kept_outside_any_parameter_is_refused():
+    """A count kept in ``optimizer.state`` under a key that is no parameter would advance once
+    per bucket segment, not once per step."""
+    for message in run_ranks(_group_state, world_size=2, args=(GlobalStepRMSprop,)):
+        assert "GlobalStepRMSprop" in message and "['global_step'] in its state outside" in message, message
 
 
 def test_which_path():
@@ -188,3 +195,24 @@ def test_which_path():
     for optimizer, text in ((torch.optim.LBFGS(params), "LBFGS"), (horovod_like(params, lr=0.1), "distributed")):
         with pytest.raises(sapipe.UnsupportedOptimizerError, match=text):
             rule_for(optimizer)
+
+
+def _loaded_into_the_torch_optimizer_after_wrapping(rank, world_size):
+    model = make_model("tied")
+    base = FACTORIES["sgd"](model.parameters())
+    opt = sapipe.DistributedOptimizer(base, model, timeout=20)
+    base.load_state_dict(copy.deepcopy(base.state_dict()))  # torch replaces its param-group dicts
+    try:
+        _train(model, opt, model, rank, range(1))
+    except sapipe.UsageError as exc:
+        return str(exc)
+    finally:
+        opt.close()
+    return "no error"
+
+
+def test_state_loaded_into_the_torch_optimizer_after_wrapping_is_refused_at_step():
+    """The new param-group dicts would leave sapipe (and schedulers built on the sapipe
+    optimizer) with the old hyper-parameters, silently: step() says what to do instead."""
+    for message in run_ranks(_loaded_into_the_torch_optimizer_after_wrapping, world_size=2):
+        assert "param_groups were replaced after wrapping" in message, message

@@ -22,7 +22,7 @@ from ..trace import Tracer
 from .exposure import GradientExposure
 from .layout import CompressedSums, Layout
 from .pipeline import GradientPipeline
-from .updates import Updater, require_scaler_in_step
+from .updates import Updater, require_scaler_in_step, require_shared_groups
 
 
 class Runtime:
@@ -78,6 +78,7 @@ class Runtime:
     def take_gradients(self, iteration: int, grad_scaler, optimizer, control) -> None:
         """``step()``'s first part: every gradient of ``iteration`` on its way, and what the step
         applies settled: as ``p.grad`` holds it (exposed), or as backward handed it over."""
+        require_shared_groups(optimizer)
         if grad_scaler is None:
             require_scaler_in_step(optimizer)
         if self.exposure is None:

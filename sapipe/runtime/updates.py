@@ -240,4 +240,15 @@ def require_scaler_in_step(optimizer) -> None:
             "the scaler itself to agree on skipped steps over ranks")
 
 
-__all__ = ["Updater", "Hyperparams", "require_scaler_in_step"]
+def require_shared_groups(optimizer) -> None:
+    """Refuse a step once the wrapped optimizer's ``param_groups`` are no longer the list sapipe
+    (and LR schedulers) share with it: its own ``load_state_dict`` after wrapping replaces them,
+    and sapipe would go on with the old hyper-parameters, silently."""
+    if optimizer.optimizer.param_groups is not optimizer.param_groups:
+        raise UsageError(
+            "sapipe: the wrapped optimizer's param_groups were replaced after wrapping (by its own load_state_dict?); "
+            "load a torch.optim state dict through the sapipe optimizer's load_state_dict, or into the torch "
+            "optimizer before wrapping it")
+
+
+__all__ = ["Updater", "Hyperparams", "require_scaler_in_step", "require_shared_groups"]
