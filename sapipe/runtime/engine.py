@@ -50,6 +50,9 @@ class Runtime:
                          if settings.expose_gradients else None)
         if self.exposure is not None:
             self.updater.prepared = self.exposure.prepared
+        #: a checkpoint was restored since the last forward: that forward applies every pending
+        #: update before the model runs, since it cannot know yet whether the model is compiled
+        self.restored = False
 
     @property
     def layout(self) -> Layout:
@@ -168,9 +171,7 @@ class Runtime:
         self.pipeline.end_iteration()
         if self.exposure is not None:
             self.exposure.reset()
-        # the pending sync updates now, as the next forward would: a compiled model's first forward
-        # in this process runs no per-layer hook that could (the same arithmetic either way)
-        self.synchronize()
+        self.restored = True  # the next forward applies every pending update first (runtime/forward.py)
 
     def _checked_layout(self, state: Dict[str, Any]) -> Layout:
         """This job's layers laid out for the checkpoint's k, once every saved bucket is known to

@@ -62,10 +62,12 @@ class ForwardHooks:
             return
         clock = self._runtime.pipeline.clock
         start = clock()
-        # A compiled forward runs no per-layer hook (before_layer): every pending update now.
+        # A compiled forward runs no per-layer hook (before_layer): every pending update now. So
+        # does the first forward after a restore (a new process has seen no compiled forward yet).
         self._compiled_before = self.compiled
         layout = self._runtime.layout
-        buckets = layout.buckets if self.compiled else layout.eager
+        buckets = layout.buckets if self.compiled or self._runtime.restored else layout.eager
+        self._runtime.restored = False
         waited = sum(self._runtime.apply_deferred(bucket) for bucket in buckets)
         # before the first layer, for the profiler: a stall, and update compute that followed it
         self._root_wait, self._root_update = waited, clock() - start - waited
