@@ -133,6 +133,7 @@ class TorchStepRule(OptimizerRule):
     def __init__(self, optimizer: torch.optim.Optimizer):
         super().__init__(optimizer)
         self._grad: Optional[Tensor] = None  # the composed gradient; one buffer, grown as needed
+        self._first_step = True  # state keyed by no parameter is looked at around the first step() only
 
     def unsupported(self) -> Optional[str]:
         return None
@@ -189,7 +190,7 @@ class TorchStepRule(OptimizerRule):
         params = [p for p, _ in state.places]
         group = dict(hp, params=params)
         kept = [(p.data, p.grad) for p in params]
-        shared = _shared_state(optimizer)
+        shared = _shared_state(optimizer) if self._first_step else None  # a global count changes every step()
         groups, optimizer.param_groups = optimizer.param_groups, [group]
         try:
             for p, offset in state.places:
@@ -203,7 +204,8 @@ class TorchStepRule(OptimizerRule):
                 p.grad = grad_before
         changed = sorted(k for k in group if k != "params" and (k not in hp or _changed(hp[k], group[k])))
         where = "in its param group"
-        if not changed:
+        if not changed and shared is not None:
+            self._first_step = False
             after = _shared_state(optimizer)
             changed = sorted(str(k) for k in after.keys() | shared.keys() if not _equal(shared.get(k), after.get(k)))
             where = "in its state outside any parameter's"
