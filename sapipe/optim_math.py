@@ -232,7 +232,8 @@ class AdamRule(OptimizerRule):
     _unsupported_options = ("amsgrad",)
 
     def _counters(self, torch_state):
-        return (int(torch_state["step"]), False) if int(torch_state.get("step", 0)) else None
+        steps = int(torch_state.get("step", 0))
+        return (steps, False) if steps else None
 
     def _torch_counters(self, state):
         if state.steps == 0:
