@@ -234,6 +234,36 @@ def test_surviving_rank_raises_when_a_peer_fails(how, backend):
     assert survivor["elapsed"] < 20, f"took {survivor['elapsed']:.1f}s (timeout=4s)"
 
 
+def _local_failure(rank, world_size):
+    """Rank 0's compressed sum raises an ordinary Python error at iteration 3 (a bug on that
+    rank, not a lost peer); both ranks must raise CommunicationError, each naming its cause."""
+    model = make_model("mlp")
+    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                      stale_layers=1, timeout=4, compression="int8")
+    batches = make_batches("mlp", 6, world_size)
+    for t in range(6):
+        if rank == 0 and t == 3:
+            def broken(*args, **kwargs):
+                raise ValueError("the codec broke")
+            sapipe.comm.compressed.sum_compressed = broken
+        try:
+            x, y = batches[t][rank]
+            opt.zero_grad()
+            loss_fn_for("mlp")(model(x), y).backward()
+            opt.step()
+            model(x)
+        except sapipe.CommunicationError as exc:
+            return {"step": t, "error": str(exc)}
+    return {"step": None}
+
+
+def test_an_error_on_this_rank_is_not_blamed_on_a_peer():
+    here, peer = run_ranks(_local_failure, world_size=2, timeout=90)
+    assert here["step"] == 3 and "raised on this rank: ValueError: the codec broke" in here["error"], here
+    assert "peer rank" not in here["error"]
+    assert peer["step"] is not None and "peer rank" in peer["error"], peer
+
+
 GRADIENT_CHANGES = {
     "clip_grad_norm_": lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3),
     "clip_grad_value_": lambda model: torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4),

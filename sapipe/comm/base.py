@@ -103,11 +103,17 @@ class CommBackend(abc.ABC):
         return f"{self.timeout.total_seconds():g}s" if self.timeout else "the process group's timeout"
 
     def failure(self, operation: str, what: str, exc: BaseException) -> CommunicationError:
-        """The error every back-end raises when a collective of bucket ``what`` fails."""
-        return CommunicationError(
-            f"sapipe: {self.name} {operation} of {what} failed. A peer rank has probably died, "
-            f"hung or lost its connection (limit: {self.describe_limit()}). Underlying error: {exc}"
-        )
+        """The error every back-end raises when a collective of bucket ``what`` fails.
+
+        Transports report a lost peer as ``RuntimeError`` (Gloo, NCCL, Horovod) or as a
+        timeout or socket error; any other exception was raised by code on this rank, so it
+        is not blamed on a peer."""
+        if isinstance(exc, (RuntimeError, TimeoutError, OSError)):
+            cause = (f"A peer rank has probably died, hung or lost its connection "
+                     f"(limit: {self.describe_limit()}). Underlying error: {exc}")
+        else:
+            cause = f"The error was raised on this rank: {type(exc).__name__}: {exc}"
+        return CommunicationError(f"sapipe: {self.name} {operation} of {what} failed. {cause}")
 
     def trace_start(self, what: str) -> None:
         self.tracer.record("comm_start", what=what, stream=self.name)
