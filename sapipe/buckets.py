@@ -36,9 +36,9 @@ class Segment:
 
 
 class StalenessBuffer:
-    """``depth`` flat gradient buffers rotated by iteration (2 for staleness 1).
+    """``depth`` flat gradient buffers rotated by pipeline step (2 for staleness 1).
 
-    Backward writes iteration i's gradient into slot ``i % depth`` while the all-reduces
+    Backward writes pipeline step t's gradient into slot ``t % depth`` while the all-reduces
     of the previous ``depth - 1`` iterations are still in flight in the other slots. Slots
     are allocated once; nothing is allocated per step.
 
@@ -107,7 +107,8 @@ class WeightHistory:
 
 
 class Bucket:
-    """One flat unit of communication and update: whole layers, contiguous in forward order."""
+    """One flat unit of communication and update: whole layers, adjacent in forward order,
+    held in backward order (``layers``, as :func:`sapipe.bucket_layout.bucket_layout` packs them)."""
 
     def __init__(self, index: int, layers: Sequence[Layer], stale: bool, group_of: Dict[int, int]):
         self.index = index

@@ -41,6 +41,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: DistributedOptimizer
 
 
 def checkpoint_exists(path: str, optimizer: DistributedOptimizer) -> bool:
+    """Whether :func:`save_checkpoint` wrote this rank's file of ``path`` (each rank has its own)."""
     return os.path.exists(_path(path, optimizer))
 
 

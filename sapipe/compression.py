@@ -23,8 +23,9 @@ Formats (docs/design.md §5.9):
   sum is sent as its mean (sum / W), which keeps it in fp16's range wherever each rank's
   gradient was, and decodes as that mean.
 * ``int8``: blocks of :data:`INT8_BLOCK` values share one float32 scale s = max|v| / 127;
-  a value travels as q = round(v / s) in [−127, 127] and arrives as q · s (a sum: as
-  q · (s / W), its mean).
+  a value travels as q = round(v · (1/s)) in [−127, 127] (the reciprocal, not a division:
+  the kernels and their reference round alike) and arrives as q · s (a sum: as q · (s / W),
+  its mean).
 
 **Error feedback** (on by default for int8, ``error_feedback=`` turns it on or off for any
 format) keeps what rounding dropped: rank r sends v = g + e and keeps e ← v − decoded(v)

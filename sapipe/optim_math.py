@@ -247,7 +247,8 @@ class AdamRule(OptimizerRule):
         return {
             "lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2),
             "eps": group["eps"], "weight_decay": group["weight_decay"],
-            "decoupled": bool(group.get("decoupled_weight_decay", False)),
+            # torch < 2.7's AdamW groups have no such key: the class says it then
+            "decoupled": bool(group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))),
             "maximize": bool(group.get("maximize", False)),
         }
 

@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -43,7 +42,7 @@ from .resume import CHECKPOINT_FORMAT, check_resumable
 from .runtime import ForwardHooks, Runtime
 from .runtime.buffers import BufferBroadcast
 from .runtime.shutdown import close_at_exit
-from .runtime.timeline import BackwardSpans, TraceFiles
+from .runtime.timeline import BackwardSpans, TraceFiles, trace_argument
 from .schedule import solver
 from .trace import Tracer
 
@@ -62,7 +61,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         process_group: the group to train over (default: the world).
         trace: ``True`` records runtime events in ``opt.tracer``; a path also writes them at
             exit as Chrome traces, ``{rank}`` replaced by the rank (else ``.rank<r>`` added).
-            Default: ``$SAPIPE_TRACE``.
+            Default: ``$SAPIPE_TRACE`` (1/true: record; a path: also write).
 
     The other keyword arguments are sapipe's settings (:class:`sapipe.config.Settings`), listed below.
 
@@ -118,7 +117,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.model = model
         self.settings: config.Settings = settings
         self._group, self._rank, self._world_size = group, dist.get_rank(group), dist.get_world_size(group)
-        trace = (os.environ.get("SAPIPE_TRACE") or False) if trace is None else trace
+        trace = trace_argument(trace)
         self.tracer = Tracer(enabled=bool(trace))
         self._spans = BackwardSpans(self.tracer) if trace else None
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -131,7 +130,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._trace_files = TraceFiles(self.tracer, self._rank, self._world_size,
                                        trace if isinstance(trace, str) else None, self.auto)
         if self._trace_files.path:
-            atexit.register(self.write_trace_files)
+            atexit.register(self._trace_files.write_files)  # holds the events, not the optimizer
         rendezvous.broadcast_from_first_rank(model, group)
         self._recorder: Optional[LayerRecorder] = recorder
         self._iteration = 0  # completed step() calls
@@ -228,7 +227,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # GradScaler hands itself to step() instead of unscaling p.grad
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scaler=None) -> None:  # type: ignore[override]
+    def step(self, closure: Optional[Callable[[], Any]] = None, grad_scaler: Any = None) -> None:  # type: ignore[override]
         """End the iteration: stale layers update now, sync layers before their next forward.
 
         With ``torch.amp.GradScaler``, call ``scaler.step(opt)`` as usual: the scaler passes

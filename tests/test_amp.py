@@ -56,7 +56,7 @@ def test_sync_with_grad_scaler_equals_ddp_including_skipped_steps():
     assert ddp_scales[POISONED - 1] < ddp_scales[POISONED - 2], "the poisoned step must have been skipped"
 
 
-MODES = [(3, "none"), (7, "dc"), (3, "wp1"), (3, "wp2"), (4, "wp3")]
+MODES = [(3, "none"), (7, "dc"), (3, "wp1"), (3, "wp2"), (4, "wp3"), (7, "wp1"), (7, "wp3")]
 
 
 def _optimizer(params):
@@ -71,17 +71,19 @@ def _scaled(rank, world_size, poison):
         opt = sapipe.DistributedOptimizer(_optimizer(model.parameters()), model, stale_layers=k, compensation=mode)
         # A power-of-two scale that never changes unscales exactly.
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6)
+        finite_after = []  # the weights the next forward runs on (predicted ones included)
         for t in range(1, STEPS + 1):
             x, y = batches[t - 1][rank]
             opt.zero_grad()
             scaler.scale(_loss(model, x, y, rank, t, poison)).backward()
             scaler.step(opt)
             scaler.update()
+            finite_after.append(all(bool(p.isfinite().all()) for p in model.parameters()))
         opt.synchronize()
         held = {n: p.detach().clone() for n, p in model.named_parameters()}
         with opt.real_weights():
             real = {n: p.detach().clone() for n, p in model.named_parameters()}
-        results.append({"real": real, "held": held, "scale": scaler.get_scale()})
+        results.append({"real": real, "held": held, "scale": scaler.get_scale(), "finite_after": finite_after})
     return results
 
 
@@ -109,6 +111,7 @@ def test_skipped_step_keeps_ranks_in_agreement():
     for index, (k, mode) in enumerate(MODES):
         a, b = out[0][index], out[1][index]
         assert a["scale"] == b["scale"] == 2.0**9, f"{mode}: both ranks back off once"
+        assert all(a["finite_after"]) and all(b["finite_after"]), f"k={k} {mode}: a forward ran on non-finite weights"
         for name, value in a["real"].items():
             assert np.isfinite(value).all(), f"{mode}: {name} not finite"
             assert np.array_equal(value, b["real"][name]), f"{mode}: ranks disagree on real {name}"

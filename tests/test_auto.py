@@ -368,3 +368,14 @@ def test_auto_stales_layers_on_a_slow_link():
 
 if __name__ == "__main__":
     _network_job()
+
+
+@pytest.mark.parametrize("value, expected", [("", False), ("0", False), ("off", False), ("1", True),
+                                             ("TRUE", True), ("/tmp/job-{rank}.json", "/tmp/job-{rank}.json")])
+def test_sapipe_trace_from_the_environment(monkeypatch, value, expected):
+    """$SAPIPE_TRACE=1 records without a file called "1"; a path records and writes there."""
+    from sapipe.runtime.timeline import trace_argument
+
+    monkeypatch.setenv("SAPIPE_TRACE", value)
+    assert trace_argument(None) == expected
+    assert trace_argument(False) is False and trace_argument("given.json") == "given.json"

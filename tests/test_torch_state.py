@@ -197,6 +197,16 @@ def test_which_path():
             rule_for(optimizer)
 
 
+def test_adamw_decays_decoupled_where_torch_names_no_option():
+    """torch < 2.7 has no ``decoupled_weight_decay`` in AdamW's groups (its class is the
+    option); without the key the fused rule must still decay AdamW decoupled and Adam not."""
+    params = [torch.nn.Parameter(torch.randn(3))]
+    for optimizer, decoupled in ((torch.optim.AdamW(params, weight_decay=0.1), True),
+                                 (torch.optim.Adam(params, weight_decay=0.1), False)):
+        group = {k: v for k, v in optimizer.param_groups[0].items() if k != "decoupled_weight_decay"}
+        assert rule_for(optimizer).hyperparams(group)["decoupled"] is decoupled, type(optimizer)
+
+
 def _loaded_into_the_torch_optimizer_after_wrapping(rank, world_size):
     model = make_model("tied")
     base = FACTORIES["sgd"](model.parameters())

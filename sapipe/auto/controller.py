@@ -37,10 +37,8 @@ from ..schedule.saved_profile import SavedProfile
 
 log = logging.getLogger("sapipe")
 
-#: A predicted stall below this fraction of compute counts as none. Profiles taken on a
-#: live job carry a few percent of noise, and staling a layer costs some accuracy, so
-#: "auto" only makes layers stale for a gain larger than that.
-STALL_TOLERANCE = 0.03
+#: A predicted stall below this fraction of compute counts as none (the solver's default).
+STALL_TOLERANCE = solver.STALL_TOLERANCE
 
 #: A trial of the measured search for k lasts ``tune_steps`` iterations, and is extended by
 #: as many again, up to this many times in all, while its time is too noisy to resolve

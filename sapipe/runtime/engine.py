@@ -22,7 +22,8 @@ from ..trace import Tracer
 from .exposure import GradientExposure
 from .layout import CompressedSums, Layout
 from .pipeline import GradientPipeline
-from .updates import Updater, require_scaler_in_step, require_shared_groups
+from .step_guards import require_scaler_in_step, require_shared_groups
+from .updates import Updater
 
 
 class Runtime:

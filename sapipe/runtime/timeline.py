@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 from ..errors import UsageError
 from ..layers import Layer
@@ -40,6 +40,17 @@ class BackwardSpans:
             self._tracer.record("layer_backward_start", at_ns=start, layer=layer.name, iteration=iteration)
             self._tracer.record("layer_backward_end", at_ns=now, layer=layer.name, iteration=iteration)
             self._last_release = now
+
+
+def trace_argument(trace: Union[bool, str, None]) -> Union[bool, str]:
+    """``trace=`` as given, or where it was not (None) ``$SAPIPE_TRACE``: 1/true/yes/on turn
+    recording on, 0/false/no/off or unset leave it off, anything else is a path."""
+    if trace is not None:
+        return trace
+    value = os.environ.get("SAPIPE_TRACE", "").strip()
+    if value.lower() in ("", "0", "false", "no", "off"):
+        return False
+    return True if value.lower() in ("1", "true", "yes", "on") else value
 
 
 class TraceFiles:

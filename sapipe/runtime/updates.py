@@ -18,7 +18,6 @@ import torch
 from ..buckets import Bucket, WeightHistory
 from ..compensation import Compensation, StaleStep
 from ..config import Settings
-from ..errors import UsageError
 from ..gradient_spec import GradientSpec
 from ..optim_math import OptimizerRule
 from . import unused
@@ -156,8 +155,8 @@ class Updater:
         local, prev_local = bucket.local, bucket.prev_local
         if local is not None and self.scaling:
             finite, inverse_scale = self.scaling.get(iteration, (True, 1.0))
-            local = local.mul_(inverse_scale) if finite else None
-            if prev_local is not None and not self.scaling.get(iteration - 1, (True, 1.0))[0]:
+            local = local.mul_(inverse_scale) if self._usable(local, finite) else None
+            if prev_local is not None and not self._usable(prev_local, self.scaling.get(iteration - 1, (True, 1.0))[0]):
                 prev_local = None
         history, settings = bucket.history, self._settings
         return StaleStep(
@@ -165,6 +164,12 @@ class Updater:
             x_oldest=history.oldest() if history else None,
             world_size=self._world_size, lam=settings.dc_lambda, form=settings.dc_form,
         )
+
+    def _usable(self, local: torch.Tensor, agreed_finite: bool) -> bool:
+        """Whether this rank's own gradient l may enter a prediction under a GradScaler: its
+        iteration's agreed verdict, and with ``p.grad`` exposed, where that verdict judged only
+        what ``p.grad`` holds, l's own values too (docs/design.md §3.8)."""
+        return agreed_finite and (not self._settings.expose_gradients or bool(torch.isfinite(local).all()))
 
     def _real_update(self, bucket: Bucket, view: StaleStep, hyperparams: Hyperparams, predictor,
                      skip: List[int]) -> None:
@@ -225,30 +230,4 @@ class Updater:
             bucket.weights.copy_(bucket.real)  # the parameters are views of weights: re-laid out next
 
 
-def require_scaler_in_step(optimizer) -> None:
-    """Refuse a ``GradScaler`` that scaled this step without passing itself to ``step()``.
-
-    torch has announced that ``GradScaler.step`` will stop passing ``grad_scaler=`` and set
-    ``optimizer.grad_scale`` / ``optimizer.found_inf`` instead. sapipe needs the scaler itself:
-    whether a step is skipped must be agreed over ranks and written back into every rank's
-    scaler. Stepping scaled gradients as if unscaled would be silently wrong, so this raises.
-    """
-    if getattr(optimizer, "found_inf", None) is not None or getattr(optimizer, "grad_scale", None) is not None:
-        raise UsageError(
-            "sapipe: a GradScaler stepped this optimizer without passing itself as step(grad_scaler=...) "
-            "(it set optimizer.grad_scale / found_inf instead, a protocol of newer torch); sapipe needs "
-            "the scaler itself to agree on skipped steps over ranks")
-
-
-def require_shared_groups(optimizer) -> None:
-    """Refuse a step once the wrapped optimizer's ``param_groups`` are no longer the list sapipe
-    (and LR schedulers) share with it: its own ``load_state_dict`` after wrapping replaces them,
-    and sapipe would go on with the old hyper-parameters, silently."""
-    if optimizer.optimizer.param_groups is not optimizer.param_groups:
-        raise UsageError(
-            "sapipe: the wrapped optimizer's param_groups were replaced after wrapping (by its own load_state_dict?); "
-            "load a torch.optim state dict through the sapipe optimizer's load_state_dict, or into the torch "
-            "optimizer before wrapping it")
-
-
-__all__ = ["Updater", "Hyperparams", "require_scaler_in_step", "require_shared_groups"]
+__all__ = ["Updater", "Hyperparams"]

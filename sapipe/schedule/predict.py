@@ -45,15 +45,15 @@ from ..errors import ConfigurationError
 from .cluster_link import ClusterLink, LinkSpec, intra_link_from_profile, parse_link, sapipe_hierarchical
 from .saved_profile import SavedProfile
 from .simulator import simulate
-from .solver import choose_k
+from .solver import STALL_TOLERANCE, choose_k
 
 __all__ = ["DDP_BUCKET_CAP_BYTES", "MODES", "ModePrediction", "Prediction", "TOLERANCE", "format_table",
            "main", "plot_throughput", "predict", "simulator_arguments"]
 
 #: DDP's default ``bucket_cap_mb`` (25 MiB)
 DDP_BUCKET_CAP_BYTES = 25 * 1024 * 1024
-#: the stall ``stale_layers="auto"`` accepts as none (``sapipe.auto.controller.STALL_TOLERANCE``)
-TOLERANCE = 0.03
+#: the stall ``stale_layers="auto"`` accepts as none
+TOLERANCE = STALL_TOLERANCE
 MODES = ("ddp", "pipesgd", "sapipe")
 LABELS = {"ddp": "DDP", "pipesgd": "Pipe-SGD", "sapipe": "sapipe"}
 

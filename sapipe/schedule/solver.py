@@ -30,7 +30,12 @@ from typing import Dict, Optional, Sequence
 
 from .simulator import DEFAULT_ITERATIONS, SimResult, simulate
 
-__all__ = ["LayerProfile", "Decision", "closed_form_k", "brute_force_k", "choose_k"]
+__all__ = ["LayerProfile", "Decision", "STALL_TOLERANCE", "closed_form_k", "brute_force_k", "choose_k"]
+
+#: A predicted stall below this fraction of compute counts as none (docs/design.md §4.4).
+#: Profiles taken on a live job carry a few percent of noise, and staling a layer costs some
+#: accuracy, so "auto" only makes layers stale for a gain larger than that.
+STALL_TOLERANCE = 0.03
 
 _REL_EPS = 1e-12  # comparisons in the closed form tolerate rounding of the sums
 
@@ -166,7 +171,7 @@ def choose_k(
     alpha: Optional[float] = None,
     beta: Optional[float] = None,
     bytes_per_layer: Optional[Sequence[int]] = None,
-    tolerance: float = 0.01,
+    tolerance: float = STALL_TOLERANCE,
     iterations: int = DEFAULT_ITERATIONS,
     step_time: float = 0.0,
     slowdown: float = 0.0,
