@@ -103,6 +103,7 @@ gpu-check:
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache
+	rm -f $(STAMP)  # the kernels built in place go below: the next target reinstalls (and rebuilds) them
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 	find . -path ./$(VENV) -prune -o \( -name '*.so' -o -name '*.pyc' \) -type f -exec rm -f {} +
 

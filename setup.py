@@ -108,16 +108,28 @@ def _extensions():
             cuda_ext.sapipe_optional = True
             exts.append(cuda_ext)
 
+    def explain(name, exc):
+        print(f"sapipe: ERROR: building {name} against torch {torch.__version__} "
+              f"failed ({exc}). It needs a C++20 compiler (g++ >= 10 or clang; $CC / $CXX, if set, "
+              "must name one); `SAPIPE_NO_EXT=1 pip install .` installs sapipe without compiled "
+              "kernels (pure-PyTorch kernels).", file=sys.stderr)
+
     class BuildExt(cpp_extension.BuildExtension):
+        def build_extensions(self):
+            try:  # torch checks the compiler first, for all extensions at once
+                super().build_extensions()
+            except Exception as exc:  # noqa: BLE001 - re-raised
+                if not getattr(exc, "sapipe_explained", False):
+                    explain("sapipe's kernels", exc)
+                raise
+
         def build_extension(self, ext):
             try:
                 super().build_extension(ext)
             except Exception as exc:  # noqa: BLE001 - re-raised unless optional
                 if not getattr(ext, "sapipe_optional", False):
-                    print(f"sapipe: ERROR: building {ext.name} against torch {torch.__version__} "
-                          f"failed ({exc}). It needs a C++20 compiler (g++ >= 10 or clang); "
-                          "`SAPIPE_NO_EXT=1 pip install .` installs sapipe without compiled "
-                          "kernels (pure-PyTorch kernels).", file=sys.stderr)
+                    explain(ext.name, exc)
+                    exc.sapipe_explained = True
                     raise
                 ext.sapipe_failed = True
                 print(f"sapipe: WARNING: optional extension {ext.name} failed to build "

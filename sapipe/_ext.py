@@ -63,7 +63,9 @@ def module_for(device: torch.device) -> Optional[ModuleType]:
         warnings.warn(
             f"sapipe: compiled {device.type.upper()} kernels (sapipe.{name}) are not available "
             f"({errors.get(name, 'not built')}); running the pure-PyTorch kernels instead. "
-            "Build them with `pip install --no-build-isolation -e .`.",
+            "To build them, reinstall sapipe where a C++20 compiler (and for CUDA, nvcc) is found: "
+            "`pip install --no-build-isolation .` in its source (`-e .` for a checkout). "
+            "SAPIPE_DISABLE_EXT=1 chooses the pure-PyTorch kernels without this warning.",
             RuntimeWarning,
             stacklevel=3,
         )

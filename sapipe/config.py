@@ -314,4 +314,21 @@ def mismatches(fingerprints: List[Dict[str, str]]) -> List[str]:
     return lines
 
 
-__all__ = ["AUTO", "Settings", "parse_timeout", "settings_help", "describe", "mismatches"]
+def first_difference(key: str, value: Any, reference: Any) -> str:
+    """Where ``value`` first differs from rank 0's ``reference``, as ``key[i].name=...``: the
+    readable form of a difference whose fingerprint was hashed (a list of param groups,
+    of parameters)."""
+    if isinstance(value, dict) and isinstance(reference, dict):
+        for name in sorted(set(value) | set(reference), key=str):
+            if value.get(name) != reference.get(name):
+                return first_difference(f"{key}.{name}", value.get(name), reference.get(name))
+    if isinstance(value, list) and isinstance(reference, list):  # a tuple is one record: shown whole
+        for i, (mine, theirs) in enumerate(zip(value, reference)):
+            if mine != theirs:
+                return first_difference(f"{key}[{i}]", mine, theirs)
+        if len(value) != len(reference):
+            return f"{key} of {len(value)} entries but rank 0 has {len(reference)}"
+    return f"{key}={value!r} but rank 0 has {reference!r}"
+
+
+__all__ = ["AUTO", "Settings", "parse_timeout", "settings_help", "describe", "first_difference", "mismatches"]

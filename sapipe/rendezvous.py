@@ -123,15 +123,36 @@ def agree(group, arguments: Dict[str, Any], optimizer: Any, model: Any,
     settings = {k: _by_value(v) for k, v in arguments.items()}
     settings["error_feedback"] = config.effective_error_feedback(arguments.get("compression"),
                                                                  arguments.get("error_feedback"))
-    fingerprint = config.describe(dict(settings, **job))
+    configuration = dict(settings, **job)
     gathered: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (fingerprint, node_name()), group=group)
+    dist.all_gather_object(gathered, (config.describe(configuration), node_name()), group=group)
     differences = config.mismatches([fp for fp, _ in gathered])
     if differences:
+        differences = _spelt_out(group, configuration, [fp for fp, _ in gathered], differences)
         raise ConfigurationError("sapipe: ranks were configured differently: " + "; ".join(differences[:10]))
     if local_error is not None:
         raise local_error
     return Topology.from_names([name for _, name in gathered])
+
+
+def _spelt_out(group, configuration: Dict[str, Any], fingerprints: List[Dict[str, str]],
+               differences: List[str]) -> List[str]:
+    """``differences`` with those of hashed items (param groups, the model's parameters)
+    replaced by where they first differ: every rank sends those items whole, once, on this
+    error path only (collective; every rank takes it, as every rank sees the same
+    fingerprints)."""
+    reference = fingerprints[0]
+    hashed = sorted({key for fp in fingerprints for key, text in fp.items()
+                     if text != reference.get(key) and (text.startswith("sha1:") or
+                                                        str(reference.get(key)).startswith("sha1:"))})
+    if not hashed:
+        return differences
+    whole: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(whole, {key: configuration.get(key) for key in hashed}, group=group)
+    kept = [line for line in differences if not any(f" has {key}=" in line for key in hashed)]
+    spelt = [f"rank {rank} has " + config.first_difference(key, items[key], whole[0][key])
+             for rank, items in enumerate(whole[1:], start=1) for key in hashed if items[key] != whole[0][key]]
+    return spelt + kept
 
 
 def _by_value(value: Any) -> Any:

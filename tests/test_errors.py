@@ -48,7 +48,9 @@ BAD_ARGUMENTS = {
 }
 
 
-def _optimizer(case, model):
+def _optimizer(case, model, rank):
+    if case == "ranks disagree on the learning rate":
+        return torch.optim.SGD(model.parameters(), lr=0.1 * (rank + 1))
     if case == "foreign parameter":
         return torch.optim.SGD(list(model.parameters()) + [torch.nn.Parameter(torch.zeros(3))], lr=0.1)
     if case == "unsupported optimizer":
@@ -76,7 +78,7 @@ def _construct(rank, world_size, cases):
         model = _model(case, rank)
         start = time.monotonic()
         try:
-            sapipe.DistributedOptimizer(_optimizer(case, model), model, **({"timeout": 20} | kwargs[rank]))
+            sapipe.DistributedOptimizer(_optimizer(case, model, rank), model, **({"timeout": 20} | kwargs[rank]))
             results[case] = ("no error", "", 0.0)
         except sapipe.SapipeError as exc:
             results[case] = (type(exc).__name__, str(exc), time.monotonic() - start)
@@ -94,6 +96,7 @@ def _cases():
     cases["ranks disagree on mode"] = [{"stale_layers": 1, "compensation": c} for c in ("dc", "wp1")]
     cases["ranks disagree on compression"] = [{"compression": "bf16"}, {}]
     cases["ranks disagree on a buffer"] = [{}, {}]
+    cases["ranks disagree on the learning rate"] = [{}, {}]
     cases["ranks disagree on which parameters train"] = [{}, {}]
     cases["one number written two ways"] = [{"bucket_cap_mb": 25, "timeout": 20}, {"bucket_cap_mb": 25.0, "timeout": 20.0}]
     cases["the default written out"] = [{"compression": "int8"}, {"compression": "int8", "error_feedback": True}]
@@ -110,7 +113,8 @@ EXPECTED = {name: (cls, text) for name, (_, cls, text) in BAD_ARGUMENTS.items()}
     "ranks disagree on compression": ("ConfigurationError", "rank 1 has compression=None but rank 0 has compression='bf16'"),
     # rank 0's buffers are broadcast at construction, and the layout follows the trainable parameters
     "ranks disagree on a buffer": ("ConfigurationError", "model_buffers"),
-    "ranks disagree on which parameters train": ("ConfigurationError", "model_parameters"),
+    "ranks disagree on which parameters train": ("ConfigurationError", "rank 1 has model_parameters[0]=('0.weight', (10, 6), 'torch.float32', False) but rank 0 has ('0.weight', (10, 6), 'torch.float32', True)"),
+    "ranks disagree on the learning rate": ("ConfigurationError", "rank 1 has param_groups[0].lr=0.2 but rank 0 has 0.1"),
 }
 
 

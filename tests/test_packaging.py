@@ -158,6 +158,14 @@ def test_wheel_build_without_torch_fails_with_instructions(tree, torchless_pytho
     assert not list(tree.glob("sapipe/_C*.so"))
 
 
+def test_a_compiler_that_does_not_run_is_explained(tree):
+    """torch checks $CXX before any extension builds; that failure says what sapipe needs too."""
+    env = _env(CC="/bin/false", CXX="/bin/false", SAPIPE_CUDA_EXT="0")
+    r = _run([PY, "setup.py", "-q", "build_ext", "--inplace"], tree, env)
+    assert r.returncode != 0 and "C++20 compiler" in r.stdout and "SAPIPE_NO_EXT=1" in r.stdout, r.stdout[-3000:]
+    assert not list(tree.glob("sapipe/_C*.so"))
+
+
 def test_opting_out_and_sdist_need_no_torch(tree, torchless_python, tmp_path):
     python, env = torchless_python
     r = _run([python, "-c", HOOK.format("get_requires_for_build_wheel()")], tree,

@@ -111,6 +111,19 @@ def test_a_flat_ring_across_nodes_needs_no_intra_node_link():
     assert ClusterLink(2, 4, INTER).allreduce() == pytest.approx((2 * 7 * 1e-5, 2 * 7 / 8 / 1e9))
 
 
+def test_a_flat_ring_is_paced_by_the_slower_link():
+    """An intra-node link slower than the network (a CPU host's loopback) paces the flat ring
+    through it: DDP on 2 nodes is then no faster than on one."""
+    slow = LinkSpec(1e8, 5e-5)
+    assert ClusterLink(2, 4, INTER, slow).allreduce() == pytest.approx((2 * 7 * 5e-5, 2 * 7 / 8 / 1e8))
+    assert ClusterLink(2, 4, INTER, INTRA).allreduce() == ClusterLink(2, 4, INTER).allreduce()
+    one, two = (ClusterLink(n, 4, INTER, slow).allreduce()[1] for n in (1, 2))
+    assert two > one
+    # compressed and flat: the ring through the slow edges, not the NIC's all-to-all, sets the pace
+    a, b = ClusterLink(2, 4, INTER, slow).allreduce()
+    assert ClusterLink(2, 4, INTER, slow).compressed_sum(0.5, 0.0) == pytest.approx((2 * a, b * 0.5))
+
+
 # ----------------------------------------------------------------------------- from a profile
 
 
@@ -275,6 +288,14 @@ def test_the_command_prints_a_table(profile_file, capsys):
     assert "two-level" in rows[1] and "flat" in rows[0] and "samples/s" in out
     expected = predict(_profile(), 2, 4, "1gbit,10us")
     assert f"| {expected.modes['ddp'].iteration_time * 1e3:.4g} |" in rows[1]
+
+
+def test_the_command_notes_an_intra_node_link_slower_than_the_network(profile_file, capsys):
+    for inter, noted in (("1gbit", False), ("400gbit", True)):  # the profile's intra link: 80 Gbit/s
+        assert main([profile_file, "--nodes", "1,2", "--gpus-per-node", "4", "--inter-node", inter]) == 0
+        assert ("slower than between nodes" in capsys.readouterr().out) is noted, inter
+    assert main([profile_file, "--nodes", "2", "--inter-node", "400gbit", "--intra-node", "1800gbit"]) == 0
+    assert "slower than between nodes" not in capsys.readouterr().out
 
 
 def test_the_command_writes_json_and_a_plot(profile_file, capsys, tmp_path):

@@ -224,7 +224,7 @@ class AutoController:
         if self._rank == 0 and self.decision is not None:
             tuned = (f"; {self.tuner.summary()}; predictions with the compute slow-down that fits them best, "
                      f"sigma={self.sim_options['slowdown']:g}" if self.tuner is not None else "")
-            log.info("sapipe: %s%s", self.decision.summary(), tuned)
+            log.info("%s%s", self.decision.summary(), tuned)
 
     # ------------------------------------------------------------------ the measured search
 

@@ -32,7 +32,7 @@ from .compressed import Collectives
 def import_horovod():
     """``horovod.torch``, initialised and matching torch.distributed; else ConfigurationError."""
     return import_library(
-        "horovod.torch", "horovod", "Install Horovod with PyTorch support (see `make peers`)",
+        "horovod.torch", "horovod", "Install Horovod with PyTorch support (HOROVOD_WITH_PYTORCH=1 pip install horovod; in a checkout of sapipe, `make peers`)",
         lambda hvd: None if hvd.is_initialized() else "call hvd.init() before DistributedOptimizer",
     )
 

@@ -88,7 +88,8 @@ restarts (--max-restarts=N, N > 0):
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is set unless already set: with torchrun's shared
   rendezvous store, restarted workers can read the dead attempt's Gloo/NCCL addresses and
   fail to connect (pytorch/pytorch#135712). Resume in the script with
-  sapipe.checkpoint_exists() / sapipe.load_checkpoint() (see tests/restart_job.py).
+  sapipe.checkpoint_exists() / sapipe.load_checkpoint() (or sapipe.Checkpointer; an example:
+  tests/restart_job.py in sapipe's repository).
 
 examples:
   # 8 GPUs on one machine

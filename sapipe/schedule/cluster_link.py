@@ -8,10 +8,12 @@ of gradient then takes α + β·B:
 
 * **Flat ring** over the P ranks, ordered by node (as ``torch.distributed``'s default
   ring and DDP's single all-reduce run it): 2(P−1) steps, each moving B/P over every
-  edge at once and paced by the slowest edge. With N > 1 that is taken to be a
-  node-crossing edge (one per node and direction, so a node's NIC carries one ring edge):
+  edge at once and paced by the slowest edge. With N > 1 its edges are node-crossing ones
+  (one per node and direction, so a node's NIC carries one ring edge) and, with G > 1,
+  edges inside the nodes; the slower link sets the pace (the larger latency, the smaller
+  rate; where the intra-node link is not given it is taken to be the faster):
 
-      t = 2(P−1)·lat_inter + 2(P−1)/P · B / rate_inter     (N > 1)
+      t = 2(P−1)·max(lat_inter, lat_intra) + 2(P−1)/P · B / min(rate_inter, rate_intra)   (N > 1)
       t = 2(G−1)·lat_intra + 2(G−1)/G · B / rate_intra     (N = 1)
 
 * **Two-level** (``hierarchical``, :mod:`sapipe.comm.hierarchical`): a reduce-scatter
@@ -145,8 +147,9 @@ class ClusterLink:
             alpha = 2 * (g - 1) * intra.latency + 2 * (n - 1) * self.inter.latency
             beta = 2 * (g - 1) / g * _per_byte(intra.rate) + 2 * (n - 1) / n * _per_byte(self.inter.rate)
             return alpha, beta
-        edge = self.inter if n > 1 else self._intra()
-        return 2 * (p - 1) * edge.latency, 2 * (p - 1) / p * _per_byte(edge.rate)
+        edges = [self._intra()] if n == 1 else [self.inter] + ([self.intra] if g > 1 and self.intra else [])
+        latency, rate = max(e.latency for e in edges), min(e.rate for e in edges)
+        return 2 * (p - 1) * latency, 2 * (p - 1) / p * _per_byte(rate)
 
     def compressed_sum(self, wire_ratio: float, codec_per_byte: float) -> Tuple[float, float]:
         """(α, β per byte of gradient) of one compressed sum (module docstring): node first
@@ -165,7 +168,7 @@ class ClusterLink:
         flat = ClusterLink(self.nodes, self.ranks_per_node, self.inter, self.intra, hierarchical=False)
         alpha, beta = flat.allreduce()
         if n > 1 and g > 1:  # G ranks' all-to-all through the node's NIC: G times a ring's bytes
-            beta = 2 * g * (n - 1) / n * _per_byte(self.inter.rate)
+            beta = max(beta, 2 * g * (n - 1) / n * _per_byte(self.inter.rate))
         return 2 * alpha, beta * wire_ratio + codec_per_byte
 
     def describe(self) -> str:

@@ -287,7 +287,20 @@ def run(args: argparse.Namespace) -> str:
     sigma = profile.slowdown if args.slowdown is None else args.slowdown
     return (f"{args.profile}: {len(profile.layers)} layers measured on {profile.world_size} rank(s) "
             f"({profile.device}), compute {profile.compute_time * 1e3:.4g} ms/iteration, sigma={sigma:g}\n"
-            f"{predictions[-1].link}\n\n" + format_table(predictions, args.batch))
+            f"{predictions[-1].link}\n{_slow_intra_note(profile, args)}\n" + format_table(predictions, args.batch))
+
+
+def _slow_intra_note(profile: SavedProfile, args: argparse.Namespace) -> str:
+    """A line of warning where the link inside a node (given or derived) is slower than the network."""
+    inter, intra = parse_link(args.inter_node, "--inter-node"), parse_link(args.intra_node, "--intra-node")
+    try:
+        intra = intra or intra_link_from_profile(profile)
+    except ConfigurationError:
+        return ""
+    if intra.rate >= inter.rate:
+        return ""
+    return (f"note: the link inside a node ({intra.describe()}) is slower than between nodes; a profile taken on a "
+            "CPU host's loopback gives such a link. For GPU nodes give --intra-node (NVLink: e.g. 1800gbit,1us)\n")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
