@@ -63,15 +63,23 @@ def _optimizer(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
 
 
-def _scaled(rank, world_size, poison):
+def _weights(model, opt):
+    """(held, real): the weights the next forward runs on and the real ones."""
+    held = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with opt.real_weights():
+        return held, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _scaled(rank, world_size, poison, expose=True, growth_interval=10**6):
     results = []
     batches = make_batches("tied", STEPS, world_size, dtype=torch.float64)
     for k, mode in MODES:
         model = make_model("tied", seed=rank, dtype=torch.float64)
-        opt = sapipe.DistributedOptimizer(_optimizer(model.parameters()), model, stale_layers=k, compensation=mode)
-        # A power-of-two scale that never changes unscales exactly.
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6)
-        finite_after = []  # the weights the next forward runs on (predicted ones included)
+        opt = sapipe.DistributedOptimizer(_optimizer(model.parameters()), model, stale_layers=k, compensation=mode,
+                                          expose_gradients=expose)
+        # Power-of-two scales unscale exactly, also where they change (growth_interval=2).
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=growth_interval)
+        finite_after, around_poison = [], {}  # the weights the next forward runs on (predicted ones included)
         for t in range(1, STEPS + 1):
             x, y = batches[t - 1][rank]
             opt.zero_grad()
@@ -79,11 +87,12 @@ def _scaled(rank, world_size, poison):
             scaler.step(opt)
             scaler.update()
             finite_after.append(all(bool(p.isfinite().all()) for p in model.parameters()))
+            if t in (POISONED - 1, POISONED):
+                around_poison[t] = _weights(model, opt)
         opt.synchronize()
-        held = {n: p.detach().clone() for n, p in model.named_parameters()}
-        with opt.real_weights():
-            real = {n: p.detach().clone() for n, p in model.named_parameters()}
-        results.append({"real": real, "held": held, "scale": scaler.get_scale(), "finite_after": finite_after})
+        held, real = _weights(model, opt)
+        results.append({"real": real, "held": held, "scale": scaler.get_scale(), "finite_after": finite_after,
+                        "around_poison": around_poison})
     return results
 
 
@@ -92,8 +101,7 @@ def scaled_runs():
     return run_ranks(_scaled, world_size=2, args=(False,))
 
 
-@pytest.mark.parametrize("index", range(len(MODES)), ids=[f"k{k}-{m}" for k, m in MODES])
-def test_scaled_gradients_are_unscaled_exactly(scaled_runs, index):
+def _assert_reference(runs, index):
     k, mode = MODES[index]
     ref = run_reference(
         make_model("tied", seed=0, dtype=torch.float64), _optimizer,
@@ -101,9 +109,24 @@ def test_scaled_gradients_are_unscaled_exactly(scaled_runs, index):
         stale_layers=k, compensation=mode,
     )
     for rank in range(2):
-        got = scaled_runs[rank][index]
+        got = runs[rank][index]
         assert_close_dicts(got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real")
         assert_close_dicts(got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
+
+
+@pytest.mark.parametrize("index", range(len(MODES)), ids=[f"k{k}-{m}" for k, m in MODES])
+def test_scaled_gradients_are_unscaled_exactly(scaled_runs, index):
+    _assert_reference(scaled_runs, index)
+
+
+@pytest.mark.parametrize("expose", [True, False], ids=["exposed", "rank-local p.grad"])
+def test_a_changing_scale_unscales_each_gradient_with_its_own(expose):
+    """The scale doubles every 2 steps: a stale g_{t-s} summed at S_{t-s} is applied at S_t's
+    step (exposed: rescaled by S_t / S_{t-s}; rank-local: unscaled by its own iteration's)."""
+    runs = run_ranks(_scaled, world_size=2, args=(False, expose, 2))
+    assert runs[0][0]["scale"] == 2.0 ** (10 + STEPS // 2)
+    for index in range(len(MODES)):
+        _assert_reference(runs, index)
 
 
 def test_skipped_step_keeps_ranks_in_agreement():
@@ -115,6 +138,12 @@ def test_skipped_step_keeps_ranks_in_agreement():
         for name, value in a["real"].items():
             assert np.isfinite(value).all(), f"{mode}: {name} not finite"
             assert np.array_equal(value, b["real"][name]), f"{mode}: ranks disagree on real {name}"
+        if k < 7:  # sync layers see the overflow at once: nothing of the step is applied or predicted
+            for rank, run in enumerate((a, b)):
+                (_, real_before), (held, real) = run["around_poison"][POISONED - 1], run["around_poison"][POISONED]
+                for name in real:
+                    assert np.array_equal(real[name], real_before[name]), (mode, rank, name, "x_t = x_{t-1}")
+                    assert np.array_equal(held[name], real[name]), (mode, rank, name, "no prediction: x_t held")
 
 
 def _scaler_without_itself(rank, world_size):

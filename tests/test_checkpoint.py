@@ -256,3 +256,56 @@ def test_checkpointer_keeps_two_and_resumes_from_the_newest_common_step(tmp_path
         assert out[rank]["start"] == 3, out[rank]
         assert out[rank]["extra"] == {"marker": 30 + rank}, out[rank]
         assert out[rank]["same"], f"rank {rank} did not restore step 3's weights"
+
+
+# (stale_layers, compensation, expose_gradients): GradScaler's per-iteration verdicts and scales
+# travel in the checkpoint (rank-local p.grad unscales each stale gradient with its own iteration's)
+AMP_CASES = [(3, "none", True), (3, "wp1", True), (3, "none", False), (3, "wp1", False)]
+AMP_POISONED = SPLIT  # rank 1's loss is inf in the last iteration before the checkpoint
+
+
+def _amp_setup(seed, k, mode, expose):
+    model = make_model("tied", seed=seed, dtype=torch.float64)
+    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                                      stale_layers=k, compensation=mode, expose_gradients=expose, timeout=60)
+    return model, opt, torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+
+
+def _amp_train(model, opt, scaler, rank, world_size, steps):
+    batches = make_batches("tied", STEPS, world_size, dtype=torch.float64)
+    for t in steps:
+        x, y = batches[t][rank]
+        opt.zero_grad()
+        loss = loss_fn_for("tied")(model(x), y)
+        scaler.scale(loss * float("inf") if rank == 1 and t + 1 == AMP_POISONED else loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+def _amp_resumed(rank, world_size, directory):
+    out = []
+    for index, case in enumerate(AMP_CASES):
+        model, opt, scaler = _amp_setup(0, *case)
+        _amp_train(model, opt, scaler, rank, world_size, range(STEPS))
+        expected = _weights(model, opt)
+        opt.close()
+        path = f"{directory}/amp{index}-{{rank}}.pt"
+        model, opt, scaler = _amp_setup(0, *case)
+        _amp_train(model, opt, scaler, rank, world_size, range(SPLIT))
+        sapipe.save_checkpoint(path, model, opt, scaler=scaler.state_dict())
+        opt.close()
+        model, opt, scaler = _amp_setup(rank + 7, *case)
+        scaler.load_state_dict(sapipe.load_checkpoint(path, model, opt)["scaler"])
+        _amp_train(model, opt, scaler, rank, world_size, range(SPLIT, STEPS))
+        out.append((expected, _weights(model, opt)))
+        opt.close()
+    return out
+
+
+def test_a_checkpoint_under_a_grad_scaler_resumes_bit_identically(tmp_path):
+    """The scale changes every 2 steps and the step before the checkpoint overflowed on rank 1."""
+    for rank, runs in enumerate(run_ranks(_amp_resumed, world_size=2, args=(str(tmp_path),))):
+        for case, (expected, resumed) in zip(AMP_CASES, runs):
+            for view, weights in expected.items():
+                for name, value in weights.items():
+                    assert np.isfinite(value).all() and np.array_equal(resumed[view][name], value), (rank, case, view, name)

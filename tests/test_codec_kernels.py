@@ -224,6 +224,19 @@ def test_an_int8_block_below_float32s_normal_range_travels_as_zeros(fn, dtype):
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fn", [ck.encode, ck.reference_encode])
+def test_int8_rounds_ties_to_even(fn, dtype):
+    """max|v| = 127 gives the scale 1 exactly, so the halves are ties: they round to the even
+    neighbour (docs/design.md §5.9), not away from zero."""
+    src = torch.zeros(ck.BLOCK, dtype=dtype)
+    src[:8] = torch.tensor([127, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5], dtype=dtype)
+    _, values, scales = _messages("int8", 1, src.numel(), "cpu")
+    fn(src, None, values, scales, 1.0)
+    assert scales.tolist() == [[1.0]]
+    assert values[0, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+
+
 @pytest.mark.parametrize("fn", [ck.encode, ck.reference_encode])
 def test_a_nonfinite_int8_block_decodes_to_nan_and_keeps_its_residual(fn):
     src = torch.ones(3 * ck.BLOCK)

@@ -257,3 +257,38 @@ def test_a_step_gradscaler_skips_leaves_every_residual_finite(world_size, node_f
             for name, value in first["real"].items():
                 assert np.isfinite(value).all(), name
                 assert np.array_equal(value, other["real"][name]), f"ranks disagree on {name}"
+
+
+def _residuals(opt, model):
+    """Each parameter's slice of its bucket's int8 worker residual, by name."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: bucket.grads.codec.residual[offset: offset + p.numel()].clone()
+            for bucket in opt.buckets for p, offset in zip(bucket.params, bucket.offsets)}
+
+
+def _relaid_out(rank, world_size):
+    import sapipe
+
+    model = make_model("tied", seed=0, dtype=torch.float64)
+    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                                      stale_layers=3, compression="int8", bucket_cap_mb=0.0008, timeout=60)
+    batches = make_batches("tied", 4, world_size, dtype=torch.float64)
+    for x, y in (batch[rank] for batch in batches):
+        opt.zero_grad()
+        loss_fn_for("tied")(model(x), y).backward()
+        opt.step()
+    opt.wait_for_communication()  # the worker thread's encode writes the residuals
+    before = _residuals(opt, model)
+    opt._runtime.relayout(5)  # noqa: SLF001 - what stale_layers="auto" does between its trials
+    after = _residuals(opt, model)
+    opt.close()
+    return before, after
+
+
+def test_error_feedback_residuals_move_with_their_parameters_when_buckets_are_laid_out_again():
+    """``"auto"`` lays the buckets out again at each k it tries; what each parameter's
+    rounding left behind must follow it into the new buckets, or error feedback loses it."""
+    for before, after in run_ranks(_relaid_out, world_size=2):
+        assert any(np.abs(value).max() > 0 for value in before.values()), "int8 leaves residuals"
+        for name, value in before.items():
+            assert np.array_equal(after[name], value), name

@@ -642,13 +642,15 @@ def test_update_extras_reference_path_matches_kernel(no_fallback):
     _require("cpu")
     gen = torch.Generator().manual_seed(870)
     n, lengths = 5003, [1000, 0, 4000, 3]
-    for rule, case in itertools.product(["sgd", "adam"], EXTRA_CASES):
+    # "sgd first": the momentum buffer is seeded by this update, and the peek after it must not seed it again
+    for name, case in itertools.product(["sgd", "sgd first", "adam"], EXTRA_CASES):
+        rule = name.split()[0]
         k = {name: rand(n, "cpu", F64, gen) for name in ("p", "g", "s1", "x_old", "prev", "local")}
         k["s2"] = rand(n, "cpu", F64, gen, positive=True)
         k["hist"], k["out"] = poisoned(n, "cpu", F64), poisoned(n, "cpu", F64)
         r = {name: v.clone() for name, v in k.items()}
         hp = (dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=1e-2, maximize=False,
-                   first=False) if rule == "sgd" else
+                   first=name == "sgd first") if rule == "sgd" else
               dict(step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2, decoupled=True,
                    maximize=False))
         results = []
@@ -664,7 +666,7 @@ def test_update_extras_reference_path_matches_kernel(no_fallback):
                            + ([pout] if pout is not None else [])
                            + ([dots] if dots is not None else []))
         for a, b in zip(*results, strict=True):
-            close(a, b, F64, f"{rule} {case}")
+            close(a, b, F64, f"{name} {case}")
 
 
 def test_update_extras_bad_arguments(no_fallback):

@@ -14,6 +14,7 @@ are tiny so each model spans several buckets.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -120,6 +121,24 @@ def config_id(config) -> str:
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_mode_matches_reference(kind, config):
     per_rank = _distributed(kind)
+    check_against_reference(kind, config, [per_rank[r][CONFIGS.index(config)] for r in range(2)])
+
+
+@functools.lru_cache(maxsize=None)
+def _without_kernels(kind: str):
+    """The ranks with ``SAPIPE_DISABLE_EXT=1``: the pure-PyTorch kernels (``ops.reference_*``),
+    which also run wherever the compiled ones take no tensor (16-bit weights on the CPU)."""
+    os.environ["SAPIPE_DISABLE_EXT"] = "1"  # read when the spawned ranks import sapipe
+    try:
+        return run_ranks(_train, world_size=2, args=(kind, CONFIGS), timeout=300)
+    finally:
+        del os.environ["SAPIPE_DISABLE_EXT"]
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_the_pytorch_kernels_match_the_reference_too(kind, config):
+    per_rank = _without_kernels(kind)
     check_against_reference(kind, config, [per_rank[r][CONFIGS.index(config)] for r in range(2)])
 
 

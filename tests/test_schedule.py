@@ -901,3 +901,13 @@ def test_link_scale_fit_recovers_a_link_slower_than_profiled():
     assert fit_link_scale(slow, seen) == 2.5
     assert fit_link_scale([Trial(k, *seen(k, 1.0)) for k in (3, 12)], seen) == 1.0
     assert fit_link_scale([], seen) == 1.0
+
+
+def test_a_bucket_pays_the_latency_once():
+    """α is per collective, and a bucket is one collective however many layers it holds."""
+    from sapipe.schedule.simulator import plan_buckets
+
+    profiles = [LayerProfile(f"l{i}", 1.0, 1.0, 0.0) for i in range(4)]
+    plans = plan_buckets(profiles, 0, bucket_cap_bytes=1e9, alpha=0.5, beta=1e-3, bytes_per_layer=[100] * 4)
+    assert [len(plan.layers) for plan in plans] == [4]
+    assert plans[0].comm_time == pytest.approx(0.5 + 1e-3 * 400, rel=1e-12)
