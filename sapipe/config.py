@@ -320,11 +320,11 @@ def first_difference(key: str, value: Any, reference: Any) -> str:
     of parameters)."""
     if isinstance(value, dict) and isinstance(reference, dict):
         for name in sorted(set(value) | set(reference), key=str):
-            if value.get(name) != reference.get(name):
+            if repr(value.get(name)) != repr(reference.get(name)):  # repr: tensors compare too
                 return first_difference(f"{key}.{name}", value.get(name), reference.get(name))
     if isinstance(value, list) and isinstance(reference, list):  # a tuple is one record: shown whole
         for i, (mine, theirs) in enumerate(zip(value, reference)):
-            if mine != theirs:
+            if repr(mine) != repr(theirs):
                 return first_difference(f"{key}[{i}]", mine, theirs)
         if len(value) != len(reference):
             return f"{key} of {len(value)} entries but rank 0 has {len(reference)}"

@@ -151,7 +151,8 @@ def _spelt_out(group, configuration: Dict[str, Any], fingerprints: List[Dict[str
     dist.all_gather_object(whole, {key: configuration.get(key) for key in hashed}, group=group)
     kept = [line for line in differences if not any(f" has {key}=" in line for key in hashed)]
     spelt = [f"rank {rank} has " + config.first_difference(key, items[key], whole[0][key])
-             for rank, items in enumerate(whole[1:], start=1) for key in hashed if items[key] != whole[0][key]]
+             for rank, items in enumerate(whole[1:], start=1) for key in hashed
+             if repr(items[key]) != repr(whole[0][key])]
     return spelt + kept
 
 
