@@ -379,3 +379,39 @@ def test_sapipe_trace_from_the_environment(monkeypatch, value, expected):
     monkeypatch.setenv("SAPIPE_TRACE", value)
     assert trace_argument(None) == expected
     assert trace_argument(False) is False and trace_argument("given.json") == "given.json"
+
+
+class _WithAnExpert(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.expert, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x, use_expert=True):
+        h = torch.relu(self.a(x))
+        return self.b(h + self.expert(h) if use_expert else h)
+
+
+def _an_expert_one_rank_stops_reaching(rank, world_size):
+    import sapipe
+
+    torch.manual_seed(0)
+    model = _WithAnExpert()
+    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, stale_layers="auto",
+                                      profile_steps=3, timeout=20)
+    for it in range(1, 200):
+        opt.zero_grad()
+        model(torch.randn(4, 8), use_expert=not (rank == 1 and it > 1)).pow(2).mean().backward()
+        opt.step()
+        if opt.stale_layers != "auto":
+            break
+    k = opt.stale_layers
+    opt.close()
+    return k
+
+
+def test_a_layer_one_rank_stops_running_is_profiled_as_taking_no_time():
+    """Rank 1's batches stop reaching the expert after its first iteration (a data-dependent
+    branch): its profiled iterations count the expert as taking no time, and every rank
+    decides alike, instead of rank 1 alone finding nothing to measure and raising."""
+    ks = run_ranks(_an_expert_one_rank_stops_reaching, world_size=2, timeout=120)
+    assert ks[0] == ks[1] and isinstance(ks[0], int), ks

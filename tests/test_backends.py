@@ -14,6 +14,7 @@ import functools
 import random
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -140,6 +141,66 @@ def test_horovod_matches_reference(kind):
     per_rank = run_ranks(_train_on_horovod, world_size=2, args=(kind, BACKEND_CONFIGS), timeout=300)
     for index, config in enumerate(BACKEND_CONFIGS):
         check_against_reference(kind, config, [per_rank[r][index] for r in range(2)])
+
+
+def test_buffer_names_start_afresh_with_each_layout():
+    """Names by which Horovod and BytePS match buffers across ranks (``comm.base.StableNames``).
+    After a new layout, rank A's first new buffer sits where an old one was and rank B's
+    elsewhere (each allocator decides): both must name their buffers alike, by start order,
+    and never as an old buffer."""
+    from sapipe.comm.base import StableNames
+
+    memory = torch.empty(400)
+    old, elsewhere = [memory[0:100], memory[100:200]], [memory[200:300], memory[300:400]]
+    per_rank = []
+    for new in ([old[1], elsewhere[0]], [elsewhere[1], old[0]]):  # rank A, rank B
+        names = StableNames("sapipe1.sync")
+        before = [names(t) for t in old]
+        names.renew()
+        after = [names(t) for t in new] + [names(t) for t in new]  # and again at the next step
+        assert not set(after) & set(before), (before, after)
+        per_rank.append(after)
+    assert per_rank[0] == per_rank[1]
+
+
+def _auto_on_horovod(rank, world_size):
+    """Horovod matches operations by name. auto's restarts lay the buckets out anew and free
+    the old ones; rank 0 keeps allocations of a bucket's size between steps, so the two
+    ranks' new buffers land at different addresses."""
+    import sapipe
+    from models import loss_fn_for, make_batches, make_model
+    from sapipe.comm.horovod_backend import init_horovod_for_torch_job
+
+    hvd = init_horovod_for_torch_job()
+    model = make_model("tied", seed=0)
+    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, stale_layers="auto",
+                                      profile_steps=2, backend="horovod", bucket_cap_mb=0.0008, timeout=20)
+    batches, kept = make_batches("tied", 8, world_size), []
+    try:
+        for step in range(300):
+            x, y = batches[step % len(batches)][rank]
+            opt.zero_grad()
+            loss_fn_for("tied")(model(x), y).backward()
+            opt.step()
+            if rank == 0:
+                kept += [torch.zeros(bucket.grads.wire[0].numel()) for bucket in opt.buckets]
+            if opt.stale_layers != "auto" and step > 40:
+                break
+        opt.synchronize()
+        with opt.real_weights():
+            weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.close()
+        return {"k": opt.stale_layers, "weights": weights}
+    finally:
+        hvd.shutdown()
+
+
+@pytest.mark.skipif(bool(_horovod_available()), reason=_horovod_available() or "available")
+def test_auto_on_horovod_names_buckets_alike_on_every_rank_after_its_restarts():
+    first, second = run_ranks(_auto_on_horovod, world_size=2, timeout=240)
+    assert first["k"] == second["k"] and isinstance(first["k"], int)
+    for name, value in first["weights"].items():
+        assert np.array_equal(value, second["weights"][name]), name
 
 
 def _auto_on_pushpull(rank, world_size):

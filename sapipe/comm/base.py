@@ -97,6 +97,10 @@ class CommBackend(abc.ABC):
         back-end cannot tell (the scheduler then times the link with probes only)."""
         return False
 
+    def new_buffers(self) -> None:
+        """The engine laid its buckets out anew (nothing in flight): buffers started from
+        now on are new ones. Back-ends that name buffers across ranks start naming afresh."""
+
     # -------------------------------------------------------------- shared helpers
 
     def describe_limit(self) -> str:
@@ -140,14 +144,23 @@ class StableNames:
     """
 
     def __init__(self, prefix: str):
-        self.prefix = prefix
+        self._base = self.prefix = prefix
         self._ids: dict = {}
+        self._layouts = 0
 
     def __call__(self, tensor: torch.Tensor) -> str:
         key = (tensor.data_ptr(), tensor.numel(), tensor.dtype)
         if key not in self._ids:
             self._ids[key] = len(self._ids)
         return f"{self.prefix}.{self._ids[key]}"
+
+    def renew(self) -> None:
+        """Forget every buffer: the engine laid its buckets out anew, and a new buffer may sit
+        where an old one did on one rank and elsewhere on another (each rank's allocator
+        decides), so names keyed by address would no longer match. New names, numbered
+        afresh in start order, never repeat an old one."""
+        self._layouts += 1
+        self.prefix, self._ids = f"{self._base}.l{self._layouts}", {}
 
 
 class LibraryBackend(CommBackend):
@@ -201,6 +214,9 @@ class LibraryBackend(CommBackend):
 
     def describe_limit(self) -> str:
         return f"{self._limit:g}s"
+
+    def new_buffers(self) -> None:
+        self._names.renew()
 
     def close(self) -> None:
         release_group(self)

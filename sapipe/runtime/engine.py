@@ -133,6 +133,9 @@ class Runtime:
         previous = self.layout
         self.pipeline.layout = previous.relaid(k)
         self.pipeline.layout.allocate_state(self.updater.rule, previous)
+        for backend in (self.pipeline.sync_comm, self.pipeline.stale_comm):
+            if backend is not None:
+                backend.new_buffers()
 
     def restart(self, k: int, iteration: int, hyperparams: List[Dict[str, Any]]) -> None:
         """Back to the synchronous state after ``iteration``, then the pipeline anew with k stale layers.

@@ -57,6 +57,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigurationError
+
 
 @dataclass
 class Profile:
@@ -160,12 +162,15 @@ class LayerTimer:
             self._releases[layer] = self.now()  # the last one of the layer wins
 
     def end_iteration(self) -> None:
-        """Turn this iteration's timestamps into u_i and b_i (skipped if incomplete)."""
+        """Turn this iteration's timestamps into u_i and b_i (skipped without a whole forward
+        and backward). A layer that did not run this iteration (a data-dependent branch, an
+        expert this rank's batch never reached) counts u_i = 0: ranks may differ in which
+        iterations run which layers, and each must still have iterations to measure."""
         self.active = False
         m = self.num_layers
-        ran = [i for i in range(m) if self.executed[i]]
-        if self._forward_end is None or not self._releases or any(i not in self._starts for i in ran):
-            return  # a layer did not run: not a representative iteration
+        ran = [i for i in range(m) if self.executed[i] and i in self._starts]
+        if self._forward_end is None or not self._releases or not ran:
+            return
         self._last_release = max(self._releases.values())
         self._last_comm = self._iter_comm
         forward = [0.0] * m
@@ -450,12 +455,17 @@ def measure(
         dist.all_gather(out, local, group=group)
         return [t.cpu().tolist() for t in out]
 
+    samples = timer.link_samples()  # one per profiled iteration
+    counts = [int(count) for (count,) in gather([float(len(samples))])]
+    if min(counts) == 0:  # raised on every rank, before collectives one rank would not join
+        raise ConfigurationError(
+            f"sapipe: stale_layers='auto' profiled no iteration with a whole forward and backward on rank(s) "
+            f"{[rank for rank, count in enumerate(counts) if count == 0]}; give stale_layers a number")
     u, b, step = timer.medians()
     sizes = probe_sizes(bucket_bytes)
     comm = [time_allreduce(group, s, dtype, device, sum_now=sum_now) for s in sizes]
     rows = gather(u + b + [step] + comm + [timer.update_time()])
-    samples = timer.link_samples()
-    longest = int(max(r[0] for r in gather([float(len(samples))])))
+    longest = max(counts)
     padded = samples + [(math.nan, -1, -1)] * (longest - len(samples))
     flat = gather([x for sample in padded for x in sample])
     link = [[(r[3 * i], int(r[3 * i + 1]), int(r[3 * i + 2])) for i in range(longest)] for r in flat]
