@@ -136,3 +136,15 @@ def same_state(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)):
         return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def k_once_decided(opt, one_step: Callable[[int], None], limit: int = 300) -> Any:
+    """Run ``one_step(iteration)`` (zero_grad, forward, backward, step) until ``"auto"`` has
+    decided, at most ``limit`` times; close ``opt`` and return its k."""
+    for iteration in range(1, limit + 1):
+        one_step(iteration)
+        if opt.stale_layers != "auto":
+            break
+    k = opt.stale_layers
+    opt.close()
+    return k

@@ -26,7 +26,7 @@ import torch
 
 from sapipe.auto.controller import FIRST_TRIAL_HEAD
 from sapipe.config import UNPROFILED_STEPS
-from dist_utils import assert_close_dicts, run_ranks
+from dist_utils import assert_close_dicts, k_once_decided, run_ranks
 from models import loss_fn_for, make_batches, make_model
 from reference import run_reference
 
@@ -398,15 +398,13 @@ def _an_expert_one_rank_stops_reaching(rank, world_size):
     model = _WithAnExpert()
     opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, stale_layers="auto",
                                       profile_steps=3, timeout=20)
-    for it in range(1, 200):
+
+    def one_step(iteration):
         opt.zero_grad()
-        model(torch.randn(4, 8), use_expert=not (rank == 1 and it > 1)).pow(2).mean().backward()
+        model(torch.randn(4, 8), use_expert=not (rank == 1 and iteration > 1)).pow(2).mean().backward()
         opt.step()
-        if opt.stale_layers != "auto":
-            break
-    k = opt.stale_layers
-    opt.close()
-    return k
+
+    return k_once_decided(opt, one_step)
 
 
 def test_a_layer_one_rank_stops_running_is_profiled_as_taking_no_time():

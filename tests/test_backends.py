@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from dist_utils import k_once_decided, run_ranks
 from test_modes import CONFIGS, _train, check_against_reference, config_id
 
 # Synchronous only; stale with wp3 (prev-local gradients, Δx, peeks); Pipe-SGD with s = 2.
@@ -212,16 +212,14 @@ def _auto_on_pushpull(rank, world_size):
     opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, stale_layers="auto",
                                       profile_steps=2, backend="pushpull", partition_mb=0.001, timeout=30)
     batches = make_batches("tied", 8, world_size)
-    for step in range(300):  # warm-up, then the measured search (pipeline restarts drain push-pull's handles)
-        x, y = batches[step % len(batches)][rank]
+
+    def one_step(iteration):  # warm-up, then the measured search (pipeline restarts drain push-pull's handles)
+        x, y = batches[iteration % len(batches)][rank]
         opt.zero_grad()
         loss_fn_for("tied")(model(x), y).backward()
         opt.step()
-        if opt.stale_layers != "auto":
-            break
-    k = opt.stale_layers
-    opt.close()
-    return k
+
+    return k_once_decided(opt, one_step)
 
 
 def test_auto_schedule_works_on_pushpull():
