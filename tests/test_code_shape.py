@@ -1,4 +1,5 @@
-"""The code under sapipe/ stays in small pieces: no class over 400 lines, no function over 80."""
+"""The code stays in small pieces (no class over 400 lines, no function over 80) and no module
+defines a name twice (the later definition would silently replace the first)."""
 import importlib.util
 import pathlib
 
@@ -24,3 +25,26 @@ def test_the_limits_are_enforced(tmp_path):
     (tmp_path / "big.py").write_text("def f():\n" + "    x = 1\n" * 80 + "\n\nclass C:\n" + "    y = 2\n" * 400)
     over = code_size.over_limits(code_size.measure(tmp_path))
     assert sorted(kind for _, kind, _ in over) == ["class", "function"]
+
+
+def _redefined(path: pathlib.Path, root: pathlib.Path = ROOT):
+    """Names a module defines twice at its top level (a later def silently replaces the first)."""
+    import ast
+
+    seen, twice = set(), []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name in seen:
+                twice.append(f"{path.relative_to(root)}:{node.lineno} {node.name}")
+            seen.add(node.name)
+    return twice
+
+
+def test_no_module_defines_a_name_twice():
+    files = [p for d in ("sapipe", "tests", "benchmarks", "tools", "examples") for p in (ROOT / d).rglob("*.py")]
+    assert len(files) > 50
+    assert [line for path in files for line in _redefined(path)] == []
+
+def test_a_name_defined_twice_is_found(tmp_path):
+    (tmp_path / "twice.py").write_text("def f():\n    pass\n\n\ndef f():\n    pass\n")
+    assert _redefined(tmp_path / "twice.py", tmp_path) == ["twice.py:5 f"]

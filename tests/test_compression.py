@@ -259,7 +259,7 @@ def test_a_step_gradscaler_skips_leaves_every_residual_finite(world_size, node_f
                 assert np.array_equal(value, other["real"][name]), f"ranks disagree on {name}"
 
 
-def _residuals(opt, model):
+def _residuals_by_parameter(opt, model):
     """Each parameter's slice of its bucket's int8 worker residual, by name."""
     names = {id(p): n for n, p in model.named_parameters()}
     return {names[id(p)]: bucket.grads.codec.residual[offset: offset + p.numel()].clone()
@@ -278,9 +278,9 @@ def _relaid_out(rank, world_size):
         loss_fn_for("tied")(model(x), y).backward()
         opt.step()
     opt.wait_for_communication()  # the worker thread's encode writes the residuals
-    before = _residuals(opt, model)
+    before = _residuals_by_parameter(opt, model)
     opt._runtime.relayout(5)  # noqa: SLF001 - what stale_layers="auto" does between its trials
-    after = _residuals(opt, model)
+    after = _residuals_by_parameter(opt, model)
     opt.close()
     return before, after
 
