@@ -171,6 +171,8 @@ class WorkerBackend(CommBackend):
                 raise RuntimeError(f"sapipe: the {self.name} back-end was used after close()")
             job.sequence = self.num_started
             self.num_started += 1
+            if self.tracer.enabled:  # before the worker can record the job's end
+                self.trace_start(job.what)
             if job.remaining == 0:
                 job.done.set()
             else:
@@ -180,8 +182,6 @@ class WorkerBackend(CommBackend):
                 self._worker = threading.Thread(target=self._run, name=f"sapipe-{self.name}-worker", daemon=True)
                 self._worker.start()
             self.lock.notify_all()
-        if self.tracer.enabled:
-            self.trace_start(job.what)
         return Handle(job, job.tensor, job.what, self)
 
     def wait(self, handle: Handle) -> torch.Tensor:
