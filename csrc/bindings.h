@@ -6,7 +6,7 @@
 
 #include "common.h"
 
-#include <c10/util/Exception.h>
+#include "check.h"
 #include <torch/csrc/utils/pybind.h>
 
 #include <string>
@@ -15,12 +15,12 @@ namespace sapipe {
 namespace py = pybind11;
 
 inline void check_like(const at::Tensor& t, const at::Tensor& ref, const char* name) {
-  TORCH_CHECK(t.device() == ref.device(), "sapipe: ", name, " is on ", t.device(), ", expected ",
+  SAPIPE_CHECK(t.device() == ref.device(), "sapipe: ", name, " is on ", t.device(), ", expected ",
               ref.device());
-  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "sapipe: ", name, " has dtype ",
+  SAPIPE_CHECK(t.scalar_type() == ref.scalar_type(), "sapipe: ", name, " has dtype ",
               t.scalar_type(), ", expected ", ref.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "sapipe: ", name, " must be contiguous");
-  TORCH_CHECK(t.numel() == ref.numel(), "sapipe: ", name, " has ", t.numel(),
+  SAPIPE_CHECK(t.is_contiguous(), "sapipe: ", name, " must be contiguous");
+  SAPIPE_CHECK(t.numel() == ref.numel(), "sapipe: ", name, " has ", t.numel(),
               " elements, expected ", ref.numel());
 }
 
@@ -30,22 +30,22 @@ inline void check_like(const OptTensor& t, const at::Tensor& ref, const char* na
 
 // Tensor boundaries [0, ..., N] of a segment: int64, 1-D, on g's device (values checked on CPU).
 inline void check_offsets(const at::Tensor& o, const at::Tensor& g, bool on_cpu) {
-  TORCH_CHECK(o.device() == g.device() && o.scalar_type() == at::kLong && o.dim() == 1 &&
+  SAPIPE_CHECK(o.device() == g.device() && o.scalar_type() == at::kLong && o.dim() == 1 &&
                   o.is_contiguous() && o.numel() >= 1,
               "sapipe: offsets must be a contiguous 1-D int64 tensor on the grad's device");
   if (on_cpu) {
     const int64_t* p = o.data_ptr<int64_t>();
     const int64_t S = o.numel() - 1;
-    TORCH_CHECK(p[0] == 0 && p[S] == g.numel(), "sapipe: offsets must run from 0 to ", g.numel());
+    SAPIPE_CHECK(p[0] == 0 && p[S] == g.numel(), "sapipe: offsets must run from 0 to ", g.numel());
     for (int64_t i = 0; i < S; ++i)
-      TORCH_CHECK(p[i] <= p[i + 1], "sapipe: offsets must be non-decreasing");
+      SAPIPE_CHECK(p[i] <= p[i + 1], "sapipe: offsets must be non-decreasing");
   }
 }
 
 // Per-tensor dot products: float64, one per tensor of `offsets`, on g's device.
 inline void check_dots(const at::Tensor& d, const at::Tensor& offsets, const at::Tensor& g,
                        const char* name) {
-  TORCH_CHECK(d.device() == g.device() && d.scalar_type() == at::kDouble && d.is_contiguous() &&
+  SAPIPE_CHECK(d.device() == g.device() && d.scalar_type() == at::kDouble && d.is_contiguous() &&
                   d.numel() == offsets.numel() - 1,
               "sapipe: ", name, " must be a contiguous float64 tensor with one entry per tensor");
 }
@@ -55,18 +55,18 @@ inline void check_dots(const at::Tensor& d, const at::Tensor& offsets, const at:
 // sapipe/gradient_spec.py and ops._check_update.)
 inline void check_spec(const GradSpec& s, bool on_cpu) {
   const at::Tensor& g = s.grad;
-  TORCH_CHECK(g.is_contiguous(), "sapipe: grad must be contiguous");
-  TORCH_CHECK(g.is_floating_point(), "sapipe: grad must be floating point");
+  SAPIPE_CHECK(g.is_contiguous(), "sapipe: grad must be contiguous");
+  SAPIPE_CHECK(g.is_floating_point(), "sapipe: grad must be floating point");
   check_like(s.prev_local, g, "prev_local");
   check_like(s.local, g, "local");
   check_like(s.delta, g, "delta");
   check_like(s.delta_ref, g, "delta_ref");
   check_like(s.hist, g, "hist");
-  TORCH_CHECK(s.form >= kNoDc && s.form <= kOuter, "sapipe: bad DC form ", s.form);
-  TORCH_CHECK(s.form == kNoDc || s.delta || (s.form == kOuter && s.dots),
+  SAPIPE_CHECK(s.form >= kNoDc && s.form <= kOuter, "sapipe: bad DC form ", s.form);
+  SAPIPE_CHECK(s.form == kNoDc || s.delta || (s.form == kOuter && s.dots),
               "sapipe: delay compensation needs delta (or, outer form, precomputed dots)");
   if (s.form == kOuter) {
-    TORCH_CHECK(s.offsets, "sapipe: the outer DC form needs tensor offsets");
+    SAPIPE_CHECK(s.offsets, "sapipe: the outer DC form needs tensor offsets");
     check_offsets(*s.offsets, g, on_cpu);
     if (s.dots) check_dots(*s.dots, *s.offsets, g, "dots");
   }
@@ -128,7 +128,7 @@ inline Targets targets(const GradSpec& s, const GradSpec* peek, const OptTensor&
   p.form = peek->form == kDiagonal ? kDiagonal : kNoDc;
   p.lam = peek->lam;
   if (peek->dots) {
-    TORCH_CHECK(peek->offsets, "sapipe: the step's dot products need the peek's tensor offsets");
+    SAPIPE_CHECK(peek->offsets, "sapipe: the step's dot products need the peek's tensor offsets");
     check_offsets(*peek->offsets, g, on_cpu);
     check_dots(*peek->dots, *peek->offsets, g, "the peek's dots");
     p.offsets = peek->offsets;
@@ -175,7 +175,7 @@ void define_module(py::module_& m, at::Tensor (*dc_dots)(const GradSpec&),
                    void (*adam)(const GradSpec&, const AdamArgs&)) {
   constexpr bool on_cpu = kDevice == at::kCPU;
   auto checked = [](const GradSpec& s) -> const GradSpec& {
-    TORCH_CHECK(s.grad.device().type() == kDevice, "sapipe: this extension handles ",
+    SAPIPE_CHECK(s.grad.device().type() == kDevice, "sapipe: this extension handles ",
                 c10::DeviceTypeName(kDevice), " tensors, got one on ", s.grad.device());
     check_spec(s, on_cpu);
     return s;
@@ -185,7 +185,7 @@ void define_module(py::module_& m, at::Tensor (*dc_dots)(const GradSpec&),
   m.def(
       "dc_dots",
       [=](const GradSpec& s) {
-        TORCH_CHECK(s.form == kOuter && s.delta,
+        SAPIPE_CHECK(s.form == kOuter && s.delta,
                     "sapipe: dc_dots needs an outer-form spec with delta");
         return dc_dots(checked(s));
       },
@@ -209,7 +209,7 @@ void define_module(py::module_& m, at::Tensor (*dc_dots)(const GradSpec&),
           const GradSpec& s, const GradSpec* peek, const OptTensor& out) {
         check_like(param, checked(s).grad, "param");
         const OptTensor buf = hp.momentum != 0 ? momentum_buffer : std::nullopt;
-        TORCH_CHECK(buf || hp.momentum == 0, "sapipe: momentum != 0 needs a momentum buffer");
+        SAPIPE_CHECK(buf || hp.momentum == 0, "sapipe: momentum != 0 needs a momentum buffer");
         check_like(buf, s.grad, "momentum_buffer");
         Targets t = targets(s, peek, out, on_cpu);
         SgdArgs a{hp, param, buf, t.out, t.extra};

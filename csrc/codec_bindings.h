@@ -11,7 +11,7 @@ namespace sapipe {
 template <at::DeviceType kDevice>
 struct CodecChecks {
   static void device(const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.device().type() == kDevice, "sapipe: this extension handles ",
+    SAPIPE_CHECK(t.device().type() == kDevice, "sapipe: this extension handles ",
                 c10::DeviceTypeName(kDevice), " tensors; ", name, " is on ", t.device());
   }
 
@@ -20,35 +20,35 @@ struct CodecChecks {
   static CodecRows rows(const at::Tensor& values, const OptTensor& scales, const char* name) {
     device(values, name);
     const auto t = values.scalar_type();
-    TORCH_CHECK(t == at::kChar || t == at::kHalf || t == at::kBFloat16, "sapipe: ", name,
+    SAPIPE_CHECK(t == at::kChar || t == at::kHalf || t == at::kBFloat16, "sapipe: ", name,
                 " must be int8, float16 or bfloat16; got ", t);
-    TORCH_CHECK(values.dim() == 2 && values.stride(1) == 1 && values.stride(0) >= values.size(1),
+    SAPIPE_CHECK(values.dim() == 2 && values.stride(1) == 1 && values.stride(0) >= values.size(1),
                 "sapipe: ", name, " must be 2-D [rows, width] with contiguous rows");
     if (t == at::kChar) {
-      TORCH_CHECK(values.size(1) % kCodecBlock == 0, "sapipe: int8 rows hold whole blocks of ",
+      SAPIPE_CHECK(values.size(1) % kCodecBlock == 0, "sapipe: int8 rows hold whole blocks of ",
                   kCodecBlock, " values; ", name, " has width ", values.size(1));
-      TORCH_CHECK(scales && scales->scalar_type() == at::kFloat && scales->dim() == 2 &&
+      SAPIPE_CHECK(scales && scales->scalar_type() == at::kFloat && scales->dim() == 2 &&
                       scales->size(0) == values.size(0) &&
                       scales->size(1) == values.size(1) / kCodecBlock && scales->stride(1) == 1,
                   "sapipe: int8 ", name, " need float32 scales [rows, width / ", kCodecBlock, "]");
       device(*scales, "the scales");
       return CodecRows{values, scales};
     }
-    TORCH_CHECK(!scales, "sapipe: 16-bit ", name, " take no scales");
+    SAPIPE_CHECK(!scales, "sapipe: 16-bit ", name, " take no scales");
     return CodecRows{values, std::nullopt};
   }
 
   static void gradient(const at::Tensor& t, const char* name) {
     device(t, name);
-    TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, "sapipe: ", name,
+    SAPIPE_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, "sapipe: ", name,
                 " must be float32 or float64; got ", t.scalar_type());
-    TORCH_CHECK(t.is_contiguous(), "sapipe: ", name, " must be contiguous");
+    SAPIPE_CHECK(t.is_contiguous(), "sapipe: ", name, " must be contiguous");
   }
 
   static void residual(const OptTensor& r, at::ScalarType dtype, int64_t numel) {
     if (!r) return;
     gradient(*r, "residual");
-    TORCH_CHECK(r->scalar_type() == dtype && r->numel() == numel, "sapipe: the residual must be ", dtype,
+    SAPIPE_CHECK(r->scalar_type() == dtype && r->numel() == numel, "sapipe: the residual must be ", dtype,
                 " with ", numel, " elements; got ", r->scalar_type(), " with ", r->numel());
   }
 };
@@ -64,7 +64,7 @@ void define_codec(py::module_& m, decltype(&cpu::codec_encode) encode,
         Check::gradient(src, "src");
         Check::residual(residual, src.scalar_type(), src.numel());
         const CodecRows out = Check::rows(values, scales, "values");
-        TORCH_CHECK(values.size(0) * values.size(1) >= src.numel(), "sapipe: ", values.size(0), " rows of ",
+        SAPIPE_CHECK(values.size(0) * values.size(1) >= src.numel(), "sapipe: ", values.size(0), " rows of ",
                     values.size(1), " cannot hold ", src.numel(), " values");
         encode(src, residual, out, divide);
         bump(values);
@@ -82,10 +82,10 @@ void define_codec(py::module_& m, decltype(&cpu::codec_encode) encode,
           const at::Tensor& out_values, const OptTensor& out_scales, double divide, at::ScalarType dtype) {
         const CodecRows in = Check::rows(values, scales, "received values");
         const CodecRows out = Check::rows(out_values, out_scales, "outgoing values");
-        TORCH_CHECK(out_values.scalar_type() == values.scalar_type() && out_values.size(0) == 1 &&
+        SAPIPE_CHECK(out_values.scalar_type() == values.scalar_type() && out_values.size(0) == 1 &&
                         out_values.size(1) == values.size(1),
                     "sapipe: the outgoing row must be one row like the received ones");
-        TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "sapipe: sums are float32 or float64");
+        SAPIPE_CHECK(dtype == at::kFloat || dtype == at::kDouble, "sapipe: sums are float32 or float64");
         Check::residual(residual, dtype, values.size(1));
         sum_encode(in, residual, out, divide, dtype);
         bump(out_values);
@@ -103,7 +103,7 @@ void define_codec(py::module_& m, decltype(&cpu::codec_encode) encode,
       [=](const at::Tensor& values, const OptTensor& scales, const at::Tensor& out, double multiply) {
         const CodecRows in = Check::rows(values, scales, "values");
         Check::gradient(out, "out");
-        TORCH_CHECK(values.size(0) * values.size(1) >= out.numel(), "sapipe: ", values.size(0), " rows of ",
+        SAPIPE_CHECK(values.size(0) * values.size(1) >= out.numel(), "sapipe: ", values.size(0), " rows of ",
                     values.size(1), " cannot fill ", out.numel(), " values");
         decode(in, out, multiply);
         bump(out);

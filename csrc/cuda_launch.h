@@ -3,7 +3,7 @@
 #pragma once
 
 #include <c10/core/Device.h>
-#include <c10/util/Exception.h>
+#include "check.h"
 #include <cuda_runtime.h>
 
 namespace sapipe {
@@ -21,7 +21,7 @@ inline int max_blocks(const at::Device& device) {
 }
 
 inline void check(cudaError_t err) {
-  TORCH_CHECK(err == cudaSuccess, "sapipe CUDA kernel failed: ", cudaGetErrorString(err));
+  SAPIPE_CHECK(err == cudaSuccess, "sapipe CUDA kernel failed: ", cudaGetErrorString(err));
 }
 
 }  // namespace cuda

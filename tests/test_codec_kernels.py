@@ -291,10 +291,10 @@ for expected, call in calls:
 
 
 def test_bad_arguments_raise_clearly():
-    """Each wrong argument raises a RuntimeError naming it. Run in a child interpreter: on the
+    """Each wrong argument raises a RuntimeError naming it. Run in a child interpreter: on a
     GPU machine's torch (2.11.0+cu130) an error raised inside sapipe._C crashed the
-    interpreter (SIGSEGV in std::ostream's integer formatting), which must fail this test,
-    not end the test run."""
+    interpreter (SIGSEGV) while the extension's checks streamed numbers into a stream of
+    their own (csrc/check.h says more); a crash must fail this test, not end the run."""
     code = BAD_CALLS.format(tests=os.path.dirname(os.path.abspath(__file__)))
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, f"the child interpreter died (rc {child.returncode}): {child.stderr[-2000:]}"

@@ -155,10 +155,15 @@ def _profile_on_gpu(rank: int, world_size: int):
 
 def test_profile_times_layers_as_the_gpu_runs_them():
     """The middle layer does almost all of the GPU's work and the outer two almost all of the
-    host's queueing: a profile of host queueing times would give it a small share. Measured
-    as the GPU runs it, it holds ≥ 80% of forward and of backward, and the profiled forward +
-    backward is the one timed without sapipe within 20%."""
+    host's queueing: a profile of host queueing times would give the middle layer a small
+    fraction of each outer one's time. Measured as the GPU runs it, it takes several times
+    each, in forward and in backward, and the profiled forward + backward is the one timed
+    without sapipe within 20%.
+
+    Not a share near 1: a profiled iteration waits for the GPU at every layer boundary, so a
+    layer's kernels are queued only once the layer before it has run, and an outer layer
+    costs its own queueing (2 ms each on an H200, against 11 ms of the middle layer)."""
     (forward, backward, alone), = run_ranks(_profile_on_gpu, world_size=1, timeout=300, backend="nccl")
-    assert forward[1] >= 0.8 * sum(forward), forward
-    assert backward[1] >= 0.8 * sum(backward), backward
-    assert sum(forward) + sum(backward) == pytest.approx(alone, rel=0.2)
+    for phase in (forward, backward):
+        assert phase[1] >= 3 * max(phase[0], phase[2]), (forward, backward)
+    assert sum(forward) + sum(backward) == pytest.approx(alone, rel=0.2), (forward, backward, alone)
