@@ -16,12 +16,12 @@ namespace py = pybind11;
 
 inline void check_like(const at::Tensor& t, const at::Tensor& ref, const char* name) {
   SAPIPE_CHECK(t.device() == ref.device(), "sapipe: ", name, " is on ", t.device(), ", expected ",
-              ref.device());
+               ref.device());
   SAPIPE_CHECK(t.scalar_type() == ref.scalar_type(), "sapipe: ", name, " has dtype ",
-              t.scalar_type(), ", expected ", ref.scalar_type());
+               t.scalar_type(), ", expected ", ref.scalar_type());
   SAPIPE_CHECK(t.is_contiguous(), "sapipe: ", name, " must be contiguous");
   SAPIPE_CHECK(t.numel() == ref.numel(), "sapipe: ", name, " has ", t.numel(),
-              " elements, expected ", ref.numel());
+               " elements, expected ", ref.numel());
 }
 
 inline void check_like(const OptTensor& t, const at::Tensor& ref, const char* name) {
@@ -31,8 +31,8 @@ inline void check_like(const OptTensor& t, const at::Tensor& ref, const char* na
 // Tensor boundaries [0, ..., N] of a segment: int64, 1-D, on g's device (values checked on CPU).
 inline void check_offsets(const at::Tensor& o, const at::Tensor& g, bool on_cpu) {
   SAPIPE_CHECK(o.device() == g.device() && o.scalar_type() == at::kLong && o.dim() == 1 &&
-                  o.is_contiguous() && o.numel() >= 1,
-              "sapipe: offsets must be a contiguous 1-D int64 tensor on the grad's device");
+                   o.is_contiguous() && o.numel() >= 1,
+               "sapipe: offsets must be a contiguous 1-D int64 tensor on the grad's device");
   if (on_cpu) {
     const int64_t* p = o.data_ptr<int64_t>();
     const int64_t S = o.numel() - 1;
@@ -46,8 +46,8 @@ inline void check_offsets(const at::Tensor& o, const at::Tensor& g, bool on_cpu)
 inline void check_dots(const at::Tensor& d, const at::Tensor& offsets, const at::Tensor& g,
                        const char* name) {
   SAPIPE_CHECK(d.device() == g.device() && d.scalar_type() == at::kDouble && d.is_contiguous() &&
-                  d.numel() == offsets.numel() - 1,
-              "sapipe: ", name, " must be a contiguous float64 tensor with one entry per tensor");
+                   d.numel() == offsets.numel() - 1,
+               "sapipe: ", name, " must be a contiguous float64 tensor with one entry per tensor");
 }
 
 // What the kernels read of a GradSpec: every tensor like grad, a Delta for delay compensation,
@@ -64,7 +64,7 @@ inline void check_spec(const GradSpec& s, bool on_cpu) {
   check_like(s.hist, g, "hist");
   SAPIPE_CHECK(s.form >= kNoDc && s.form <= kOuter, "sapipe: bad DC form ", s.form);
   SAPIPE_CHECK(s.form == kNoDc || s.delta || (s.form == kOuter && s.dots),
-              "sapipe: delay compensation needs delta (or, outer form, precomputed dots)");
+               "sapipe: delay compensation needs delta (or, outer form, precomputed dots)");
   if (s.form == kOuter) {
     SAPIPE_CHECK(s.offsets, "sapipe: the outer DC form needs tensor offsets");
     check_offsets(*s.offsets, g, on_cpu);
@@ -176,7 +176,7 @@ void define_module(py::module_& m, at::Tensor (*dc_dots)(const GradSpec&),
   constexpr bool on_cpu = kDevice == at::kCPU;
   auto checked = [](const GradSpec& s) -> const GradSpec& {
     SAPIPE_CHECK(s.grad.device().type() == kDevice, "sapipe: this extension handles ",
-                c10::DeviceTypeName(kDevice), " tensors, got one on ", s.grad.device());
+                 c10::DeviceTypeName(kDevice), " tensors, got one on ", s.grad.device());
     check_spec(s, on_cpu);
     return s;
   };
@@ -186,7 +186,7 @@ void define_module(py::module_& m, at::Tensor (*dc_dots)(const GradSpec&),
       "dc_dots",
       [=](const GradSpec& s) {
         SAPIPE_CHECK(s.form == kOuter && s.delta,
-                    "sapipe: dc_dots needs an outer-form spec with delta");
+                     "sapipe: dc_dots needs an outer-form spec with delta");
         return dc_dots(checked(s));
       },
       "Per-tensor dot products <grad - prev_local/n, delta - delta_ref> of an outer-form spec "

@@ -12,7 +12,7 @@ template <at::DeviceType kDevice>
 struct CodecChecks {
   static void device(const at::Tensor& t, const char* name) {
     SAPIPE_CHECK(t.device().type() == kDevice, "sapipe: this extension handles ",
-                c10::DeviceTypeName(kDevice), " tensors; ", name, " is on ", t.device());
+                 c10::DeviceTypeName(kDevice), " tensors; ", name, " is on ", t.device());
   }
 
   // Message rows: [R, S] values (int8 / float16 / bfloat16), rows contiguous; int8 also
@@ -21,16 +21,16 @@ struct CodecChecks {
     device(values, name);
     const auto t = values.scalar_type();
     SAPIPE_CHECK(t == at::kChar || t == at::kHalf || t == at::kBFloat16, "sapipe: ", name,
-                " must be int8, float16 or bfloat16; got ", t);
+                 " must be int8, float16 or bfloat16; got ", t);
     SAPIPE_CHECK(values.dim() == 2 && values.stride(1) == 1 && values.stride(0) >= values.size(1),
-                "sapipe: ", name, " must be 2-D [rows, width] with contiguous rows");
+                 "sapipe: ", name, " must be 2-D [rows, width] with contiguous rows");
     if (t == at::kChar) {
       SAPIPE_CHECK(values.size(1) % kCodecBlock == 0, "sapipe: int8 rows hold whole blocks of ",
-                  kCodecBlock, " values; ", name, " has width ", values.size(1));
+                   kCodecBlock, " values; ", name, " has width ", values.size(1));
       SAPIPE_CHECK(scales && scales->scalar_type() == at::kFloat && scales->dim() == 2 &&
-                      scales->size(0) == values.size(0) &&
-                      scales->size(1) == values.size(1) / kCodecBlock && scales->stride(1) == 1,
-                  "sapipe: int8 ", name, " need float32 scales [rows, width / ", kCodecBlock, "]");
+                       scales->size(0) == values.size(0) &&
+                       scales->size(1) == values.size(1) / kCodecBlock && scales->stride(1) == 1,
+                   "sapipe: int8 ", name, " need float32 scales [rows, width / ", kCodecBlock, "]");
       device(*scales, "the scales");
       return CodecRows{values, scales};
     }
@@ -41,7 +41,7 @@ struct CodecChecks {
   static void gradient(const at::Tensor& t, const char* name) {
     device(t, name);
     SAPIPE_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, "sapipe: ", name,
-                " must be float32 or float64; got ", t.scalar_type());
+                 " must be float32 or float64; got ", t.scalar_type());
     SAPIPE_CHECK(t.is_contiguous(), "sapipe: ", name, " must be contiguous");
   }
 
@@ -49,7 +49,7 @@ struct CodecChecks {
     if (!r) return;
     gradient(*r, "residual");
     SAPIPE_CHECK(r->scalar_type() == dtype && r->numel() == numel, "sapipe: the residual must be ", dtype,
-                " with ", numel, " elements; got ", r->scalar_type(), " with ", r->numel());
+                 " with ", numel, " elements; got ", r->scalar_type(), " with ", r->numel());
   }
 };
 
@@ -65,7 +65,7 @@ void define_codec(py::module_& m, decltype(&cpu::codec_encode) encode,
         Check::residual(residual, src.scalar_type(), src.numel());
         const CodecRows out = Check::rows(values, scales, "values");
         SAPIPE_CHECK(values.size(0) * values.size(1) >= src.numel(), "sapipe: ", values.size(0), " rows of ",
-                    values.size(1), " cannot hold ", src.numel(), " values");
+                     values.size(1), " cannot hold ", src.numel(), " values");
         encode(src, residual, out, divide);
         bump(values);
         bump(scales);
@@ -83,8 +83,8 @@ void define_codec(py::module_& m, decltype(&cpu::codec_encode) encode,
         const CodecRows in = Check::rows(values, scales, "received values");
         const CodecRows out = Check::rows(out_values, out_scales, "outgoing values");
         SAPIPE_CHECK(out_values.scalar_type() == values.scalar_type() && out_values.size(0) == 1 &&
-                        out_values.size(1) == values.size(1),
-                    "sapipe: the outgoing row must be one row like the received ones");
+                         out_values.size(1) == values.size(1),
+                     "sapipe: the outgoing row must be one row like the received ones");
         SAPIPE_CHECK(dtype == at::kFloat || dtype == at::kDouble, "sapipe: sums are float32 or float64");
         Check::residual(residual, dtype, values.size(1));
         sum_encode(in, residual, out, divide, dtype);
@@ -104,7 +104,7 @@ void define_codec(py::module_& m, decltype(&cpu::codec_encode) encode,
         const CodecRows in = Check::rows(values, scales, "values");
         Check::gradient(out, "out");
         SAPIPE_CHECK(values.size(0) * values.size(1) >= out.numel(), "sapipe: ", values.size(0), " rows of ",
-                    values.size(1), " cannot fill ", out.numel(), " values");
+                     values.size(1), " cannot fill ", out.numel(), " values");
         decode(in, out, multiply);
         bump(out);
       },

@@ -1,5 +1,6 @@
-"""The code stays in small pieces (no class over 400 lines, no function over 80) and no module
-defines a name twice (the later definition would silently replace the first)."""
+"""The code stays in small pieces (no class over 400 lines, no function over 80), no module
+defines a name twice (the later definition would silently replace the first), and the
+kernels' argument checks build their messages themselves (csrc/check.h)."""
 import importlib.util
 import pathlib
 
@@ -48,3 +49,14 @@ def test_no_module_defines_a_name_twice():
 def test_a_name_defined_twice_is_found(tmp_path):
     (tmp_path / "twice.py").write_text("def f():\n    pass\n\n\ndef f():\n    pass\n")
     assert _redefined(tmp_path / "twice.py", tmp_path) == ["twice.py:5 f"]
+
+
+def test_the_extension_checks_arguments_with_its_own_messages():
+    """TORCH_CHECK with several message parts crashed a GPU machine's interpreter instead of
+    raising (csrc/check.h): every check in csrc is SAPIPE_CHECK, which formats its own."""
+    sources = [p for p in (ROOT / "csrc").iterdir() if p.suffix in {".h", ".cuh", ".cpp", ".cu"}]
+    assert len(sources) > 10
+    uses = [f"{p.name}:{n}" for p in sources if p.name != "check.h"
+            for n, line in enumerate(p.read_text().splitlines(), 1) if "TORCH_CHECK" in line]
+    assert uses == []
+
