@@ -63,9 +63,11 @@ def _report(jobs, failed):
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the jobs are forked")
 def test_jobs_that_end_without_close_exit_0_every_time():
-    jobs = _run("--runs", "200", "--endings", "destroy,neither")
-    assert [job["ending"] for job in jobs].count("destroy") == 100
-    assert [job["ending"] for job in jobs].count("neither") == 100
+    """120 jobs, half ending in ``destroy_process_group()`` without ``close()``, half in
+    neither: before sapipe closed live optimizers at exit, 109 of 200 such jobs aborted."""
+    jobs = _run("--runs", "120", "--endings", "destroy,neither")
+    assert [job["ending"] for job in jobs].count("destroy") == 60
+    assert [job["ending"] for job in jobs].count("neither") == 60
     failed = [job for job in jobs if any(_crashed(rank) for rank in job["ranks"])]
     assert not failed, _report(jobs, failed)
 
