@@ -7,11 +7,11 @@
 //
 // The 16-bit conversions are written out with integer and float operations the vectoriser
 // handles (no F16C, no library calls), rounding to nearest even as torch's conversions do;
-// round-half-even of the int8 quotient is the add-and-subtract of 1.5 * 2^(mantissa bits),
-// exact for the |x| <= 128 it is used on. Rounding rules: csrc/codec.h. Per-element choices
-// are bit masks (`pick`), not branches: GCC keeps a choice between a float result and
-// another value as a branch (a float operation must not be moved where it might trap) and
-// then does not vectorise the loop.
+// round-half-even of the int8 quotient is the rounding instruction, or in the baseline build
+// the add-and-subtract of 1.5 * 2^(mantissa bits) (round_half_even). Rounding rules:
+// csrc/codec.h. Per-element choices are bit masks (`pick`), not branches: GCC keeps a choice
+// between a float result and another value as a branch (a float operation must not be moved
+// where it might trap) and then does not vectorise the loop.
 //
 // Include cpu_codec_types.h, <cmath>, <cstring> and <type_traits> before this file, then define
 // SAPIPE_CPU_ISA (and SAPIPE_CODEC_F16C where F16C's conversions may be used: <immintrin.h>).
@@ -127,6 +127,19 @@ constexpr T kRoundMagic = T(12582912.0);  // 1.5 * 2^23
 template <>
 constexpr double kRoundMagic<double> = 6755399441055744.0;  // 1.5 * 2^52
 
+// x rounded half to even, for the |x| <= 128 of an int8 quotient: the rounding instruction
+// where the build has one (SSE4.1 and later: SAPIPE_CODEC_F16C; the rounding mode is the
+// default, nearest even), else adding and subtracting 1.5 * 2^(mantissa bits), which gives
+// the same result without a library call.
+template <typename T>
+inline T round_half_even(T x) {
+#if defined(SAPIPE_CODEC_F16C)
+  return std::nearbyint(x);
+#else
+  return (x + kRoundMagic<T>) - kRoundMagic<T>;
+#endif
+}
+
 template <typename T>
 constexpr T kMaxFinite = T(3.4028234663852886e38);
 template <>
@@ -227,12 +240,12 @@ inline void quantize_block_i8(const T* __restrict v, int64_t count, AbsBits<T> m
   if (!residual) {  // one loop: no rounded values to keep for the residual
     SAPIPE_CODEC_SIMD
     for (int64_t i = 0; i < kCodecBlock; ++i)
-      q[i] = static_cast<int8_t>(static_cast<int32_t>((v[i] * inverse + kRoundMagic<T>) - kRoundMagic<T>));
+      q[i] = static_cast<int8_t>(static_cast<int32_t>(round_half_even(v[i] * inverse)));
     return;
   }
   alignas(64) T r[kCodecBlock];
   SAPIPE_CODEC_SIMD
-  for (int64_t i = 0; i < kCodecBlock; ++i) r[i] = (v[i] * inverse + kRoundMagic<T>) - kRoundMagic<T>;
+  for (int64_t i = 0; i < kCodecBlock; ++i) r[i] = round_half_even(v[i] * inverse);
   SAPIPE_CODEC_SIMD
   for (int64_t i = 0; i < kCodecBlock; ++i) q[i] = static_cast<int8_t>(static_cast<int32_t>(r[i]));
   if (count == kCodecBlock) residual_i8(v, r, T(s), kCodecBlock, residual);  // a fixed trip count
@@ -406,16 +419,48 @@ inline AbsBits<T> scaled_block_max(const X* __restrict x, T s, bool add, T* __re
   return m;
 }
 
-// v[0:span] = the sum of in's int8 rows over the tile at `lo` (+ residual[0:span]), and each
-// block's max_bits, found in the last pass (the last row's, or the residual's: x * 1 is x).
+// out[0:kCodecBlock] = x0 * s0 + x1 * s1, the first two rows of a sum in one pass (the same
+// two roundings as one row after the other); with `max_bits`, the bits of the block's
+// max|out| there too.
+template <typename T>
+inline void scaled_pair_block(const int8_t* __restrict x0, T s0, const int8_t* __restrict x1, T s1,
+                              T* __restrict out, AbsBits<T>* max_bits) {
+  if (!max_bits) {
+    SAPIPE_CODEC_SIMD
+    for (int64_t i = 0; i < kCodecBlock; ++i) out[i] = static_cast<T>(x0[i]) * s0 + static_cast<T>(x1[i]) * s1;
+    return;
+  }
+  AbsBits<T> m = 0;
+  SAPIPE_CODEC_SIMD_MAX
+  for (int64_t i = 0; i < kCodecBlock; ++i) {
+    out[i] = static_cast<T>(x0[i]) * s0 + static_cast<T>(x1[i]) * s1;
+    const auto a = abs_bits(out[i]);
+    m = a > m ? a : m;
+  }
+  *max_bits = m;
+}
+
+// v[0:span] = the sum of in's int8 rows over the tile at `lo` in row order (+ residual[0:span]),
+// and each block's max_bits, found in the last pass (the last row's, or the residual's: x * 1
+// is x). The first two rows are added in one pass.
 template <typename T>
 inline void sum_tile_i8(const CodecRowsIn& in, int64_t lo, int64_t span, const T* residual, T* __restrict v,
                         AbsBits<T>* max_bits) {
   const int64_t blocks = span / kCodecBlock;
   const auto row = [&](int64_t r) { return static_cast<const int8_t*>(in.values) + r * in.stride + lo; };
   const auto scales = [&](int64_t r) { return in.scales + r * in.scale_stride + lo / kCodecBlock; };
-  const int64_t summed = residual ? in.rows : in.rows - 1;  // rows added before the last pass
-  for (int64_t r = 0; r < summed; ++r) {
+  const int64_t passes = in.rows + (residual ? 1 : 0);  // each row in turn, then the residual
+  int64_t r = 0;
+  if (in.rows >= 2) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = b * kCodecBlock;
+      scaled_pair_block(row(0) + at, static_cast<T>(scales(0)[b]), row(1) + at, static_cast<T>(scales(1)[b]),
+                        v + at, passes == 2 ? max_bits + b : nullptr);
+    }
+    if (passes == 2) return;
+    r = 2;
+  }
+  for (; r < in.rows - (residual ? 0 : 1); ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
       scaled(row(r) + b * kCodecBlock, static_cast<T>(scales(r)[b]), kCodecBlock, r > 0, v + b * kCodecBlock);
     }
@@ -428,7 +473,7 @@ inline void sum_tile_i8(const CodecRowsIn& in, int64_t lo, int64_t span, const T
   }
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t at = b * kCodecBlock;
-    max_bits[b] = scaled_block_max(row(summed) + at, static_cast<T>(scales(summed)[b]), summed > 0, v + at);
+    max_bits[b] = scaled_block_max(row(r) + at, static_cast<T>(scales(r)[b]), r > 0, v + at);
   }
 }
 
