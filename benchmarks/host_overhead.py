@@ -10,6 +10,10 @@ rounds of (sapipe's median step − torch's), per iteration and per layer.
 
     python benchmarks/host_overhead.py [--rounds 7] [--steps 40] [--compressions bf16,int8] [--device cuda]
 
+The same model in torch's ``DistributedDataParallel`` (its default, and with
+``gradient_as_bucket_view=True``) is timed the same way, so that sapipe's cost reads against
+the peer's own (``--no-ddp`` leaves it out).
+
 ``--compressions`` adds k = m with each wire format (``compression=``): the codec's host cost
 per bucket (its passes, the two collectives and the worker thread's hand-over), one rank.
 ``--device cuda`` runs the same on a GPU (one NCCL rank): its kernels are too small to keep
@@ -33,10 +37,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--compressions", default="", help="comma-separated formats to add at k = m (bf16,int8,fp16)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--no-ddp", dest="ddp", action="store_false",
+                   help="leave out the peer rows: torch's DDP (default, and with gradient_as_bucket_view=True)")
     args = p.parse_args()
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     import bench_models
     import sapipe
@@ -66,14 +73,18 @@ def main() -> None:
     plain = make()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"torch {torch.__version__}, {where}, one thread; {args.rounds} rounds of {args.steps} steps")
-    print("| sapipe | layers | torch alone ms | sapipe − torch, ms per iteration | per layer, µs |")
+    print("| wrapper | layers | torch alone ms | wrapper − torch, ms per iteration | per layer, µs |")
     print("| --- | ---: | ---: | ---: | ---: |")
     m = len(bench_models.describe_layers(plain[0], x))  # sapipe's layers, by its own rule
-    cases = [("k = 0", 0, None), ("k = m", m, None)]
-    cases += [(f"k = m, {c}", m, c) for c in filter(None, args.compressions.split(","))]
-    for label, k, compression in cases:
+    cases = [("sapipe, k = 0", 0, None), ("sapipe, k = m", m, None)]
+    cases += [(f"sapipe, k = m, {c}", m, c) for c in filter(None, args.compressions.split(","))]
+    cases += [("DDP", None, False), ("DDP, gradient_as_bucket_view", None, True)] if args.ddp else []
+    for label, k, setting in cases:
         model, base = make()
-        opt = sapipe.DistributedOptimizer(base, model, stale_layers=k, compression=compression)
+        if k is None:  # the peer: torch's DDP around the same model, stepping the same optimizer
+            model, opt = DDP(model, gradient_as_bucket_view=setting), base
+        else:
+            opt = sapipe.DistributedOptimizer(base, model, stale_layers=k, compression=setting)
         alone, extra = [], []
         for _ in range(args.rounds):
             a = median_step(*plain)
@@ -81,7 +92,8 @@ def main() -> None:
             alone.append(a)
         cost = statistics.median(extra)
         print(f"| {label} | {m} | {statistics.median(alone) * 1e3:.2f} | {cost * 1e3:.2f} | {cost / m * 1e6:.1f} |")
-        opt.close()
+        if k is not None:
+            opt.close()
     dist.destroy_process_group()
 
 

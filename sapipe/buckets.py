@@ -113,6 +113,7 @@ class Bucket:
     def __init__(self, index: int, layers: Sequence[Layer], stale: bool, group_of: Dict[int, int]):
         self.index = index
         self.layers = list(layers)
+        self.first_layer = min(layer.index for layer in self.layers)  # the first to run forward
         self.stale = stale
         params = [p for layer in self.layers for p in layer.params]
         # Stable sort by param group: each group becomes one contiguous segment.
@@ -144,6 +145,8 @@ class Bucket:
         self.num_ready = 0
         self.pending_update = None  # hyper-parameter snapshot of a deferred sync update
         self._views: List[Tuple[Tensor, List[Tensor]]] = []  # per flat buffer: its per-parameter views
+        # per-parameter views of where this iteration's gradients go, set by its first one
+        self.intake: List[List[Tensor]] = []
 
     @property
     def nbytes(self) -> int:

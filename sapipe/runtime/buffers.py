@@ -10,14 +10,17 @@ after it does not. This class follows the same rule, so the buffers every forwar
 DDP's.
 
 The broadcast is coalesced (one collective per dtype and device) and runs on sapipe's
-control group, so it never queues behind gradient traffic. Buffers are read from the model
-each time, since a module may replace them. Their autograd version counters are kept, as DDP
-keeps them, so a graph that saved a buffer (an evaluation-mode BatchNorm under autograd) can
-still run backward after the next forward's broadcast.
+control group, so it never queues behind gradient traffic. Buffers are read from their
+modules each time, since a module may replace them (DDP takes the tensors once); the modules
+are the model's at construction, listed once, since walking the module tree before every
+forward costs a model of many layers more host time than the rest of the check. Their
+autograd version counters are kept, as DDP keeps them, so a graph that saved a buffer (an
+evaluation-mode BatchNorm under autograd) can still run backward after the next forward's
+broadcast.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Set
 
 import torch
 from torch import nn
@@ -32,7 +35,7 @@ class BufferBroadcast:
     """
 
     def __init__(self, model: nn.Module, control, accumulating: Callable[[], bool]):
-        self._model = model
+        self._modules = list(model.modules())
         self._control = control
         self._accumulating = accumulating
         self._due = True  # DDP's require_forward_param_sync starts True
@@ -46,10 +49,21 @@ class BufferBroadcast:
     def before_forward(self) -> None:
         if not self._due:
             return
-        buffers = list(self._model.buffers())
+        buffers = self._buffers()
         if buffers:
             with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):  # noqa: SLF001 - as DDP does
                 self._control.broadcast(buffers, "the model's buffers")
+
+    def _buffers(self) -> List[torch.Tensor]:
+        """Each buffer of the model's modules once, in ``model.buffers()``'s order."""
+        seen: Set[int] = set()
+        found = []
+        for module in self._modules:
+            for buffer in module._buffers.values():  # noqa: SLF001 - what named_buffers() reads
+                if buffer is not None and id(buffer) not in seen:
+                    seen.add(id(buffer))
+                    found.append(buffer)
+        return found
 
     def after_forward(self) -> None:
         self._due = torch.is_grad_enabled() and not self._accumulating()

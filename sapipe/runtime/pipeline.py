@@ -62,7 +62,9 @@ class GradientPipeline:
         self.waited = 0.0  # seconds this iteration waited for all-reduces so far
         self.waited_total = 0.0  # seconds waited since construction
         self._next_launch = 0
-        # (parameter, its .grad, that tensor's version) as each gradient was taken in
+        # With expose_gradients=False: (parameter, its .grad, that tensor's version) as each
+        # gradient was taken in, for check_gradients_untouched
+        self._keeps_taken = not settings.expose_gradients
         self._taken: List[Tuple[torch.Tensor, torch.Tensor, int]] = []
         self._missing: Dict[int, List[int]] = {}  # bucket index -> parameters flush found without a gradient
 
@@ -113,14 +115,17 @@ class GradientPipeline:
                 "sapipe: a parameter received a second gradient before step(). For gradient "
                 "accumulation, run every backward but the last inside `with opt.no_sync():`"
             )
-        if bucket.num_ready == 0 and bucket.pending_update is not None:
-            self._before_reuse(bucket)
+        if bucket.num_ready == 0:  # the bucket's first gradient of this iteration
+            if bucket.pending_update is not None:
+                self._before_reuse(bucket)
+            bucket.intake = [bucket.param_views(t) for t in self.gradient_targets(bucket, iteration)]
         grad = param.grad
-        for target in self.gradient_targets(bucket, iteration):  # the 2nd read hits cache
-            bucket.param_views(target)[i].copy_(grad)
+        for views in bucket.intake:  # the 2nd read hits cache
+            views[i].copy_(grad)
         bucket.ready[i] = True
         bucket.num_ready += 1
-        self._taken.append((param, grad, grad._version))
+        if self._keeps_taken:
+            self._taken.append((param, grad, grad._version))
         if self.timer is not None:
             self.timer.gradient_released(self.layout.layer_of[id(param)])
         if bucket.num_ready == len(bucket.params):
@@ -148,7 +153,7 @@ class GradientPipeline:
         missing = bucket.grads.unused_here[slot] = self._missing.pop(bucket.index, [])
         unused.write_flags(bucket.grads.flags[slot], missing)  # they travel behind the gradient
         # Priority: the forward index of the bucket's first layer (needed soonest when lowest).
-        what, priority = f"{bucket.describe()} of iteration {iteration}", min(layer.index for layer in bucket.layers)
+        what, priority = f"{bucket.describe()} of iteration {iteration}", bucket.first_layer
         codec = bucket.grads.codec
         if codec is None:
             bucket.grads.in_flight[slot] = backend.start(bucket.grads.wire[slot], what, priority=priority)
