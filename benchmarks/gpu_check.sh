@@ -46,9 +46,9 @@ compression_cost() {
     --compressions bf16,int8 --fused-only --rounds 8 --output "$OUT/compression_cost_cuda.md" \
     >"$OUT/compression_cost.log" 2>&1 || status=1
   tail -12 "$OUT/compression_cost.log"
-  echo "== sapipe's host time per iteration (107 tiny layers, one NCCL rank: the step is the host's)"
+  echo "== sapipe's host time per iteration, and DDP's (107 tiny layers, one NCCL rank: the step is the host's)"
   $PY benchmarks/host_overhead.py --device cuda --compressions bf16,int8 >"$OUT/host_overhead.md" 2>&1 || status=1
-  tail -6 "$OUT/host_overhead.md"
+  tail -8 "$OUT/host_overhead.md"
 }
 if [ "${1:-}" = compression ]; then
   echo "== the codec's bandwidth"
