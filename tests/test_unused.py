@@ -297,6 +297,36 @@ def test_broadcast_buffers_equals_ddp(broadcast):
     assert (evals_differ == 0) if broadcast else (evals_differ > 1e-3)
 
 
+def _replaced_buffer(rank, world_size):
+    import sapipe
+
+    torch.manual_seed(0)
+    model = NormNet()
+    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model)
+    # after construction each rank replaces the tensor (not its values) of a buffer, and adds
+    # one to a module that had none: the replacement is what rank 0 sends
+    model.bn.running_mean = torch.full((10,), 10.0 + rank)
+    model.fc1.register_buffer("seen", torch.full((2,), float(rank)))
+    torch.manual_seed(1)  # the same batch on both ranks: their running means then move alike
+    opt.zero_grad()
+    F.mse_loss(model(torch.randn(8, 6)), torch.zeros(8, 3)).backward()
+    opt.step()
+    opt.close()
+    return {"running_mean": model.bn.running_mean.clone(), "seen": model.fc1.seen.clone()}
+
+
+def test_a_replaced_buffer_is_the_one_broadcast():
+    """The buffers are read from their modules before each broadcast (docs/design.md §3.9):
+    a buffer a module replaced after construction reaches the other ranks as rank 0's; the
+    modules are the model's at construction, whose own buffer tables are read each time."""
+    out = run_ranks(_replaced_buffer, world_size=2)
+    # rank 0's 10.0 reached rank 1 before the forward; the same batch then moved both alike
+    # (rank 1 keeping its own 11.0 would leave it 0.9 above rank 0)
+    assert (out[0]["running_mean"] == out[1]["running_mean"]).all(), [r["running_mean"] for r in out]
+    for rank, r in enumerate(out):
+        assert (r["seen"] == 0.0).all(), f"rank {rank}: a buffer added to a module's table was not broadcast"
+
+
 # ------------------------------------------------------------------ checkpoints keep what §3.9 needs
 
 RESUME_CASES = [("adamw", 3, "dc", 2, 1), ("adamw", 5, "wp1", 1, 0), ("sgd", 0, "none", 1, 0)]
