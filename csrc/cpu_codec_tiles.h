@@ -11,7 +11,9 @@
 // the add-and-subtract of 1.5 * 2^(mantissa bits) (round_half_even). Rounding rules:
 // csrc/codec.h. Per-element choices are bit masks (`pick`), not branches: GCC keeps a choice
 // between a float result and another value as a branch (a float operation must not be moved
-// where it might trap) and then does not vectorise the loop.
+// where it might trap) and then does not vectorise the loop. The AVX-512 and AVX2 builds
+// replace two int8 loops that GCC vectorises poorly with intrinsics of the same bits
+// (cpu_codec_simd.h).
 //
 // Include cpu_codec_types.h, <cmath>, <cstring> and <type_traits> before this file, then define
 // SAPIPE_CPU_ISA (and SAPIPE_CODEC_F16C where F16C's conversions may be used: <immintrin.h>).
@@ -204,6 +206,8 @@ inline AbsBits<T> block_max_bits(const T* __restrict v) {
   return m;
 }
 
+#include "cpu_codec_simd.h"  // the AVX-512 / AVX2 builds' int8 loops (SAPIPE_CODEC_INT8_SIMD)
+
 // One int8 block, given the bits of its max|v| (block_max_bits): its scale and kCodecBlock
 // values; residual[0:count] updated (when given). Simple loops over the block, each one the
 // vectoriser turns into plain vector code: the rounded quotients, their narrowing to int8,
@@ -238,6 +242,12 @@ inline void quantize_block_i8(const T* __restrict v, int64_t count, AbsBits<T> m
   const T inverse = T(1) / T(s);
   *scale = s;
   if (!residual) {  // one loop: no rounded values to keep for the residual
+#if defined(SAPIPE_CODEC_INT8_SIMD)
+    if constexpr (std::is_same_v<T, float>) {
+      quantize_block_i8_simd(v, inverse, q);
+      return;
+    }
+#endif
     SAPIPE_CODEC_SIMD
     for (int64_t i = 0; i < kCodecBlock; ++i)
       q[i] = static_cast<int8_t>(static_cast<int32_t>(round_half_even(v[i] * inverse)));
@@ -425,6 +435,13 @@ inline AbsBits<T> scaled_block_max(const X* __restrict x, T s, bool add, T* __re
 template <typename T>
 inline void scaled_pair_block(const int8_t* __restrict x0, T s0, const int8_t* __restrict x1, T s1,
                               T* __restrict out, AbsBits<T>* max_bits) {
+#if defined(SAPIPE_CODEC_INT8_SIMD)
+  if constexpr (std::is_same_v<T, float>) {
+    const int32_t m = pair_block_i8_simd(x0, s0, x1, s1, out);
+    if (max_bits) *max_bits = m;
+    return;
+  }
+#endif
   if (!max_bits) {
     SAPIPE_CODEC_SIMD
     for (int64_t i = 0; i < kCodecBlock; ++i) out[i] = static_cast<T>(x0[i]) * s0 + static_cast<T>(x1[i]) * s1;

@@ -15,6 +15,7 @@
 #pragma GCC target("avx2,f16c")
 #define SAPIPE_CPU_ISA avx2
 #define SAPIPE_CODEC_F16C 1
+#define SAPIPE_CODEC_AVX2 1  // cpu_codec_simd.h
 #include "cpu_codec_tiles.h"
 #pragma GCC pop_options
 #endif
