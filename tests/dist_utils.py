@@ -1,14 +1,18 @@
-"""Run a function on N real Gloo ranks (spawned processes) and collect what each returns.
+"""Run a function on N real Gloo ranks (processes of their own) and collect what each returns.
 
-Each rank is a fresh interpreter (spawn start method: forking a process that already ran
-OpenMP regions can deadlock), initialises a real ``torch.distributed`` Gloo group on
-loopback, and sends back a picklable result (tensors are converted to numpy). A rank that
-raises sends its traceback, and the test fails with it; a rank that hangs is killed at
-the deadline, so no test can hang CI.
+Each rank is a new process forked from multiprocessing's fork server, which has imported
+torch and nothing else and never computed (forking a process that already ran OpenMP
+regions can deadlock): a fresh interpreter's state without its 3 s of imports, which made
+most of the suite's time. Each rank takes the parent's environment as it is at the call
+(the server's is from its start) and a fresh NumPy seed (a fork would share the server's),
+initialises a real ``torch.distributed`` Gloo group on loopback, and sends back a picklable
+result (tensors are converted to numpy). A rank that raises sends its traceback, and the
+test fails with it; a rank that hangs is killed at the deadline, so no test can hang CI.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -41,13 +45,17 @@ def to_numpy(obj: Any) -> Any:
     return obj
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results,
-            backend: str = "gloo") -> None:
+def _worker(rank: int, world_size: int, port: int, call: bytes, results, backend: str, environ: dict) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.clear()  # the parent's environment now, not the fork server's from its start
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    np.random.seed()  # as a new interpreter's, from the OS
     torch.set_num_threads(1)
     try:
+        # fn and args unpickled only now: the modules they import (sapipe, the test's) read
+        # this environment, as they would in a new interpreter started with it
+        fn, args = pickle.loads(call)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
         out = fn(rank, world_size, *args)
         results.put((rank, to_numpy(out), None))
@@ -61,6 +69,14 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
                 pass
 
 
+def _context():
+    """The fork server's context; it imports what every rank imports (torch, and the
+    torch._dynamo that torch's optimizers import on first use) once."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+    return ctx
+
+
 def run_ranks(
     fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 180.0,
     allow_missing: Optional[List[int]] = None, backend: str = "gloo",
@@ -70,11 +86,12 @@ def run_ranks(
     ``allow_missing``: ranks that are expected to die without returning (failure tests);
     their entry is None. ``backend``: the process group's (``"nccl"`` needs a GPU per rank).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
+    call = pickle.dumps((fn, args))
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, backend), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, call, results, backend, dict(os.environ)), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

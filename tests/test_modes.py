@@ -128,7 +128,7 @@ def test_mode_matches_reference(kind, config):
 def _without_kernels(kind: str):
     """The ranks with ``SAPIPE_DISABLE_EXT=1``: the pure-PyTorch kernels (``ops.reference_*``),
     which also run wherever the compiled ones take no tensor (16-bit weights on the CPU)."""
-    os.environ["SAPIPE_DISABLE_EXT"] = "1"  # read when the spawned ranks import sapipe
+    os.environ["SAPIPE_DISABLE_EXT"] = "1"  # read when the ranks import sapipe (dist_utils)
     try:
         return run_ranks(_train, world_size=2, args=(kind, CONFIGS), timeout=300)
     finally:
