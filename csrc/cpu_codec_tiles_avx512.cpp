@@ -9,8 +9,9 @@
 #include <type_traits>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-// GCC 12's AVX-512 intrinsics pass a self-initialised "undefined" vector that -Wall reports
-// as maybe uninitialised where they are inlined (GCC bug 105593, fixed in GCC 13).
+// GCC 12's AVX-512 intrinsics pass a self-initialised "undefined" vector as the unused
+// merge source, which -Wall then reports as maybe uninitialised wherever they are inlined:
+// a false positive, silenced for these headers only.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
