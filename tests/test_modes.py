@@ -87,7 +87,8 @@ def _train(rank: int, world_size: int, kind: str, configs, options=None, device:
             lr_ramp_steps=ramp, bucket_cap_mb=0.0008, timeout=60, **(options or {}),
         )
         real, held = train_and_read(model, opt, batches, rank, device)
-        results.append({"real": real, "held": held, "buckets": len(opt.buckets)})
+        results.append({"real": real, "held": held, "buckets": len(opt.buckets),
+                        "compiled_kernels": sapipe._ext.cpu is not None})
         opt.close()
     return results
 
@@ -139,6 +140,7 @@ def _without_kernels(kind: str):
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_the_pytorch_kernels_match_the_reference_too(kind, config):
     per_rank = _without_kernels(kind)
+    assert not any(per_rank[r][0]["compiled_kernels"] for r in range(2)), "the ranks did not see SAPIPE_DISABLE_EXT"
     check_against_reference(kind, config, [per_rank[r][CONFIGS.index(config)] for r in range(2)])
 
 
