@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .bucket_layout import bucket_layout
+from .compression import intake_views
 from .errors import ConfigurationError, UnsupportedOptimizerError
 from .layers import Layer
 from .optim_math import SegmentState
@@ -145,6 +146,7 @@ class Bucket:
         self.num_ready = 0
         self.pending_update = None  # hyper-parameter snapshot of a deferred sync update
         self._views: List[Tuple[Tensor, List[Tensor]]] = []  # per flat buffer: its per-parameter views
+        self._message_views: Dict[int, List[object]] = {}  # per slot: each parameter's place in its messages
         # per-parameter views of where this iteration's gradients go, set by its first one
         self.intake: List[List[Tensor]] = []
 
@@ -161,6 +163,16 @@ class Bucket:
                 return views
         views = [flat[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
         self._views.append((flat, views))
+        return views
+
+    def message_views(self, slot: int) -> List[object]:
+        """Each parameter's place in slot ``slot``'s outgoing compressed messages, where the
+        bucket's codec ``encodes_on_intake`` (sapipe.compression.intake_views): made once per
+        slot, as :meth:`param_views`."""
+        views = self._message_views.get(slot)
+        if views is None:
+            assert self.grads is not None and self.grads.codec is not None
+            views = self._message_views[slot] = intake_views(self.grads.codec, slot, self.offsets, self.params)
         return views
 
     def describe(self) -> str:

@@ -27,6 +27,11 @@ Formats (docs/design.md §5.9):
   the kernels and their reference round alike) and arrives as q · s (a sum: as q · (s / W),
   its mean).
 
+Without error feedback, ``fp16`` and ``bf16`` round each value alone, as torch's cast does:
+backward's hook then copies each gradient straight into the outgoing messages, cast as it
+goes (:attr:`BucketCodec.encodes_on_intake`, :func:`intake_views`), and stage 1 only adds
+the flags, sparing the bucket's float32 copy and the encode's pass over it.
+
 **Error feedback** (on by default for int8, ``error_feedback=`` turns it on or off for any
 format) keeps what rounding dropped: rank r sends v = g + e and keeps e ← v − decoded(v)
 for its next gradient of the bucket (the worker residual); the rank that sums a shard does
@@ -194,15 +199,41 @@ class BucketCodec:
 
     # ---------------------------------------------------------------- the two stages
 
-    def scatter_messages(self, wire: Tensor, slot: int) -> Tensor:
-        """Stage 1's outgoing bytes: ``wire`` (values then flags) as W messages, one per shard."""
+    def scatter_messages(self, wire: Tensor, slot: int, encoded: bool = False) -> Tensor:
+        """Stage 1's outgoing bytes: ``wire`` (values then flags) as W messages, one per shard.
+        ``encoded``: backward already wrote the values into the messages (:meth:`intake_pieces`),
+        so only the flags are added."""
         numel = self.format.numel
         self._flags_in.copy_(wire[numel:])
         out = self._outbox_views[slot]
         out.flags.copy_(self._flags_rows)
-        # 16-bit: a node's sum travels as its mean over the node's ranks, in range as one rank's is
-        codec_kernels.encode(wire[:numel], self.residual, out.values, out.scales, divide=self.ranks_per_message)
+        if not encoded:
+            # 16-bit: a node's sum travels as its mean over the node's ranks, in range as one rank's is
+            codec_kernels.encode(wire[:numel], self.residual, out.values, out.scales, divide=self.ranks_per_message)
         return self.outbox[slot]
+
+    @property
+    def encodes_on_intake(self) -> bool:
+        """Whether backward's gradients can go straight into the outgoing messages, cast as they
+        are copied, instead of into the bucket for stage 1 to encode: fp16 and bf16 without
+        error feedback, each rank's own gradient (not a node's sum to divide). Each value is then
+        rounded alone, as torch's cast rounds it, bit for bit the encode's (docs/design.md §5.9)."""
+        kind = self.compression.kind
+        return kind in _HALF and not self.compression.error_feedback and self.ranks_per_message == 1
+
+    def intake_pieces(self, slot: int, start: int, numel: int) -> List[Tuple[int, int, Tensor]]:
+        """Where bucket values [start, start + numel) lie in slot ``slot``'s outgoing messages
+        (:attr:`encodes_on_intake` formats): (lo, hi, view) per message they reach, values
+        [start + lo, start + hi) going to ``view``."""
+        shard, values = self.format.shard, self._outbox_views[slot].values
+        pieces = []
+        at = start
+        while at < start + numel:
+            row, column = divmod(at, shard)
+            take = min(start + numel - at, shard - column)
+            pieces.append((at - start, at - start + take, values[row, column : column + take]))
+            at += take
+        return pieces
 
     def gather_message(self, slot: int) -> Tensor:
         """Stage 2's outgoing bytes: the W messages received for this rank's shard, summed in
@@ -225,9 +256,10 @@ class BucketCodec:
         codec_kernels.decode(gathered.values, gathered.scales, wire[: fmt.numel])  # 16-bit: the mean as sent
         wire[fmt.numel :].copy_(gathered.flags.reshape(-1)[: fmt.nflags])
 
-    def at(self, slot: int) -> "SlotCodec":
-        """This codec bound to staleness slot ``slot``'s scratch bytes, for one sum."""
-        return SlotCodec(self, slot)
+    def at(self, slot: int, encoded: bool = False) -> "SlotCodec":
+        """This codec bound to staleness slot ``slot``'s scratch bytes, for one sum
+        (``encoded``: its values were written into the messages on intake)."""
+        return SlotCodec(self, slot, encoded)
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -253,13 +285,14 @@ class SlotCodec:
 
     codec: BucketCodec
     slot: int
+    encoded: bool = False  # backward wrote the values into the messages already (intake_pieces)
 
     @property
     def format(self) -> WireFormat:
         return self.codec.format
 
     def scatter_messages(self, wire: Tensor) -> Tensor:
-        return self.codec.scatter_messages(wire, self.slot)
+        return self.codec.scatter_messages(wire, self.slot, self.encoded)
 
     def inbox(self) -> Tensor:
         return self.codec.inbox[self.slot]
@@ -277,6 +310,35 @@ class SlotCodec:
         """The units summed one by one: [start, end) of the wire and the unit's codec (one: all of it)."""
         fmt = self.format
         return [(0, fmt.numel + fmt.nflags, self)]
+
+
+class SpanningGradient:
+    """Where a parameter's gradient goes when it spans several outgoing messages (a shard's or a
+    partition's end falls inside it): its pieces, each cast-copied into its message. Quacks
+    like the tensor view a parameter within one message gets (``copy_``, ``zero_``)."""
+
+    def __init__(self, pieces: List[Tuple[int, int, Tensor]]):
+        self.pieces = pieces
+
+    def copy_(self, grad: Tensor) -> None:
+        flat = grad.reshape(-1)
+        for lo, hi, view in self.pieces:
+            view.copy_(flat[lo:hi])
+
+    def zero_(self) -> None:
+        for _, _, view in self.pieces:
+            view.zero_()
+
+
+def intake_views(codec: "Codec", slot: int, offsets: List[int], params: List[Tensor]) -> List[object]:
+    """Each parameter's place in ``slot``'s outgoing messages of a codec that
+    ``encodes_on_intake``, for backward to copy its gradient into (cast to the wire's 16 bits):
+    a view shaped like the parameter, or a :class:`SpanningGradient`."""
+    views: List[object] = []
+    for offset, param in zip(offsets, params):
+        pieces = codec.intake_pieces(slot, offset, param.numel())
+        views.append(pieces[0][2].view(param.shape) if len(pieces) == 1 else SpanningGradient(pieces))
+    return views
 
 
 def partition_bounds(numel: int, per_partition: int) -> List[Tuple[int, int]]:
@@ -340,9 +402,25 @@ class PartitionedCodec:
         """Each partition's residual of the sum of its shard this rank sent."""
         return [part.server_residual for part in self.parts]
 
-    def at(self, slot: int) -> "PartitionedSlot":
-        """This codec bound to staleness slot ``slot``'s scratch bytes, for one sum."""
-        return PartitionedSlot(self, slot)
+    def at(self, slot: int, encoded: bool = False) -> "PartitionedSlot":
+        """This codec bound to staleness slot ``slot``'s scratch bytes, for one sum
+        (``encoded``: its values were written into the messages on intake)."""
+        return PartitionedSlot(self, slot, encoded)
+
+    @property
+    def encodes_on_intake(self) -> bool:
+        """As :attr:`BucketCodec.encodes_on_intake` (every partition has the same format)."""
+        return self.parts[0].encodes_on_intake
+
+    def intake_pieces(self, slot: int, start: int, numel: int) -> List[Tuple[int, int, Tensor]]:
+        """As :meth:`BucketCodec.intake_pieces`, across the partitions the values reach."""
+        pieces = []
+        for (lo, hi), part in zip(self.wire_bounds, self.parts):
+            first, end = max(start, lo), min(start + numel, hi, lo + part.format.numel)
+            if first < end:
+                pieces += [(first - start + a, first - start + b, view)
+                           for a, b, view in part.intake_pieces(slot, first - lo, end - first)]
+        return pieces
 
     def state_dict(self) -> Dict[str, object]:
         return {"residual": _clone(self.residual), "server_residuals": [_clone(r) for r in self.server_residuals]}
@@ -370,10 +448,12 @@ class PartitionedSlot:
 
     codec: PartitionedCodec
     slot: int
+    encoded: bool = False  # backward wrote the values into the messages already (intake_pieces)
 
     def partitions(self) -> List[Tuple[int, int, SlotCodec]]:
         """[start, end) of each partition in the wire, and its codec bound to this slot."""
-        return [(lo, hi, part.at(self.slot)) for (lo, hi), part in zip(self.codec.wire_bounds, self.codec.parts)]
+        return [(lo, hi, part.at(self.slot, self.encoded))
+                for (lo, hi), part in zip(self.codec.wire_bounds, self.codec.parts)]
 
 
 class NodeFirstCodec:
@@ -394,6 +474,7 @@ class NodeFirstCodec:
     """
 
     residual = None
+    encodes_on_intake = False  # the node's sum is taken at full precision first
 
     def __init__(self, compression: Compression, numel: int, nflags: int, nodes: int, node_size: int,
                  dtype: torch.dtype, device: torch.device, slots: int = 1):
@@ -506,5 +587,5 @@ def _clone(tensor: Optional[Tensor]) -> Optional[Tensor]:
 
 
 __all__ = ["COMPRESSIONS", "INT8_BLOCK", "Codec", "Compression", "WireFormat", "BucketCodec", "SlotCodec",
-           "NodeFirstCodec", "NodeFirstSlot", "PartitionedCodec", "PartitionedFormat", "PartitionedSlot", "Slot", "make_codec", "partition_bounds",
-           "validate", "wire_constants"]
+           "NodeFirstCodec", "NodeFirstSlot", "PartitionedCodec", "PartitionedFormat", "PartitionedSlot", "Slot",
+           "SpanningGradient", "intake_views", "make_codec", "partition_bounds", "validate", "wire_constants"]

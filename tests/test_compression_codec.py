@@ -146,3 +146,42 @@ def test_node_first_shards_cover_small_buckets(node_size, numel):
     back = torch.zeros_like(wire)
     codec.unpack(rows, back)
     assert torch.equal(back, wire)
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("partition", [None, 37], ids=["bucket", "partitions"])
+def test_gradients_written_on_intake_make_the_bytes_the_encode_makes(kind, dtype, partition):
+    """fp16/bf16 without error feedback: backward's copy of each gradient straight into the
+    outgoing messages (cast as it is copied; parameters spanning a shard's or a partition's
+    end in pieces) leaves every message byte as stage 1's encode of the filled bucket, and
+    the untouched padding zero. Sizes put shard and partition ends inside parameters."""
+    from sapipe.compression import PartitionedCodec, SpanningGradient, intake_views
+
+    world, shapes = 3, [(7, 5), (13,), (4, 3, 2), (1,), (29,), (2,)]  # 104 values: shards padded
+    params = [torch.empty(shape, dtype=dtype) for shape in shapes]
+    offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
+    numel, nflags = sum(p.numel() for p in params), 4
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(p.shape, generator=gen, dtype=dtype) * 300 for p in params]
+    grads[1][3] = float("inf")  # beyond fp16's range as well as infinite
+    grads[2] = torch.randn((2, 3, 4), generator=gen, dtype=dtype).transpose(0, 2)  # not contiguous
+    wire = torch.cat([g.reshape(-1) for g in grads] + [torch.ones(nflags, dtype=dtype)])
+
+    cpu = torch.device("cpu")
+
+    def codec(compression=Compression.of(kind)):
+        if partition is None:
+            return BucketCodec(compression, numel, nflags, world, dtype, cpu, slots=2)
+        return PartitionedCodec(compression, numel, nflags, world, dtype, cpu, slots=2, per_partition=partition)
+
+    encoded, on_intake = codec(), codec()
+    assert on_intake.encodes_on_intake
+    views = intake_views(on_intake, 1, offsets, params)
+    assert any(isinstance(v, SpanningGradient) for v in views), "no parameter spans two messages"
+    for view, grad in zip(views, grads):
+        view.copy_(grad)
+    for (lo, hi, want), (_, _, got) in zip(encoded.at(1).partitions(), on_intake.at(1, encoded=True).partitions()):
+        assert torch.equal(got.scatter_messages(wire[lo:hi]), want.scatter_messages(wire[lo:hi])), (lo, hi)
+    for other in (Compression.of(kind, error_feedback=True), Compression.of("int8")):  # these must encode
+        assert not codec(other).encodes_on_intake

@@ -113,17 +113,22 @@ def _micro_batches(x, y, t, accumulate):
     return [(x, y), (second, y)]
 
 
-def _train_vs_ddp(rank, world_size, kind, bucket_cap_mb, accumulate=False):
+def _train_vs_ddp(rank, world_size, kind, bucket_cap_mb, accumulate=False, compression=None):
     import sapipe
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     batches = branch_batches(STEPS, world_size)
     ddp_model = branch_net(seed=0)
     ddp = DDP(ddp_model, find_unused_parameters=True)
+    if compression is not None:  # torch's own hook (DDP's check for NCCL bypassed: Gloo sums bf16 too)
+        hook = getattr(default_hooks, f"{compression}_compress_hook")
+        ddp.register_comm_hook(None, lambda group, bucket: hook(group, bucket))
     ddp_opt = make_optimizer(kind, ddp_model.parameters())
     ddp_sched = torch.optim.lr_scheduler.LambdaLR(ddp_opt, lr_factor)
     model = branch_net(seed=rank)  # construction broadcasts rank 0's weights
-    opt = sapipe.DistributedOptimizer(make_optimizer(kind, model.parameters()), model, bucket_cap_mb=bucket_cap_mb)
+    opt = sapipe.DistributedOptimizer(make_optimizer(kind, model.parameters()), model, bucket_cap_mb=bucket_cap_mb,
+                                      compression=compression)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     for t in range(STEPS):
         micro = _micro_batches(*batches[t][rank], t, accumulate)
@@ -152,6 +157,21 @@ def test_unused_parameters_equal_ddp(kind, bucket_cap_mb):
             assert (r["ddp"][name] == r["initial"][name]).all()
         for name in ("sometimes.weight", "mine.weight"):
             assert abs(r["sapipe"][name] - r["initial"][name]).max() > 1e-3, f"{name} must train"
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_unused_and_accumulated_gradients_compressed_equal_ddp_with_torchs_compress_hook(compression):
+    """Gradients backward writes straight into the compressed messages: a parameter no rank
+    used goes as zeros, one accumulated inside no_sync() (whose hook does not fire) as its
+    gradient, as DDP with find_unused_parameters and the same format's compress hook sends
+    them (two ranks: the same roundings, but for fp16's subnormals: DDP's hook halves each
+    rank's fp16 gradient before the sum, sapipe halves the sum, and a halved subnormal loses
+    its last bit)."""
+    atol = {"fp16": 1e-5, "bf16": 1e-6}[compression]
+    for rank, r in enumerate(run_ranks(_train_vs_ddp, world_size=2, args=("adamw", 0.0004, True, compression))):
+        assert_close_dicts(r["sapipe"], r["ddp"], rtol=0, atol=atol, what=f"rank {rank} {compression} vs DDP's hook")
+        for name in ("never.weight", "never.bias"):
+            assert (r["sapipe"][name] == r["initial"][name]).all(), f"rank {rank}: {name} moved"
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])

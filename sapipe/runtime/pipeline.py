@@ -103,6 +103,23 @@ class GradientPipeline:
             return [bucket.local, slot] if mirrors_local(bucket) else [bucket.local]
         return [slot]
 
+    def encodes_on_intake(self, bucket: Bucket, iteration: int) -> bool:
+        """Whether backward writes ``bucket``'s gradients straight into its outgoing compressed
+        messages (the codec's ``encodes_on_intake``: fp16/bf16 without error feedback), so that
+        stage 1 has no encode left. Not where this rank's own l_t is kept (wp1, wp3): l_t
+        must then land in ``bucket.local`` at full precision."""
+        codec = bucket.grads.codec if bucket.grads is not None else None
+        return (codec is not None and codec.encodes_on_intake
+                and not (self.in_pipeline(bucket, iteration) and bucket.local is not None))
+
+    def intake_views(self, bucket: Bucket, iteration: int) -> List[List[object]]:
+        """Per target of backward's gradients of ``bucket``, each parameter's place there (a
+        view shaped like it, or its pieces across messages): the flat buffers of
+        :meth:`gradient_targets`, or the outgoing messages (:meth:`encodes_on_intake`)."""
+        if self.encodes_on_intake(bucket, iteration):
+            return [bucket.message_views(self.slot(bucket, iteration))]
+        return [bucket.param_views(t) for t in self.gradient_targets(bucket, iteration)]
+
     def take(self, param: torch.Tensor, iteration: int) -> None:
         """``param.grad`` of ``iteration`` into its bucket; launch what is complete."""
         if torch.is_grad_enabled():  # backward(create_graph=True): record none of this
@@ -118,7 +135,7 @@ class GradientPipeline:
         if bucket.num_ready == 0:  # the bucket's first gradient of this iteration
             if bucket.pending_update is not None:
                 self._before_reuse(bucket)
-            bucket.intake = [bucket.param_views(t) for t in self.gradient_targets(bucket, iteration)]
+            bucket.intake = self.intake_views(bucket, iteration)
         grad = param.grad
         for views in bucket.intake:  # the 2nd read hits cache
             views[i].copy_(grad)
@@ -158,8 +175,8 @@ class GradientPipeline:
         if codec is None:
             bucket.grads.in_flight[slot] = backend.start(bucket.grads.wire[slot], what, priority=priority)
         else:
-            bucket.grads.in_flight[slot] = backend.start(bucket.grads.wire[slot], what, priority=priority,
-                                                         codec=codec.at(slot))
+            bound = codec.at(slot, encoded=True) if self.encodes_on_intake(bucket, iteration) else codec.at(slot)
+            bucket.grads.in_flight[slot] = backend.start(bucket.grads.wire[slot], what, priority=priority, codec=bound)
         if self.timer is not None:
             self.timer.comm_started(bucket.index, bucket.nbytes, bucket.grads.in_flight[slot])
 
@@ -176,17 +193,16 @@ class GradientPipeline:
         for bucket in self.buckets[self._next_launch :]:
             if bucket.num_ready == 0 and bucket.pending_update is not None:
                 self._before_reuse(bucket)
-            targets = self.gradient_targets(bucket, iteration)
+            targets = self.intake_views(bucket, iteration)
             for i, p in enumerate(bucket.params):
                 if not bucket.ready[i]:
                     if p.grad is None:
                         self._missing.setdefault(bucket.index, []).append(i)
-                    for target in targets:
-                        part = target[bucket.offsets[i] : bucket.offsets[i] + p.numel()]
+                    for views in targets:
                         if p.grad is None:
-                            part.zero_()
+                            views[i].zero_()
                         else:
-                            part.copy_(p.grad.reshape(-1))
+                            views[i].copy_(p.grad)
                     bucket.ready[i] = True
             bucket.num_ready = len(bucket.params)
         self._launch_ready(iteration)

@@ -393,8 +393,10 @@ def compressed(profile: Profile, wire_ratio: float, codec_per_byte: float, codec
 def time_codec(codec, wire: torch.Tensor, repeats: int = 3) -> float:
     """Fastest wall time of one compressed sum's local work on ``wire`` (compress, sum the
     received messages, compress the sum, decode; per partition where the codec has them),
-    without its collectives."""
-    parts = codec.at(0).partitions()
+    without its collectives. A codec that ``encodes_on_intake`` leaves the compression to
+    backward's copy of each gradient (which costs no more than the plain copy), so it is not
+    timed."""
+    parts = (codec.at(0, encoded=True) if codec.encodes_on_intake else codec.at(0)).partitions()
     times = []
     for _ in range(repeats + 1):  # the first run warms caches and the allocator
         if wire.is_cuda:
