@@ -15,7 +15,8 @@
 # `quick` skips the compensation-overhead run (the longest part, ~4 min on an H100).
 # `compression` runs only what the compression needs checked: the build, the codec's CUDA
 # kernels and compressed end-to-end tests, the codec's bandwidth, what a compression costs
-# a compute-bound step and sapipe's host time compressed.
+# a compute-bound step, the 16-bit intake (benchmarks/codec_intake.py) and sapipe's host
+# time compressed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -46,6 +47,9 @@ compression_cost() {
     --compressions bf16,int8 --fused-only --rounds 8 --output "$OUT/compression_cost_cuda.md" \
     >"$OUT/compression_cost.log" 2>&1 || status=1
   tail -12 "$OUT/compression_cost.log"
+  echo "== backward's intake + a 16-bit sum's stage 1: via the float32 bucket, or cast on intake (full-size models)"
+  $PY benchmarks/codec_intake.py --device cuda --size full >"$OUT/codec_intake.md" 2>&1 || status=1
+  tail -8 "$OUT/codec_intake.md"
   echo "== sapipe's host time per iteration, and DDP's (107 tiny layers, one NCCL rank: the step is the host's)"
   $PY benchmarks/host_overhead.py --device cuda --compressions bf16,int8 >"$OUT/host_overhead.md" 2>&1 || status=1
   tail -8 "$OUT/host_overhead.md"
