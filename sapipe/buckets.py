@@ -147,8 +147,9 @@ class Bucket:
         self.pending_update = None  # hyper-parameter snapshot of a deferred sync update
         self._views: List[Tuple[Tensor, List[Tensor]]] = []  # per flat buffer: its per-parameter views
         self._message_views: Dict[int, List[object]] = {}  # per slot: each parameter's place in its messages
-        # per-parameter views of where this iteration's gradients go, set by its first one
-        self.intake: List[List[Tensor]] = []
+        # per target, each parameter's place there (a view, or its pieces across compressed
+        # messages) for this iteration's gradients, set by its first one
+        self.intake: List[List[object]] = []
 
     @property
     def nbytes(self) -> int:
