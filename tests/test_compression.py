@@ -7,6 +7,7 @@
 * At k = 0, ``"fp16"`` / ``"bf16"`` against DDP with torch's own ``fp16_compress_hook`` /
   ``bf16_compress_hook``: the averaged gradient of each step within the formats' rounding,
   while both differ from the uncompressed mean by more than that.
+* fp16 / bf16 without error feedback run no encode on the worker (cast on intake).
 * A checkpoint carries the int8 residuals: the resumed run is bit-identical.
 * Bad input: an unknown format, or one the back-end cannot carry, is refused on every rank.
 """
@@ -191,6 +192,52 @@ def test_auto_models_the_compressed_link_alike_on_every_rank(backend):
     assert results[0] == results[1]
     decided, wire_ratio, codec_per_byte, _ = results[0]
     assert decided and 0.25 < wire_ratio < 0.5 and codec_per_byte > 0  # a quarter, plus scales and (small model) padding
+
+
+def _encodes_per_step(rank, world_size, configs):
+    """For each (compression, compensation, error_feedback): how many times per step the
+    worker ran stage 1's encode (the codec's kernels, counted at the module sapipe calls)."""
+    import sapipe
+    from sapipe import codec_kernels
+
+    calls = []
+    real_encode = codec_kernels.encode
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real_encode(*args, **kwargs)
+
+    codec_kernels.encode = counted
+    counts = []
+    batches = make_batches("tied", STEPS, world_size)
+    for compression, mode, feedback in configs:
+        model = make_model("tied", seed=rank)
+        opt = sapipe.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, stale_layers=3,
+                                          compensation=mode, compression=compression, error_feedback=feedback,
+                                          bucket_cap_mb=0.001)
+        for x, y in (step[rank] for step in batches):
+            opt.zero_grad()
+            loss_fn_for("tied")(model(x), y).backward()
+            opt.step()
+        opt.synchronize()
+        counts.append((len(calls) / STEPS, len(opt.buckets)))
+        calls.clear()
+        opt.close()
+    return counts
+
+
+def test_16_bit_without_error_feedback_encodes_on_intake():
+    """fp16 and bf16 without error feedback reach the wire with no encode on the worker:
+    backward cast them into the messages (docs/design.md §5.9), except the stale buckets whose
+    mode keeps this rank's l_t at full precision (wp1); int8 and error feedback encode every
+    bucket."""
+    configs = [("bf16", "none", None), ("fp16", "wp2", None), ("bf16", "wp1", None), ("bf16", "none", True),
+               ("int8", "none", None)]
+    for rank_counts in run_ranks(_encodes_per_step, world_size=2, args=(configs,)):
+        (bf16, buckets), (fp16, _), (wp1, _), (feedback, _), (int8, _) = rank_counts
+        assert bf16 == 0 and fp16 == 0, rank_counts
+        assert 0 < wp1 < buckets, rank_counts  # the stale buckets after warm-up only
+        assert feedback == buckets and int8 == buckets, rank_counts
 
 
 POISONED = 4  # rank 1's loss is inf in this iteration: its gradient is inf/NaN everywhere
