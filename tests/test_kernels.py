@@ -693,11 +693,13 @@ def test_update_extras_bad_arguments(no_fallback):
         GradientSpec(g, delta_ref=x_old)  # delta_ref without delta
 
 
+@pytest.mark.parametrize("compression", [None, "bf16"])
 @pytest.mark.parametrize("mode", ["wp1", "wp3"])
-def test_local_gradient_copy_paths_agree(mode, monkeypatch):
+def test_local_gradient_copy_paths_agree(mode, compression, monkeypatch):
     """The engine keeps l_t (wp1, wp3) by writing backward's gradients into both ``local`` and
-    the communication slot (large parameters), or into ``local`` and copying it at launch
-    (small ones): both paths train bit-identically (one process, Gloo group of 1)."""
+    the communication slot (large parameters; compressed as bf16, the outgoing messages), or
+    into ``local`` and copying it at launch (small ones; then encoded): both paths train
+    bit-identically (one process, Gloo group of 1)."""
     import socket
 
     import torch.distributed as dist
@@ -719,7 +721,7 @@ def test_local_gradient_copy_paths_agree(mode, monkeypatch):
             model = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.Tanh(), torch.nn.Linear(33, 3))
             opt = sapipe.DistributedOptimizer(
                 torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, stale_layers=2,
-                compensation=mode, dc_form="outer",
+                compensation=mode, dc_form="outer", compression=compression,
             )
             gen = torch.Generator().manual_seed(1)
             for _ in range(5):

@@ -99,26 +99,33 @@ class GradientPipeline:
         copies the whole flat ``local`` into the slot in one call."""
         assert bucket.grads is not None
         slot = bucket.grads.slots[self.slot(bucket, iteration)]
-        if self.in_pipeline(bucket, iteration) and bucket.local is not None:
+        if self._keeps_local(bucket, iteration):
             return [bucket.local, slot] if mirrors_local(bucket) else [bucket.local]
         return [slot]
+
+    def _keeps_local(self, bucket: Bucket, iteration: int) -> bool:
+        """Whether this rank's own l_t of ``bucket`` is kept at full precision (wp1, wp3)."""
+        return self.in_pipeline(bucket, iteration) and bucket.local is not None
 
     def encodes_on_intake(self, bucket: Bucket, iteration: int) -> bool:
         """Whether backward writes ``bucket``'s gradients straight into its outgoing compressed
         messages (the codec's ``encodes_on_intake``: fp16/bf16 without error feedback), so that
-        stage 1 has no encode left. Not where this rank's own l_t is kept (wp1, wp3): l_t
-        must then land in ``bucket.local`` at full precision."""
+        stage 1 has no encode left. Where l_t is kept (wp1, wp3), only if backward writes it to
+        the slot as well anyway (:func:`mirrors_local`): the messages take the slot's place.
+        Else l_t goes to ``local`` alone, and the launch copies it to the slot to be encoded."""
         codec = bucket.grads.codec if bucket.grads is not None else None
         return (codec is not None and codec.encodes_on_intake
-                and not (self.in_pipeline(bucket, iteration) and bucket.local is not None))
+                and (not self._keeps_local(bucket, iteration) or mirrors_local(bucket)))
 
     def intake_views(self, bucket: Bucket, iteration: int) -> List[List[object]]:
         """Per target of backward's gradients of ``bucket``, each parameter's place there (a
         view shaped like it, or its pieces across messages): the flat buffers of
-        :meth:`gradient_targets`, or the outgoing messages (:meth:`encodes_on_intake`)."""
-        if self.encodes_on_intake(bucket, iteration):
-            return [bucket.message_views(self.slot(bucket, iteration))]
-        return [bucket.param_views(t) for t in self.gradient_targets(bucket, iteration)]
+        :meth:`gradient_targets`, or the outgoing messages (:meth:`encodes_on_intake`), after
+        ``local`` where l_t is kept."""
+        if not self.encodes_on_intake(bucket, iteration):
+            return [bucket.param_views(t) for t in self.gradient_targets(bucket, iteration)]
+        messages = bucket.message_views(self.slot(bucket, iteration))
+        return [bucket.param_views(bucket.local), messages] if self._keeps_local(bucket, iteration) else [messages]
 
     def take(self, param: torch.Tensor, iteration: int) -> None:
         """``param.grad`` of ``iteration`` into its bucket; launch what is complete."""
