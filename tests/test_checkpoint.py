@@ -23,6 +23,7 @@ CASES = [
     ("adam", 3, "dc", 1, 0, "int8"),  # the error-feedback residuals in the checkpoint
     ("sgd", 7, "none", 2, 1, "int8"),
     ("adam", 0, "none", 1, 0, "bf16"),
+    ("sgd", 4, "wp2", 1, 0, "fp16"),  # stale buckets whose gradients backward casts into the messages
 ]
 INT8_CASE = 7
 
