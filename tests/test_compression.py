@@ -31,7 +31,7 @@ CONFIGS = [  # (compression, stale_layers, compensation, staleness, error_feedba
     ("bf16", 3, "wp3", 1, None), ("bf16", 3, "dc", 1, True), ("fp16", M, "none", 2, True),
     ("int8", 0, "none", 1, None), ("int8", 3, "none", 1, None), ("int8", 3, "dc", 1, None),
     ("int8", 3, "wp1", 1, None), ("int8", 3, "wp3", 1, None), ("int8", M, "none", 2, None),
-    ("int8", 3, "wp1", 1, False),
+    ("int8", 3, "wp1", 1, False), ("bf16", M, "none", 2, None),  # three slots of messages cast into on intake
 ]
 
 
