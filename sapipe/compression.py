@@ -415,8 +415,8 @@ class PartitionedCodec:
     def intake_pieces(self, slot: int, start: int, numel: int) -> List[Tuple[int, int, Tensor]]:
         """As :meth:`BucketCodec.intake_pieces`, across the partitions the values reach."""
         pieces = []
-        for (lo, hi), part in zip(self.wire_bounds, self.parts):
-            first, end = max(start, lo), min(start + numel, hi, lo + part.format.numel)
+        for (lo, _), part in zip(self.wire_bounds, self.parts):
+            first, end = max(start, lo), min(start + numel, lo + part.format.numel)  # values, not flags
             if first < end:
                 pieces += [(first - start + a, first - start + b, view)
                            for a, b, view in part.intake_pieces(slot, first - lo, end - first)]
@@ -517,8 +517,10 @@ class NodeFirstCodec:
             wire[lo:hi].copy_(rows[j, : hi - lo])
         wire[self.numel :].copy_(rows[0, size:])
 
-    def at(self, slot: int) -> "NodeFirstSlot":
-        """This codec bound to staleness slot ``slot``'s scratch bytes, for one sum."""
+    def at(self, slot: int, encoded: bool = False) -> "NodeFirstSlot":
+        """This codec bound to staleness slot ``slot``'s scratch bytes, for one sum (never
+        ``encoded`` on intake: :attr:`encodes_on_intake` is False)."""
+        assert not encoded, "a node-first sum encodes its shard of the node's sum"
         return NodeFirstSlot(self, slot)
 
     def state_dict(self) -> Dict[str, object]:

@@ -182,7 +182,7 @@ class GradientPipeline:
         if codec is None:
             bucket.grads.in_flight[slot] = backend.start(bucket.grads.wire[slot], what, priority=priority)
         else:
-            bound = codec.at(slot, encoded=True) if self.encodes_on_intake(bucket, iteration) else codec.at(slot)
+            bound = codec.at(slot, encoded=self.encodes_on_intake(bucket, iteration))
             bucket.grads.in_flight[slot] = backend.start(bucket.grads.wire[slot], what, priority=priority, codec=bound)
         if self.timer is not None:
             self.timer.comm_started(bucket.index, bucket.nbytes, bucket.grads.in_flight[slot])

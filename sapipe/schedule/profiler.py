@@ -396,7 +396,7 @@ def time_codec(codec, wire: torch.Tensor, repeats: int = 3) -> float:
     without its collectives. A codec that ``encodes_on_intake`` leaves the compression to
     backward's copy of each gradient (which costs no more than the plain copy), so it is not
     timed."""
-    parts = (codec.at(0, encoded=True) if codec.encodes_on_intake else codec.at(0)).partitions()
+    parts = codec.at(0, encoded=codec.encodes_on_intake).partitions()
     times = []
     for _ in range(repeats + 1):  # the first run warms caches and the allocator
         if wire.is_cuda:
