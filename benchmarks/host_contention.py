@@ -12,8 +12,10 @@ background process on core 1 loops one of:
 
 The workloads on core 0: the same copy, a 512×512 matrix product, and one training step
 (forward and backward, no update) of ``--model`` (``small``). Backgrounds alternate round by
-round; each cell is the median over rounds of the round's median, and the table gives each
-against ``none``. Usage: ``OMP_NUM_THREADS=1 python benchmarks/host_contention.py``.
+round. ``--duty F`` has the background pause after each round of its work so that it works
+a share F of the time, as a step's communication does, in bursts. Each cell is the median
+over rounds of the round's median, and the table gives each against ``none``. Usage:
+``OMP_NUM_THREADS=1 python benchmarks/host_contention.py [--duty 0.2]``.
 """
 from __future__ import annotations
 
@@ -31,18 +33,14 @@ BACKGROUNDS = ("none", "copy", "matmul", "int8")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def background_loop(kind: str, numel: int) -> None:
-    """Run ``kind`` forever on core 1 (in a child process)."""
-    os.sched_setaffinity(0, {1})
-    torch.set_num_threads(1)
+def background_work(kind: str, numel: int) -> Callable[[], None]:
+    """One round of ``kind``'s work."""
     if kind == "copy":
         x, y = torch.randn(numel), torch.empty(numel)
-        while True:
-            y.copy_(x)
+        return lambda: y.copy_(x)
     if kind == "matmul":
         a = torch.randn(256, 256)
-        while True:
-            torch.mm(a, a)
+        return lambda: torch.mm(a, a)
     from sapipe import codec_kernels
     from sapipe.compression import Compression, WireFormat
     fmt = WireFormat(Compression.of("int8").kind, numel, 0, 2)
@@ -50,10 +48,25 @@ def background_loop(kind: str, numel: int) -> None:
     q = torch.zeros(2, fmt.shard, dtype=torch.int8)
     scales = torch.zeros(2, fmt.blocks)
     server = torch.zeros(fmt.shard)
-    while True:
+
+    def codec() -> None:
         codec_kernels.encode(grad, residual, q, scales)
         codec_kernels.sum_encode(q, scales, server, q[:1], scales[:1], 2.0, torch.float32)
         codec_kernels.decode(q, scales, out)
+    return codec
+
+
+def background_loop(kind: str, numel: int, duty: float) -> None:
+    """Run ``kind`` forever on core 1 (in a child process), busy ``duty`` of the time: after
+    each round it sleeps long enough for that share (1: no pause)."""
+    os.sched_setaffinity(0, {1})
+    torch.set_num_threads(1)
+    work = background_work(kind, numel)
+    while True:
+        start = time.perf_counter()
+        work()
+        if duty < 1:
+            time.sleep((time.perf_counter() - start) * (1 / duty - 1))
 
 
 def workloads(model: str, numel: int) -> Dict[str, Callable[[], None]]:
@@ -90,9 +103,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20, help="timed calls per workload per round")
     parser.add_argument("--background", help=argparse.SUPPRESS)
     parser.add_argument("--numel", type=int, default=0, help="values copied / encoded (default: the model's)")
+    parser.add_argument("--duty", type=float, default=1.0,
+                        help="share of the time the background works (it pauses after each round)")
     args = parser.parse_args()
     if args.background:
-        background_loop(args.background, args.numel)
+        background_loop(args.background, args.numel, args.duty)
         return
     if len(os.sched_getaffinity(0)) < 2:
         sys.exit("host_contention: needs two cores (core 0 and core 1)")
@@ -108,7 +123,8 @@ def main() -> None:
         for kind in BACKGROUNDS:
             child = None
             if kind != "none":
-                child = subprocess.Popen([sys.executable, __file__, "--background", kind, "--numel", str(args.numel)])
+                child = subprocess.Popen([sys.executable, __file__, "--background", kind, "--numel", str(args.numel),
+                                          "--duty", str(args.duty)])
                 time.sleep(2.0)  # imported and looping
             try:
                 for name, fn in work.items():
@@ -117,8 +133,8 @@ def main() -> None:
                 if child is not None:
                     child.kill()
                     child.wait()
-    print(f"{args.numel / 1e6:.2f} M values; one thread on core 0; ms per call (× alone), "
-          f"median of {args.rounds} rounds of {args.calls} calls\n")
+    print(f"{args.numel / 1e6:.2f} M values; one thread on core 0, core 1 busy {args.duty:.0%} of the time; "
+          f"ms per call (× alone), median of {args.rounds} rounds of {args.calls} calls\n")
     print("| on core 0 | " + " | ".join(f"core 1: {b}" for b in BACKGROUNDS) + " |")
     print("| --- |" + " ---: |" * len(BACKGROUNDS))
     for name, per_kind in results.items():
