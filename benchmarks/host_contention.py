@@ -29,8 +29,10 @@ from typing import Callable, Dict, List
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_models import build  # noqa: E402
+
 BACKGROUNDS = ("none", "copy", "matmul", "int8")
-_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def background_work(kind: str, numel: int) -> Callable[[], None]:
@@ -42,16 +44,16 @@ def background_work(kind: str, numel: int) -> Callable[[], None]:
         a = torch.randn(256, 256)
         return lambda: torch.mm(a, a)
     from sapipe import codec_kernels
-    from sapipe.compression import Compression, WireFormat
-    fmt = WireFormat(Compression.of("int8").kind, numel, 0, 2)
+    from sapipe.compression import WireFormat
+    fmt = WireFormat("int8", numel, 0, 2)
     grad, residual, out = torch.randn(numel), torch.zeros(numel), torch.empty(numel)
-    q = torch.zeros(2, fmt.shard, dtype=torch.int8)
-    scales = torch.zeros(2, fmt.blocks)
+    q, scales = torch.zeros(2, fmt.shard, dtype=torch.int8), torch.zeros(2, fmt.blocks)
+    own_q, own_scales = torch.zeros(1, fmt.shard, dtype=torch.int8), torch.zeros(1, fmt.blocks)
     server = torch.zeros(fmt.shard)
 
     def codec() -> None:
         codec_kernels.encode(grad, residual, q, scales)
-        codec_kernels.sum_encode(q, scales, server, q[:1], scales[:1], 2.0, torch.float32)
+        codec_kernels.sum_encode(q, scales, server, own_q, own_scales, 2.0, torch.float32)
         codec_kernels.decode(q, scales, out)
     return codec
 
@@ -70,8 +72,6 @@ def background_loop(kind: str, numel: int, duty: float) -> None:
 
 
 def workloads(model: str, numel: int) -> Dict[str, Callable[[], None]]:
-    sys.path.insert(0, _HERE)
-    from bench_models import build
     spec = build(model, "small")
     net = spec.make_model()
     inputs, target = spec.make_batch(spec.batch_size, torch.device("cpu"), torch.Generator().manual_seed(0))
@@ -114,8 +114,6 @@ def main() -> None:
     os.sched_setaffinity(0, {0})
     torch.set_num_threads(1)
     if not args.numel:
-        sys.path.insert(0, _HERE)
-        from bench_models import build
         args.numel = sum(p.numel() for p in build(args.model, "small").make_model().parameters())
     work = workloads(args.model, args.numel)
     results: Dict[str, Dict[str, List[float]]] = {w: {b: [] for b in BACKGROUNDS} for w in work}
