@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from . import comm, config, ops
+from . import comm, config, failures, ops
 from .comm.topology import Topology, node_name
 from .compression import wire_constants
 from .errors import CommunicationError, ConfigurationError, SapipeError, UnsupportedOptimizerError, UsageError
@@ -201,12 +201,20 @@ def _scratch(scratch: Dict[tuple, torch.Tensor], key: tuple, numel: int, dtype: 
 
 
 @contextlib.contextmanager
-def _failure_named(what: str) -> Iterator[None]:
-    """A failed control-group collective raises :class:`CommunicationError` saying what it was."""
+def failure_named(what: str) -> Iterator[None]:
+    """A failed collective outside the back-ends (the control group's, the scheduler's probes)
+    raises :class:`CommunicationError` saying what it was (and, for a lost peer, which rank
+    failed first and why, where it published that: :mod:`sapipe.failures`). sapipe's own
+    errors raised inside pass unchanged."""
     try:
         yield
+    except SapipeError:
+        raise
     except Exception as exc:  # noqa: BLE001 - re-raised with context
-        raise CommunicationError(f"sapipe: {what} failed: {exc}") from exc
+        if not isinstance(exc, (RuntimeError, TimeoutError, OSError)):  # raised on this rank
+            raise CommunicationError(f"sapipe: {what} failed: {exc}") from exc
+        head = failures.with_first_failure(f"sapipe: {what} failed")
+        raise failures.symptom(CommunicationError(f"{head}: {exc}")) from exc
 
 
 class ControlChannel:
@@ -229,7 +237,7 @@ class ControlChannel:
         group = self._open_group(f"agreeing on {what}")
         tensor = _scratch(self._scratch, ("max", len(values)), len(values), torch.float64, self._device)
         tensor.copy_(torch.tensor(values, dtype=torch.float64))
-        with _failure_named(f"agreeing on {what}"):
+        with failure_named(f"agreeing on {what}"):
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
         return tensor.cpu().tolist()
 
@@ -237,14 +245,14 @@ class ControlChannel:
         """Rank 0's ``value`` (a small picklable object) on every rank."""
         group = self._open_group(f"taking rank 0's {what}")
         box = [value]
-        with _failure_named(f"taking rank 0's {what}"):
+        with failure_named(f"taking rank 0's {what}"):
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group, device=self._device)
         return box[0]
 
     def broadcast(self, tensors: List[torch.Tensor], what: str) -> None:
         """Rank 0's ``tensors`` into every rank's, in place (one collective per dtype and device)."""
         group = self._open_group(f"broadcasting {what}")
-        with _failure_named(f"broadcasting {what}"):
+        with failure_named(f"broadcasting {what}"):
             broadcast_coalesced(tensors, group, self._scratch)
 
     def close(self) -> None:
@@ -252,4 +260,5 @@ class ControlChannel:
         comm.release_group(self)
 
 
-__all__ = ["check_locally", "describe_job", "agree", "broadcast_from_first_rank", "broadcast_coalesced", "ControlChannel"]
+__all__ = ["check_locally", "describe_job", "agree", "broadcast_from_first_rank", "broadcast_coalesced", "ControlChannel",
+           "failure_named"]

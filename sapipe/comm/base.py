@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .. import failures
 from ..errors import CommunicationError, ConfigurationError
 from ..trace import Tracer
 from .groups import release_group
@@ -111,13 +112,15 @@ class CommBackend(abc.ABC):
 
         Transports report a lost peer as ``RuntimeError`` (Gloo, NCCL, Horovod) or as a
         timeout or socket error; any other exception was raised by code on this rank, so it
-        is not blamed on a peer."""
+        is not blamed on a peer. A lost peer's error names the rank that failed first and its
+        exception where that rank published them (:mod:`sapipe.failures`)."""
+        head = f"sapipe: {self.name} {operation} of {what} failed"
         if isinstance(exc, (RuntimeError, TimeoutError, OSError)):
             cause = (f"A peer rank has probably died, hung or lost its connection "
                      f"(limit: {self.describe_limit()}). Underlying error: {exc}")
-        else:
-            cause = f"The error was raised on this rank: {type(exc).__name__}: {exc}"
-        return CommunicationError(f"sapipe: {self.name} {operation} of {what} failed. {cause}")
+            return failures.symptom(CommunicationError(f"{failures.with_first_failure(head)}. {cause}"))
+        cause = f"The error was raised on this rank: {type(exc).__name__}: {exc}"
+        return CommunicationError(f"{head}. {cause}")
 
     def trace_start(self, what: str) -> None:
         self.tracer.record("comm_start", what=what, stream=self.name)
