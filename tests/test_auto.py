@@ -245,6 +245,44 @@ def test_a_checkpoint_during_the_search_resumes_it(tmp_path):
         assert_close_dicts(resumed, uninterrupted, rtol=0, atol=0, what=f"rank {rank}")
 
 
+def _warmup_checkpoint_into_a_decided_job(rank, world_size, path):
+    """A checkpoint of the warm-up loaded into a live job that has decided since."""
+    import sapipe
+
+    batches = make_batches("tied", 40, world_size)
+    model = make_model("tied", seed=0)
+    opt = sapipe.DistributedOptimizer(make_optimizer("sgd", model.parameters()), model, stale_layers="auto",
+                                      profile_steps=PROFILE_STEPS, tune_steps=2)
+
+    def train(its):
+        for t in its:
+            x, y = batches[t % len(batches)][rank]
+            opt.zero_grad()
+            loss_fn_for("tied")(model(x), y).backward()
+            opt.step()
+
+    train(range(3))
+    sapipe.save_checkpoint(path, model, opt)
+    train(range(3, 40))
+    first = opt.stale_layers
+    sapipe.load_checkpoint(path, model, opt)
+    undecided = opt.stale_layers
+    train(range(3, 40))
+    second = opt.stale_layers
+    opt.close()
+    return first, undecided, second, opt.auto.decided_at
+
+
+def test_a_warmup_checkpoint_loaded_into_a_decided_job_decides_again(tmp_path):
+    """The job is back in its warm-up: it profiles the warm-up's last iterations again and
+    decides k anew (it stayed undecided at k = 0 while profiling was never restarted)."""
+    out = run_ranks(_warmup_checkpoint_into_a_decided_job, world_size=2, args=(str(tmp_path / "ck-{rank}.pt"),))
+    for first, undecided, second, decided_at in out:
+        assert isinstance(first, int) and undecided == "auto", (first, undecided)
+        assert isinstance(second, int), f"undecided after the load and 37 more iterations: {second!r}"
+        assert decided_at is not None and decided_at <= 30
+
+
 def _traced(rank, world_size, path):
     import sapipe
 

@@ -29,7 +29,7 @@ import torch
 
 from ..config import Settings
 from ..layers import Layer
-from ..rendezvous import ControlChannel
+from ..rendezvous import ControlChannel, failure_named
 from ..runtime.pipeline import GradientPipeline
 from ..errors import UsageError
 from ..schedule import profiler, simulator, solver, tuner
@@ -114,9 +114,10 @@ class AutoController:
         assert self.timer is not None and self._pipeline.layout is not None
         layout, sync = self._pipeline.layout, self._pipeline.sync_comm
         first = layout.buckets[0]
-        self.profile = profiler.measure(self.timer, sync.group if sync.group is not None else self._control.group,
-                                        [b.nbytes for b in layout.buckets], first.dtype, first.device,
-                                        sum_now=sync.sum_now)
+        with failure_named("profiling the warm-up for stale_layers='auto' (its link probes and reductions)"):
+            self.profile = profiler.measure(self.timer, sync.group if sync.group is not None else self._control.group,
+                                            [b.nbytes for b in layout.buckets], first.dtype, first.device,
+                                            sum_now=sync.sum_now)
         self.timer = self._pipeline.timer = None
         if self._settings.compression is not None:
             self.profile = self._compressed_link(self.profile, layout.buckets)
@@ -395,6 +396,11 @@ class AutoController:
             self.sync_at_step = search.get("sync_at_step", False)
         if self.decided or self.tuner is not None:
             self.timer = self._pipeline.timer = None
+        else:  # a checkpoint of the warm-up: what this job decided since is void; profile again
+            self.profile = self.layer_profiles = self.link = self.decision = self.decided_at = None
+            self.sim_options, self.sync_at_step = {}, False
+            if self._pipeline.layout is not None:  # a live job (a fresh one starts at its first layout)
+                self.start_profiling(self._pipeline.layout.layers)
 
 
 def _device_sync(layers: List[Layer]):
