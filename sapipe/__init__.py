@@ -9,6 +9,7 @@ from .compensation import MODES as COMPENSATION_MODES
 from .errors import (
     CommunicationError,
     ConfigurationError,
+    NonFiniteGradientError,
     SapipeError,
     UnsupportedOptimizerError,
     UsageError,
@@ -30,6 +31,7 @@ __all__ = [
     "UnsupportedOptimizerError",
     "CommunicationError",
     "UsageError",
+    "NonFiniteGradientError",
     "ops",
     "__version__",
 ]

@@ -44,13 +44,20 @@ class StalenessBuffer:
     are allocated once; nothing is allocated per step.
 
     What a slot's collective carries (``wire``) is its gradient (``slots``) followed by one
-    flag per parameter (``flags``): whether this rank used the parameter (sapipe.runtime.unused).
+    flag per parameter (``flags``): whether this rank used the parameter (sapipe.runtime.unused);
+    with ``verdict``, then one more value (``nonfinite``): 1 where this rank's gradient holds a
+    NaN or inf, so that its sum counts such ranks (sapipe.runtime.nonfinite).
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, depth: int, flags: int = 0):
-        self.wire = [torch.zeros(numel + flags, dtype=dtype, device=device) for _ in range(depth)]
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, depth: int, flags: int = 0,
+                 verdict: bool = False):
+        self.wire = [torch.zeros(numel + flags + int(verdict), dtype=dtype, device=device) for _ in range(depth)]
         self.slots = [w[:numel] for w in self.wire]
-        self.flags = [w[numel:] for w in self.wire]
+        self.flags = [w[numel : numel + flags] for w in self.wire]
+        #: 0-dim views of the value behind the flags (None: the wire carries none)
+        self.nonfinite: Optional[List[Tensor]] = [w[numel + flags] for w in self.wire] if verdict else None
+        #: per slot, this rank's own verdict on the gradient in flight there, as launched (None: not judged)
+        self.verdicts: List[Optional[tuple]] = [None] * depth
         self.unused_here: List[List[int]] = [[] for _ in range(depth)]  # parameters this rank had no gradient for
         self.in_flight: List[Optional[object]] = [None] * depth  # comm handles per slot
         self.codec = None  # with compression: the bucket's BucketCodec (sapipe.compression)

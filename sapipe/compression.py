@@ -41,7 +41,8 @@ checkpoint, so a resumed run sends the same bytes. A value that decodes to inf o
 rounding rules, and the kernels that carry them out.
 
 Each message also carries the rank's flags for the shard (whether it used each parameter,
-sapipe.runtime.unused) as float32 in its header: they are summed exactly.
+sapipe.runtime.unused, and whether its gradient held NaN or inf, sapipe.runtime.nonfinite) as
+float32 in its header: they are summed exactly.
 
 **Units.** :class:`BucketCodec` compresses a bucket as one unit (``backend="torch"`` and
 ``"horovod"``). :class:`PartitionedCodec` compresses it partition by partition, the unit
@@ -220,6 +221,11 @@ class BucketCodec:
         rounded alone, as torch's cast rounds it, bit for bit the encode's (docs/design.md §5.9)."""
         kind = self.compression.kind
         return kind in _HALF and not self.compression.error_feedback and self.ranks_per_message == 1
+
+    def intake_values(self, slot: int) -> List[Tensor]:
+        """Slot ``slot``'s outgoing values as backward wrote them (:attr:`encodes_on_intake`
+        formats; zeros past the bucket's end): what this rank sends of its gradient."""
+        return [self._outbox_views[slot].values]
 
     def intake_pieces(self, slot: int, start: int, numel: int) -> List[Tuple[int, int, Tensor]]:
         """Where bucket values [start, start + numel) lie in slot ``slot``'s outgoing messages
@@ -411,6 +417,10 @@ class PartitionedCodec:
     def encodes_on_intake(self) -> bool:
         """As :attr:`BucketCodec.encodes_on_intake` (every partition has the same format)."""
         return self.parts[0].encodes_on_intake
+
+    def intake_values(self, slot: int) -> List[Tensor]:
+        """As :meth:`BucketCodec.intake_values`, every partition's."""
+        return [values for part in self.parts for values in part.intake_values(slot)]
 
     def intake_pieces(self, slot: int, start: int, numel: int) -> List[Tuple[int, int, Tensor]]:
         """As :meth:`BucketCodec.intake_pieces`, across the partitions the values reach."""

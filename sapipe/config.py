@@ -22,6 +22,8 @@ from .compression import COMPRESSIONS, Compression, validate as validate_compres
 from .errors import ConfigurationError
 
 DC_FORMS = ("outer", "diagonal")
+#: what a non-finite gradient without a GradScaler does (sapipe.runtime.nonfinite)
+NONFINITE_GRADIENTS = ("warn", "raise", "ignore")
 AUTO = "auto"
 #: With "auto", the job's first iterations are never profiled: they pay one-off costs (the
 #: allocator, caches, connections), and on this project's CPU host they ran 10-60% slower
@@ -205,6 +207,11 @@ class Settings:
     expose_gradients: bool = _setting(
         True, _boolean,
         """as DDP's contract: once backward ends, ``p.grad`` holds the averaged gradient ``step()`` applies (sync layers' g_t, stale layers' g_{t-s}), so clipping, ``GradScaler.unscale_``, logging and edits of ``p.grad`` act on it (:mod:`sapipe.runtime.exposure`). A sync layer's all-reduce is waited for only when its ``p.grad`` is first read (its update then runs in ``step()``); unread, it keeps overlapping ``step()`` and the next forward. ``False``: ``p.grad`` keeps this rank's own gradient and a change to it raises at ``step()``.""",
+        resume=False,
+    )
+    nonfinite_gradients: str = _setting(
+        "warn", _one_of(NONFINITE_GRADIENTS),
+        """what a NaN or inf in a rank's own gradient does without a GradScaler (the average, and the update that applies it, then turn non-finite on every rank, as under DDP; :mod:`sapipe.runtime.nonfinite`): ``"warn"``: every rank emits one ``RuntimeWarning``, the first time only, naming the iteration, the bucket and the rank(s) whose gradient it was; ``"raise"``: :class:`~sapipe.errors.NonFiniteGradientError` instead, on every rank in the same ``step()`` (for a sync layer's gradient the next one; for a stale layer's the one that applies it, or the next with ``expose_gradients=False``; on CUDA one step later); ``"ignore"``: nothing is checked, and nothing more travels. Each rank judges what it sends with one reduction per bucket; the verdict travels behind the gradient in the same collective. Under ``scaler.step(opt)`` the GradScaler skips such steps, and nothing is reported.""",
         resume=False,
     )
 

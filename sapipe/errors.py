@@ -23,3 +23,7 @@ class CommunicationError(SapipeError):
 
 class UsageError(SapipeError):
     """The training loop called sapipe in an order it cannot honour (e.g. step before backward)."""
+
+
+class NonFiniteGradientError(SapipeError):
+    """A rank's own gradient held NaN or inf, so every rank's average did (``nonfinite_gradients="raise"``)."""

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import config, rendezvous, torch_state
+from . import config, failures, rendezvous, torch_state
 from .auto import AutoController
 from .buckets import Bucket
 from .errors import ConfigurationError, SapipeError, UsageError
@@ -95,6 +95,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         auto_budget: Optional[int] = 30,
         broadcast_buffers: bool = True,
         expose_gradients: bool = True,
+        nonfinite_gradients: str = "warn",
         trace: Union[None, bool, str] = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -139,13 +140,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._forward = ForwardHooks(self._runtime, self.tracer, self._spans, lambda: self._iteration + 1,
                                      self.auto.profiles if self.auto is not None else lambda _: False,
                                      BufferBroadcast.of(settings, model, self._control, lambda: self._accumulating))
-        self._hooks = [
-            model.register_forward_pre_hook(self._forward.before_model),
-            model.register_forward_hook(self._after_model_forward),
-        ]
+        self._hooks = [model.register_forward_pre_hook(self._forward.before_model),
+                       model.register_forward_hook(self._after_model_forward)]
         self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
         recorder.start()
         close_at_exit(self)  # a job that never calls close() still exits cleanly (design §5.4)
+        failures.install()  # an uncaught exception on this rank is named to its peers (sapipe/failures.py)
 
     # ------------------------------------------------------------------ public API
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from .. import comm
 from ..buckets import Bucket
@@ -21,6 +22,7 @@ from ..optim_math import OptimizerRule
 from ..trace import Tracer
 from .exposure import GradientExposure
 from .layout import CompressedSums, Layout
+from .nonfinite import NonFiniteGradients
 from .pipeline import GradientPipeline
 from .step_guards import require_scaler_in_step, require_shared_groups
 from .updates import Updater
@@ -42,8 +44,11 @@ class Runtime:
         self.compression = None if compression is None else CompressedSums(
             compression, world_size, comm.compression_partition(settings.backend, settings.partition_bytes),
             node_size=self.topology.local_size if self.topology is not None else 1)
+        #: NaN or inf in a rank's own gradient, reported once (nonfinite_gradients=)
+        self.nonfinite = NonFiniteGradients(settings.nonfinite_gradients, dist.get_rank(group), world_size)
         self.pipeline = GradientPipeline(settings, group, world_size, tracer, before_reuse=self.apply_deferred,
-                                         topology=self.topology)
+                                         topology=self.topology,
+                                         nonfinite=self.nonfinite if self.nonfinite.verdicts else None)
         self.updater = Updater(rule, MODES[settings.compensation](settings.staleness), settings,
                                world_size, self.pipeline)
         self.exposure = (GradientExposure(self.pipeline, settings.staleness,
@@ -64,7 +69,8 @@ class Runtime:
         """The first layout, once the layer order is known."""
         s = self._settings
         self.pipeline.layout = Layout(layers, k, s.bucket_cap_bytes, self._group_of, s.staleness,
-                                      self.updater.compensation, self.compression)
+                                      self.updater.compensation, self.compression, self.nonfinite.verdicts)
+        self.nonfinite.start(layers[0].params[0].device)
 
     def apply_deferred(self, bucket: Bucket) -> float:
         """The bucket's pending synchronous update, if any; seconds waited for its all-reduce."""
@@ -81,7 +87,8 @@ class Runtime:
 
     def take_gradients(self, iteration: int, grad_scaler, optimizer, control) -> None:
         """``step()``'s first part: every gradient of ``iteration`` on its way, and what the step
-        applies settled: as ``p.grad`` holds it (exposed), or as backward handed it over."""
+        applies settled: as ``p.grad`` holds it (exposed), or as backward handed it over. Then
+        the first non-finite gradient of an earlier iteration is reported (or raised), once."""
         require_shared_groups(optimizer)
         if grad_scaler is None:
             require_scaler_in_step(optimizer)
@@ -90,12 +97,13 @@ class Runtime:
             self.pipeline.flush(iteration)
             if grad_scaler is not None:
                 self.updater.agree_on_scaling(iteration, grad_scaler, optimizer, control)
-            return
-        self.exposure.expose(iteration)  # done already when backward ended
-        if grad_scaler is not None:
-            self.exposure.scaler = grad_scaler
-            self.updater.judge_exposed(iteration, grad_scaler, optimizer, control, self.exposure.prepared)
-        self.exposure.collect()
+        else:
+            self.exposure.expose(iteration)  # done already when backward ended
+            if grad_scaler is not None:
+                self.exposure.scaler = grad_scaler
+                self.updater.judge_exposed(iteration, grad_scaler, optimizer, control, self.exposure.prepared)
+            self.exposure.collect()
+        self.nonfinite.check(iteration, grad_scaler is not None, self.updater.scaling, control)
 
     def check_exposed(self, iteration: int, what: str) -> None:
         """Raise unless ``p.grad`` holds the averaged gradients of ``iteration`` (its backward ended)."""
@@ -172,6 +180,7 @@ class Runtime:
         self.pipeline.origin = state["pipeline_origin"]
         self.updater.scaling = dict(state["scaling"])
         self._restore_buckets(layout, state["buckets"], state_allocated)
+        self.nonfinite.start(layout.layers[0].params[0].device, next_check=state["iteration"] + 1)
         self.pipeline.end_iteration()
         if self.exposure is not None:
             self.exposure.reset()

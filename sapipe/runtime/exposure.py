@@ -143,7 +143,8 @@ class GradientExposure:
             exposed = ExposedGradient(None)
             if source is not None:
                 exposed = ExposedGradient(bucket.grads.slots[slot])
-                exposed.arrival = partial(self._arrive, bucket, slot, exposed, *self._scaled(source, scaling, scale))
+                exposed.arrival = partial(self._arrive, bucket, slot, source, exposed,
+                                          *self._scaled(source, scaling, scale))
                 lazy = source == iteration and not bucket.grads.unused_here[slot]
                 if not lazy:
                     self.waited += exposed.settle()
@@ -170,10 +171,11 @@ class GradientExposure:
         factor = scale * inverse_scale if scale is not None and source in scaling else 1.0
         return finite, factor
 
-    def _arrive(self, bucket: Bucket, slot: int, exposed: ExposedGradient, finite: bool, factor: float) -> float:
-        """The summed gradient in ``slot`` waited for and made the mean, or None if its step was
-        skipped as not finite; its globally unused parameters skipped. Seconds waited."""
-        mean, waited = self._pipeline.take_mean(bucket, slot)
+    def _arrive(self, bucket: Bucket, slot: int, source: int, exposed: ExposedGradient, finite: bool,
+                factor: float) -> float:
+        """The summed gradient in ``slot`` (of iteration ``source``) waited for and made the mean, or
+        None if its step was skipped as not finite; its globally unused parameters skipped. Seconds waited."""
+        mean, waited = self._pipeline.take_mean(bucket, slot, source)
         if not finite:
             exposed.grad = None
             return waited

@@ -38,12 +38,14 @@ class Layout:
     """The buckets of ``layers`` for ``k`` stale layers, with their gradient buffers."""
 
     def __init__(self, layers: List[Layer], k: int, cap_bytes: int, group_of: Dict[int, int],
-                 staleness: int, compensation: Compensation, compression: Optional[CompressedSums] = None):
+                 staleness: int, compensation: Compensation, compression: Optional[CompressedSums] = None,
+                 verdicts: bool = False):
         self.layers = layers
         self.k = k
         self._cap_bytes, self._group_of = cap_bytes, group_of
         self._staleness, self._compensation = staleness, compensation
         self._compression = compression
+        self._verdicts = verdicts  # each slot carries a non-finite verdict behind its flags
         self.buckets: List[Bucket] = build_buckets(layers, k, cap_bytes, group_of)
         self.layer_of: Dict[int, int] = {id(p): layer.index for layer in layers for p in layer.params}
         self.slot_of: Dict[int, Tuple[Bucket, int]] = {}  # id(param) -> (its bucket, its position there)
@@ -60,19 +62,20 @@ class Layout:
     def _add_buffers(self, bucket: Bucket) -> None:
         """The staleness double (or deeper) buffer, and this rank's own gradients where kept."""
         depth = self._staleness + 1 if bucket.stale else 1
-        bucket.grads = StalenessBuffer(bucket.numel, bucket.dtype, bucket.device, depth, flags=len(bucket.params))
+        bucket.grads = StalenessBuffer(bucket.numel, bucket.dtype, bucket.device, depth, flags=len(bucket.params),
+                                       verdict=self._verdicts)
         if bucket.stale and self._compensation.needs_local:
             bucket.local = torch.zeros_like(bucket.grads.slots[0])
         if bucket.stale and self._compensation.needs_prev_local:
             bucket.prev_local = torch.zeros_like(bucket.grads.slots[0])
         if self._compression is not None:
-            bucket.grads.codec = self._compression.codec(bucket.numel, len(bucket.params), bucket.dtype,
-                                                         bucket.device, slots=depth)
+            bucket.grads.codec = self._compression.codec(bucket.numel, bucket.grads.wire[0].numel() - bucket.numel,
+                                                         bucket.dtype, bucket.device, slots=depth)  # every flag
 
     def relaid(self, k: int) -> "Layout":
         """The same layers laid out for ``k`` stale layers (no weights or state moved yet)."""
         return Layout(self.layers, k, self._cap_bytes, self._group_of, self._staleness, self._compensation,
-                      self._compression)
+                      self._compression, self._verdicts)
 
     @torch.no_grad()
     def allocate_state(self, rule: OptimizerRule, previous: Optional["Layout"] = None) -> None:

@@ -23,6 +23,7 @@ from ..schedule.profiler import LayerTimer
 from ..trace import Tracer
 from . import unused
 from .layout import Layout
+from .nonfinite import NonFiniteGradients
 
 #: Mean elements per parameter from which backward writes a kept local gradient into both
 #: ``bucket.local`` and the communication slot (a second copy per parameter, its source still in
@@ -45,13 +46,17 @@ class GradientPipeline:
 
     ``before_reuse(bucket)`` is called when a bucket's first gradient of an iteration arrives
     while the bucket still has a deferred update pending (its buffer is about to be reused).
+    ``nonfinite`` judges each gradient as it is launched and counts the non-finite ones as their
+    sums are consumed (:mod:`sapipe.runtime.nonfinite`).
     """
 
     def __init__(self, settings: Settings, group, world_size: int, tracer: Tracer,
-                 before_reuse: Callable[[Bucket], None], topology: Optional[Topology] = None):
+                 before_reuse: Callable[[Bucket], None], topology: Optional[Topology] = None,
+                 nonfinite: Optional[NonFiniteGradients] = None):
         self._world_size = world_size
         self._tracer = tracer
         self._before_reuse = before_reuse
+        self._nonfinite = nonfinite
         self._topology = topology  # hierarchical sums over these nodes (None: flat)
         self.sync_comm = self._new_comm(settings, group, "sync")
         needs_stale = settings.auto or settings.stale_layers > 0
@@ -176,13 +181,16 @@ class GradientPipeline:
         assert backend is not None
         missing = bucket.grads.unused_here[slot] = self._missing.pop(bucket.index, [])
         unused.write_flags(bucket.grads.flags[slot], missing)  # they travel behind the gradient
+        codec = bucket.grads.codec
+        encoded = codec is not None and self.encodes_on_intake(bucket, iteration)
+        if self._nonfinite is not None:  # so does this rank's verdict on what it sends
+            self._nonfinite.launched(bucket.grads, slot, codec.intake_values(slot) if encoded else [buffer])
         # Priority: the forward index of the bucket's first layer (needed soonest when lowest).
         what, priority = f"{bucket.describe()} of iteration {iteration}", bucket.first_layer
-        codec = bucket.grads.codec
         if codec is None:
             bucket.grads.in_flight[slot] = backend.start(bucket.grads.wire[slot], what, priority=priority)
         else:
-            bound = codec.at(slot, encoded=self.encodes_on_intake(bucket, iteration))
+            bound = codec.at(slot, encoded=encoded)
             bucket.grads.in_flight[slot] = backend.start(bucket.grads.wire[slot], what, priority=priority, codec=bound)
         if self.timer is not None:
             self.timer.comm_started(bucket.index, bucket.nbytes, bucket.grads.in_flight[slot])
@@ -241,9 +249,9 @@ class GradientPipeline:
                     "expose_gradients=True (the default) for p.grad to hold the averaged gradient step() applies"
                 )
 
-    def take_mean(self, bucket: Bucket, slot: int) -> Tuple[torch.Tensor, float]:
-        """(the gradient in ``bucket``'s ``slot`` averaged over the ranks, seconds blocked on
-        it); the slot is free after, its flags still counts of ranks."""
+    def take_mean(self, bucket: Bucket, slot: int, iteration: int) -> Tuple[torch.Tensor, float]:
+        """(the gradient of ``iteration`` in ``bucket``'s ``slot`` averaged over the ranks, seconds
+        blocked on it); the slot is free after, its flags still counts of ranks."""
         assert bucket.grads is not None
         handle, bucket.grads.in_flight[slot] = bucket.grads.in_flight[slot], None
         start = self.clock()
@@ -252,6 +260,8 @@ class GradientPipeline:
         waited = self.clock() - start
         self.waited += waited
         self.waited_total += waited
+        if self._nonfinite is not None:
+            self._nonfinite.arrived(bucket, slot, iteration)  # how many ranks sent NaN or inf
         if bucket.grads.codec is None and self._world_size > 1:  # a sum; a compressed one arrives as the mean
             mean.div_(self._world_size)
         return mean, waited

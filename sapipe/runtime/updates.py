@@ -86,7 +86,7 @@ class Updater:
         if exposed is not None:
             waited = exposed.settle()  # its all-reduce, if nothing read p.grad before
             return exposed.grad, exposed.skip, waited
-        mean, waited = self._pipeline.take_mean(bucket, slot)
+        mean, waited = self._pipeline.take_mean(bucket, slot, iteration)
         grad = self._unscale(mean, iteration)
         return grad, (unused.unused_everywhere(bucket.grads, slot) if grad is not None else []), waited
 
