@@ -246,6 +246,15 @@ def _baselines_job(job: Job) -> None:
     _mlp_job(job)
 
 
+def _torch_only_job(job: Job) -> None:
+    """No sapipe optimizer at all: the script keeps a reference to its group (as a DDP wrapper
+    does) and all-reduces. Its exit is torch's alone, with sapipe imported."""
+    keep(group=dist.group.WORLD)
+    value = torch.ones(10)
+    for _ in range(3):
+        dist.all_reduce(value)
+
+
 @dataclass(frozen=True)
 class Setup:
     """What a job trains, and so which threads finish its last work."""
@@ -282,6 +291,8 @@ SETUPS: Dict[str, Setup] = {
                        'stale_layers="auto" with int8: the codec timed, trials on compressed sums'),
     "control": Setup(_control_job, "BatchNorm: the last collective is the buffer broadcast on sapipe's control group"),
     "baselines": Setup(_baselines_job, "DDP and a ceiling on the script's own second group first, kept in globals"),
+    "torch-only": Setup(_torch_only_job, "no optimizer: the script's group kept in a global, its own all-reduces",
+                        keeps_optimizer=False),
     "demo": Setup(_demo_job, "examples/demo.py: optimizer local to a function, the script's own all-reduces last",
                   keeps_optimizer=False),
 }
