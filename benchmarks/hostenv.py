@@ -13,8 +13,12 @@ sets nothing: this is the benchmarks' host hygiene, not the library's business.
 """
 from __future__ import annotations
 
+import json
 import os
-from typing import Dict
+import signal
+import subprocess
+import sys
+from typing import Any, Dict, List
 
 STEADY_MALLOC = {
     "MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024),  # glibc's largest: blocks below it come from the heap
@@ -29,3 +33,21 @@ def worker_env(**extra: str) -> Dict[str, str]:
         env.setdefault(key, value)
     env.update(extra)
     return env
+
+
+def run_job(name: str, cmd: List[str], env: Dict[str, str], timeout: float, result: str) -> Any:
+    """Run a benchmark's job (``cmd``, e.g. a torchrun line, in a process group of its own,
+    killed whole past ``timeout`` seconds) and return the JSON it wrote to ``result``; exit
+    with the job's output on a failure or a timeout."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        sys.exit(f"{name}: the job ran past --timeout {timeout} s and was killed\n{output[-3000:]}")
+    if proc.returncode != 0:
+        sys.exit(f"{name}: the job failed (exit {proc.returncode}):\n{output[-5000:]}")
+    with open(result) as f:
+        return json.load(f)

@@ -49,8 +49,6 @@ import argparse
 import gc
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 
@@ -388,18 +386,7 @@ def launch(model: str, args) -> dict:
         # glibc returns freed blocks of 64 KiB and more, so that RSS follows what is held
         env = hostenv.worker_env(OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
                                  MALLOC_TRIM_THRESHOLD_="65536")
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        try:
-            output, _ = proc.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            sys.exit(f"memory: the {model} job ran past --timeout {args.timeout} s and was killed\n{output[-3000:]}")
-        if proc.returncode != 0:
-            sys.exit(f"memory: the {model} job failed (exit {proc.returncode}):\n{output[-5000:]}")
-        with open(out) as f:
-            return json.load(f)
+        return hostenv.run_job(f"memory ({model})", cmd, env, args.timeout, out)
 
 
 def main(argv=None) -> int:

@@ -65,9 +65,7 @@ import hashlib
 import json
 import os
 import resource
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -497,18 +495,7 @@ def launch(args) -> dict:
         cmd = [torchrun, "--standalone", "--nproc_per_node=2", os.path.abspath(__file__), "--worker",
                "--result", out, "--ckpt-dir", tmp] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in JOB_ARGS]
         env = hostenv.worker_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **ALLOCATORS[args.allocator])
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)  # its own process group, killed whole on a timeout
-        try:
-            output, _ = proc.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            sys.exit(f"soak: the job ran past --timeout {args.timeout} s and was killed\n{output[-3000:]}")
-        if proc.returncode != 0:
-            sys.exit(f"soak: the job failed (exit {proc.returncode}):\n{output[-5000:]}")
-        with open(out) as f:
-            return json.load(f)
+        return hostenv.run_job("soak", cmd, env, args.timeout, out)
 
 
 # glibc's malloc settings for the ranks. "returning": blocks of 64 KiB and more are mapped

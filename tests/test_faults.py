@@ -69,7 +69,9 @@ def _env():
 EXCEPTIONS = [("forward", 2, 1), ("forward", 3, 0), ("backward", 2, 0), ("backward", 3, 2)]
 KILLS = [  # case, world, killed rank, what the survivors' error names, the iterations it may come in
     ("decide", 2, 1, "sapipe: profiling the warm-up for stale_layers='auto'", {7}),
-    ("relayout", 3, 1, "all-reduce of sync bucket", {8, 9}),
+    # after the relayout the survivors wait for a sync bucket (before a forward) or, once k > 0,
+    # a stale one (in step()): whichever their timing reaches first
+    ("relayout", 3, 1, " all-reduce of ", {8, 9}),
     # after the restart to k = m every layer is stale: the survivor trains iteration 13 on, and
     # fails at the stale wait in 14's step(), unless its drain in 12's restart failed already
     ("restart", 2, 1, "all-reduce of stale bucket", {12, 13, 14}),
