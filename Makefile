@@ -31,7 +31,7 @@ STAMP := $(VENV)/.sapipe-installed
 # (sapipe/__init__.py decides what the editable finder maps), or when csrc/ changes
 # (once the extension is built by setup.py).
 STAMP_DEPS := setup.py pyproject.toml requirements-dev.txt MANIFEST.in $(wildcard build_backend/*.py) \
-              $(wildcard sapipe/__init__.py) $(wildcard csrc/*)
+              $(wildcard sapipe/__init__.py) $(wildcard csrc/* csrc/*/*)
 
 .PHONY: venv test demo clean distclean bench peers convergence gpu-check
 

@@ -43,13 +43,19 @@ def _long_description():
 # build-system requirement (pip would resolve and download CUDA wheels and build against
 # those). build_backend/sapipe_build.py makes pip's isolated build see the installed torch;
 # without torch (and without SAPIPE_NO_EXT=1) the build FAILS with instructions rather than
-# silently installing no kernels. sapipe/ops.py falls back to pure PyTorch when an extension
+# silently installing no kernels. sapipe/kernels/ops.py falls back to pure PyTorch when an extension
 # is absent (one warning). The sdist carries every csrc file (MANIFEST.in).
 # ---------------------------------------------------------------------------
+#: csrc/ and its folders: shared headers and bindings at the top, cpu/ (the update kernels),
+#: codec/ (the compression codec's CPU and CUDA kernels), cuda/ (the CUDA update kernels).
+#: Every folder is on the include path, so a source includes any header by its file name.
+CSRC_DIRS = ["csrc", "csrc/cpu", "csrc/codec", "csrc/cuda"]
+
+
 def _csrc(pattern):
     import glob
 
-    return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", pattern)))
+    return sorted(os.path.relpath(p, HERE) for d in CSRC_DIRS for p in glob.glob(os.path.join(HERE, d, pattern)))
 
 
 def _no_torch(why):
@@ -61,7 +67,7 @@ def _no_torch(why):
         def run(self):
             raise SystemExit(message)
 
-    cuda_only = {"csrc/cuda_bindings.cpp"}
+    cuda_only = {"csrc/cuda/cuda_bindings.cpp"}
     ext = Extension("sapipe._C", [s for s in _csrc("*.cpp") if s not in cuda_only])
     return [ext], {"build_ext": NoTorchBuildExt}
 
@@ -80,11 +86,12 @@ def _extensions():
     if sys.platform.startswith("linux"):
         cxx.append("-fopenmp")
         link.append("-fopenmp")
-    cuda_only = {"csrc/cuda_bindings.cpp"}
+    cuda_only = {"csrc/cuda/cuda_bindings.cpp"}
     exts = [
         cpp_extension.CppExtension(
             "sapipe._C",
             [s for s in _csrc("*.cpp") if s not in cuda_only],
+            include_dirs=[os.path.join(HERE, d) for d in CSRC_DIRS],
             extra_compile_args={"cxx": cxx},
             extra_link_args=link,
         )
@@ -100,6 +107,7 @@ def _extensions():
             cuda_ext = cpp_extension.CUDAExtension(
                 "sapipe._C_cuda",
                 sorted(cuda_only) + _csrc("*.cu"),
+                include_dirs=[os.path.join(HERE, d) for d in CSRC_DIRS],
                 extra_compile_args={"cxx": ["-O3", "-g0"], "nvcc": ["-O3"]},
             )
         except (OSError, RuntimeError) as exc:  # e.g. no CUDA toolkit found

@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import bench_models  # noqa: E402
-from sapipe.compression import BucketCodec, Compression, intake_views  # noqa: E402
+from sapipe.compression.codec import BucketCodec, Compression, intake_views  # noqa: E402
 
 
 def timed(fn: Callable[[], None], device: torch.device) -> float:

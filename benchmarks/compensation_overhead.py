@@ -138,7 +138,7 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     init_one_rank_group(device)
-    out = {"backend": sapipe.ops.backend(device.type), "models": {}}
+    out = {"backend": sapipe.kernels.ops.backend(device.type), "models": {}}
     for name in args.models.split(","):
         spec = bench_models.build(name, args.size)
         batch = spec.make_batch(spec.batch_size, device, torch.Generator().manual_seed(0))

@@ -65,7 +65,8 @@ def worker(args) -> None:
 
     import bench_models
     import sapipe
-    from sapipe.schedule import chrome_trace, simulator
+    from sapipe.schedule import simulator
+    from sapipe.tracing import chrome_trace
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -31,7 +31,7 @@ status=0
 
 echo "== build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
 $PY setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-$PY -c "from sapipe import _ext, ops; print('backends:', ops.backend('cuda'), ops.backend('cpu'), _ext.errors or '')"
+$PY -c "from sapipe.kernels import _ext, ops; print('backends:', ops.backend('cuda'), ops.backend('cpu'), _ext.errors or '')"
 
 # The CPU cases of the kernel tests run on every host; here the CUDA ones. The codec, the
 # compressed sums and the profile first: the 63 mode cases of test_cuda take ~3 minutes.

@@ -43,8 +43,8 @@ def background_work(kind: str, numel: int) -> Callable[[], None]:
     if kind == "matmul":
         a = torch.randn(256, 256)
         return lambda: torch.mm(a, a)
-    from sapipe import codec_kernels
-    from sapipe.compression import WireFormat
+    from sapipe.kernels import codec as codec_kernels
+    from sapipe.compression.codec import WireFormat
     fmt = WireFormat("int8", numel, 0, 2)
     grad, residual, out = torch.randn(numel), torch.zeros(numel), torch.empty(numel)
     q, scales = torch.zeros(2, fmt.shard, dtype=torch.int8), torch.zeros(2, fmt.blocks)

@@ -1,10 +1,10 @@
 """Micro-benchmark of sapipe's fused kernels (csrc/) against the pure-PyTorch path.
 
-The compression codec's stages (sapipe.codec_kernels) are timed too, on float32 buffers:
+The compression codec's stages (sapipe.kernels.codec) are timed too, on float32 buffers:
 their rows count ideal bytes per value of the bucket (codec_cases).
 
 For a flat buffer (16M elements by default) on CPU or on a CUDA GPU, times every kernel
-through the dispatching entry point of sapipe.ops (the compiled extension: ``sapipe._C`` on
+through the dispatching entry point of sapipe.kernels.ops (the compiled extension: ``sapipe._C`` on
 CPU, ``sapipe._C_cuda`` on CUDA) and through its ``reference_*`` function (pure PyTorch),
 and converts the kernel's *ideal* memory traffic -- bytes read plus bytes written per
 element, each input read once and each output written once -- into GB/s. Every tensor of a
@@ -50,8 +50,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from sapipe import codec_kernels, ops
-from sapipe.gradient_spec import GradientSpec
+from sapipe.kernels import codec as codec_kernels, ops
+from sapipe.kernels.gradient_spec import GradientSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,7 +83,7 @@ def median_cuda(fn: Callable[[], object], reps: int) -> float:
 
 def codec_cases(n: int, device: torch.device, world: int = 2) -> Dict[str, Tuple[float, Callable[[], object],
                                                                                Callable[[], object]]]:
-    """The compression codec's stages (sapipe.codec_kernels) on a float32 bucket of ``n`` values
+    """The compression codec's stages (sapipe.kernels.codec) on a float32 bucket of ``n`` values
     sent as ``world`` rows, with and without error feedback: name -> (ideal bytes per bucket
     value, kernel call, torch call). encode reads the gradient (and the residual) and writes the
     compressed rows (and the residual); the sum reads the W received rows of a shard (n / W
@@ -151,7 +151,7 @@ def check_device(device: torch.device, dtype: torch.dtype) -> None:
 
 def _cpu_isa() -> str:
     """", instruction set X" of the compiled CPU kernels in use (SAPIPE_CPU_ISA caps it), if built."""
-    from sapipe import _ext
+    from sapipe.kernels import _ext
 
     return f", instruction set {_ext.cpu.cpu_isa()}" if _ext.cpu is not None else ""
 
@@ -287,7 +287,7 @@ def main() -> None:
             lambda: ops.adam_fused(p, m, v, adam_h, spec_wp3, out=out),
             lambda: ops.reference_adam_fused(p, m, v, adam_h, spec_wp3, out=out),
         ),
-        # An update's extras (sapipe.ops module doc), as the engine runs them per step:
+        # An update's extras (sapipe.kernels.ops module doc), as the engine runs them per step:
         "dc: SGD + DC outer, x_t also into the history slot": (
             (3 + 5 + 1) * E,
             lambda: ops.sgd_fused(p, mom, sgd_h, spec_dc_hist),

@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 def per_bucket(device: str, sizes) -> None:
     import torch
 
-    from sapipe.buckets import StalenessBuffer
+    from sapipe.layout.buckets import StalenessBuffer
     from sapipe.runtime.nonfinite import NonFiniteGradients
 
     dev = torch.device(device)

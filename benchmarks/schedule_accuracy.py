@@ -4,7 +4,7 @@ For each model × emulated bandwidth one ``torchrun`` job runs inside a rate-lim
 namespace (docs/design.md §6, via :mod:`sapipe.launch.netns`). In that job:
 
 1. a ``stale_layers="auto"`` run profiles its warm-up, the model picks k and the run
-   measures that k on the job (``sapipe.schedule.tuner``), and its final decision predicts
+   measures that k on the job (``sapipe.auto.search``), and its final decision predicts
    the iteration time for k = 0, the chosen k and k = m (the simulator, docs/design.md §4, with
    the compute slow-down σ fitted to the search's trials where a search ran);
 2. the same auto run is then timed once its k is final, and fresh runs with k = 0 and

@@ -4,9 +4,9 @@ Wrap your optimizer; the first ``stale_layers`` layers take one-step-stale gradi
 their all-reduce hides behind the next forward, every other layer stays exactly
 synchronous, and staleness compensation (``dc``, ``wp1``-``wp3``) keeps accuracy.
 """
-from . import ops
-from .compensation import MODES as COMPENSATION_MODES
-from .errors import (
+from sapipe.kernels import ops
+from sapipe.optim.compensation import MODES as COMPENSATION_MODES
+from sapipe.errors import (
     CommunicationError,
     ConfigurationError,
     NonFiniteGradientError,
@@ -14,8 +14,8 @@ from .errors import (
     UnsupportedOptimizerError,
     UsageError,
 )
-from .checkpoint import Checkpointer, checkpoint_exists, load_checkpoint, save_checkpoint
-from .optimizer import DistributedOptimizer
+from sapipe.checkpoint import Checkpointer, checkpoint_exists, load_checkpoint, save_checkpoint
+from sapipe.optimizer import DistributedOptimizer
 
 __version__ = "0.1.0"
 

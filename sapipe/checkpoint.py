@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import ConfigurationError
-from .optimizer import DistributedOptimizer
-from .runtime.timeline import per_rank_path
+from sapipe.errors import ConfigurationError
+from sapipe.optimizer import DistributedOptimizer
+from sapipe.tracing.timeline import per_rank_path
 
 
 def _path(path: str, optimizer: DistributedOptimizer) -> str:

@@ -16,10 +16,10 @@ from datetime import timedelta
 from numbers import Real
 from typing import Any, Callable, Dict, List, Optional, Union
 
-from .comm import BACKENDS, compression_refusal
-from .compensation import MODES
-from .compression import COMPRESSIONS, Compression, validate as validate_compression, wire_constants
-from .errors import ConfigurationError
+from sapipe.comm import BACKENDS, compression_refusal
+from sapipe.optim.compensation import MODES
+from sapipe.compression.codec import COMPRESSIONS, Compression, validate as validate_compression, wire_constants
+from sapipe.errors import ConfigurationError
 
 DC_FORMS = ("outer", "diagonal")
 #: what a non-finite gradient without a GradScaler does (sapipe.runtime.nonfinite)
@@ -133,7 +133,7 @@ class Settings:
     )
     compensation: str = _setting(
         "none", _one_of(MODES),
-        '``"none"``, ``"dc"``, ``"wp1"``, ``"wp2"`` or ``"wp3"`` for the stale layers (see :mod:`sapipe.compensation`).',
+        '``"none"``, ``"dc"``, ``"wp1"``, ``"wp2"`` or ``"wp3"`` for the stale layers (see :mod:`sapipe.optim.compensation`).',
     )
     dc_lambda: float = _setting(
         0.2, _non_negative_number,
@@ -174,11 +174,11 @@ class Settings:
     )
     compression: Optional[str] = _setting(
         None, _compression,
-        """how bucket gradients travel (:mod:`sapipe.compression`): ``None`` (their own dtype), ``"fp16"``, ``"bf16"`` (16-bit), or ``"int8"`` (per-block scaled, with error feedback); every bucket, sync and stale; summed in the gradients' own dtype.""",
+        """how bucket gradients travel (:mod:`sapipe.compression.codec`): ``None`` (their own dtype), ``"fp16"``, ``"bf16"`` (16-bit), or ``"int8"`` (per-block scaled, with error feedback); every bucket, sync and stale; summed in the gradients' own dtype.""",
     )
     error_feedback: Optional[bool] = _setting(
         None, _optional_boolean,
-        """with ``compression``: whether each rank keeps what rounding dropped and adds it to its next gradient (:mod:`sapipe.compression`); ``None``: on for ``"int8"``, off for ``"fp16"``/``"bf16"``.""",
+        """with ``compression``: whether each rank keeps what rounding dropped and adds it to its next gradient (:mod:`sapipe.compression.codec`); ``None``: on for ``"int8"``, off for ``"fp16"``/``"bf16"``.""",
     )
     hierarchical: Optional[bool] = _setting(
         None, _optional_boolean,

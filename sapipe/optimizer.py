@@ -33,18 +33,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import config, failures, rendezvous, torch_state
-from .auto import AutoController
-from .buckets import Bucket
-from .errors import ConfigurationError, SapipeError, UsageError
-from .layers import Layer, LayerRecorder
-from .resume import CHECKPOINT_FORMAT, check_resumable
-from .runtime import ForwardHooks, Runtime
-from .runtime.buffers import BufferBroadcast
-from .runtime.shutdown import close_at_exit
-from .runtime.timeline import BackwardSpans, TraceFiles, trace_argument
-from .schedule import solver
-from .trace import Tracer
+from sapipe import config, rendezvous
+from sapipe.comm import failures
+from sapipe.state import torch_state
+from sapipe.auto import AutoController
+from sapipe.layout.buckets import Bucket
+from sapipe.errors import ConfigurationError, SapipeError, UsageError
+from sapipe.layout.layers import Layer, LayerRecorder
+from sapipe.state.resume import CHECKPOINT_FORMAT, check_resumable
+from sapipe.runtime import ForwardHooks, Runtime
+from sapipe.runtime.buffers import BufferBroadcast
+from sapipe.runtime.shutdown import close_at_exit
+from sapipe.tracing.timeline import BackwardSpans, TraceFiles, trace_argument
+from sapipe.schedule import solver
+from sapipe.tracing.tracer import Tracer
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -145,7 +147,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
         recorder.start()
         close_at_exit(self)  # a job that never calls close() still exits cleanly (design §5.4)
-        failures.install()  # an uncaught exception on this rank is named to its peers (sapipe/failures.py)
+        failures.install()  # an uncaught exception on this rank is named to its peers (sapipe/comm/failures.py)
 
     # ------------------------------------------------------------------ public API
 

@@ -25,13 +25,15 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from . import comm, config, failures, ops
-from .comm.topology import Topology, node_name
-from .compression import wire_constants
-from .errors import CommunicationError, ConfigurationError, SapipeError, UnsupportedOptimizerError, UsageError
-from .layers import LayerRecorder, uncompiled
-from .optim_generic import rule_for
-from .optim_math import OptimizerRule
+from sapipe import comm, config
+from sapipe.comm import failures
+from sapipe.kernels import ops
+from sapipe.comm.topology import Topology, node_name
+from sapipe.compression.codec import wire_constants
+from sapipe.errors import CommunicationError, ConfigurationError, SapipeError, UnsupportedOptimizerError, UsageError
+from sapipe.layout.layers import LayerRecorder, uncompiled
+from sapipe.optim.generic import rule_for
+from sapipe.optim.fused import OptimizerRule
 
 
 def check_locally(
@@ -204,7 +206,7 @@ def _scratch(scratch: Dict[tuple, torch.Tensor], key: tuple, numel: int, dtype: 
 def failure_named(what: str) -> Iterator[None]:
     """A failed collective outside the back-ends (the control group's, the scheduler's probes)
     raises :class:`CommunicationError` saying what it was (and, for a lost peer, which rank
-    failed first and why, where it published that: :mod:`sapipe.failures`). sapipe's own
+    failed first and why, where it published that: :mod:`sapipe.comm.failures`). sapipe's own
     errors raised inside pass unchanged."""
     try:
         yield

@@ -42,7 +42,7 @@ def make_optimizer(kind, params):
 
 
 class _ScriptedTuner:
-    """A stand-in for ``sapipe.schedule.tuner.Tuner`` that walks a fixed path of k."""
+    """A stand-in for ``sapipe.auto.search.Tuner`` that walks a fixed path of k."""
 
     path = ()  # the k of the trials after the first; the last one is final
 
@@ -53,7 +53,7 @@ class _ScriptedTuner:
         self.suggest = suggest
 
     def record(self, iteration_time, waits):
-        from sapipe.schedule.tuner import Trial
+        from sapipe.auto.search import Trial
 
         assert iteration_time > 0 and waits >= 0
         self.trials.append(Trial(self.trial, iteration_time, waits))
@@ -76,7 +76,7 @@ class _ScriptedTuner:
 
     @classmethod
     def from_state(cls, state):
-        from sapipe.schedule.tuner import Trial
+        from sapipe.auto.search import Trial
 
         tuner = cls.__new__(cls)
         vars(tuner).update(state, trials=[Trial(*t) for t in state["trials"]])
@@ -86,7 +86,8 @@ class _ScriptedTuner:
 def _pinned(rank, world_size, kind, mode, k, staleness=1, path=(), tune_steps=0, steps=STEPS, budget=30,
             comm_bound=False):
     import sapipe
-    from sapipe.schedule import solver, tuner
+    from sapipe.auto import search as tuner
+    from sapipe.schedule import solver
 
     real_choose = solver.choose_k
     solver.choose_k = lambda *a, **kw: dataclasses.replace(
@@ -188,7 +189,8 @@ def test_a_communication_bound_k_is_kept_unmeasured_within_a_budget(budget):
 def _search_resumed(rank, world_size, path, split, steps=18):
     """The scripted search (3, then 7, then 5), uninterrupted vs checkpointed at ``split`` and resumed."""
     import sapipe
-    from sapipe.schedule import solver, tuner
+    from sapipe.auto import search as tuner
+    from sapipe.schedule import solver
 
     real_choose = solver.choose_k
     solver.choose_k = lambda *a, **kw: dataclasses.replace(
@@ -412,7 +414,7 @@ if __name__ == "__main__":
                                              ("TRUE", True), ("/tmp/job-{rank}.json", "/tmp/job-{rank}.json")])
 def test_sapipe_trace_from_the_environment(monkeypatch, value, expected):
     """$SAPIPE_TRACE=1 records without a file called "1"; a path records and writes there."""
-    from sapipe.runtime.timeline import trace_argument
+    from sapipe.tracing.timeline import trace_argument
 
     monkeypatch.setenv("SAPIPE_TRACE", value)
     assert trace_argument(None) == expected

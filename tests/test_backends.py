@@ -47,7 +47,7 @@ def _chunk_order(rank, world_size, seed):
     """Start buckets with rank-dependent timing; log the chunk sequence the worker issues."""
     from sapipe.comm import create
     from sapipe.comm.pushpull import PushPull
-    from sapipe.trace import Tracer
+    from sapipe.tracing.tracer import Tracer
 
     import torch.distributed as dist
 

@@ -1,5 +1,5 @@
-"""The codec kernels (csrc/cpu_codec*.{h,cpp}, csrc/codec.cuh) against their pure-PyTorch
-reference (sapipe/codec_kernels.py), bit for bit, and the reference against torch's own
+"""The codec kernels (csrc/codec/cpu_codec*.{h,cpp}, csrc/codec/codec.cuh) against their pure-PyTorch
+reference (sapipe/kernels/codec.py), bit for bit, and the reference against torch's own
 conversions.
 
 * The 16-bit conversions: every fp16 / bf16 bit pattern decoded, and float32 values spread
@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from sapipe import _ext, codec_kernels as ck
+from sapipe.kernels import _ext, codec as ck
 
 CUDA_OK = torch.cuda.is_available() and _ext.cuda is not None and hasattr(_ext.cuda, "codec_encode")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA_OK, reason="no CUDA device"))]
@@ -270,7 +270,7 @@ import sys
 import torch
 sys.path.insert(0, {tests!r})
 from test_codec_kernels import _messages
-from sapipe import _ext
+from sapipe.kernels import _ext
 src = torch.randn(512)
 _, values, scales = _messages("int8", 2, 256, "cpu")
 _, values16, _ = _messages("fp16", 2, 256, "cpu")
@@ -306,7 +306,7 @@ def test_the_environment_caps_the_instruction_set(cap):
     """SAPIPE_CPU_ISA=base|avx2 caps the run-time choice (the best the CPU has otherwise)."""
     if cap not in _isas():
         pytest.skip(f"this CPU has no {cap}")
-    code = "from sapipe import _ext; print(_ext.cpu.cpu_isa())"
+    code = "from sapipe.kernels import _ext; print(_ext.cpu.cpu_isa())"
     env = dict(os.environ, SAPIPE_CPU_ISA=cap)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == cap, out.stderr[-2000:]
@@ -317,7 +317,7 @@ def test_the_environment_caps_the_instruction_set(cap):
 
 
 def test_an_unknown_instruction_set_cap_warns():
-    code = "import warnings; warnings.simplefilter('error'); from sapipe import _ext"
+    code = "import warnings; warnings.simplefilter('error'); from sapipe.kernels import _ext"
     env = dict(os.environ, SAPIPE_CPU_ISA="AVX2")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "SAPIPE_CPU_ISA='AVX2' is not one of base, avx2, avx512" in out.stderr, out.stderr

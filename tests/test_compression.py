@@ -1,4 +1,4 @@
-"""``compression=``: compressed sums on real Gloo ranks (sapipe/compression.py, docs/design.md §5.9).
+"""``compression=``: compressed sums on real Gloo ranks (sapipe/compression/codec.py, docs/design.md §5.9).
 
 * Every format in every compensation mode against the float64 reference extended with the
   same quantizer (``reference.compressed_mean``): each rank's shards rounded once, summed in
@@ -198,7 +198,7 @@ def _encodes_per_step(rank, world_size, configs):
     """For each (compression, compensation, error_feedback): how many times per step the
     worker ran stage 1's encode (the codec's kernels, counted at the module sapipe calls)."""
     import sapipe
-    from sapipe import codec_kernels
+    from sapipe.kernels import codec as codec_kernels
 
     calls = []
     real_encode = codec_kernels.encode

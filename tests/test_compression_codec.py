@@ -1,4 +1,4 @@
-"""The compressed sum's arithmetic (sapipe/compression.py), W ranks simulated in one process.
+"""The compressed sum's arithmetic (sapipe/compression/codec.py), W ranks simulated in one process.
 
 The bytes each simulated rank sends are handed to the others exactly as the all-to-all and
 the all-gather would, so what is checked is the codec itself: how close the decoded mean is
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sapipe.compression import INT8_BLOCK, BucketCodec, Compression, WireFormat, validate
+from sapipe.compression.codec import INT8_BLOCK, BucketCodec, Compression, WireFormat, validate
 
 # largest |decoded - exact| / max|exact| one averaged step may show: two roundings of the format
 BOUND = {"fp16": 2.0**-10, "bf16": 2.0**-7, "int8": 2.0 / 127}
@@ -131,7 +131,7 @@ def test_node_first_shards_cover_small_buckets(node_size, numel):
     """A bucket cut into L node-first shards of ceil(numel / L) values: row j holds values
     [j·size, (j+1)·size) clipped to the bucket (shards past its end are empty), zeros
     after them, then every flag; unpacking the rows gives the bucket back."""
-    from sapipe.compression import NodeFirstCodec
+    from sapipe.compression.codec import NodeFirstCodec
 
     nflags = 3
     codec = NodeFirstCodec(Compression.of("int8"), numel, nflags, 2, node_size, torch.float64, torch.device("cpu"))
@@ -156,7 +156,7 @@ def test_gradients_written_on_intake_make_the_bytes_the_encode_makes(kind, dtype
     outgoing messages (cast as it is copied; parameters spanning a shard's or a partition's
     end in pieces) leaves every message byte as stage 1's encode of the filled bucket, and
     the untouched padding zero. Sizes put shard and partition ends inside parameters."""
-    from sapipe.compression import PartitionedCodec, SpanningGradient, intake_views
+    from sapipe.compression.codec import PartitionedCodec, SpanningGradient, intake_views
 
     world, shapes = 3, [(7, 5), (13,), (4, 3, 2), (1,), (29,), (2,)]  # 104 values: shards padded
     params = [torch.empty(shape, dtype=dtype) for shape in shapes]

@@ -39,7 +39,7 @@ PUSHPULL = {"backend": "pushpull", "partition_mb": 13 * 8 / 2**20}  # odd chunks
 
 
 def _on_cuda(rank: int, world_size: int, kind: str, configs, options=None):
-    from sapipe import _ext, ops
+    from sapipe.kernels import _ext, ops
 
     # the fused CUDA kernels must be what runs, not the pure-PyTorch fallback
     assert ops.backend("cuda") == "cuda-ext", _ext.errors.get("_C_cuda")
@@ -83,7 +83,7 @@ COMPRESSED = [c for c in COMPRESSION_CONFIGS if c[1] != 0 or c[0] == "int8"]  # 
 
 
 def _compressed_on_cuda(rank: int, world_size: int, configs):
-    from sapipe import _ext, codec_kernels
+    from sapipe.kernels import _ext, codec as codec_kernels
 
     assert codec_kernels._module(torch.device("cuda"), torch.float64) is not None, _ext.errors.get("_C_cuda")
     return train_compressed(rank, world_size, configs, device="cuda")

@@ -156,10 +156,10 @@ def test_compression_is_refused_by_name_where_the_back_end_cannot_carry_it(backe
 
 def _construct_int8_with_block(rank, world_size, block_of_rank_1):
     """A DistributedOptimizer with int8 where rank 1 runs a sapipe whose int8 block differs."""
-    import sapipe.compression
+    import sapipe.compression.codec
 
     if rank == 1:
-        sapipe.compression.INT8_BLOCK = block_of_rank_1
+        sapipe.compression.codec.INT8_BLOCK = block_of_rank_1
     model = make_model("mlp")
     try:
         sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, compression="int8", timeout=20)

@@ -6,7 +6,7 @@ fault                                  expected outcome
 =====================================  ==========================================================
 an exception in one rank's forward     every other rank raises ``CommunicationError`` within
 or backward (2 and 3 ranks)            ``timeout`` naming the bucket *and* the cause: ``rank R
-                                       failed first: ValueError: ...`` (sapipe/failures.py); every
+                                       failed first: ValueError: ...`` (sapipe/comm/failures.py); every
                                        process exits with the exception's status 1, the failing
                                        rank's own exit bounded by ``timeout`` too
 the same under ``torchrun``            the agent's store carries the cause to the survivor
@@ -48,7 +48,7 @@ import pytest
 import torch
 
 import sapipe
-from sapipe import failures
+from sapipe.comm import failures
 from dist_utils import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -313,7 +313,7 @@ def test_a_lossy_link_changes_only_time():
     assert runs[1]["dropped_packets"] > 0, runs  # the rule did drop packets
 
 
-# ------------------------------------------------------------------ the mechanism (sapipe/failures.py)
+# ------------------------------------------------------------------ the mechanism (sapipe/comm/failures.py)
 
 
 class _Store:

@@ -187,7 +187,7 @@ def _sums(rank, world_size, numel):
     import torch.distributed as dist
 
     from sapipe.comm.hierarchical import HierarchicalAllReduce
-    from sapipe.trace import Tracer
+    from sapipe.tracing.tracer import Tracer
 
     topology = Topology.from_names([f"node {r // 2}" for r in range(world_size)])
     backend = HierarchicalAllReduce.create(dist.group.WORLD, topology, "sync", timedelta(seconds=60), Tracer(False))
@@ -273,8 +273,8 @@ def _compressed_sums(rank, world_size, kind, numel, nflags):
     import torch.distributed as dist
 
     from sapipe.comm.hierarchical import HierarchicalCompressedSum
-    from sapipe.compression import Compression, make_codec
-    from sapipe.trace import Tracer
+    from sapipe.compression.codec import Compression, make_codec
+    from sapipe.tracing.tracer import Tracer
 
     topology = Topology.from_names([f"node {r // 2}" for r in range(world_size)])
     backend = HierarchicalCompressedSum.create(dist.group.WORLD, topology, "sync", timedelta(seconds=60), Tracer(False))

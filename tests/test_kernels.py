@@ -1,11 +1,11 @@
-"""Fused kernels (csrc/, via sapipe.ops) against their pure-PyTorch references.
+"""Fused kernels (csrc/, via sapipe.kernels.ops) against their pure-PyTorch references.
 
-Every public kernel entry point of sapipe.ops is run on random inputs of awkward sizes (0, 1,
+Every public kernel entry point of sapipe.kernels.ops is run on random inputs of awkward sizes (0, 1,
 not a multiple of any vector width, larger than one tile / parallel grain / reduction chunk)
 and compared with the matching ``ops.reference_*`` function: outputs are poisoned (NaN) first
 so an element the kernel fails to write shows up, in-place calls compare weights and optimizer
 state, peek calls check that weights and state are untouched. While a kernel test runs, the
-reference functions inside sapipe.ops are replaced by stubs that raise, so a silent fallback
+reference functions inside sapipe.kernels.ops are replaced by stubs that raise, so a silent fallback
 to the pure-PyTorch path cannot pass for a kernel.
 
 CPU tests need the C++ extension (``pip install --no-build-isolation -e .``); CUDA tests need
@@ -26,12 +26,12 @@ import warnings
 import pytest
 import torch
 
-from sapipe import _ext, ops
-from sapipe.gradient_spec import GradientSpec
+from sapipe.kernels import _ext, ops
+from sapipe.kernels.gradient_spec import GradientSpec
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 
-# the references, captured before any test stubs them out inside sapipe.ops
+# the references, captured before any test stubs them out inside sapipe.kernels.ops
 REF = {
     name: getattr(ops, name)
     for name in (
@@ -65,14 +65,14 @@ def _require(device):
 
 @pytest.fixture
 def no_fallback(monkeypatch):
-    """Make every pure-PyTorch fallback inside sapipe.ops raise."""
+    """Make every pure-PyTorch fallback inside sapipe.kernels.ops raise."""
 
     def stub(name):
         def guarded(*args, **kwargs):
             caller = sys._getframe(1).f_code.co_name
             if caller.startswith("reference_") or caller == "_composed":  # reference internals
                 return REF[name](*args, **kwargs)
-            raise AssertionError(f"sapipe.ops fell back to {name} instead of the kernel")
+            raise AssertionError(f"sapipe.kernels.ops fell back to {name} instead of the kernel")
 
         return guarded
 
@@ -856,6 +856,7 @@ def test_in_place_kernels_bump_version_counters(no_fallback):
 # ---------------------------------------------------------------------------------------
 
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+CSRC_INCLUDES = [f"-I{os.path.join(CSRC, d)}" for d in ("", "cpu", "codec", "cuda")]  # as setup.py's
 
 STANDALONE = r"""
 #include "codec.cuh"
@@ -893,8 +894,8 @@ CODEC(double)
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 def test_nvcc_compiles_cuda_sources(tmp_path):
-    """csrc/kernels.cuh (all four dtypes) and csrc/codec.cuh standalone, csrc/cuda_ops.cu and
-    csrc/cuda_codec.cu against torch's headers,
+    """csrc/cuda/kernels.cuh (all four dtypes) and csrc/codec/codec.cuh standalone, csrc/cuda/cuda_ops.cu and
+    csrc/codec/cuda_codec.cu against torch's headers,
     and the CUDA module's bindings with the host compiler, run side by side.
 
     A CPU-only torch wheel ships c10/cuda headers but not the build-generated
@@ -911,24 +912,24 @@ def test_nvcc_compiles_cuda_sources(tmp_path):
     if not os.path.exists(os.path.join(torch_root, "c10", "cuda", "impl", "cuda_cmake_macros.h")):
         (stub / "c10" / "cuda" / "impl").mkdir(parents=True)
         (stub / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text("#pragma once\n")
-    incs = [f"-I{p}" for p in torch_inc] + [f"-I{stub}", f"-I{CSRC}"]
+    incs = [f"-I{p}" for p in torch_inc] + [f"-I{stub}", *CSRC_INCLUDES]
     torch_defs = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
                   "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
                   "--expt-relaxed-constexpr"]
     cxx = os.environ.get("CXX", "c++")
     jobs = {
-        "kernels.cuh standalone": [nvcc, "-c", "-std=c++17", "-O3", *arch, f"-I{CSRC}",
+        "kernels.cuh standalone": [nvcc, "-c", "-std=c++17", "-O3", *arch, *CSRC_INCLUDES,
                                    str(tmp_path / "standalone.cu"), "-o", str(tmp_path / "k.o")],
         "cuda_ops.cu with torch headers": [nvcc, "-c", "-std=c++20", "-O3", *arch, *torch_defs,
-                                           *incs, os.path.join(CSRC, "cuda_ops.cu"), "-o",
+                                           *incs, os.path.join(CSRC, "cuda", "cuda_ops.cu"), "-o",
                                            str(tmp_path / "cuda_ops.o")],
         "cuda_codec.cu with torch headers": [nvcc, "-c", "-std=c++20", "-O3", *arch, *torch_defs,
-                                             *incs, os.path.join(CSRC, "cuda_codec.cu"), "-o",
+                                             *incs, os.path.join(CSRC, "codec", "cuda_codec.cu"), "-o",
                                              str(tmp_path / "cuda_codec.o")],
         "cuda_bindings.cpp (host)": [cxx, "-fsyntax-only", "-std=c++20", *incs,
                                      f"-I{sysconfig.get_paths()['include']}",
                                      "-DTORCH_EXTENSION_NAME=_C_cuda",
-                                     os.path.join(CSRC, "cuda_bindings.cpp")],
+                                     os.path.join(CSRC, "cuda", "cuda_bindings.cpp")],
     }
     procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for name, cmd in jobs.items()}

@@ -88,7 +88,7 @@ def _train(rank: int, world_size: int, kind: str, configs, options=None, device:
         )
         real, held = train_and_read(model, opt, batches, rank, device)
         results.append({"real": real, "held": held, "buckets": len(opt.buckets),
-                        "compiled_kernels": sapipe._ext.cpu is not None})
+                        "compiled_kernels": sapipe.kernels._ext.cpu is not None})
         opt.close()
     return results
 

@@ -240,7 +240,7 @@ def test_pip_install_of_sdist_builds_kernels_and_launcher(sdist, tmp_path):
 
     # from outside the source tree, the installed package (not the checkout's editable one)
     run_env = _env(PYTHONPATH=str(target), OMP_NUM_THREADS="1")
-    check = ("import importlib.util, json, sapipe, sapipe.ops as o; "
+    check = ("import importlib.util, json, sapipe, sapipe.kernels.ops as o; "
              "print(json.dumps([sapipe.__file__, o.backend('cpu'), "
              "importlib.util.find_spec('launcher') is None]))")
     r = _run([PY, "-c", check], tmp_path, run_env)

@@ -11,16 +11,9 @@ from typing import List, Tuple
 import numpy as np
 import pytest
 
-from sapipe.bucket_layout import bucket_layout
-from sapipe.schedule import (
-    LayerProfile,
-    brute_force_k,
-    choose_k,
-    closed_form_k,
-    events_from_tracer,
-    simulate,
-    write_chrome_trace,
-)
+from sapipe.layout.packing import bucket_layout
+from sapipe.schedule import LayerProfile, brute_force_k, choose_k, closed_form_k, simulate
+from sapipe.tracing.chrome_trace import events_from_tracer, write_chrome_trace
 
 
 def random_profiles(rng: np.random.Generator, m: int, comm_ratio: float) -> Tuple[List[LayerProfile], List[int], float]:
@@ -122,10 +115,10 @@ def test_bucket_layout_property_check_can_fail():
 
 
 def test_runtime_buckets_are_the_layout():
-    """sapipe.buckets.build_buckets builds exactly bucket_layout's buckets, with their stale flags."""
+    """sapipe.layout.buckets.build_buckets builds exactly bucket_layout's buckets, with their stale flags."""
     torch = pytest.importorskip("torch")
-    from sapipe.buckets import build_buckets
-    from sapipe.layers import Layer
+    from sapipe.layout.buckets import build_buckets
+    from sapipe.layout.layers import Layer
 
     rng = np.random.default_rng(2)
     dtypes = [torch.float32, torch.float64, torch.float16]
@@ -653,7 +646,7 @@ def test_timer_keeps_deferred_updates_apart(monkeypatch):
 
 def _search(times, first_k, tol=0.03, waits=None):
     """Run the tuner against measured iteration times ``times[k]``; return it."""
-    from sapipe.schedule.tuner import Tuner
+    from sapipe.auto.search import Tuner
 
     tuner = Tuner(first_k, len(times) - 1, tol)
     while tuner.trial is not None:
@@ -700,7 +693,7 @@ def test_tuner_finds_the_smallest_k_as_fast_as_all_stale(seed):
 def test_a_guided_search_finds_the_same_k_in_fewer_trials(seed):
     """A suggestion that is right ends the search with one probe (or none, when it points at
     the bracket's good end); one that is wrong still converges to the bisection's answer."""
-    from sapipe.schedule.tuner import Tuner
+    from sapipe.auto.search import Tuner
 
     rng = np.random.default_rng(seed)
     m = int(rng.integers(4, 120))
@@ -721,7 +714,7 @@ def test_a_guided_search_finds_the_same_k_in_fewer_trials(seed):
 
 
 def test_a_stopped_search_keeps_the_best_k_it_measured():
-    from sapipe.schedule.tuner import Tuner
+    from sapipe.auto.search import Tuner
 
     times = [30.0, 25.0, 20.0, 15.0, 12.0, 10.0, 10.0, 10.0, 10.0]
     tuner = Tuner(2, 8, 0.03)
@@ -742,7 +735,7 @@ def test_a_stopped_search_keeps_the_best_k_it_measured():
 def test_slowdown_fit_recovers_the_sigma_behind_the_trials():
     """Trials measured on a link that slows compute (simulated with σ = 0.75) are best
     explained by σ = 0.75; trials the plain model already explains give σ = 0."""
-    from sapipe.schedule.tuner import Trial, fit_slowdown
+    from sapipe.auto.search import Trial, fit_slowdown
 
     rng = np.random.default_rng(11)
     profiles, nbytes, beta = random_profiles(rng, 12, 0.6)
@@ -759,7 +752,7 @@ def test_slowdown_fit_recovers_the_sigma_behind_the_trials():
 
 
 def test_tuner_refuses_input_after_the_end_and_bad_arguments():
-    from sapipe.schedule.tuner import Tuner
+    from sapipe.auto.search import Tuner
 
     tuner = _search([3.0, 2.0, 1.0], 1, waits={1: 0.0})
     with pytest.raises(RuntimeError, match="search is over"):
@@ -869,7 +862,7 @@ def test_sync_at_step_with_slowdown(shared):
 
 
 def test_the_margin_is_the_distance_to_the_threshold_of_each_trials_verdict():
-    from sapipe.schedule.tuner import Tuner
+    from sapipe.auto.search import Tuner
 
     tuner = Tuner(2, 8, 0.03)
     assert tuner.margin(100.0, 13.0) == pytest.approx(0.10)  # k1: waits 13 against 3% of 100
@@ -886,7 +879,7 @@ def test_the_margin_is_the_distance_to_the_threshold_of_each_trials_verdict():
 def test_link_scale_fit_recovers_a_link_slower_than_profiled():
     """Trials simulated on a link 2.5x slower than the profile's are best explained by c = 2.5
     (their waits say it even where the times alone would not); the profile's own link by 1."""
-    from sapipe.schedule.tuner import Trial, fit_link_scale
+    from sapipe.auto.search import Trial, fit_link_scale
 
     rng = np.random.default_rng(5)
     profiles, nbytes, beta = random_profiles(rng, 12, 0.6)

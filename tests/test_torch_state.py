@@ -19,7 +19,7 @@ import sapipe
 from dist_utils import run_ranks
 from models import loss_fn_for, make_batches, make_model
 from optimizers import GENERIC, GlobalStepRMSprop, GroupStepAdam
-from sapipe.optim_generic import rule_for
+from sapipe.optim.generic import rule_for
 
 STEPS, SPLIT = 10, 5
 FACTORIES = {

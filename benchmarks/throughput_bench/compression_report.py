@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from sapipe.compression import COMPRESSIONS
+from sapipe.compression.codec import COMPRESSIONS
 
 from .stats import paired_ratio
 

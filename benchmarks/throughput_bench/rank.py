@@ -45,7 +45,7 @@ class Ctx:
 
             from sapipe.comm.hierarchical import HierarchicalAllReduce
             from sapipe.comm.topology import Topology, node_name
-            from sapipe.trace import Tracer
+            from sapipe.tracing.tracer import Tracer
 
             names = [None] * self.world
             dist.all_gather_object(names, node_name(), group=self.ctrl)

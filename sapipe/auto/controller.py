@@ -6,7 +6,7 @@ Three phases (docs/design.md §4):
    the link is fitted (:mod:`sapipe.schedule.profiler`);
 2. **trials** — at the end of warm-up the simulator's k is laid out and, unless it is 0 or
    m, measured on the running job; if the pipeline still waits, other k are measured
-   (:class:`sapipe.schedule.tuner.Tuner`) where the model, calibrated on the trials so
+   (:class:`sapipe.auto.search.Tuner`) where the model, calibrated on the trials so
    far, points, each trial restarting the pipeline;
 3. **decided** — k is final, by iteration ``auto_budget`` at the latest.
 
@@ -27,13 +27,14 @@ from typing import Any, Dict, List, Optional, Protocol
 
 import torch
 
-from ..config import Settings
-from ..layers import Layer
-from ..rendezvous import ControlChannel, failure_named
-from ..runtime.pipeline import GradientPipeline
-from ..errors import UsageError
-from ..schedule import profiler, simulator, solver, tuner
-from ..schedule.saved_profile import SavedProfile
+from sapipe.config import Settings
+from sapipe.layout.layers import Layer
+from sapipe.rendezvous import ControlChannel, failure_named
+from sapipe.runtime.pipeline import GradientPipeline
+from sapipe.errors import UsageError
+from sapipe.auto import search
+from sapipe.schedule import profiler, simulator, solver
+from sapipe.schedule.saved_profile import SavedProfile
 
 log = logging.getLogger("sapipe")
 
@@ -77,7 +78,7 @@ class AutoController:
         self.sim_options: Dict[str, Any] = {}  # slowdown, shared_link, update_per_element
         self.sync_at_step = False  # the sync updates run in step() (the script reads p.grad)
         self.decision: Optional[solver.Decision] = None
-        self.tuner: Optional[tuner.Tuner] = None  # the measured search, once the model chose
+        self.tuner: Optional[search.Tuner] = None  # the measured search, once the model chose
         self.decided = False  # k is final (decided now, or restored from a checkpoint)
         self.decided_at: Optional[int] = None  # the iteration whose step() made k final (in this run)
         self._trial_start = 0  # the iteration the current trial's pipeline began after
@@ -129,7 +130,7 @@ class AutoController:
         self._runtime.relayout(self.decision.k)
         m = len(layout.layers)
         if self._worth_measuring(m):
-            self.tuner = tuner.Tuner(self.decision.k, m, STALL_TOLERANCE, self._search_guide())
+            self.tuner = search.Tuner(self.decision.k, m, STALL_TOLERANCE, self._search_guide())
             self._begin_trial(self._pipeline.origin)
         else:
             self._finish(self._pipeline.origin)
@@ -276,7 +277,7 @@ class AutoController:
         if self.tuner.trial is None:
             if self.tuner.final != self._pipeline.layout.k:
                 self._runtime.restart(self.tuner.final, iteration, hyperparams)
-            self.sim_options["slowdown"] = tuner.fit_slowdown(
+            self.sim_options["slowdown"] = search.fit_slowdown(
                 self.tuner.trials, lambda k, sigma: self.predict(k, sigma, record_events=False).iteration_time)
             self.decision = solver.choose_k(self.layer_profiles, tolerance=STALL_TOLERANCE,
                                             only_k=self.tuner.final, **self.simulator_arguments())
@@ -326,7 +327,7 @@ class AutoController:
 
     def _suggest(self, lo: int, hi: int) -> int:
         """The smallest k in (lo, hi] that the model, its link rescaled to explain the trials'
-        times and waits so far (:func:`~sapipe.schedule.tuner.fit_link_scale`), predicts
+        times and waits so far (:func:`~sapipe.auto.search.fit_link_scale`), predicts
         within half the tolerance of k = hi (known to be fast enough)."""
         assert self.tuner is not None
 
@@ -334,7 +335,7 @@ class AutoController:
             r = self.predict(k, record_events=False, link_scale=scale)
             return r.iteration_time, r.forward_wait + r.step_wait
 
-        scale = tuner.fit_link_scale(self.tuner.trials, seen)
+        scale = search.fit_link_scale(self.tuner.trials, seen)
         times = {k: seen(k, scale)[0] for k in range(lo + 1, hi + 1)}
         return min(k for k in times if times[k] <= times[hi] * (1.0 + STALL_TOLERANCE / 2))
 
@@ -382,18 +383,18 @@ class AutoController:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.decided = state["decided"]
-        search = state["search"]
-        self.tuner = tuner.Tuner.from_state(search["tuner"]) if search else None
-        if search:
+        saved = state["search"]
+        self.tuner = search.Tuner.from_state(saved["tuner"]) if saved else None
+        if saved:
             self.tuner.suggest = self._search_guide()
-            self._trial_start = search["trial_start"]
-            self._trial_times, self._trial_waits = list(search["times"]), list(search["waits"])
-            self.layer_profiles = [solver.LayerProfile(**p) for p in search["profiles"]] or None
-            self.link, self.sim_options = tuple(search["link"]), dict(search["sim_options"])
-            self.decision = solver.Decision(**search["decision"])
-            if "profile" in search:  # absent from checkpoints written before it was kept
-                self.profile = profiler.Profile(**copy.deepcopy(search["profile"]))
-            self.sync_at_step = search.get("sync_at_step", False)
+            self._trial_start = saved["trial_start"]
+            self._trial_times, self._trial_waits = list(saved["times"]), list(saved["waits"])
+            self.layer_profiles = [solver.LayerProfile(**p) for p in saved["profiles"]] or None
+            self.link, self.sim_options = tuple(saved["link"]), dict(saved["sim_options"])
+            self.decision = solver.Decision(**saved["decision"])
+            if "profile" in saved:  # absent from checkpoints written before it was kept
+                self.profile = profiler.Profile(**copy.deepcopy(saved["profile"]))
+            self.sync_at_step = saved.get("sync_at_step", False)
         if self.decided or self.tuner is not None:
             self.timer = self._pipeline.timer = None
         else:  # a checkpoint of the warm-up: what this job decided since is void; profile again

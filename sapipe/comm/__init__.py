@@ -26,15 +26,15 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Optional
 
-from ..errors import ConfigurationError, SapipeError
-from ..trace import Tracer
-from .base import CommBackend, Handle
-from .compressed import CompressedSum, TorchCollectives
-from .pushpull import DEFAULT_PARTITION_BYTES, PushPull
-from .groups import new_group_like, release_group
-from . import hierarchical
-from .topology import Topology
-from .torch_backend import AllReduce
+from sapipe.errors import ConfigurationError, SapipeError
+from sapipe.tracing.tracer import Tracer
+from sapipe.comm.base import CommBackend, Handle
+from sapipe.comm.compressed import CompressedSum, TorchCollectives
+from sapipe.comm.pushpull import DEFAULT_PARTITION_BYTES, PushPull
+from sapipe.comm.groups import new_group_like, release_group
+from sapipe.comm import hierarchical
+from sapipe.comm.topology import Topology
+from sapipe.comm.torch_backend import AllReduce
 
 BACKENDS = ("torch", "pushpull", "horovod", "byteps")
 
@@ -47,11 +47,11 @@ def availability(backend: str) -> Optional[str]:
     """
     try:
         if backend == "horovod":
-            from .horovod_backend import import_horovod
+            from sapipe.comm.horovod_backend import import_horovod
 
             import_horovod()
         elif backend == "byteps":
-            from .byteps_backend import import_byteps
+            from sapipe.comm.byteps_backend import import_byteps
 
             import_byteps()
     except ConfigurationError as exc:
@@ -73,7 +73,7 @@ def compression_refusal(backend: str, compression: Optional[str]) -> Optional[st
 def compression_partition(backend: str, partition_bytes: int) -> Optional[int]:
     """The bytes of uncompressed gradient ``backend`` compresses and sums as one unit:
     push-pull's partitions (BytePS compresses each partition it pushes); None: the whole
-    bucket. A bucket's codec is built to match (sapipe.compression.make_codec)."""
+    bucket. A bucket's codec is built to match (sapipe.compression.codec.make_codec)."""
     return partition_bytes if backend == "pushpull" else None
 
 
@@ -109,13 +109,13 @@ def create(
         return PushPull(new_group_like(process_group, timeout), new_group_like(process_group, timeout, "gloo"),
                         name, timeout, tracer, partition_bytes)
     if backend == "horovod":
-        from .horovod_backend import HorovodAllReduce, HorovodCollectives
+        from sapipe.comm.horovod_backend import HorovodAllReduce, HorovodCollectives
 
         if compression is not None:
             return CompressedSum(HorovodCollectives(process_group, name, timeout), name, timeout, tracer)
         return HorovodAllReduce(new_group_like(process_group, timeout), name, timeout, tracer)
     if backend == "byteps":
-        from .byteps_backend import BytePSPushPull
+        from sapipe.comm.byteps_backend import BytePSPushPull
 
         return BytePSPushPull(new_group_like(process_group, timeout), name, timeout, tracer)
     raise SapipeError(f"sapipe: unknown backend {backend!r}")  # validated before; a bug if reached

@@ -6,7 +6,7 @@ queue) is its business. Every back-end must:
 
 * **sum** the tensor over the ranks of the job, in place (a compressed sum, started with a
   ``codec``, leaves the gradient's values as their mean and the flags behind them as their
-  sum: its decode divides by the world size at no extra pass, sapipe.compression);
+  sum: its decode divides by the world size at no extra pass, sapipe.compression.codec);
 * be **deterministic across ranks**: the engine calls ``start`` in the same order on every
   rank, and the back-end must turn that into the same collectives in the same order;
 * **fail loudly within a bounded time**: a dead or hung peer surfaces as a
@@ -28,10 +28,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import failures
-from ..errors import CommunicationError, ConfigurationError
-from ..trace import Tracer
-from .groups import release_group
+from sapipe.comm import failures
+from sapipe.errors import CommunicationError, ConfigurationError
+from sapipe.tracing.tracer import Tracer
+from sapipe.comm.groups import release_group
 
 
 @dataclass
@@ -113,7 +113,7 @@ class CommBackend(abc.ABC):
         Transports report a lost peer as ``RuntimeError`` (Gloo, NCCL, Horovod) or as a
         timeout or socket error; any other exception was raised by code on this rank, so it
         is not blamed on a peer. A lost peer's error names the rank that failed first and its
-        exception where that rank published them (:mod:`sapipe.failures`)."""
+        exception where that rank published them (:mod:`sapipe.comm.failures`)."""
         head = f"sapipe: {self.name} {operation} of {what} failed"
         if isinstance(exc, (RuntimeError, TimeoutError, OSError)):
             cause = (f"A peer rank has probably died, hung or lost its connection "

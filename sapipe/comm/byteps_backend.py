@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..trace import Tracer
-from .base import LibraryBackend, import_library
+from sapipe.tracing.tracer import Tracer
+from sapipe.comm.base import LibraryBackend, import_library
 
 
 def import_byteps():

@@ -1,4 +1,4 @@
-"""Compressed sums (sapipe.compression, docs/design.md §5.9): the two collectives of compressed
+"""Compressed sums (sapipe.compression.codec, docs/design.md §5.9): the two collectives of compressed
 bytes, and the back-end that runs one per bucket (``backend="torch"`` and ``"horovod"``).
 
 A compressed sum is an all-to-all (each rank's shards, compressed, to the ranks that sum
@@ -25,12 +25,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..compression import Slot, SlotCodec
-from ..errors import UsageError
-from ..trace import Tracer
-from .base import Handle
-from .groups import release_group
-from .worker import InStartOrder, Job, all_gather_single
+from sapipe.compression.codec import Slot, SlotCodec
+from sapipe.errors import UsageError
+from sapipe.tracing.tracer import Tracer
+from sapipe.comm.base import Handle
+from sapipe.comm.groups import release_group
+from sapipe.comm.worker import InStartOrder, Job, all_gather_single
 
 
 class Collectives(abc.ABC):

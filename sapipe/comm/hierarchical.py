@@ -22,7 +22,7 @@ steps hide behind the slow one.
 **Compressed** (``compression=``, :class:`HierarchicalCompressedSum`): the same three steps
 on each bucket whole (not cut into pieces), the middle one a compressed sum
 (sapipe.comm.compressed) of the shard over the N nodes, its bytes and its error feedback
-those of a :class:`sapipe.compression.NodeFirstCodec`. Only the
+those of a :class:`sapipe.compression.codec.NodeFirstCodec`. Only the
 network carries compressed bytes; inside the node the shards travel at full precision. A
 flat compressed sum over all W ranks would put each of a node's L ranks' all-to-all through
 the node's NIC: L times the compressed bytes of a ring (sapipe.schedule.cluster_link).
@@ -35,14 +35,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..compression import NodeFirstSlot
-from ..errors import ConfigurationError, UsageError
-from ..trace import Tracer
-from .base import Handle
-from .compressed import TorchCollectives, sum_compressed
-from .groups import new_subgroup, release_group
-from .topology import Topology
-from .worker import InStartOrder, Job, Scratch, all_gather_single, reduce_scatter_sum, sum_by_shards
+from sapipe.compression.codec import NodeFirstSlot
+from sapipe.errors import ConfigurationError, UsageError
+from sapipe.tracing.tracer import Tracer
+from sapipe.comm.base import Handle
+from sapipe.comm.compressed import TorchCollectives, sum_compressed
+from sapipe.comm.groups import new_subgroup, release_group
+from sapipe.comm.topology import Topology
+from sapipe.comm.worker import InStartOrder, Job, Scratch, all_gather_single, reduce_scatter_sum, sum_by_shards
 
 
 #: A bucket is cut into up to MAX_PIECES pieces of at least PIECE_BYTES, whose steps are

@@ -23,10 +23,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigurationError
-from ..trace import Tracer
-from .base import LibraryBackend, import_library, instance_prefix, library_limit, require_whole_job, wait_polled
-from .compressed import Collectives
+from sapipe.errors import ConfigurationError
+from sapipe.tracing.tracer import Tracer
+from sapipe.comm.base import LibraryBackend, import_library, instance_prefix, library_limit, require_whole_job, wait_polled
+from sapipe.comm.compressed import Collectives
 
 
 def import_horovod():

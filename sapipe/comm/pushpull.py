@@ -17,7 +17,7 @@ coordinator and BytePS's scheduler), and then picks, from the chunks of those bu
 only, the one with the lowest ``priority`` (ties: first started, then first chunk). The
 choice is a function of agreed values only, so every rank makes the same one.
 
-With ``compression=``, each bucket arrives with a :class:`~sapipe.compression.PartitionedCodec`
+With ``compression=``, each bucket arrives with a :class:`~sapipe.compression.codec.PartitionedCodec`
 slot, whose partitions are the chunks (``partition_mb`` of the uncompressed bucket, as
 BytePS compresses each partition it pushes). A chunk is then summed as the two-stage
 compressed sum of :mod:`sapipe.comm.compressed` (all-to-all of its compressed shards, a sum
@@ -40,12 +40,12 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..compression import Slot, SlotCodec, partition_bounds
-from ..trace import Tracer
-from .base import Handle
-from .compressed import TorchCollectives, check_codec, sum_compressed
-from .groups import release_group
-from .worker import Job, Scratch, WorkerBackend, sum_by_shards
+from sapipe.compression.codec import Slot, SlotCodec, partition_bounds
+from sapipe.tracing.tracer import Tracer
+from sapipe.comm.base import Handle
+from sapipe.comm.compressed import TorchCollectives, check_codec, sum_compressed
+from sapipe.comm.groups import release_group
+from sapipe.comm.worker import Job, Scratch, WorkerBackend, sum_by_shards
 
 DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024  # BytePS's default partition size
 

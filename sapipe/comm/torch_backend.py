@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import UsageError
-from ..trace import Tracer
-from .base import CommBackend, Handle
-from .groups import release_group
+from sapipe.errors import UsageError
+from sapipe.tracing.tracer import Tracer
+from sapipe.comm.base import CommBackend, Handle
+from sapipe.comm.groups import release_group
 
 
 class AllReduce(CommBackend):

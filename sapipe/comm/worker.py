@@ -20,7 +20,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .base import CommBackend, Handle
+from sapipe.comm.base import CommBackend, Handle
 
 _JOIN_SECONDS = 10.0  # how long close() waits for an idle worker to exit
 

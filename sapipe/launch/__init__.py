@@ -9,7 +9,7 @@
 
 Run ``sapipe-launch --help`` (or ``python -m sapipe.launch --help``) for all options.
 """
-from . import netns
-from .main import LaunchError, Plan, byteps_flags, main, plan
+from sapipe.launch import netns
+from sapipe.launch.main import LaunchError, Plan, byteps_flags, main, plan
 
 __all__ = ["LaunchError", "Plan", "byteps_flags", "main", "netns", "plan"]

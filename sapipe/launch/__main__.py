@@ -1,6 +1,6 @@
 """``python -m sapipe.launch`` is ``sapipe-launch``."""
 import sys
 
-from .main import main
+from sapipe.launch.main import main
 
 sys.exit(main())

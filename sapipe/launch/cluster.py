@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import netns
+from sapipe.launch import netns
 
 SUBNET = "10.77.0"
 NIC = "eth0"

@@ -24,8 +24,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from . import cluster as cluster_mod
-from . import netns
+from sapipe.launch import cluster as cluster_mod
+from sapipe.launch import netns
 
 PROG = "sapipe-launch"
 

@@ -25,7 +25,7 @@ from typing import Callable, List, Optional, Set
 import torch
 from torch import nn
 
-from ..config import Settings
+from sapipe.config import Settings
 
 
 class BufferBroadcast:

@@ -10,22 +10,22 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from ..buckets import Bucket
-from ..comm import hierarchical
-from ..comm.topology import Topology
-from ..compensation import MODES
-from ..config import Settings
-from ..errors import ConfigurationError, UsageError
-from ..layers import Layer
-from ..optim_math import OptimizerRule
-from ..trace import Tracer
-from .exposure import GradientExposure
-from .layout import CompressedSums, Layout
-from .nonfinite import NonFiniteGradients
-from .pipeline import GradientPipeline
-from .step_guards import require_scaler_in_step, require_shared_groups
-from .updates import Updater
+from sapipe import comm
+from sapipe.layout.buckets import Bucket
+from sapipe.comm import hierarchical
+from sapipe.comm.topology import Topology
+from sapipe.optim.compensation import MODES
+from sapipe.config import Settings
+from sapipe.errors import ConfigurationError, UsageError
+from sapipe.layout.layers import Layer
+from sapipe.optim.fused import OptimizerRule
+from sapipe.tracing.tracer import Tracer
+from sapipe.runtime.exposure import GradientExposure
+from sapipe.runtime.layout import CompressedSums, Layout
+from sapipe.runtime.nonfinite import NonFiniteGradients
+from sapipe.runtime.pipeline import GradientPipeline
+from sapipe.runtime.step_guards import require_scaler_in_step, require_shared_groups
+from sapipe.runtime.updates import Updater
 
 
 class Runtime:

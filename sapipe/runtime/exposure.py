@@ -33,10 +33,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..buckets import Bucket
-from ..errors import UsageError
-from . import unused
-from .pipeline import GradientPipeline
+from sapipe.layout.buckets import Bucket
+from sapipe.errors import UsageError
+from sapipe.runtime import unused
+from sapipe.runtime.pipeline import GradientPipeline
 
 
 @dataclass

@@ -13,12 +13,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..errors import UsageError
-from ..layers import Layer
-from ..trace import Tracer
-from .buffers import BufferBroadcast
-from .engine import Runtime
-from .timeline import BackwardSpans
+from sapipe.errors import UsageError
+from sapipe.layout.layers import Layer
+from sapipe.tracing.tracer import Tracer
+from sapipe.runtime.buffers import BufferBroadcast
+from sapipe.runtime.engine import Runtime
+from sapipe.tracing.timeline import BackwardSpans
 
 
 class ForwardHooks:

@@ -10,15 +10,15 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from ..buckets import Bucket, StalenessBuffer, build_buckets
-from ..compensation import Compensation
-from ..compression import Codec, Compression, make_codec
-from ..layers import Layer
-from ..optim_math import OptimizerRule
+from sapipe.layout.buckets import Bucket, StalenessBuffer, build_buckets
+from sapipe.optim.compensation import Compensation
+from sapipe.compression.codec import Codec, Compression, make_codec
+from sapipe.layout.layers import Layer
+from sapipe.optim.fused import OptimizerRule
 
 
 class CompressedSums(NamedTuple):
-    """How the buckets' sums are compressed (sapipe.compression): the format, the world size,
+    """How the buckets' sums are compressed (sapipe.compression.codec): the format, the world size,
     the bytes of bucket compressed as one unit (the back-end's partition; None: the whole
     bucket), and the ranks per node where sums go node first (1: flat), which fix each
     bucket's codec."""

@@ -45,8 +45,8 @@ from typing import Collection, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..buckets import Bucket, StalenessBuffer
-from ..errors import NonFiniteGradientError
+from sapipe.layout.buckets import Bucket, StalenessBuffer
+from sapipe.errors import NonFiniteGradientError
 
 Verdict = Tuple[Tensor, Tensor]  # a rank's own (min·0, max·0) of what it sent: 0 where finite, NaN where not
 

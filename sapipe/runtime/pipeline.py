@@ -14,16 +14,16 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import comm
-from ..buckets import Bucket
-from ..comm.topology import Topology
-from ..config import Settings
-from ..errors import UsageError
-from ..schedule.profiler import LayerTimer
-from ..trace import Tracer
-from . import unused
-from .layout import Layout
-from .nonfinite import NonFiniteGradients
+from sapipe import comm
+from sapipe.layout.buckets import Bucket
+from sapipe.comm.topology import Topology
+from sapipe.config import Settings
+from sapipe.errors import UsageError
+from sapipe.schedule.profiler import LayerTimer
+from sapipe.tracing.tracer import Tracer
+from sapipe.runtime import unused
+from sapipe.runtime.layout import Layout
+from sapipe.runtime.nonfinite import NonFiniteGradients
 
 #: Mean elements per parameter from which backward writes a kept local gradient into both
 #: ``bucket.local`` and the communication slot (a second copy per parameter, its source still in

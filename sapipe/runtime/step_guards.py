@@ -2,7 +2,7 @@
 a GradScaler that does not pass itself, param groups replaced behind sapipe's back."""
 from __future__ import annotations
 
-from ..errors import UsageError
+from sapipe.errors import UsageError
 
 
 def require_scaler_in_step(optimizer) -> None:

@@ -26,7 +26,7 @@ from typing import Iterator, List, Sequence, Tuple
 
 from torch import Tensor
 
-from ..buckets import Bucket, Segment, StalenessBuffer
+from sapipe.layout.buckets import Bucket, Segment, StalenessBuffer
 
 def write_flags(flags: Tensor, missing: Sequence[int]) -> None:
     """This rank's contribution: 1 per parameter, 0 for the ``missing`` (bucket indices) ones."""

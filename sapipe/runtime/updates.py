@@ -15,14 +15,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..buckets import Bucket, WeightHistory
-from ..compensation import Compensation, StaleStep
-from ..config import Settings
-from ..gradient_spec import GradientSpec
-from ..optim_math import OptimizerRule
-from . import unused
-from .exposure import ExposedGradient
-from .pipeline import GradientPipeline
+from sapipe.layout.buckets import Bucket, WeightHistory
+from sapipe.optim.compensation import Compensation, StaleStep
+from sapipe.config import Settings
+from sapipe.kernels.gradient_spec import GradientSpec
+from sapipe.optim.fused import OptimizerRule
+from sapipe.runtime import unused
+from sapipe.runtime.exposure import ExposedGradient
+from sapipe.runtime.pipeline import GradientPipeline
 
 Hyperparams = List[Dict[str, Any]]  # one dict per param group, as the rule reads them
 

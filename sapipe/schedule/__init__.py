@@ -3,24 +3,19 @@
 * :func:`choose_k` simulates the runtime's pipeline for every k and picks the smallest k
   with no predicted stall; :func:`closed_form_k` is the paper's program, kept as reference.
 * :func:`simulate` predicts the steady-state iteration of one k, with a timeline.
-* :class:`Tuner` checks the model's k on the running job and searches measured k where
-  the pipeline still waits for communication.
-* :func:`write_chrome_trace` writes simulated or recorded (:func:`events_from_tracer`)
-  timelines for Perfetto.
 * :mod:`~sapipe.schedule.profiler` times the running job (per-layer compute, the link) and
   runs collectives to time the link and to combine the ranks' measurements.
 * :mod:`~sapipe.schedule.predict` predicts DDP, Pipe-SGD and sapipe on other clusters from
   a saved profile (:mod:`~sapipe.schedule.saved_profile`) and a two-level link
   (:mod:`~sapipe.schedule.cluster_link`); ``python -m sapipe.schedule.predict``.
 
-The simulator, solver, tuner and Chrome traces are pure Python (no torch, no
-torch.distributed) and are what this package imports; only the profiler, imported on its
-own, needs torch and a process group.
+The simulator and the solver are pure Python (no torch, no torch.distributed) and are what
+this package imports; only the profiler, imported on its own, needs torch and a process
+group. The measured search on the running job is :mod:`sapipe.auto.search`; timelines for
+Perfetto, simulated or recorded, are :mod:`sapipe.tracing.chrome_trace`.
 """
-from .chrome_trace import CATEGORIES, TraceEvent, chrome_trace_dict, events_from_tracer, write_chrome_trace
-from .simulator import BucketPlan, SimResult, plan_buckets, simulate
-from .solver import Decision, LayerProfile, brute_force_k, choose_k, closed_form_k
-from .tuner import Trial, Tuner
+from sapipe.schedule.simulator import BucketPlan, SimResult, plan_buckets, simulate
+from sapipe.schedule.solver import Decision, LayerProfile, brute_force_k, choose_k, closed_form_k
 
 __all__ = [
     "LayerProfile",
@@ -28,15 +23,8 @@ __all__ = [
     "closed_form_k",
     "brute_force_k",
     "choose_k",
-    "Tuner",
-    "Trial",
     "simulate",
     "SimResult",
     "BucketPlan",
     "plan_buckets",
-    "TraceEvent",
-    "CATEGORIES",
-    "chrome_trace_dict",
-    "write_chrome_trace",
-    "events_from_tracer",
 ]

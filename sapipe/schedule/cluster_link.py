@@ -58,7 +58,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
-from ..errors import ConfigurationError
+from sapipe.errors import ConfigurationError
 
 __all__ = ["ClusterLink", "LinkSpec", "intra_link_from_profile", "parse_link", "sapipe_hierarchical"]
 
@@ -81,7 +81,7 @@ class LinkSpec:
     def parse(cls, text: str, what: str = "link") -> "LinkSpec":
         """``RATE[,LATENCY]`` as ``sapipe-launch --inter-node`` takes it (``100gbit,5us``;
         ``gbit`` is bits, ``gbps`` bytes per second; ``unlimited`` for no limit)."""
-        from ..launch.netns import parse_spec  # pure Python
+        from sapipe.launch.netns import parse_spec  # pure Python
 
         try:
             spec = parse_spec(text)

@@ -41,11 +41,11 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..errors import ConfigurationError
-from .cluster_link import ClusterLink, LinkSpec, intra_link_from_profile, parse_link, sapipe_hierarchical
-from .saved_profile import SavedProfile
-from .simulator import simulate
-from .solver import STALL_TOLERANCE, choose_k
+from sapipe.errors import ConfigurationError
+from sapipe.schedule.cluster_link import ClusterLink, LinkSpec, intra_link_from_profile, parse_link, sapipe_hierarchical
+from sapipe.schedule.saved_profile import SavedProfile
+from sapipe.schedule.simulator import simulate
+from sapipe.schedule.solver import STALL_TOLERANCE, choose_k
 
 __all__ = ["DDP_BUCKET_CAP_BYTES", "MODES", "ModePrediction", "Prediction", "TOLERANCE", "format_table",
            "main", "plot_throughput", "predict", "simulator_arguments"]

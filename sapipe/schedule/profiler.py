@@ -34,7 +34,7 @@ Everything below is measured during the profiled warm-up iterations, which run w
   sample per rank proved too noisy to use on this project's 2-core CPU host (the slow-down
   arrives in bursts of several ms, a core handed to a communication thread, not evenly).
   :attr:`Profile.slowdown` is 0; the runtime fits σ to the measured search's trials
-  instead (:func:`sapipe.schedule.tuner.fit_slowdown`), for its final predictions. Given a
+  instead (:func:`sapipe.auto.search.fit_slowdown`), for its final predictions. Given a
   σ, :meth:`LayerTimer.medians` takes the slow-down out of samples that overlapped the
   job's own all-reduces, and the simulator puts it back where its timeline has a transfer
   in flight.
@@ -57,7 +57,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigurationError
+from sapipe.errors import ConfigurationError
 
 
 @dataclass

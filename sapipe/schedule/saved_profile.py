@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import ConfigurationError
-from .solver import LayerProfile
+from sapipe.errors import ConfigurationError
+from sapipe.schedule.solver import LayerProfile
 
 __all__ = ["FORMAT", "SavedProfile"]
 

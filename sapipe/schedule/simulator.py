@@ -10,7 +10,7 @@ Model (one rank; every rank is assumed identical):
 * **Compute** is one serial stream: forward of layers 1..m, then backward of m..1, then
   ``step()``. Layer i takes ``u_i`` forward and ``b_i`` backward.
 * **Buckets** pack whole layers in reverse forward order with the runtime's own rule
-  (:func:`sapipe.bucket_layout.bucket_layout`, which ``sapipe.buckets.build_buckets``
+  (:func:`sapipe.layout.packing.bucket_layout`, which ``sapipe.layout.buckets.build_buckets``
   calls too): a bucket closes when the next layer would push it
   over ``bucket_cap_bytes`` (a larger layer gets a bucket of its own) and always at the
   S/N boundary between layers k and k+1. Layers 1..k (stale set S) are the last buckets.
@@ -62,11 +62,11 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
-from ..bucket_layout import bucket_layout
-from .chrome_trace import TraceEvent
+from sapipe.layout.packing import bucket_layout
+from sapipe.tracing.chrome_trace import TraceEvent
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .solver import LayerProfile
+    from sapipe.schedule.solver import LayerProfile
 
 __all__ = ["BucketPlan", "SimResult", "plan_buckets", "simulate"]
 
@@ -103,7 +103,7 @@ def plan_buckets(
     bytes_per_layer: Optional[Sequence[int]] = None,
 ) -> List[BucketPlan]:
     """Buckets for k stale layers with their all-reduce times, laid out by
-    :func:`sapipe.bucket_layout.bucket_layout` as the runtime lays them out.
+    :func:`sapipe.layout.packing.bucket_layout` as the runtime lays them out.
 
     ``bytes_per_layer`` defaults to 4 bytes per element (``profile.numel``). Communication
     time is ``alpha + beta * bytes`` when both are given, or the sum of the layers' profiled

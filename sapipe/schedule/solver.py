@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Dict, Optional, Sequence
 
-from .simulator import DEFAULT_ITERATIONS, SimResult, simulate
+from sapipe.schedule.simulator import DEFAULT_ITERATIONS, SimResult, simulate
 
 __all__ = ["LayerProfile", "Decision", "STALL_TOLERANCE", "closed_form_k", "brute_force_k", "choose_k"]
 
@@ -201,7 +201,7 @@ def choose_k(
     no k is stall-free and the best k is the one that loses least.
 
     ``only_k``: no choice; the decision (predictions and all) for this k, e.g. one that was
-    measured on the job (:mod:`sapipe.schedule.tuner`).
+    measured on the job (:mod:`sapipe.auto.search`).
     """
     m = len(profiles)
     cache: Dict[int, SimResult] = {}

@@ -139,7 +139,8 @@ def pin_the_search() -> None:
     """The measured search's path, pinned: the model's k = 1 (of 4), measured, then k = m
     (as tests/test_auto.py pins it), so the pipeline restarts at RESTART_STEP."""
     import sapipe.auto.controller as controller
-    from sapipe.schedule import solver, tuner
+    from sapipe.auto import search as tuner
+    from sapipe.schedule import solver
 
     real_choose = solver.choose_k
     solver.choose_k = lambda *a, **kw: dataclasses.replace(

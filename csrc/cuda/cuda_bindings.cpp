@@ -1,4 +1,4 @@
-// sapipe._C_cuda: the CUDA kernels (csrc/kernels.cuh, launched from csrc/cuda_ops.cu).
+// sapipe._C_cuda: the CUDA kernels (csrc/cuda/kernels.cuh, launched from csrc/cuda/cuda_ops.cu).
 #include "bindings.h"
 #include "codec_bindings.h"
 

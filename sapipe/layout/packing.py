@@ -1,6 +1,6 @@
 """Which layers share a gradient bucket: the one layout rule, for the runtime and the scheduler.
 
-The runtime (:func:`sapipe.buckets.build_buckets`) and the scheduler's simulator
+The runtime (:func:`sapipe.layout.buckets.build_buckets`) and the scheduler's simulator
 (:func:`sapipe.schedule.simulator.plan_buckets`) both call :func:`bucket_layout`, so the
 scheduler always predicts the buckets the runtime will build. Pure Python, no torch.
 """

@@ -1,5 +1,5 @@
-// CUDA entry points of the codec (csrc/codec.h) for ATen tensors: dtype dispatch, device guard,
-// the current stream, around the raw kernels of csrc/codec.cuh.
+// CUDA entry points of the codec (csrc/codec/codec.h) for ATen tensors: dtype dispatch, device guard,
+// the current stream, around the raw kernels of csrc/codec/codec.cuh.
 #include "codec.cuh"
 #include "codec.h"
 #include "cuda_launch.h"

@@ -6,11 +6,11 @@ names the terms of
 
     g̃ = DC_λ(grad − prev_local / n, Δ) + local / n,    Δ = delta − delta_ref
 
-(every term but ``grad`` optional), and the fused kernels (sapipe/ops.py, csrc/) compose it
+(every term but ``grad`` optional), and the fused kernels (sapipe/kernels/ops.py, csrc/) compose it
 element by element while they stream the weights and optimizer state: one pass over memory
 per segment, no temporaries. It travels unchanged from the compensation strategies
-(sapipe/compensation.py, whole buckets) through :meth:`GradientSpec.slice` (one segment) and
-the optimizer rule (sapipe/optim_math.py) to the kernels, where it becomes the C++ struct
+(sapipe/optim/compensation.py, whole buckets) through :meth:`GradientSpec.slice` (one segment) and
+the optimizer rule (sapipe/optim/fused.py) to the kernels, where it becomes the C++ struct
 ``GradSpec`` (csrc/common.h) in one place (``ops._native``).
 """
 from __future__ import annotations

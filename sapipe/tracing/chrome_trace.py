@@ -1,6 +1,6 @@
 """Chrome-trace (Perfetto-loadable) output for simulated and recorded timelines.
 
-Both the scheduler's simulator and the runtime's :class:`sapipe.trace.Tracer` describe a
+Both the scheduler's simulator and the runtime's :class:`sapipe.tracing.tracer.Tracer` describe a
 timeline as :class:`TraceEvent` tuples ``(name, category, start, end, args)`` with times in
 seconds. :func:`write_chrome_trace` turns such a list into the Chrome trace-event JSON
 format ("ph": "X" complete events, microsecond timestamps), which https://ui.perfetto.dev

@@ -1,4 +1,4 @@
-"""The compression codec's three local stages, on message rows (sapipe.compression).
+"""The compression codec's three local stages, on message rows (sapipe.compression.codec).
 
 A compressed bucket travels as rows ("messages") of ``S`` values each: 16-bit values
 (``float16`` / ``bfloat16``) or ``int8`` values with one float32 scale per block of
@@ -10,7 +10,7 @@ buffer: ``values`` [R, S] and, for int8, ``scales`` [R, S / BLOCK], rows contigu
   ``dtype``, (+ ``residual``), compressed.
 * :func:`decode`: ``out`` <- the rows decoded, row after row.
 
-The rounding, which every implementation follows op for op (csrc/codec.h):
+The rounding, which every implementation follows op for op (csrc/codec/codec.h):
 
 * 16-bit: h = (v / divide) rounded to float32, then to 16 bits (nearest even); it decodes as
   h · multiply (``divide`` / ``multiply`` apply to the 16-bit formats only).
@@ -36,9 +36,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _ext
+from sapipe.kernels import _ext
 
-BLOCK = 64  # int8 values per scale (csrc/codec.h kCodecBlock)
+BLOCK = 64  # int8 values per scale (csrc/codec/codec.h kCodecBlock)
 _KERNEL_DTYPES = (torch.float32, torch.float64)
 
 

@@ -1,5 +1,5 @@
 // CUDA entry points for ATen tensors: dtype dispatch, device guard, current stream, and the
-// outer-form dots pass, around the raw kernels of csrc/kernels.cuh.
+// outer-form dots pass, around the raw kernels of csrc/cuda/kernels.cuh.
 #include "common.h"
 #include "cuda_launch.h"
 #include "kernels.cuh"

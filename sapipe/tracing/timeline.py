@@ -10,10 +10,10 @@ import os
 import time
 from typing import Dict, Optional, Tuple, Union
 
-from ..errors import UsageError
-from ..layers import Layer
-from ..schedule import chrome_trace
-from ..trace import Tracer
+from sapipe.errors import UsageError
+from sapipe.layout.layers import Layer
+from sapipe.tracing import chrome_trace
+from sapipe.tracing.tracer import Tracer
 
 
 class BackwardSpans:

@@ -4,7 +4,7 @@ At ``step()`` of pipeline iteration t a stale bucket has the averaged gradient g
 that just arrived. A strategy says which gradient ĝ the *real* update uses, and (weight
 prediction only) which gradient g̃ produces the predicted weights x̃_{t+1} the model runs
 its next forward on. Strategies only describe gradients, as a
-:class:`~sapipe.gradient_spec.GradientSpec` of the whole bucket, so the optimizer rule
+:class:`~sapipe.kernels.gradient_spec.GradientSpec` of the whole bucket, so the optimizer rule
 evaluates them inside its fused kernels, one pass over memory per segment, with no
 temporaries (docs/design.md §5); the engine owns the update order, the buffers and the
 optimizer rule.
@@ -24,7 +24,7 @@ from typing import Dict, Optional, Type
 
 from torch import Tensor
 
-from .gradient_spec import GradientSpec
+from sapipe.kernels.gradient_spec import GradientSpec
 
 
 @dataclass

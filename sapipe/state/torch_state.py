@@ -16,10 +16,10 @@ from typing import Any, Dict, Sequence
 
 import torch
 
-from .buckets import Bucket
-from .errors import UsageError
-from .optim_generic import rule_for
-from .optim_math import OptimizerRule
+from sapipe.layout.buckets import Bucket
+from sapipe.errors import UsageError
+from sapipe.optim.generic import rule_for
+from sapipe.optim.fused import OptimizerRule
 
 
 def export(optimizer: torch.optim.Optimizer, rule: OptimizerRule, buckets: Sequence[Bucket]) -> Dict[str, Any]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from . import config
-from .errors import ConfigurationError
+from sapipe import config
+from sapipe.errors import ConfigurationError
 
 CHECKPOINT_FORMAT = "sapipe-checkpoint/2"  # /2: pipeline restarts and the search for k
 

@@ -9,7 +9,7 @@
 // handles (no F16C, no library calls), rounding to nearest even as torch's conversions do;
 // round-half-even of the int8 quotient is the rounding instruction, or in the baseline build
 // the add-and-subtract of 1.5 * 2^(mantissa bits) (round_half_even). Rounding rules:
-// csrc/codec.h. Per-element choices are bit masks (`pick`), not branches: GCC keeps a choice
+// csrc/codec/codec.h. Per-element choices are bit masks (`pick`), not branches: GCC keeps a choice
 // between a float result and another value as a branch (a float operation must not be moved
 // where it might trap) and then does not vectorise the loop. The AVX-512 and AVX2 builds
 // replace two int8 loops that GCC vectorises poorly with intrinsics of the same bits

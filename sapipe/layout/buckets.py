@@ -15,11 +15,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .bucket_layout import bucket_layout
-from .compression import intake_views
-from .errors import ConfigurationError, UnsupportedOptimizerError
-from .layers import Layer
-from .optim_math import SegmentState
+from sapipe.layout.packing import bucket_layout
+from sapipe.compression.codec import intake_views
+from sapipe.errors import ConfigurationError, UnsupportedOptimizerError
+from sapipe.layout.layers import Layer
+from sapipe.optim.fused import SegmentState
 
 
 @dataclass
@@ -60,7 +60,7 @@ class StalenessBuffer:
         self.verdicts: List[Optional[tuple]] = [None] * depth
         self.unused_here: List[List[int]] = [[] for _ in range(depth)]  # parameters this rank had no gradient for
         self.in_flight: List[Optional[object]] = [None] * depth  # comm handles per slot
-        self.codec = None  # with compression: the bucket's BucketCodec (sapipe.compression)
+        self.codec = None  # with compression: the bucket's BucketCodec (sapipe.compression.codec)
 
     @property
     def depth(self) -> int:
@@ -116,7 +116,7 @@ class WeightHistory:
 
 class Bucket:
     """One flat unit of communication and update: whole layers, adjacent in forward order,
-    held in backward order (``layers``, as :func:`sapipe.bucket_layout.bucket_layout` packs them)."""
+    held in backward order (``layers``, as :func:`sapipe.layout.packing.bucket_layout` packs them)."""
 
     def __init__(self, index: int, layers: Sequence[Layer], stale: bool, group_of: Dict[int, int]):
         self.index = index
@@ -175,7 +175,7 @@ class Bucket:
 
     def message_views(self, slot: int) -> List[object]:
         """Each parameter's place in slot ``slot``'s outgoing compressed messages, where the
-        bucket's codec ``encodes_on_intake`` (sapipe.compression.intake_views): made once per
+        bucket's codec ``encodes_on_intake`` (sapipe.compression.codec.intake_views): made once per
         slot, as :meth:`param_views`."""
         views = self._message_views.get(slot)
         if views is None:
@@ -277,7 +277,7 @@ class Bucket:
 def build_buckets(
     layers: Sequence[Layer], stale_layers: int, cap_bytes: int, group_of: Dict[int, int]
 ) -> List[Bucket]:
-    """The buckets of :func:`sapipe.bucket_layout.bucket_layout` for ``layers`` (forward order)."""
+    """The buckets of :func:`sapipe.layout.packing.bucket_layout` for ``layers`` (forward order)."""
     sizes = [sum(p.numel() * p.element_size() for p in layer.params) for layer in layers]
     return [
         Bucket(index, [layers[i] for i in members], members[0] < stale_layers, group_of)

@@ -37,7 +37,7 @@ format) keeps what rounding dropped: rank r sends v = g + e and keeps e ‚Üê v ‚à
 for its next gradient of the bucket (the worker residual); the rank that sums a shard does
 the same for the sum it sends (the server residual). Both are part of a bucket's
 checkpoint, so a resumed run sends the same bytes. A value that decodes to inf or NaN
-(GradScaler's overflow steps) keeps its residual: :mod:`sapipe.codec_kernels` has the exact
+(GradScaler's overflow steps) keeps its residual: :mod:`sapipe.kernels.codec` has the exact
 rounding rules, and the kernels that carry them out.
 
 Each message also carries the rank's flags for the shard (whether it used each parameter,
@@ -60,8 +60,8 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import codec_kernels
-from .errors import ConfigurationError
+from sapipe.kernels import codec as codec_kernels
+from sapipe.errors import ConfigurationError
 
 COMPRESSIONS = ("fp16", "bf16", "int8")
 INT8_BLOCK = codec_kernels.BLOCK  # values per int8 scale: 1/16 byte of scale per value
@@ -168,7 +168,7 @@ class BucketCodec:
     its bucket's, :class:`PartitionedCodec`); by default one of its own.
     ``ranks_per_message``: how many ranks' gradients each message sums (a node's, when sums
     go node first: :class:`NodeFirstCodec`); the sum still arrives as the mean over all of them.
-    The arithmetic is sapipe.codec_kernels' (compiled kernels where built).
+    The arithmetic is sapipe.kernels.codec' (compiled kernels where built).
     """
 
     def __init__(self, compression: Compression, numel: int, nflags: int, world: int, dtype: torch.dtype,

@@ -1,6 +1,6 @@
 """Which update path an optimizer takes, and the generic one (docs/design.md §3.10).
 
-* **fused** (:mod:`sapipe.optim_math`): the exact classes ``torch.optim.SGD``, ``Adam`` and
+* **fused** (:mod:`sapipe.optim.fused`): the exact classes ``torch.optim.SGD``, ``Adam`` and
   ``AdamW``, when sapipe's kernels reproduce their options and their state exactly;
 * **generic** (:class:`TorchStepRule`): every other ``torch.optim.Optimizer`` whose update is
   per parameter. To update a segment, sapipe points each of its parameters at the weights
@@ -24,10 +24,10 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import ops
-from .errors import UnsupportedOptimizerError
-from .gradient_spec import GradientSpec
-from .optim_math import FUSED_RULES, OptimizerRule, Places, SegmentState
+from sapipe.kernels import ops
+from sapipe.errors import UnsupportedOptimizerError
+from sapipe.kernels.gradient_spec import GradientSpec
+from sapipe.optim.fused import FUSED_RULES, OptimizerRule, Places, SegmentState
 
 logger = logging.getLogger("sapipe")
 

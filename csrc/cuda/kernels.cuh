@@ -1,5 +1,5 @@
 // sapipe CUDA kernels, free of torch: raw pointers, POD parameter structs and host-side
-// launchers taking a cudaStream_t. csrc/cuda_ops.cu wraps them for ATen tensors
+// launchers taking a cudaStream_t. csrc/cuda/cuda_ops.cu wraps them for ATen tensors
 // (c10::Half / c10::BFloat16 / float / double); tests/test_kernels.py also compiles this header
 // standalone with nvcc (instantiated for __half / __nv_bfloat16 / float / double).
 //

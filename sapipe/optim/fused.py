@@ -8,7 +8,7 @@ hyper-parameters from the wrapped optimizer's ``param_groups`` (snapshotted at e
 in flat buffers owned by the bucket, taken over from the wrapped optimizer's own
 ``state[p]`` when it already holds some (state in) and given back as a ``torch.optim``
 state (:meth:`OptimizerRule.export_state`, state out). Every other optimizer takes the
-generic path (:mod:`sapipe.optim_generic`, which also chooses the path: ``rule_for``).
+generic path (:mod:`sapipe.optim.generic`, which also chooses the path: ``rule_for``).
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Type
 import torch
 from torch import Tensor
 
-from . import ops
-from .errors import UnsupportedOptimizerError
-from .gradient_spec import GradientSpec
+from sapipe.kernels import ops
+from sapipe.errors import UnsupportedOptimizerError
+from sapipe.kernels.gradient_spec import GradientSpec
 
 HyperParams = Mapping[str, Any]
 

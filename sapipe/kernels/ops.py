@@ -11,11 +11,11 @@ tensors' device: to the fused C++ kernels (``sapipe._C``: CPU, float32/float64) 
 kernels (``sapipe._C_cuda``: float16/bfloat16/float32/float64) when built, else to the
 reference. The reference also runs for anything the kernels do not take (non-contiguous
 or mixed-device/dtype tensors, tensors that require grad while grad mode is on). A missing
-extension is reported by one warning (sapipe/_ext.py); ``SAPIPE_DISABLE_EXT=1`` forces the
+extension is reported by one warning (sapipe/kernels/_ext.py); ``SAPIPE_DISABLE_EXT=1`` forces the
 reference. Kernels and references are compared on random inputs in tests/test_kernels.py.
 
 Fused entry points take the gradient the update consumes as a
-:class:`~sapipe.gradient_spec.GradientSpec`
+:class:`~sapipe.kernels.gradient_spec.GradientSpec`
 
     g~ = DC_lam(grad - prev_local / world_size, delta - delta_ref) + local / world_size
 
@@ -50,8 +50,8 @@ from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _ext
-from .gradient_spec import GradientSpec
+from sapipe.kernels import _ext
+from sapipe.kernels.gradient_spec import GradientSpec
 
 _NO_DC, _DIAGONAL, _OUTER = 0, 1, 2
 _FORMS = {"diagonal": _DIAGONAL, "outer": _OUTER}

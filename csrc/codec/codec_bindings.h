@@ -72,7 +72,7 @@ void define_codec(py::module_& m, decltype(&cpu::codec_encode) encode,
         bump(residual);
       },
       "Rows <- src (+ residual) compressed, the tail zero-padded; the residual keeps what "
-      "rounding dropped (csrc/codec.h).",
+      "rounding dropped (csrc/codec/codec.h).",
       py::arg("src"), py::arg("residual").none(true), py::arg("values"), py::arg("scales").none(true),
       py::arg("divide"), py::call_guard<py::gil_scoped_release>());
 
@@ -93,7 +93,7 @@ void define_codec(py::module_& m, decltype(&cpu::codec_encode) encode,
         bump(residual);
       },
       "One row <- the received rows decoded and summed in `dtype`, in row order (+ residual), "
-      "compressed; the residual keeps what rounding dropped (csrc/codec.h).",
+      "compressed; the residual keeps what rounding dropped (csrc/codec/codec.h).",
       py::arg("values"), py::arg("scales").none(true), py::arg("residual").none(true), py::arg("out_values"),
       py::arg("out_scales").none(true), py::arg("divide"), py::arg("dtype"),
       py::call_guard<py::gil_scoped_release>());
@@ -108,7 +108,7 @@ void define_codec(py::module_& m, decltype(&cpu::codec_encode) encode,
         decode(in, out, multiply);
         bump(out);
       },
-      "out <- the rows decoded, row after row (16-bit values times `multiply`; csrc/codec.h).",
+      "out <- the rows decoded, row after row (16-bit values times `multiply`; csrc/codec/codec.h).",
       py::arg("values"), py::arg("scales").none(true), py::arg("out"), py::arg("multiply"),
       py::call_guard<py::gil_scoped_release>());
 }

@@ -1,5 +1,5 @@
-// sapipe CUDA codec kernels (csrc/codec.h), free of torch: raw pointers and host-side
-// launchers taking a cudaStream_t. csrc/cuda_codec.cu wraps them for ATen tensors;
+// sapipe CUDA codec kernels (csrc/codec/codec.h), free of torch: raw pointers and host-side
+// launchers taking a cudaStream_t. csrc/codec/cuda_codec.cu wraps them for ATen tensors;
 // tests/test_kernels.py also compiles this header standalone with nvcc.
 //
 // One warp per tile of kTile values (8 per lane, lane-strided so that a warp's loads are
@@ -22,7 +22,7 @@ namespace sapipe_codec {
 
 enum : int { kFp16 = 0, kBf16 = 1, kInt8 = 2 };
 
-constexpr int kBlock = 64;                  // values per int8 scale (csrc/codec.h kCodecBlock)
+constexpr int kBlock = 64;                  // values per int8 scale (csrc/codec/codec.h kCodecBlock)
 constexpr int kTile = 256;                  // values a warp holds at a time
 constexpr int kLanes = 32;
 constexpr int kPerLane = kTile / kLanes;     // 8

@@ -1,0 +1,1 @@
+"""Compression on the wire: formats, their error feedback, and each bucket's codec."""

@@ -1,0 +1,1 @@
+"""Runtime events: the recorder behind ``trace=``, backward spans, Chrome traces."""
