@@ -10,6 +10,7 @@ kernels (csrc/) against that torch:
 build_backend/sapipe_build.py, which lets pip's isolated build see the installed torch and
 fails with instructions when there is none; SAPIPE_NO_EXT=1 builds without kernels.
 """
+
 import os
 import sys
 
@@ -55,7 +56,11 @@ CSRC_DIRS = ["csrc", "csrc/cpu", "csrc/codec", "csrc/cuda"]
 def _csrc(pattern):
     import glob
 
-    return sorted(os.path.relpath(p, HERE) for d in CSRC_DIRS for p in glob.glob(os.path.join(HERE, d, pattern)))
+    return sorted(
+        os.path.relpath(p, HERE)
+        for d in CSRC_DIRS
+        for p in glob.glob(os.path.join(HERE, d, pattern))
+    )
 
 
 def _no_torch(why):
@@ -117,10 +122,13 @@ def _extensions():
             exts.append(cuda_ext)
 
     def explain(name, exc):
-        print(f"sapipe: ERROR: building {name} against torch {torch.__version__} "
-              f"failed ({exc}). It needs a C++20 compiler (g++ >= 10 or clang; $CC / $CXX, if set, "
-              "must name one); `SAPIPE_NO_EXT=1 pip install .` installs sapipe without compiled "
-              "kernels (pure-PyTorch kernels).", file=sys.stderr)
+        print(
+            f"sapipe: ERROR: building {name} against torch {torch.__version__} "
+            f"failed ({exc}). It needs a C++20 compiler (g++ >= 10 or clang; $CC / $CXX, if set, "
+            "must name one); `SAPIPE_NO_EXT=1 pip install .` installs sapipe without compiled "
+            "kernels (pure-PyTorch kernels).",
+            file=sys.stderr,
+        )
 
     class BuildExt(cpp_extension.BuildExtension):
         def build_extensions(self):
@@ -140,8 +148,11 @@ def _extensions():
                     exc.sapipe_explained = True
                     raise
                 ext.sapipe_failed = True
-                print(f"sapipe: WARNING: optional extension {ext.name} failed to build "
-                      f"({exc}); CUDA tensors will use the pure-PyTorch kernels", file=sys.stderr)
+                print(
+                    f"sapipe: WARNING: optional extension {ext.name} failed to build "
+                    f"({exc}); CUDA tensors will use the pure-PyTorch kernels",
+                    file=sys.stderr,
+                )
 
         def copy_extensions_to_source(self):
             # an editable / --inplace build copies every extension back into the source
@@ -162,7 +173,7 @@ setup(
     name="sapipe",
     version="0.1.0",
     description="Staleness-aware pipelined gradient synchronisation for PyTorch "
-                "data-parallel training (SAPipe)",
+    "data-parallel training (SAPipe)",
     long_description=_long_description(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",

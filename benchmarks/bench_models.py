@@ -22,11 +22,12 @@ would drift apart between ranks in every mode alike; GroupNorm keeps all modes c
 deterministically initialised model (the same on every call), and ``make_batch`` synthetic
 inputs and targets. Plain ``torch.nn`` only; nothing here imports sapipe.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Tuple
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -42,12 +43,12 @@ class ModelSpec:
     name: str
     size: str
     make_model: Callable[[], nn.Module]
-    make_batch: Callable[[int, torch.device, torch.Generator], Tuple[torch.Tensor, torch.Tensor]]
+    make_batch: Callable[[int, torch.device, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     batch_size: int  # per rank
     optimizer: str  # "sgd" or "adam"
     lr: float
-    notes: Dict[str, object] = field(default_factory=dict)
+    notes: dict[str, object] = field(default_factory=dict)
 
     def make_optimizer(self, params) -> torch.optim.Optimizer:
         """torch's ``fused=True`` implementation (CPU and CUDA): the baselines step with the
@@ -76,8 +77,10 @@ class VGG(nn.Module):
         self.features = nn.Sequential(*layers)
         self.pool = nn.AdaptiveAvgPool2d(pool_to)
         self.classifier = nn.Sequential(
-            nn.Linear(c_in * pool_to * pool_to, hidden), nn.ReLU(inplace=True),
-            nn.Linear(hidden, hidden), nn.ReLU(inplace=True),
+            nn.Linear(c_in * pool_to * pool_to, hidden),
+            nn.ReLU(inplace=True),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(inplace=True),
             nn.Linear(hidden, classes),
         )
 
@@ -87,7 +90,26 @@ class VGG(nn.Module):
 
 def _vgg_widths(base: int):
     b = base
-    return [b, b, "M", 2 * b, 2 * b, "M", 4 * b, 4 * b, 4 * b, "M", 8 * b, 8 * b, 8 * b, "M", 8 * b, 8 * b, 8 * b, "M"]
+    return [
+        b,
+        b,
+        "M",
+        2 * b,
+        2 * b,
+        "M",
+        4 * b,
+        4 * b,
+        4 * b,
+        "M",
+        8 * b,
+        8 * b,
+        8 * b,
+        "M",
+        8 * b,
+        8 * b,
+        8 * b,
+        "M",
+    ]
 
 
 # ----------------------------------------------------------------------------- ResNet-50
@@ -105,8 +127,10 @@ class Bottleneck(nn.Module):
         self.n3 = nn.GroupNorm(min(groups, c_out), c_out)
         self.down = None
         if stride != 1 or c_in != c_out:
-            self.down = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False),
-                                      nn.GroupNorm(min(groups, c_out), c_out))
+            self.down = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False),
+                nn.GroupNorm(min(groups, c_out), c_out),
+            )
 
     def forward(self, x):
         identity = x if self.down is None else self.down(x)
@@ -119,18 +143,27 @@ class Bottleneck(nn.Module):
 class ResNet(nn.Module):
     """ResNet-50 layout: stem, bottleneck stages [3, 4, 6, 3], global pool, FC."""
 
-    def __init__(self, base: int, classes: int, imagenet_stem: bool, groups: int = 8, blocks=(3, 4, 6, 3)):
+    def __init__(
+        self, base: int, classes: int, imagenet_stem: bool, groups: int = 8, blocks=(3, 4, 6, 3)
+    ):
         super().__init__()
         if imagenet_stem:
-            self.stem = nn.Sequential(nn.Conv2d(3, base, 7, 2, 3, bias=False), nn.GroupNorm(min(groups, base), base),
-                                      nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1))
+            self.stem = nn.Sequential(
+                nn.Conv2d(3, base, 7, 2, 3, bias=False),
+                nn.GroupNorm(min(groups, base), base),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(3, 2, 1),
+            )
         else:
-            self.stem = nn.Sequential(nn.Conv2d(3, base, 3, 1, 1, bias=False), nn.GroupNorm(min(groups, base), base),
-                                      nn.ReLU(inplace=True))
+            self.stem = nn.Sequential(
+                nn.Conv2d(3, base, 3, 1, 1, bias=False),
+                nn.GroupNorm(min(groups, base), base),
+                nn.ReLU(inplace=True),
+            )
         stages = []
         c_in = base
         for i, n in enumerate(blocks):
-            width = base * 2 ** i
+            width = base * 2**i
             for j in range(n):
                 stages.append(Bottleneck(c_in, width, 2 if (j == 0 and i > 0) else 1, groups))
                 c_in = 4 * width
@@ -203,13 +236,25 @@ class Seq2Seq(nn.Module):
         self.embed = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(context, d)
         self.encoder = nn.ModuleList(
-            [nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True, norm_first=True) for _ in range(enc)])
+            [
+                nn.TransformerEncoderLayer(
+                    d, heads, ff, dropout=0.0, batch_first=True, norm_first=True
+                )
+                for _ in range(enc)
+            ]
+        )
         self.enc_ln = nn.LayerNorm(d)
         self.decoder = nn.ModuleList(
-            [nn.TransformerDecoderLayer(d, heads, ff, dropout=0.0, batch_first=True, norm_first=True) for _ in range(dec)])
+            [
+                nn.TransformerDecoderLayer(
+                    d, heads, ff, dropout=0.0, batch_first=True, norm_first=True
+                )
+                for _ in range(dec)
+            ]
+        )
         self.dec_ln = nn.LayerNorm(d)
         self.scale = math.sqrt(d)
-        nn.init.normal_(self.embed.weight, std=d ** -0.5)
+        nn.init.normal_(self.embed.weight, std=d**-0.5)
 
     def forward(self, src_tgt):
         src, tgt = src_tgt[:, 0], src_tgt[:, 1]
@@ -235,6 +280,7 @@ def _images(shape, classes):
         x = torch.randn((batch,) + shape, generator=gen).to(device)
         y = torch.randint(0, classes, (batch,), generator=gen).to(device)
         return x, y
+
     return make
 
 
@@ -245,6 +291,7 @@ def _tokens(vocab, context, pairs=False):
             return seq[:, :, :-1].contiguous().to(device), seq[:, 1, 1:].contiguous().to(device)
         seq = torch.randint(0, vocab, (batch, context + 1), generator=gen)
         return seq[:, :-1].contiguous().to(device), seq[:, 1:].contiguous().to(device)
+
     return make
 
 
@@ -293,21 +340,51 @@ def build(name: str, size: str = "small", batch_size: int = 0) -> ModelSpec:
         def make():
             torch.manual_seed(1234)
             return ctor()
+
         return make
 
     if name == "vgg16":
         model = seeded(lambda: VGG(_vgg_widths(c["base"]), c["pool_to"], c["hidden"], c["classes"]))
-        return ModelSpec(name, size, model, _images((3, c["image"], c["image"]), c["classes"]),
-                         F.cross_entropy, batch, "sgd", 0.01)
+        return ModelSpec(
+            name,
+            size,
+            model,
+            _images((3, c["image"], c["image"]), c["classes"]),
+            F.cross_entropy,
+            batch,
+            "sgd",
+            0.01,
+        )
     if name == "resnet50":
         model = seeded(lambda: ResNet(c["base"], c["classes"], c["imagenet_stem"]))
-        return ModelSpec(name, size, model, _images((3, c["image"], c["image"]), c["classes"]),
-                         F.cross_entropy, batch, "sgd", 0.1)
+        return ModelSpec(
+            name,
+            size,
+            model,
+            _images((3, c["image"], c["image"]), c["classes"]),
+            F.cross_entropy,
+            batch,
+            "sgd",
+            0.1,
+        )
     if name == "gpt2":
         model = seeded(lambda: GPT2(c["vocab"], c["context"], c["d"], c["layers"], c["heads"]))
-        return ModelSpec(name, size, model, _tokens(c["vocab"], c["context"]), _lm_loss, batch, "adam", 3e-4)
-    model = seeded(lambda: Seq2Seq(c["vocab"], c["context"], c["d"], c["enc"], c["dec"], c["heads"], c["ff"]))
-    return ModelSpec(name, size, model, _tokens(c["vocab"], c["context"], pairs=True), _lm_loss, batch, "adam", 3e-4)
+        return ModelSpec(
+            name, size, model, _tokens(c["vocab"], c["context"]), _lm_loss, batch, "adam", 3e-4
+        )
+    model = seeded(
+        lambda: Seq2Seq(c["vocab"], c["context"], c["d"], c["enc"], c["dec"], c["heads"], c["ff"])
+    )
+    return ModelSpec(
+        name,
+        size,
+        model,
+        _tokens(c["vocab"], c["context"], pairs=True),
+        _lm_loss,
+        batch,
+        "adam",
+        3e-4,
+    )
 
 
 def describe_layers(model: nn.Module, example_input) -> list:
@@ -317,9 +394,15 @@ def describe_layers(model: nn.Module, example_input) -> list:
     distribution without sapipe: tied parameters count for the first module that runs.
     """
     order, handles = [], []
-    owners = [(n, m) for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+    owners = [
+        (n, m) for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))
+    ]
     for n, m in owners:
-        handles.append(m.register_forward_pre_hook(lambda mod, args, n=n: order.append(n) if n not in order else None))
+        handles.append(
+            m.register_forward_pre_hook(
+                lambda mod, args, n=n: order.append(n) if n not in order else None
+            )
+        )
     with torch.no_grad():
         model(example_input)
     for h in handles:
@@ -356,6 +439,8 @@ if __name__ == "__main__":  # python benchmarks/bench_models.py [size]: sizes an
             opt.step()
             times.append(time.perf_counter() - t0)
         top = sorted(range(len(layers)), key=lambda i: -layers[i][1])[:3]
-        print(f"{fam:12s} {size}: {total / 1e6:7.2f} M params, m={len(layers):3d}, batch {spec.batch_size}, "
-              f"step {1e3 * sorted(times[1:])[len(times[1:]) // 2]:7.1f} ms; largest layers (forward index, share): "
-              + ", ".join(f"#{i + 1} {layers[i][0]} {layers[i][1] / total:.0%}" for i in top))
+        print(
+            f"{fam:12s} {size}: {total / 1e6:7.2f} M params, m={len(layers):3d}, batch {spec.batch_size}, "
+            f"step {1e3 * sorted(times[1:])[len(times[1:]) // 2]:7.1f} ms; largest layers (forward index, share): "
+            + ", ".join(f"#{i + 1} {layers[i][0]} {layers[i][1] / total:.0%}" for i in top)
+        )

@@ -10,6 +10,7 @@ are printed, and their ratio.
 
     python benchmarks/codec_intake.py [--models vgg16,gpt2,resnet50] [--device cuda]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, List
+from typing import Callable
 
 import torch
 
@@ -25,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import bench_models  # noqa: E402
+
 from sapipe.compression.codec import BucketCodec, Compression, intake_views  # noqa: E402
 
 
@@ -39,7 +41,7 @@ def timed(fn: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def compare(params: List[torch.Tensor], kind: str, device: torch.device, rounds: int) -> tuple:
+def compare(params: list[torch.Tensor], kind: str, device: torch.device, rounds: int) -> tuple:
     """(ms via the float32 bucket + encode, ms cast on intake), medians of alternating calls."""
     grads = [torch.randn_like(p) for p in params]
     offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
@@ -75,20 +77,30 @@ def main() -> None:
     p.add_argument("--models", default="vgg16,gpt2,resnet50")
     p.add_argument("--size", default="small")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads (the training thread's)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads (the training thread's)"
+    )
     p.add_argument("--rounds", type=int, default=20)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    print(f"torch {torch.__version__}, {device}, {args.threads} thread(s), medians of {2 * args.rounds} alternating calls")
+    print(
+        f"torch {torch.__version__}, {device}, {args.threads} thread(s), medians of {2 * args.rounds} alternating calls"
+    )
     print("| model | values | format | float32 bucket + encode | cast on intake | ratio |")
     print("| --- | ---: | --- | ---: | ---: | ---: |")
     for name in args.models.split(","):
-        params = [q.detach().to(device) for q in bench_models.build(name, args.size).make_model().parameters()]
+        params = [
+            q.detach().to(device)
+            for q in bench_models.build(name, args.size).make_model().parameters()
+        ]
         for kind in ("bf16", "fp16"):
             old, new = compare(params, kind, device, args.rounds)
             numel = sum(q.numel() for q in params)
-            print(f"| {name} | {numel / 1e6:.2f} M | {kind} | {old:.3f} ms | {new:.3f} ms | {new / old:.2f} |", flush=True)
+            print(
+                f"| {name} | {numel / 1e6:.2f} M | {kind} | {old:.3f} ms | {new:.3f} ms | {new / old:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -22,19 +22,19 @@ sets both one's buckets. Each mode trains
 ``--steps`` timed steps after 5 untimed ones; rank 0 prints one row per mode. Every mode
 uses the model's ``fused=True`` torch optimizer (bench_models).
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 import time
-from typing import Dict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-def thread_cpu_seconds() -> Dict[int, float]:
+def thread_cpu_seconds() -> dict[int, float]:
     """User + system CPU seconds of each thread of this process, by thread id."""
     tick = os.sysconf("SC_CLK_TCK")
     times = {}
@@ -54,14 +54,20 @@ def main() -> None:
     p.add_argument("--size", default="small")
     p.add_argument("--modes", default="local,ddp,m,m:bf16,m:int8")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="sapipe's bucket size (and DDP's)")
-    p.add_argument("--peer-batch", type=int, default=0,
-                   help="samples per step on every rank but rank 0 (0: the model's batch, as rank 0's)")
+    p.add_argument(
+        "--bucket-cap-mb", type=float, default=25.0, help="sapipe's bucket size (and DDP's)"
+    )
+    p.add_argument(
+        "--peer-batch",
+        type=int,
+        default=0,
+        help="samples per step on every rank but rank 0 (0: the model's batch, as rank 0's)",
+    )
     args = p.parse_args()
+    import bench_models
     import torch
     import torch.distributed as dist
 
-    import bench_models
     import sapipe
 
     torch.set_num_threads(1)
@@ -72,21 +78,32 @@ def main() -> None:
     x, y = spec.make_batch(batch, torch.device("cpu"), torch.Generator().manual_seed(rank))
     if rank == 0:
         peers = f", the others {args.peer_batch} samples" if args.peer_batch > 0 else ""
-        print(f"{args.model}/{args.size}, {dist.get_world_size()} ranks, one thread each, rank 0 {spec.batch_size} "
-              f"samples per step{peers}; {args.steps} steps per mode")
-        print("| mode | buckets | step ms | training thread CPU ms/step | other threads CPU ms/step |")
+        print(
+            f"{args.model}/{args.size}, {dist.get_world_size()} ranks, one thread each, rank 0 {spec.batch_size} "
+            f"samples per step{peers}; {args.steps} steps per mode"
+        )
+        print(
+            "| mode | buckets | step ms | training thread CPU ms/step | other threads CPU ms/step |"
+        )
         print("| --- | ---: | ---: | ---: | ---: |")
     for mode in args.modes.split(","):
         model = spec.make_model()
         if mode == "ddp":
-            model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+            model = torch.nn.parallel.DistributedDataParallel(
+                model, bucket_cap_mb=args.bucket_cap_mb
+            )
         opt = spec.make_optimizer(model.parameters())
         flat = torch.zeros(sum(p.numel() for p in model.parameters())) if mode == "comm" else None
         if mode not in ("local", "ddp", "comm"):
             k, _, compression = mode.partition(":")
             m = len(bench_models.describe_layers(model, x))
-            opt = sapipe.DistributedOptimizer(opt, model, stale_layers=m if k == "m" else int(k),
-                                              compression=compression or None, bucket_cap_mb=args.bucket_cap_mb)
+            opt = sapipe.DistributedOptimizer(
+                opt,
+                model,
+                stale_layers=m if k == "m" else int(k),
+                compression=compression or None,
+                bucket_cap_mb=args.bucket_cap_mb,
+            )
         for step in range(5 + args.steps):
             if step == 5:
                 dist.barrier()
@@ -104,7 +121,10 @@ def main() -> None:
         if rank == 0:
             per = 1e3 / args.steps
             buckets = len(opt.buckets) if hasattr(opt, "buckets") else "–"
-            print(f"| {mode} | {buckets} | {elapsed * per:.1f} | {training * per:.1f} | {others * per:.1f} |", flush=True)
+            print(
+                f"| {mode} | {buckets} | {elapsed * per:.1f} | {training * per:.1f} | {others * per:.1f} |",
+                flush=True,
+            )
         if hasattr(opt, "close"):
             opt.close()
         dist.barrier()

@@ -26,6 +26,7 @@ overhead above it is what the kernels could still win.
 On CUDA every step ends with a device synchronisation (so the host clock times the GPU's
 work), and the pass is timed on the device alike.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,14 @@ import hostenv  # noqa: E402
 #: The baseline without sapipe: the same model and torch optimizer (``fused=True``), one process.
 TORCH_FUSED = "torch fused=True, no sapipe"
 
-MODES = [("none", "outer"), ("dc", "outer"), ("dc", "diagonal"), ("wp1", "outer"), ("wp2", "outer"), ("wp3", "outer")]
+MODES = [
+    ("none", "outer"),
+    ("dc", "outer"),
+    ("dc", "diagonal"),
+    ("wp1", "outer"),
+    ("wp2", "outer"),
+    ("wp3", "outer"),
+]
 #: passes (8 bytes per element: a float32 read and write) of a compression's encode and decode
 #: beyond ``none``'s, by definition: 16-bit reads g and writes half, then reads half and writes
 #: g (12 bytes); int8 with error feedback reads g and the residual for the chunk's scale, again
@@ -81,7 +89,9 @@ def floor_streams(label: str, optimizer: str) -> float:
     mode = label.split("/")[0]
     if mode == "dc":
         return 2 if label.endswith("diagonal") else 4
-    return {"none": 0, "wp1": 3, "wp2": 1, "wp3": 9 if optimizer == "adam" else 8, TORCH_FUSED: 0}[mode]
+    return {"none": 0, "wp1": 3, "wp2": 1, "wp3": 9 if optimizer == "adam" else 8, TORCH_FUSED: 0}[
+        mode
+    ]
 
 
 def synchronize(device) -> None:
@@ -102,8 +112,12 @@ def init_one_rank_group(device) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+    )
 
 
 class PassTimer:
@@ -115,8 +129,10 @@ class PassTimer:
         import torch
 
         self.device = device
-        self.pairs = [(torch.randn(elements, device=device), torch.zeros(elements, device=device))
-                      for _ in range(buffers)]
+        self.pairs = [
+            (torch.randn(elements, device=device), torch.zeros(elements, device=device))
+            for _ in range(buffers)
+        ]
 
     def __call__(self) -> float:
         times = []
@@ -130,9 +146,9 @@ class PassTimer:
 
 
 def worker(args) -> None:
+    import bench_models
     import torch
 
-    import bench_models
     import sapipe
 
     torch.set_num_threads(args.threads)
@@ -153,12 +169,20 @@ def worker(args) -> None:
         runs = []
         stream = []  # per round: seconds per pass over the stale parameters
         one_pass = PassTimer(sum(sizes[:k]), device)
-        rows = [(mode, form, "") for mode, form in MODES if label_of(mode, form) in args.modes.split(",")]
+        rows = [
+            (mode, form, "")
+            for mode, form in MODES
+            if label_of(mode, form) in args.modes.split(",")
+        ]
         rows += [("none", "outer", c) for c in args.compressions.split(",") if c]
         for mode, form, compression in rows:
             model = spec.make_model().to(device)
             opt = sapipe.DistributedOptimizer(
-                spec.make_optimizer(model.parameters()), model, stale_layers=k, compensation=mode, dc_form=form,
+                spec.make_optimizer(model.parameters()),
+                model,
+                stale_layers=k,
+                compensation=mode,
+                dc_form=form,
                 compression=compression or None,
             )
             runs.append((label_of(mode, form, compression), model, opt, []))
@@ -185,7 +209,9 @@ def worker(args) -> None:
                 "median_ms": statistics.median(r) * 1e3,
                 "overhead": statistics.median(t / b for t, b in zip(r, base)) - 1,
                 # the mode's floor in the same round: its inherent extra passes, relative to none's step
-                "floor": statistics.median(floor_streams(label, spec.optimizer) * p / b for p, b in zip(stream, base)),
+                "floor": statistics.median(
+                    floor_streams(label, spec.optimizer) * p / b for p, b in zip(stream, base)
+                ),
             }
             for label, _, _, r in runs
         }
@@ -206,14 +232,26 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--kappa", type=float, default=1.0,
-                   help="stale share of the parameters: k = the fewest leading layers holding at least this "
-                        "(default 1: k = m, every layer stale, the most compensation work)")
-    p.add_argument("--modes", default=",".join(label_of(*m) for m in MODES),
-                   help="the compensation modes timed (none first: the others are relative to it)")
-    p.add_argument("--compressions", default="",
-                   help="also none with each of these compressions on the wire (fp16, bf16, int8): the codec's cost")
-    p.add_argument("--fused-only", action="store_true", help="skip the pure-PyTorch run (SAPIPE_DISABLE_EXT=1)")
+    p.add_argument(
+        "--kappa",
+        type=float,
+        default=1.0,
+        help="stale share of the parameters: k = the fewest leading layers holding at least this "
+        "(default 1: k = m, every layer stale, the most compensation work)",
+    )
+    p.add_argument(
+        "--modes",
+        default=",".join(label_of(*m) for m in MODES),
+        help="the compensation modes timed (none first: the others are relative to it)",
+    )
+    p.add_argument(
+        "--compressions",
+        default="",
+        help="also none with each of these compressions on the wire (fp16, bf16, int8): the codec's cost",
+    )
+    p.add_argument(
+        "--fused-only", action="store_true", help="skip the pure-PyTorch run (SAPIPE_DISABLE_EXT=1)"
+    )
     p.add_argument("--output", default=os.path.join(HERE, "results", "compensation_overhead.md"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -246,21 +284,24 @@ def main() -> None:
             lines.append(
                 f"| {name} (k={per_mode['k']} of {per_mode['m']}, κ={per_mode['kappa']:.2f}; "
                 f"{per_mode['stream_ms']:.2f} ms) | {label} | {f['floor']:+.1%} | {f['median_ms']:.1f} | "
-                f"{f['overhead']:+.1%} | " + (f"{t['median_ms']:.1f} | {t['overhead']:+.1%} |" if t else "— | — |")
+                f"{f['overhead']:+.1%} | "
+                + (f"{t['median_ms']:.1f} | {t['overhead']:+.1%} |" if t else "— | — |")
             )
     table = "\n".join(lines)
     print(f"backends: {fused['backend']} vs {plain['backend']}\n{table}")
     command = "python benchmarks/compensation_overhead.py " + " ".join(sys.argv[1:])
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "a") as f:
-        f.write(f"\n## {time.strftime('%Y-%m-%d %H:%M')} — `{command}`\n\nbackends: `{fused['backend']}` vs "
-                f"`{plain['backend']}`; base optimizer: torch's with `fused=True` (bench_models); "
-                f"k for κ ≥ {args.kappa}, one process, {args.rounds} interleaved rounds of {args.steps} steps "
-                f"per mode (ms/step: median of the rounds' medians; overhead: median over rounds of the "
-                f"ratio to `none` in the same round; floor: the mode's inherent extra passes over the stale "
-                f"parameters (`floor_streams`) × one pass (a cold `torch` copy's time / 2, timed in each round), "
-                f"relative to `none`'s step); load average before / after: {load_before} / "
-                f"{os.getloadavg()[0]:.1f}\n\n{table}\n")
+        f.write(
+            f"\n## {time.strftime('%Y-%m-%d %H:%M')} — `{command}`\n\nbackends: `{fused['backend']}` vs "
+            f"`{plain['backend']}`; base optimizer: torch's with `fused=True` (bench_models); "
+            f"k for κ ≥ {args.kappa}, one process, {args.rounds} interleaved rounds of {args.steps} steps "
+            f"per mode (ms/step: median of the rounds' medians; overhead: median over rounds of the "
+            f"ratio to `none` in the same round; floor: the mode's inherent extra passes over the stale "
+            f"parameters (`floor_streams`) × one pass (a cold `torch` copy's time / 2, timed in each round), "
+            f"relative to `none`'s step); load average before / after: {load_before} / "
+            f"{os.getloadavg()[0]:.1f}\n\n{table}\n"
+        )
 
 
 if __name__ == "__main__":

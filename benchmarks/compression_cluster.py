@@ -16,6 +16,7 @@ per gradient byte (default 0: not measured on a GPU yet; node first it works on 
 
     python benchmarks/compression_cluster.py [--nodes 8] [--models gpt2,vgg16] [--codec-ns-per-byte 0]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import scaling_measured  # noqa: E402
+
 from sapipe.schedule.predict import predict  # noqa: E402
 
 WIRE_RATIO = {None: 1.0, "bf16": 0.5, "int8": (1 + 4 / 64) / 4}
@@ -38,33 +40,63 @@ def rows(profiles, nodes: int, codec_per_byte: float):
     for (setting, model), profile in sorted(profiles.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         for link in scaling_measured.LINKS:
             for kind, ratio in WIRE_RATIO.items():
-                case = dataclasses.replace(profile, compression=kind, wire_ratio=ratio,
-                                           codec_per_byte=codec_per_byte if kind else 0.0)
-                sums = [predict(case, nodes, GPUS_PER_NODE, link, scaling_measured.NVLINK_H100, hierarchical=h)
-                        for h in (None, False)]
+                case = dataclasses.replace(
+                    profile,
+                    compression=kind,
+                    wire_ratio=ratio,
+                    codec_per_byte=codec_per_byte if kind else 0.0,
+                )
+                sums = [
+                    predict(
+                        case,
+                        nodes,
+                        GPUS_PER_NODE,
+                        link,
+                        scaling_measured.NVLINK_H100,
+                        hierarchical=h,
+                    )
+                    for h in (None, False)
+                ]
                 ddp = sums[0].modes["ddp"].iteration_time
-                yield (model, setting, link, kind or "none", ddp,
-                       *[(p.modes["sapipe"].iteration_time, p.modes["sapipe"].k) for p in sums])
+                yield (
+                    model,
+                    setting,
+                    link,
+                    kind or "none",
+                    ddp,
+                    *[(p.modes["sapipe"].iteration_time, p.modes["sapipe"].k) for p in sums],
+                )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--profiles", default=scaling_measured.PROFILES)
     p.add_argument("--nodes", type=int, default=8)
-    p.add_argument("--models", default="gpt2,vgg16", help="model names of the profiles (comma-separated)")
+    p.add_argument(
+        "--models", default="gpt2,vgg16", help="model names of the profiles (comma-separated)"
+    )
     p.add_argument("--codec-ns-per-byte", type=float, default=0.0)
     args = p.parse_args()
     profiles, _, device = scaling_measured.load(args.profiles)
     wanted = set(args.models.split(","))
     profiles = {key: prof for key, prof in profiles.items() if key[1] in wanted}
-    print(f"{args.nodes} nodes x {GPUS_PER_NODE} GPUs, profiles of one {device}; codec "
-          f"{args.codec_ns_per_byte} ns per gradient byte\n")
-    print("| model | setting | between nodes | compression | DDP | sapipe node first (k) | sapipe flat (k) | flat / node first |")
+    print(
+        f"{args.nodes} nodes x {GPUS_PER_NODE} GPUs, profiles of one {device}; codec "
+        f"{args.codec_ns_per_byte} ns per gradient byte\n"
+    )
+    print(
+        "| model | setting | between nodes | compression | DDP | sapipe node first (k) | sapipe flat (k) | flat / node first |"
+    )
     print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
-    for model, setting, link, kind, ddp, (first, k1), (flat, k2) in rows(profiles, args.nodes,
-                                                                          args.codec_ns_per_byte * 1e-9):
-        print(f"| {model} | {setting} | {link} | {kind} | {ddp * 1e3:.1f} ms | {first * 1e3:.1f} ms ({k1}) | "
-              f"{flat * 1e3:.1f} ms ({k2}) | {flat / first:.2f} |")
+    for model, setting, link, kind, ddp, (first, k1), (flat, k2) in rows(
+        profiles, args.nodes, args.codec_ns_per_byte * 1e-9
+    ):
+        print(
+            f"| {model} | {setting} | {link} | {kind} | {ddp * 1e3:.1f} ms | {first * 1e3:.1f} ms ({k1}) | "
+            f"{flat * 1e3:.1f} ms ({k2}) | {flat / first:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ compression study ran) with tables, plots and a λ-sweep table.
 ``--k`` takes ``half`` (m // 2), an int, or ``auto`` (handed to sapipe unchanged, for its
 scheduler; the k sapipe actually used is read back from ``opt.stale_layers`` and recorded).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,7 +50,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -60,8 +61,15 @@ import hostenv  # noqa: E402
 MAIN_MODES = ["sync", "pipesgd", "none", "dc", "wp1", "wp2", "wp3"]
 SAPIPE_MODES = ["dc", "wp1", "wp2", "wp3"]
 STUDIES = ("all", "main", "compression")
-MAIN_COLORS = dict(sync="black", pipesgd="tab:red", none="tab:orange", dc="tab:blue", wp1="tab:green",
-                   wp2="tab:olive", wp3="tab:purple")
+MAIN_COLORS = dict(
+    sync="black",
+    pipesgd="tab:red",
+    none="tab:orange",
+    dc="tab:blue",
+    wp1="tab:green",
+    wp2="tab:olive",
+    wp3="tab:purple",
+)
 # sync, the uncompressed best mode, then COMPRESSED_VARIANTS in order
 COMPRESSION_COLORS = ["black", "tab:green", "tab:blue", "tab:orange", "tab:red"]
 # The compression study's variants of a task's best mode: (name suffix, compression=,
@@ -76,16 +84,33 @@ RESULTS = HERE / "results"
 
 # ============================================================================ modes
 
-def _spec(name: str, k: str, compensation: str, dc_lambda: float = DEFAULT_LAMBDA,
-          compression: Optional[str] = None, error_feedback: Optional[bool] = None) -> Dict[str, Any]:
+
+def _spec(
+    name: str,
+    k: str,
+    compensation: str,
+    dc_lambda: float = DEFAULT_LAMBDA,
+    compression: str | None = None,
+    error_feedback: bool | None = None,
+) -> dict[str, Any]:
     """One run of a launch: its name in the report and its ``DistributedOptimizer`` settings."""
-    return dict(name=name, k=k, compensation=compensation, dc_lambda=dc_lambda,
-                compression=compression, error_feedback=error_feedback)
+    return dict(
+        name=name,
+        k=k,
+        compensation=compensation,
+        dc_lambda=dc_lambda,
+        compression=compression,
+        error_feedback=error_feedback,
+    )
 
 
-def main_specs(k_arg: str, sweep: bool, lambdas: List[float]) -> List[Dict[str, Any]]:
+def main_specs(k_arg: str, sweep: bool, lambdas: list[float]) -> list[dict[str, Any]]:
     """The main study: sync, Pipe-SGD, ``none`` and every compensation, plus the λ sweep."""
-    specs = [_spec("sync", "zero", "none"), _spec("pipesgd", "all", "none"), _spec("none", k_arg, "none")]
+    specs = [
+        _spec("sync", "zero", "none"),
+        _spec("pipesgd", "all", "none"),
+        _spec("none", k_arg, "none"),
+    ]
     specs += [_spec(comp, k_arg, comp) for comp in SAPIPE_MODES]
     if sweep:
         for comp in ("dc", "wp3"):
@@ -101,7 +126,7 @@ def compressed_name(best: str, variant: str) -> str:
     return f"{best}+{variant}"
 
 
-def compression_specs(k_arg: str, best: str) -> List[Dict[str, Any]]:
+def compression_specs(k_arg: str, best: str) -> list[dict[str, Any]]:
     """The compression study: sync and the task's best mode uncompressed (the references),
     then the best mode with each wire format of ``COMPRESSED_VARIANTS``. A best mode of
     ``sync`` (a task with one layer) is its own uncompressed reference."""
@@ -109,12 +134,16 @@ def compression_specs(k_arg: str, best: str) -> List[Dict[str, Any]]:
     specs = [_spec("sync", "zero", "none")]
     if best != "sync":
         specs.append(_spec(best, k, compensation))
-    specs += [_spec(compressed_name(best, variant), k, compensation, compression=fmt, error_feedback=ef)
-              for variant, fmt, ef in COMPRESSED_VARIANTS]
+    specs += [
+        _spec(compressed_name(best, variant), k, compensation, compression=fmt, error_feedback=ef)
+        for variant, fmt, ef in COMPRESSED_VARIANTS
+    ]
     return specs
 
 
-def mode_specs(k_arg: str, best: str, study: str, sweep: bool, lambdas: List[float]) -> List[Dict[str, Any]]:
+def mode_specs(
+    k_arg: str, best: str, study: str, sweep: bool, lambdas: list[float]
+) -> list[dict[str, Any]]:
     """The runs inside one (task, seed) launch, in order; ``k`` is resolved per task.
     ``study``: ``main``, ``compression``, or ``all`` (both; runs they share appear once)."""
     specs = main_specs(k_arg, sweep, lambdas) if study in ("all", "main") else []
@@ -138,12 +167,13 @@ def resolve_k(k: str, m: int):
 
 # ============================================================================ worker
 
+
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
+    from convergence_tasks import count_layers, get_tasks
 
     import sapipe
-    from convergence_tasks import count_layers, get_tasks
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
@@ -158,14 +188,28 @@ def worker(args) -> None:
         wanted = args.modes.split(",")
         specs = [s for s in specs if s["name"] in wanted]
 
-    record: Dict[str, Any] = dict(
-        task=task.name, title=task.title, metric=task.metric,
-        higher_is_better=task.higher_is_better, optimizer=task.optimizer, notes=task.notes,
-        seed=args.seed, world_size=world, threads=args.threads, steps=steps,
-        eval_every=eval_every, batch_per_rank=task.batch, k_arg=args.k, quick=args.quick,
-        best_mode=task.best_mode, study=args.study,
-        host=platform.node(), cpus=os.cpu_count(), torch=torch.__version__,
-        started=_dt.datetime.now().isoformat(timespec="seconds"), runs=[],
+    record: dict[str, Any] = dict(
+        task=task.name,
+        title=task.title,
+        metric=task.metric,
+        higher_is_better=task.higher_is_better,
+        optimizer=task.optimizer,
+        notes=task.notes,
+        seed=args.seed,
+        world_size=world,
+        threads=args.threads,
+        steps=steps,
+        eval_every=eval_every,
+        batch_per_rank=task.batch,
+        k_arg=args.k,
+        quick=args.quick,
+        best_mode=task.best_mode,
+        study=args.study,
+        host=platform.node(),
+        cpus=os.cpu_count(),
+        torch=torch.__version__,
+        started=_dt.datetime.now().isoformat(timespec="seconds"),
+        runs=[],
     )
     t_launch = time.perf_counter()
     for spec in specs:
@@ -175,18 +219,22 @@ def worker(args) -> None:
         k = resolve_k(spec["k"], m)
         # Step 0 is scored before sapipe wraps the model, so the layer order sapipe records
         # comes from a training forward on every rank (identical weights on every rank).
-        evals: List[Dict[str, float]] = []
+        evals: list[dict[str, float]] = []
         if rank == 0:
             evals.append(dict(step=0, time=0.0, **task.evaluate(model)))
         base = task.build_optimizer(model)
         opt = sapipe.DistributedOptimizer(
-            base, model, stale_layers=k, compensation=spec["compensation"],
-            dc_lambda=spec["dc_lambda"], compression=spec["compression"],
+            base,
+            model,
+            stale_layers=k,
+            compensation=spec["compensation"],
+            dc_lambda=spec["dc_lambda"],
+            compression=spec["compression"],
             error_feedback=spec["error_feedback"],
         )
         gen = torch.Generator().manual_seed(1000 * args.seed + rank)
-        losses: List[float] = []
-        step_time: List[float] = []
+        losses: list[float] = []
+        step_time: list[float] = []
         load0 = os.getloadavg()[0]
         wall0 = time.perf_counter()
         train_time = 0.0
@@ -209,21 +257,33 @@ def worker(args) -> None:
                         evals.append(dict(step=step, time=train_time, **task.evaluate(model)))
                 dist.barrier()
         if opt.num_layers != m:
-            raise RuntimeError(f"layer count mismatch: sapipe found {opt.num_layers}, benchmark counted {m}")
+            raise RuntimeError(
+                f"layer count mismatch: sapipe found {opt.num_layers}, benchmark counted {m}"
+            )
         k_used = opt.stale_layers
         # Training loss averaged over ranks, per step (one collective, after training).
-        gathered: List[Any] = [None] * world
+        gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, losses)
         mean_loss = [sum(col) / world for col in zip(*gathered, strict=True)]
         if rank == 0:
             final = evals[-1]
             run = dict(
-                mode=spec["name"], compensation=spec["compensation"], dc_lambda=spec["dc_lambda"],
-                compression=spec["compression"], error_feedback=spec["error_feedback"],
-                k=k_used, m=m, steps=steps, train_loss=mean_loss, step_time=step_time,
-                evals=evals, final_metric=final["metric"], final_test_loss=final["loss"],
+                mode=spec["name"],
+                compensation=spec["compensation"],
+                dc_lambda=spec["dc_lambda"],
+                compression=spec["compression"],
+                error_feedback=spec["error_feedback"],
+                k=k_used,
+                m=m,
+                steps=steps,
+                train_loss=mean_loss,
+                step_time=step_time,
+                evals=evals,
+                final_metric=final["metric"],
+                final_test_loss=final["loss"],
                 diverged=not all(math.isfinite(v) for v in mean_loss[-10:]),
-                train_s=train_time, wall_s=time.perf_counter() - wall0,
+                train_s=train_time,
+                wall_s=time.perf_counter() - wall0,
                 loadavg=[load0, os.getloadavg()[0]],
             )
             record["runs"].append(run)
@@ -255,6 +315,7 @@ def worker(args) -> None:
 
 # ============================================================================ driver
 
+
 def default_out(quick: bool, study: str) -> Path:
     """Raw JSON directory: one per kind of run, so a compression-only or a quick run never
     overwrites the full run's files."""
@@ -262,7 +323,7 @@ def default_out(quick: bool, study: str) -> Path:
     return out.with_name(out.name + "-compression") if study == "compression" else out
 
 
-def task_study(task, study: str) -> Optional[str]:
+def task_study(task, study: str) -> str | None:
     """The study a launch of ``task`` runs when ``study`` is asked for: ``study`` itself,
     narrowed to the studies the task takes part in (``Task.studies``); None if none."""
     wanted = {"all": ("main", "compression")}.get(study, (study,))
@@ -276,30 +337,59 @@ def run_all(args) -> None:
     from convergence_tasks import get_tasks
 
     known = get_tasks()
-    tasks = args.tasks.split(",") if args.tasks else [t for t in known if task_study(known[t], args.study)]
+    tasks = (
+        args.tasks.split(",")
+        if args.tasks
+        else [t for t in known if task_study(known[t], args.study)]
+    )
     seeds = list(range(args.seeds if args.seeds else (1 if args.quick else 3)))
     out = Path(args.out) if args.out else default_out(args.quick, args.study)
     out.mkdir(parents=True, exist_ok=True)
     manifest = dict(
-        command=" ".join(shlex.quote(a) for a in [_rel(Path(sys.executable)), "benchmarks/convergence.py", *sys.argv[1:]]),
-        tasks=tasks, seeds=seeds, nproc=args.nproc, k=args.k, quick=args.quick, study=args.study,
-        sweep_task=args.sweep_task, lambdas=args.lambdas or ",".join(f"{x:g}" for x in DEFAULT_LAMBDAS),
+        command=" ".join(
+            shlex.quote(a)
+            for a in [_rel(Path(sys.executable)), "benchmarks/convergence.py", *sys.argv[1:]]
+        ),
+        tasks=tasks,
+        seeds=seeds,
+        nproc=args.nproc,
+        k=args.k,
+        quick=args.quick,
+        study=args.study,
+        sweep_task=args.sweep_task,
+        lambdas=args.lambdas or ",".join(f"{x:g}" for x in DEFAULT_LAMBDAS),
         started=_dt.datetime.now().isoformat(timespec="seconds"),
-        loadavg_start=os.getloadavg(), cpus=os.cpu_count(),
+        loadavg_start=os.getloadavg(),
+        cpus=os.cpu_count(),
     )
     t0 = time.perf_counter()
     env = hostenv.worker_env(OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
-    failures: List[str] = []
+    failures: list[str] = []
     for task in tasks:
         study = task_study(known[task], args.study)
         if study is None:
             raise SystemExit(f"task {task} is not part of the {args.study} study")
         for seed in seeds:
             cmd = [
-                sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={args.nproc}", str(Path(__file__).resolve()), "worker",
-                "--task", task, "--seed", str(seed), "--out", str(out), "--k", args.k,
-                "--threads", str(args.threads), "--study", study,
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={args.nproc}",
+                str(Path(__file__).resolve()),
+                "worker",
+                "--task",
+                task,
+                "--seed",
+                str(seed),
+                "--out",
+                str(out),
+                "--k",
+                args.k,
+                "--threads",
+                str(args.threads),
+                "--study",
+                study,
             ]
             if args.quick:
                 cmd.append("--quick")
@@ -313,22 +403,31 @@ def run_all(args) -> None:
                 cmd += ["--modes", args.modes]
             result = out / f"{task}_seed{seed}.json"
             for attempt in (1, 2):
-                print(f"== {task} seed {seed} ({time.perf_counter() - t0:.0f}s elapsed)"
-                      + (" -- retry" if attempt > 1 else ""), flush=True)
+                print(
+                    f"== {task} seed {seed} ({time.perf_counter() - t0:.0f}s elapsed)"
+                    + (" -- retry" if attempt > 1 else ""),
+                    flush=True,
+                )
                 started = time.time()
                 rc = subprocess.run(cmd, env=env, cwd=REPO).returncode
                 fresh = result.exists() and result.stat().st_mtime >= started
                 if rc == 0 and fresh:
                     break
-                failures.append(f"{task} seed {seed} attempt {attempt}: exit status {rc}, "
-                                f"results {'written' if fresh else 'missing'}")
+                failures.append(
+                    f"{task} seed {seed} attempt {attempt}: exit status {rc}, "
+                    f"results {'written' if fresh else 'missing'}"
+                )
                 print(f"!! {failures[-1]}", flush=True)
                 if fresh:
                     break  # the launch failed after rank 0 wrote its results: keep them
             else:
                 raise SystemExit(f"{task} seed {seed} failed twice; see the output above")
-    manifest.update(total_s=time.perf_counter() - t0, loadavg_end=os.getloadavg(), failures=failures,
-                    finished=_dt.datetime.now().isoformat(timespec="seconds"))
+    manifest.update(
+        total_s=time.perf_counter() - t0,
+        loadavg_end=os.getloadavg(),
+        failures=failures,
+        finished=_dt.datetime.now().isoformat(timespec="seconds"),
+    )
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     print(f"== all launches done in {manifest['total_s']:.0f}s", flush=True)
     results = Path(args.results) if args.results else (out if args.quick else RESULTS)
@@ -336,6 +435,7 @@ def run_all(args) -> None:
 
 
 # ============================================================================ report
+
 
 def _rel(path: Path) -> str:
     """``path`` relative to the repository when inside it (not resolving venv symlinks)."""
@@ -346,7 +446,7 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
-def _mean_std(xs: List[float]):
+def _mean_std(xs: list[float]):
     xs = [x for x in xs if x is not None]
     if not xs:
         return float("nan"), float("nan")
@@ -355,7 +455,7 @@ def _mean_std(xs: List[float]):
     return statistics.fmean(xs), statistics.stdev(xs)
 
 
-def _fmt(mean: float, std: float, n: Optional[int] = None, digits: int = 2) -> str:
+def _fmt(mean: float, std: float, n: int | None = None, digits: int = 2) -> str:
     """``mean ± std`` (``n``, the number of seeds, is accepted for ``_fmt(*stats)``)."""
     if not math.isfinite(mean):
         return "diverged"
@@ -366,7 +466,7 @@ def _load(out: Path):
     records = [json.loads(p.read_text()) for p in sorted(out.glob("*_seed*.json"))]
     if not records:
         raise SystemExit(f"no results in {out}")
-    by_task: Dict[str, List[dict]] = {}
+    by_task: dict[str, list[dict]] = {}
     for r in records:
         by_task.setdefault(r["task"], []).append(r)
     manifest_path = out / "manifest.json"
@@ -374,7 +474,7 @@ def _load(out: Path):
     return by_task, manifest
 
 
-def _runs(recs: List[dict], mode: str) -> List[dict]:
+def _runs(recs: list[dict], mode: str) -> list[dict]:
     return [run for r in recs for run in r["runs"] if run["mode"] == mode]
 
 
@@ -388,7 +488,7 @@ def _metric_stats(recs, mode):
     return mean, std, len(vals)
 
 
-def _plot_task(recs: List[dict], path: Path, modes: List[str], colors: Dict[str, str]) -> None:
+def _plot_task(recs: list[dict], path: Path, modes: list[str], colors: dict[str, str]) -> None:
     """Training loss and test metric of ``modes`` against step and wall-clock time (one figure)."""
     import matplotlib
 
@@ -406,17 +506,21 @@ def _plot_task(recs: List[dict], path: Path, modes: List[str], colors: Dict[str,
         t_step = np.array([run["step_time"] for run in runs], dtype=float).mean(0)
         w = max(1, len(loss) // 30)
         smooth = np.convolve(loss, np.ones(w) / w, mode="valid")
-        steps = np.arange(1, len(loss) + 1)[w - 1:]
+        steps = np.arange(1, len(loss) + 1)[w - 1 :]
         ev_step = np.array([e["step"] for e in runs[0]["evals"]])
-        ev_metric = np.array([[e["metric"] for e in run["evals"]] for run in runs], dtype=float).mean(0)
+        ev_metric = np.array(
+            [[e["metric"] for e in run["evals"]] for run in runs], dtype=float
+        ).mean(0)
         ev_time = np.array([[e["time"] for e in run["evals"]] for run in runs], dtype=float).mean(0)
         k, m = runs[0]["k"], runs[0]["m"]
         diverged = sum(run["diverged"] for run in runs)
-        label = f"{mode} (k={k}/{m})" + (f", {diverged} of {len(runs)} seeds diverged" if diverged else "")
+        label = f"{mode} (k={k}/{m})" + (
+            f", {diverged} of {len(runs)} seeds diverged" if diverged else ""
+        )
         c = colors.get(mode)
         axes[0, 0].plot(steps, smooth, color=c, label=label)
         axes[0, 1].plot(ev_step, ev_metric, color=c, marker=".", label=label)
-        axes[1, 0].plot(t_step[w - 1:], smooth, color=c, label=label)
+        axes[1, 0].plot(t_step[w - 1 :], smooth, color=c, label=label)
         axes[1, 1].plot(ev_time, ev_metric, color=c, marker=".", label=label)
     axes[0, 0].set(xlabel="step", ylabel=f"train loss (mean of ranks, {w}-step avg)")
     axes[0, 1].set(xlabel="step", ylabel=meta["metric"])
@@ -430,26 +534,32 @@ def _plot_task(recs: List[dict], path: Path, modes: List[str], colors: Dict[str,
     for ax in (axes[0, 0], axes[1, 0]):
         ax.set_yscale("log")
     from matplotlib.ticker import FormatStrFormatter, NullFormatter
+
     for ax in axes.flat:
         if ax.get_yscale() == "log":
             ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
             ax.yaxis.set_minor_formatter(NullFormatter())
     axes[0, 1].legend(fontsize=8)
-    fig.suptitle(f"{meta['title']} — {meta['optimizer']}, {meta['world_size']} ranks, "
-                 f"mean of {len(recs)} seeds")
+    fig.suptitle(
+        f"{meta['title']} — {meta['optimizer']}, {meta['world_size']} ranks, "
+        f"mean of {len(recs)} seeds"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
-def _sweep_points(recs: List[dict], comp: str):
+def _sweep_points(recs: list[dict], comp: str):
     """λ -> (mean, std, n) of the final metric for ``comp`` (the λ = 0.2 point is the main run)."""
     points = {}
     for r in recs:
         for run in r["runs"]:
-            if run["compensation"] == comp and (run["mode"] == comp or run["mode"].startswith(comp + "@")):
+            if run["compensation"] == comp and (
+                run["mode"] == comp or run["mode"].startswith(comp + "@")
+            ):
                 points.setdefault(run["dc_lambda"], []).append(
-                    float("nan") if run["diverged"] else run["final_metric"])
+                    float("nan") if run["diverged"] else run["final_metric"]
+                )
     out = {}
     for lam, vals in sorted(points.items()):
         if all(math.isfinite(v) for v in vals):
@@ -459,7 +569,7 @@ def _sweep_points(recs: List[dict], comp: str):
     return out
 
 
-def _plot_sweep(task: str, recs: List[dict], path: Path) -> None:
+def _plot_sweep(task: str, recs: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -470,15 +580,25 @@ def _plot_sweep(task: str, recs: List[dict], path: Path) -> None:
     for comp, c in (("dc", "tab:blue"), ("wp3", "tab:purple")):
         pts = _sweep_points(recs, comp)
         lams = list(pts)
-        ax.errorbar(lams, [pts[x][0] for x in lams], yerr=[pts[x][1] for x in lams],
-                    marker="o", capsize=3, color=c, label=f"{comp} (k={_runs(recs, comp)[0]['k']})")
+        ax.errorbar(
+            lams,
+            [pts[x][0] for x in lams],
+            yerr=[pts[x][1] for x in lams],
+            marker="o",
+            capsize=3,
+            color=c,
+            label=f"{comp} (k={_runs(recs, comp)[0]['k']})",
+        )
     for mode, c in (("sync", "black"), ("pipesgd", "tab:red")):
         mean, std, _ = _metric_stats(recs, mode)
         if math.isfinite(mean):
             ax.axhline(mean, color=c, ls="--", label=f"{mode}")
             ax.axhspan(mean - std, mean + std, color=c, alpha=0.08)
-    ax.set(xlabel="λ (dc_lambda)", ylabel=meta["metric"],
-           title=f"λ sensitivity on {meta['title']} ({len(recs)} seeds)")
+    ax.set(
+        xlabel="λ (dc_lambda)",
+        ylabel=meta["metric"],
+        title=f"λ sensitivity on {meta['title']} ({len(recs)} seeds)",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -486,33 +606,39 @@ def _plot_sweep(task: str, recs: List[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _ordered_tasks(by_task: Dict[str, List[dict]]) -> List[str]:
+def _ordered_tasks(by_task: dict[str, list[dict]]) -> list[str]:
     """The built-in tasks in their usual order, then any others."""
     known = ("digits", "lm", "deepmlp", "units")
     return [t for t in known if t in by_task] + [t for t in by_task if t not in known]
 
 
-def _has_main_study(recs: List[dict]) -> bool:
+def _has_main_study(recs: list[dict]) -> bool:
     """Whether a task's launches ran the main study (records without ``study`` predate the option)."""
     return any(r.get("study", "all") in ("all", "main") for r in recs)
 
 
-def _has_compression_study(recs: List[dict]) -> bool:
+def _has_compression_study(recs: list[dict]) -> bool:
     """Whether a task's launches ran the compression study."""
     return any(r.get("study", "main") in ("all", "compression") for r in recs)
 
 
-def _intro_lines(by_task: Dict[str, List[dict]], manifest: dict, k_arg: str) -> List[str]:
+def _intro_lines(by_task: dict[str, list[dict]], manifest: dict, k_arg: str) -> list[str]:
     """Title, command, setup and the meaning of each mode name."""
-    k_text = {"half": ": k = m // 2, the layers that run in the first half of the forward pass",
-              "auto": ": k chosen by sapipe's scheduler"}.get(k_arg, "")
+    k_text = {
+        "half": ": k = m // 2, the layers that run in the first half of the forward pass",
+        "auto": ": k chosen by sapipe's scheduler",
+    }.get(k_arg, "")
     cmd = manifest.get("command", "python benchmarks/convergence.py")
     quick = any(r["quick"] for recs in by_task.values() for r in recs)
     return [
         "# Convergence benchmark",
         "",
         "Generated by `benchmarks/convergence.py` (`make convergence`). "
-        + ("**This is a --quick smoke run: too few steps and seeds to mean anything.**" if quick else ""),
+        + (
+            "**This is a --quick smoke run: too few steps and seeds to mean anything.**"
+            if quick
+            else ""
+        ),
         "",
         f"Exact command (from the repository root): `{cmd}`. `make convergence` runs "
         "`.venv/bin/python benchmarks/convergence.py $(CONVERGENCE_ARGS)` after installing "
@@ -532,14 +658,14 @@ def _intro_lines(by_task: Dict[str, List[dict]], manifest: dict, k_arg: str) -> 
         "`wp2`, `wp3` = sapipe with the same k "
         f"(`--k {k_arg}`{k_text}), "
         f"λ = {DEFAULT_LAMBDA} for `dc` and `wp3`. `<mode>+bf16`, `<mode>+int8`, "
-        "`<mode>+int8-noEF` = that mode with `compression=\"bf16\"`, `compression=\"int8\"` "
-        "(error feedback on, its default) and `compression=\"int8\", error_feedback=False` "
+        '`<mode>+int8-noEF` = that mode with `compression="bf16"`, `compression="int8"` '
+        '(error feedback on, its default) and `compression="int8", error_feedback=False` '
         "(the compression study below).",
         "",
     ]
 
 
-def _best_sapipe_mode(recs: List[dict], stats: Dict[str, tuple]) -> Optional[str]:
+def _best_sapipe_mode(recs: list[dict], stats: dict[str, tuple]) -> str | None:
     """The compensation mode with the best finite mean final metric (None if none ran)."""
     sign = 1 if recs[0]["higher_is_better"] else -1
     finite = [m for m in SAPIPE_MODES if _runs(recs, m) and math.isfinite(stats[m][0])]
@@ -559,7 +685,9 @@ def _within_one_std(meta: dict, value: tuple, reference: tuple) -> bool:
     # The tolerance keeps "≤" true where the two are equal but for rounding: metrics are
     # float32 (test accuracy moves in steps of one image, so a difference of one step can
     # meet a std of one step), good to about 1e-7 of their value.
-    return _better(meta)(v_mean, r_mean) or abs(v_mean - r_mean) <= r_std + 1e-6 * max(1.0, abs(r_mean))
+    return _better(meta)(v_mean, r_mean) or abs(v_mean - r_mean) <= r_std + 1e-6 * max(
+        1.0, abs(r_mean)
+    )
 
 
 def _measurably_worse(meta: dict, value: tuple, reference: tuple) -> bool:
@@ -567,14 +695,20 @@ def _measurably_worse(meta: dict, value: tuple, reference: tuple) -> bool:
     intervals do not overlap), or diverged while the reference did not."""
     if not math.isfinite(value[0]):
         return math.isfinite(reference[0])
-    return _better(meta)(reference[0], value[0]) and abs(value[0] - reference[0]) > value[1] + reference[1]
+    return (
+        _better(meta)(reference[0], value[0])
+        and abs(value[0] - reference[0]) > value[1] + reference[1]
+    )
 
 
-def _main_table_lines(by_task: Dict[str, List[dict]], tasks: List[str]) -> tuple:
+def _main_table_lines(by_task: dict[str, list[dict]], tasks: list[str]) -> tuple:
     """The main results table, and one verdict dict per task for the targets."""
-    lines = ["## Results (final test metric, mean ± sample std over seeds)", "",
-             "| task | metric | k / m | " + " | ".join(f"`{m}`" for m in MAIN_MODES) + " |",
-             "|" + " --- |" * (3 + len(MAIN_MODES))]
+    lines = [
+        "## Results (final test metric, mean ± sample std over seeds)",
+        "",
+        "| task | metric | k / m | " + " | ".join(f"`{m}`" for m in MAIN_MODES) + " |",
+        "|" + " --- |" * (3 + len(MAIN_MODES)),
+    ]
     verdicts = []
     for task in tasks:
         recs = by_task[task]
@@ -588,38 +722,53 @@ def _main_table_lines(by_task: Dict[str, List[dict]], tasks: List[str]) -> tuple
         for mode in MAIN_MODES:
             cell = _fmt(*stats[mode]) if _runs(recs, mode) else "–"
             cells.append(f"**{cell}**" if mode == best else cell)
-        lines.append(f"| {meta['title']} | {meta['metric']} {arrow} | {km} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {meta['title']} | {meta['metric']} {arrow} | {km} | " + " | ".join(cells) + " |"
+        )
         sync, pipe = stats["sync"][:2], stats["pipesgd"][:2]
-        v = dict(task=meta["title"], sync=sync, pipe=pipe, hurt=_measurably_worse(meta, pipe, sync), best=best)
+        v = dict(
+            task=meta["title"],
+            sync=sync,
+            pipe=pipe,
+            hurt=_measurably_worse(meta, pipe, sync),
+            best=best,
+        )
         if best is not None:
             v["best_stats"] = stats[best][:2]
             v["within"] = _within_one_std(meta, v["best_stats"], sync)
-            v["beats_pipe"] = (not math.isfinite(pipe[0])) or _better(meta)(v["best_stats"][0], pipe[0])
+            v["beats_pipe"] = (not math.isfinite(pipe[0])) or _better(meta)(
+                v["best_stats"][0], pipe[0]
+            )
         verdicts.append(v)
     n_seeds = sorted({len(by_task[t]) for t in tasks})
     lines += [
         "",
         f"Seeds per cell: {', '.join(map(str, n_seeds))}. Bold: the best sapipe option per task. "
-        "↑ higher is better, ↓ lower is better. \"diverged\": a seed's training loss was not finite.",
+        '↑ higher is better, ↓ lower is better. "diverged": a seed\'s training loss was not finite.',
         "",
     ]
     return lines, verdicts
 
 
-def _tasks_lines(by_task: Dict[str, List[dict]], tasks: List[str]) -> List[str]:
+def _tasks_lines(by_task: dict[str, list[dict]], tasks: list[str]) -> list[str]:
     """The task table and where the data come from."""
-    lines = ["### Tasks", "",
-             "| task | model / data | optimizer | steps | batch per rank |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "### Tasks",
+        "",
+        "| task | model / data | optimizer | steps | batch per rank |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for task in tasks:
         meta = by_task[task][0]
-        lines.append(f"| {meta['title']} | {meta['notes']} | `{meta['optimizer']}` | "
-                     f"{meta['steps']} (eval every {meta['eval_every']}) | {meta['batch_per_rank']} |")
+        lines.append(
+            f"| {meta['title']} | {meta['notes']} | `{meta['optimizer']}` | "
+            f"{meta['steps']} (eval every {meta['eval_every']}) | {meta['batch_per_rank']} |"
+        )
     return lines + [
         "",
         "Data: `digits` = scikit-learn's bundled 8x8 digits, fixed stratified 1437/360 "
         "train/test split (`random_state=0`); `lm` = the source of these standard-library "
-        "modules, read from `sysconfig.get_paths()[\"stdlib\"]` and concatenated in this order: "
+        'modules, read from `sysconfig.get_paths()["stdlib"]` and concatenated in this order: '
         "`os.py random.py functools.py argparse.py textwrap.py string.py heapq.py bisect.py "
         "json/encoder.py json/decoder.py collections/__init__.py pathlib.py shutil.py "
         "tempfile.py` (first 90 % train, last 10 % held out); `units` = synthetic, from "
@@ -629,7 +778,9 @@ def _tasks_lines(by_task: Dict[str, List[dict]], tasks: List[str]) -> List[str]:
     ]
 
 
-def _targets_lines(by_task: Dict[str, List[dict]], tasks: List[str], verdicts: List[dict]) -> List[str]:
+def _targets_lines(
+    by_task: dict[str, list[dict]], tasks: list[str], verdicts: list[dict]
+) -> list[str]:
     """Whether the main study's targets are met, and what compensation adds over ``none``."""
     lines = [
         "## Targets",
@@ -641,38 +792,56 @@ def _targets_lines(by_task: Dict[str, List[dict]], tasks: List[str], verdicts: L
         "",
     ]
     for v in verdicts:
-        line = (f"* **{v['task']}**: sync {_fmt(*v['sync'])}, pipesgd {_fmt(*v['pipe'])} → Pipe-SGD "
-                f"{'**measurably worse**' if v['hurt'] else 'not measurably worse'}")
+        line = (
+            f"* **{v['task']}**: sync {_fmt(*v['sync'])}, pipesgd {_fmt(*v['pipe'])} → Pipe-SGD "
+            f"{'**measurably worse**' if v['hurt'] else 'not measurably worse'}"
+        )
         if v.get("best"):
-            line += (f"; best sapipe `{v['best']}` {_fmt(*v['best_stats'])}: "
-                     f"{'within' if v['within'] else '**NOT within**'} one std of sync")
+            line += (
+                f"; best sapipe `{v['best']}` {_fmt(*v['best_stats'])}: "
+                f"{'within' if v['within'] else '**NOT within**'} one std of sync"
+            )
             if v["hurt"]:
                 line += f", {'better' if v['beats_pipe'] else '**not better**'} than Pipe-SGD"
         lines.append(line + ".")
     met = any(v["hurt"] for v in verdicts) and all(
-        v.get("within", False) and (v.get("beats_pipe", True) or not v["hurt"]) for v in verdicts)
-    lines += ["", f"Overall: targets {'**met**' if met else '**not met**'} "
-              f"(Pipe-SGD measurably worse on {sum(v['hurt'] for v in verdicts)} of "
-              f"{len(verdicts)} tasks).", ""]
-    lines += ["Compensation against partial staleness alone (`none`, same k), mean difference "
-              "in the metric (positive = compensation helps):", ""]
+        v.get("within", False) and (v.get("beats_pipe", True) or not v["hurt"]) for v in verdicts
+    )
+    lines += [
+        "",
+        f"Overall: targets {'**met**' if met else '**not met**'} "
+        f"(Pipe-SGD measurably worse on {sum(v['hurt'] for v in verdicts)} of "
+        f"{len(verdicts)} tasks).",
+        "",
+    ]
+    lines += [
+        "Compensation against partial staleness alone (`none`, same k), mean difference "
+        "in the metric (positive = compensation helps):",
+        "",
+    ]
     for task in tasks:
         recs = by_task[task]
         base_mean = _metric_stats(recs, "none")[0]
         if not _runs(recs, "none") or not math.isfinite(base_mean):
             continue
         sign = 1 if recs[0]["higher_is_better"] else -1
-        parts = [f"`{mode}` {sign * (_metric_stats(recs, mode)[0] - base_mean):+.2f}"
-                 for mode in SAPIPE_MODES if _runs(recs, mode)]
+        parts = [
+            f"`{mode}` {sign * (_metric_stats(recs, mode)[0] - base_mean):+.2f}"
+            for mode in SAPIPE_MODES
+            if _runs(recs, mode)
+        ]
         lines.append(f"* {recs[0]['title']} (`none` = {base_mean:.2f}): " + ", ".join(parts))
     if any(by_task[t][0]["optimizer"].startswith("Adam") for t in tasks):
-        lines += ["", "Note: with `dc_form=\"outer\"`, DC turns each tensor's gradient g into "
-                  "(1 + λ·g·Δ)·g, a per-tensor rescaling. Adam's update is nearly invariant to "
-                  "rescaling its gradient, so `dc` ≈ `none` is expected on the Adam task."]
+        lines += [
+            "",
+            'Note: with `dc_form="outer"`, DC turns each tensor\'s gradient g into '
+            "(1 + λ·g·Δ)·g, a per-tensor rescaling. Adam's update is nearly invariant to "
+            "rescaling its gradient, so `dc` ≈ `none` is expected on the Adam task.",
+        ]
     return lines + [""]
 
 
-def _curves_lines(by_task: Dict[str, List[dict]], tasks: List[str], results: Path) -> List[str]:
+def _curves_lines(by_task: dict[str, list[dict]], tasks: list[str], results: Path) -> list[str]:
     """The main study's figures, one per task."""
     lines = ["## Curves", ""]
     for task in tasks:
@@ -683,46 +852,55 @@ def _curves_lines(by_task: Dict[str, List[dict]], tasks: List[str], results: Pat
         "Each figure: training loss (mean over ranks and seeds, moving average) and the "
         "test metric, against step and against rank 0's training wall-clock time "
         "(evaluation time excluded). Wall-clock time on this shared 2-core host is noisy; "
-        "see the load column below.", ""]
+        "see the load column below.",
+        "",
+    ]
 
 
-def _compression_modes(best: str) -> List[str]:
+def _compression_modes(best: str) -> list[str]:
     """The compression study's columns for a task whose best mode is ``best`` (``sync``
     twice when the best mode is ``sync``: the reference and the uncompressed column)."""
-    return ["sync", best] + [compressed_name(best, variant) for variant, _, _ in COMPRESSED_VARIANTS]
+    return ["sync", best] + [
+        compressed_name(best, variant) for variant, _, _ in COMPRESSED_VARIANTS
+    ]
 
 
-def _compression_colors(modes: List[str]) -> Dict[str, str]:
+def _compression_colors(modes: list[str]) -> dict[str, str]:
     """Each distinct mode of ``_compression_modes`` and its colour (the first one it gets)."""
-    colors: Dict[str, str] = {}
+    colors: dict[str, str] = {}
     for mode, color in zip(modes, COMPRESSION_COLORS, strict=True):
         colors.setdefault(mode, color)
     return colors
 
 
-def _seed_cell(run: Optional[dict]) -> str:
+def _seed_cell(run: dict | None) -> str:
     """One run's final metric for the per-seed table."""
     if run is None:
         return "–"
     return "diverged" if run["diverged"] else f"{run['final_metric']:.2f}"
 
 
-def _diverged_note(recs: List[dict], mode: str) -> str:
+def _diverged_note(recs: list[dict], mode: str) -> str:
     """``diverged (n of N seeds, first non-finite training loss at steps …)`` for a mode's cell."""
     runs = _runs(recs, mode)
     bad = [run for run in runs if run["diverged"]]
-    steps = [next((i + 1 for i, x in enumerate(run["train_loss"]) if not math.isfinite(x)), None) for run in bad]
+    steps = [
+        next((i + 1 for i, x in enumerate(run["train_loss"]) if not math.isfinite(x)), None)
+        for run in bad
+    ]
     where = ", ".join(str(s) for s in steps if s is not None)
     return f"diverged ({len(bad)} of {len(runs)} seeds; first non-finite loss at step {where})"
 
 
-def _compression_table_lines(by_task: Dict[str, List[dict]], tasks: List[str]) -> tuple:
+def _compression_table_lines(by_task: dict[str, list[dict]], tasks: list[str]) -> tuple:
     """The compression table (mean ± std per mode) and the per-seed table; verdicts per task."""
     header = "| task | metric | best mode (k / m) | `sync` | uncompressed | `+bf16` | `+int8` | `+int8-noEF` |"
     lines = [header, "|" + " --- |" * 8]
     seeds = _seeds(by_task, tasks)
-    per_seed = ["| task | mode | " + " | ".join(f"seed {s}" for s in seeds) + " |",
-                "|" + " --- |" * (2 + len(seeds))]
+    per_seed = [
+        "| task | mode | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+        "|" + " --- |" * (2 + len(seeds)),
+    ]
     verdicts = []
     for task in tasks:
         recs = by_task[task]
@@ -741,11 +919,16 @@ def _compression_table_lines(by_task: Dict[str, List[dict]], tasks: List[str]) -
         k = _runs(recs, best)[0] if _runs(recs, best) else None
         km = f"`{best}` ({k['k']} / {k['m']})" if k else f"`{best}`"
         arrow = "↑" if meta["higher_is_better"] else "↓"
-        lines.append(f"| {meta['title']} | {meta['metric']} {arrow} | {km} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {meta['title']} | {meta['metric']} {arrow} | {km} | " + " | ".join(cells) + " |"
+        )
         for mode in dict.fromkeys(modes):
             by_seed = {r["seed"]: run for r in recs for run in r["runs"] if run["mode"] == mode}
-            per_seed.append(f"| {meta['title']} | `{mode}` | "
-                            + " | ".join(_seed_cell(by_seed.get(s)) for s in seeds) + " |")
+            per_seed.append(
+                f"| {meta['title']} | `{mode}` | "
+                + " | ".join(_seed_cell(by_seed.get(s)) for s in seeds)
+                + " |"
+            )
         plain = stats[best]
         v = dict(task=meta["title"], best=best, stats=stats, modes=modes)
         v["within"] = {mode: _within_one_std(meta, stats[mode], plain) for mode in modes[2:]}
@@ -754,25 +937,30 @@ def _compression_table_lines(by_task: Dict[str, List[dict]], tasks: List[str]) -
     return lines, per_seed, verdicts
 
 
-def _seeds(by_task: Dict[str, List[dict]], tasks: List[str]) -> List[int]:
+def _seeds(by_task: dict[str, list[dict]], tasks: list[str]) -> list[int]:
     """The seeds present for any of ``tasks``."""
     return sorted({r["seed"] for t in tasks for r in by_task[t]})
 
 
-def _compression_lines(by_task: Dict[str, List[dict]], tasks: List[str], results: Path) -> List[str]:
+def _compression_lines(
+    by_task: dict[str, list[dict]], tasks: list[str], results: Path
+) -> list[str]:
     """The compression study: table, per-seed values, targets, and one figure per task."""
     table, per_seed, verdicts = _compression_table_lines(by_task, tasks)
     one_layer = " (one layer, so k = 0 in every mode)"
-    best_text = ", ".join(f"`{by_task[t][0]['best_mode']}` for {by_task[t][0]['title']}"
-                          + (one_layer if by_task[t][0]["best_mode"] == "sync" else "") for t in tasks)
+    best_text = ", ".join(
+        f"`{by_task[t][0]['best_mode']}` for {by_task[t][0]['title']}"
+        + (one_layer if by_task[t][0]["best_mode"] == "sync" else "")
+        for t in tasks
+    )
     lines = [
         "## Compression on the wire (each task's best mode)",
         "",
         "Each task's best sapipe mode (`best_mode` in `benchmarks/convergence_tasks.py`, the best "
         "mean of the main study, or `sync` for a task with a single layer: "
-        f"{best_text}) runs uncompressed, with `compression=\"bf16\"`, "
-        "with `compression=\"int8\"` (error feedback on, the default) and with "
-        "`compression=\"int8\", error_feedback=False`, in the same launch, seeds, initial "
+        f'{best_text}) runs uncompressed, with `compression="bf16"`, '
+        'with `compression="int8"` (error feedback on, the default) and with '
+        '`compression="int8", error_feedback=False`, in the same launch, seeds, initial '
         "weights and batches as `sync`. Final test metric, mean ± sample std over seeds.",
         "",
         *table,
@@ -788,18 +976,29 @@ def _compression_lines(by_task: Dict[str, List[dict]], tasks: List[str], results
         "",
     ]
     for v in verdicts:
-        parts = [f"`{mode}` {'within' if v['within'][mode] else '**NOT within**'} one std"
-                 for mode in v["modes"][2:]]
-        parts[-1] += (f", {'**measurably worse**' if v['noef_worse'] else 'not measurably worse'} "
-                      f"than `{v['modes'][3]}`")
-        lines.append(f"* **{v['task']}** (uncompressed `{v['best']}` {_fmt(*v['stats'][v['best']])}): "
-                     + "; ".join(parts) + ".")
+        parts = [
+            f"`{mode}` {'within' if v['within'][mode] else '**NOT within**'} one std"
+            for mode in v["modes"][2:]
+        ]
+        parts[-1] += (
+            f", {'**measurably worse**' if v['noef_worse'] else 'not measurably worse'} "
+            f"than `{v['modes'][3]}`"
+        )
+        lines.append(
+            f"* **{v['task']}** (uncompressed `{v['best']}` {_fmt(*v['stats'][v['best']])}): "
+            + "; ".join(parts)
+            + "."
+        )
     met = all(all(v["within"][m] for m in v["modes"][2:4]) for v in verdicts)
     shown = [v["task"] for v in verdicts if v["noef_worse"]]
-    lines += ["", f"Overall: bf16 and int8 within one std of the uncompressed mode on every task: "
-              f"{'**met**' if met else '**not met**'}; int8 without error feedback measurably worse "
-              f"than with it on {len(shown)} of {len(verdicts)} tasks"
-              + (f" ({', '.join(shown)})." if shown else "."), ""]
+    lines += [
+        "",
+        f"Overall: bf16 and int8 within one std of the uncompressed mode on every task: "
+        f"{'**met**' if met else '**not met**'}; int8 without error feedback measurably worse "
+        f"than with it on {len(shown)} of {len(verdicts)} tasks"
+        + (f" ({', '.join(shown)})." if shown else "."),
+        "",
+    ]
     for task in tasks:
         png = results / f"convergence_compression_{task}.png"
         colors = _compression_colors(_compression_modes(by_task[task][0]["best_mode"]))
@@ -808,24 +1007,35 @@ def _compression_lines(by_task: Dict[str, List[dict]], tasks: List[str], results
     return lines
 
 
-def _sweep_lines(by_task: Dict[str, List[dict]], tasks: List[str], results: Path) -> List[str]:
+def _sweep_lines(by_task: dict[str, list[dict]], tasks: list[str], results: Path) -> list[str]:
     """The λ sweep's table and figure, for each task that ran one."""
-    lines: List[str] = []
-    for task in [t for t in tasks if any("@" in run["mode"] for r in by_task[t] for run in r["runs"])]:
+    lines: list[str] = []
+    for task in [
+        t for t in tasks if any("@" in run["mode"] for r in by_task[t] for run in r["runs"])
+    ]:
         recs = by_task[task]
         meta = recs[0]
-        lines += [f"## λ sensitivity ({meta['title']}; paper Fig. 5d)", "",
-                  f"Final {meta['metric']}, mean ± std over {len(recs)} seeds, k = "
-                  f"{_runs(recs, 'dc')[0]['k']} / {_runs(recs, 'dc')[0]['m']}. λ = 0 makes `dc` "
-                  "plain partial staleness without compensation (vanilla SAPipe); `wp3` at λ = 0 "
-                  "predicts with the others' stale part of the gradient plus its own fresh part.", ""]
+        lines += [
+            f"## λ sensitivity ({meta['title']}; paper Fig. 5d)",
+            "",
+            f"Final {meta['metric']}, mean ± std over {len(recs)} seeds, k = "
+            f"{_runs(recs, 'dc')[0]['k']} / {_runs(recs, 'dc')[0]['m']}. λ = 0 makes `dc` "
+            "plain partial staleness without compensation (vanilla SAPipe); `wp3` at λ = 0 "
+            "predicts with the others' stale part of the gradient plus its own fresh part.",
+            "",
+        ]
         pts = {c: _sweep_points(recs, c) for c in ("dc", "wp3")}
         lams = sorted(set(pts["dc"]) | set(pts["wp3"]))
-        lines += ["| λ | " + " | ".join(f"{x:g}" for x in lams) + " |",
-                  "| --- |" + " --- |" * len(lams)]
+        lines += [
+            "| λ | " + " | ".join(f"{x:g}" for x in lams) + " |",
+            "| --- |" + " --- |" * len(lams),
+        ]
         for c in ("dc", "wp3"):
-            lines.append(f"| `{c}` | " + " | ".join(
-                _fmt(*pts[c][x][:2]) if x in pts[c] else "–" for x in lams) + " |")
+            lines.append(
+                f"| `{c}` | "
+                + " | ".join(_fmt(*pts[c][x][:2]) if x in pts[c] else "–" for x in lams)
+                + " |"
+            )
         s, p = _metric_stats(recs, "sync"), _metric_stats(recs, "pipesgd")
         lines += ["", f"Reference: sync {_fmt(s[0], s[1])}, pipesgd {_fmt(p[0], p[1])}.", ""]
         png = results / f"convergence_lambda_{task}.png"
@@ -834,26 +1044,40 @@ def _sweep_lines(by_task: Dict[str, List[dict]], tasks: List[str], results: Path
     return lines
 
 
-def _timing_lines(by_task: Dict[str, List[dict]], tasks: List[str], manifest: dict, out: Path) -> List[str]:
+def _timing_lines(
+    by_task: dict[str, list[dict]], tasks: list[str], manifest: dict, out: Path
+) -> list[str]:
     """Launch and training times, machine load, launch failures, where the raw JSON is."""
-    lines = ["## Time and machine load", "",
-             "| task | seeds | launch time per seed (s) | per mode: train s (mean) | 1-min load avg during runs |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "## Time and machine load",
+        "",
+        "| task | seeds | launch time per seed (s) | per mode: train s (mean) | 1-min load avg during runs |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for task in tasks:
         recs = by_task[task]
         launch = [r.get("launch_s", float("nan")) for r in recs]
         train = [run["train_s"] for r in recs for run in r["runs"]]
         loads = [x for r in recs for run in r["runs"] for x in run["loadavg"]]
-        lines.append(f"| {recs[0]['title']} | {len(recs)} | {statistics.fmean(launch):.0f} | "
-                     f"{statistics.fmean(train):.1f} | {min(loads):.1f} – {max(loads):.1f} |")
+        lines.append(
+            f"| {recs[0]['title']} | {len(recs)} | {statistics.fmean(launch):.0f} | "
+            f"{statistics.fmean(train):.1f} | {min(loads):.1f} – {max(loads):.1f} |"
+        )
     if manifest.get("total_s"):
-        lines += ["", f"Whole run: {manifest['total_s'] / 60:.1f} min on {manifest.get('cpus')} CPU "
-                  f"cores, started {manifest.get('started')}; load average at start "
-                  f"{manifest['loadavg_start'][0]:.1f}, at end {manifest['loadavg_end'][0]:.1f} "
-                  "(other jobs shared the machine; wall-clock numbers are indicative only)."]
+        lines += [
+            "",
+            f"Whole run: {manifest['total_s'] / 60:.1f} min on {manifest.get('cpus')} CPU "
+            f"cores, started {manifest.get('started')}; load average at start "
+            f"{manifest['loadavg_start'][0]:.1f}, at end {manifest['loadavg_end'][0]:.1f} "
+            "(other jobs shared the machine; wall-clock numbers are indicative only).",
+        ]
     if manifest.get("failures"):
-        lines += ["", "Launch failures during this run (the driver retries a launch whose results "
-                  "are missing and keeps results written before a failure):", ""]
+        lines += [
+            "",
+            "Launch failures during this run (the driver retries a launch whose results "
+            "are missing and keeps results written before a failure):",
+            "",
+        ]
         lines += [f"* {f}" for f in manifest["failures"]]
     return lines + ["", f"Raw per-(task, seed) JSON: `{_rel(out)}/`.", ""]
 
@@ -871,7 +1095,9 @@ def report(out: Path, results: Path) -> None:
     lines = _intro_lines(by_task, manifest, k_arg)
     if main_tasks:
         table, verdicts = _main_table_lines(by_task, main_tasks)
-        lines += table + _tasks_lines(by_task, order) + _targets_lines(by_task, main_tasks, verdicts)
+        lines += (
+            table + _tasks_lines(by_task, order) + _targets_lines(by_task, main_tasks, verdicts)
+        )
         lines += _curves_lines(by_task, main_tasks, results)
     else:
         lines += _tasks_lines(by_task, order)
@@ -886,28 +1112,54 @@ def report(out: Path, results: Path) -> None:
 
 # ============================================================================ CLI
 
+
 def main() -> None:
     argv = sys.argv[1:]
     sub = argv[0] if argv and argv[0] in ("run", "worker", "report") else "run"
     if argv and argv[0] == sub:
         argv = argv[1:]
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--out", default=None, help=f"raw JSON directory (default {DEFAULT_OUT.relative_to(REPO)}, "
-                   f"--quick: {QUICK_OUT.relative_to(REPO)}; --study compression adds -compression)")
-    p.add_argument("--results", default=None,
-                   help="where convergence.md and the PNGs go (default benchmarks/results; --quick: the --out dir)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"raw JSON directory (default {DEFAULT_OUT.relative_to(REPO)}, "
+        f"--quick: {QUICK_OUT.relative_to(REPO)}; --study compression adds -compression)",
+    )
+    p.add_argument(
+        "--results",
+        default=None,
+        help="where convergence.md and the PNGs go (default benchmarks/results; --quick: the --out dir)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: 1 seed, few steps")
-    p.add_argument("--k", default="half", help="stale layers for the sapipe modes: half (m//2), an int, or auto")
+    p.add_argument(
+        "--k",
+        default="half",
+        help="stale layers for the sapipe modes: half (m//2), an int, or auto",
+    )
     p.add_argument("--tasks", default=None, help="comma-separated tasks (default: all)")
-    p.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3; --quick: 1)")
+    p.add_argument(
+        "--seeds", type=int, default=None, help="number of seeds (default 3; --quick: 1)"
+    )
     p.add_argument("--steps", type=int, default=None, help="override every task's step count")
-    p.add_argument("--study", default="all", choices=STUDIES,
-                   help="main (sync, pipesgd, none, dc, wp1-3, λ sweep), compression (sync and each "
-                   "task's best mode, uncompressed and compressed), or all (default)")
-    p.add_argument("--modes", default=None,
-                   help="comma-separated subset of the study's modes, by report name (e.g. sync,wp1+int8)")
-    p.add_argument("--lambdas", default=None, help="λ values of the sweep (default 0,0.1,0.2,0.5,1)")
+    p.add_argument(
+        "--study",
+        default="all",
+        choices=STUDIES,
+        help="main (sync, pipesgd, none, dc, wp1-3, λ sweep), compression (sync and each "
+        "task's best mode, uncompressed and compressed), or all (default)",
+    )
+    p.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated subset of the study's modes, by report name (e.g. sync,wp1+int8)",
+    )
+    p.add_argument(
+        "--lambdas", default=None, help="λ values of the sweep (default 0,0.1,0.2,0.5,1)"
+    )
     p.add_argument("--sweep-task", default="deepmlp", help="task that gets the λ sweep")
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--nproc", type=int, default=4)

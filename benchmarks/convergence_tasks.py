@@ -34,13 +34,14 @@ Tasks
 A task's "usual" hyper-parameters are the ones a synchronous run would use; they are not
 tuned per mode.
 """
+
 from __future__ import annotations
 
 import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Tuple
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -67,10 +68,10 @@ def count_layers(model: nn.Module) -> int:
 
 # --------------------------------------------------------------------------- data
 
-_DIGITS_CACHE: Dict[str, torch.Tensor] = {}
+_DIGITS_CACHE: dict[str, torch.Tensor] = {}
 
 
-def load_digits_split() -> Dict[str, torch.Tensor]:
+def load_digits_split() -> dict[str, torch.Tensor]:
     """scikit-learn digits, pixels scaled to [0, 1], fixed stratified 80/20 split."""
     if not _DIGITS_CACHE:
         from sklearn.datasets import load_digits
@@ -89,6 +90,7 @@ def load_digits_split() -> Dict[str, torch.Tensor]:
 
 
 # --------------------------------------------------------------------------- models
+
 
 class DigitsCNN(nn.Module):
     """conv(1->16) -> conv(16->32) -> pool -> fc(512->64) -> fc(64->10); m = 4 layers."""
@@ -116,7 +118,9 @@ class DeepMLP(nn.Module):
     def __init__(self, depth=8, width=128):
         super().__init__()
         dims = [64] + [width] * (depth - 1) + [10]
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True))
+        self.layers = nn.ModuleList(
+            nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True)
+        )
         for layer in self.layers:
             nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
             nn.init.zeros_(layer.bias)
@@ -132,35 +136,48 @@ class DeepMLP(nn.Module):
 
 # --------------------------------------------------------------------------- tasks
 
+
 @dataclass
 class Task:
     name: str
     title: str
-    metric: str                 # name of the test metric
+    metric: str  # name of the test metric
     higher_is_better: bool
-    steps: int                  # training steps per mode (default run)
-    quick_steps: int            # training steps per mode (--quick)
+    steps: int  # training steps per mode (default run)
+    quick_steps: int  # training steps per mode (--quick)
     eval_every: int
-    batch: int                  # per rank
+    batch: int  # per rank
     lr: float
-    optimizer: str              # human-readable description for the report
+    optimizer: str  # human-readable description for the report
     build_model: Callable[[], nn.Module]
     build_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
     load: Callable[[], None]
-    sample: Callable[[torch.Generator], Tuple[torch.Tensor, torch.Tensor]]
+    sample: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
     loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
-    evaluate: Callable[[nn.Module], Dict[str, float]]   # {"metric": ..., "loss": ...}
+    evaluate: Callable[[nn.Module], dict[str, float]]  # {"metric": ..., "loss": ...}
     # The task's best sapipe mode (by mean final metric in the 3-seed main run reported in
     # benchmarks/results/convergence.md): the compression study runs it compressed.
     best_mode: str
     notes: str = ""
     # The studies of benchmarks/convergence.py that run the task ("main", "compression").
-    studies: Tuple[str, ...] = ("main", "compression")
+    studies: tuple[str, ...] = ("main", "compression")
     extra: dict = field(default_factory=dict)
 
 
-def _classifier_task(name, title, build_model, *, lr, momentum, steps, quick_steps,
-                     eval_every, batch, best_mode, notes):
+def _classifier_task(
+    name,
+    title,
+    build_model,
+    *,
+    lr,
+    momentum,
+    steps,
+    quick_steps,
+    eval_every,
+    batch,
+    best_mode,
+    notes,
+):
     def sample(gen):
         d = load_digits_split()
         i = torch.randint(0, d["y_train"].numel(), (batch,), generator=gen)
@@ -179,19 +196,33 @@ def _classifier_task(name, title, build_model, *, lr, momentum, steps, quick_ste
         }
 
     return Task(
-        name=name, title=title, metric="test accuracy (%)", higher_is_better=True,
-        steps=steps, quick_steps=quick_steps, eval_every=eval_every, batch=batch, lr=lr,
+        name=name,
+        title=title,
+        metric="test accuracy (%)",
+        higher_is_better=True,
+        steps=steps,
+        quick_steps=quick_steps,
+        eval_every=eval_every,
+        batch=batch,
+        lr=lr,
         optimizer=f"SGD(lr={lr}, momentum={momentum}, fused=True)",
         build_model=build_model,
-        build_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum, fused=True),
-        load=load_digits_split, sample=sample, loss=loss, evaluate=evaluate, best_mode=best_mode,
+        build_optimizer=lambda m: torch.optim.SGD(
+            m.parameters(), lr=lr, momentum=momentum, fused=True
+        ),
+        load=load_digits_split,
+        sample=sample,
+        loss=loss,
+        evaluate=evaluate,
+        best_mode=best_mode,
         notes=notes,
     )
 
 
-def _lm_task(*, lr=3e-3, steps=300, quick_steps=20, eval_every=25, batch=16, context=64,
-             eval_windows=128):
-    text: Dict[str, torch.Tensor] = {}
+def _lm_task(
+    *, lr=3e-3, steps=300, quick_steps=20, eval_every=25, batch=16, context=64, eval_windows=128
+):
+    text: dict[str, torch.Tensor] = {}
 
     def load():
         if not text:
@@ -200,16 +231,18 @@ def _lm_task(*, lr=3e-3, steps=300, quick_steps=20, eval_every=25, batch=16, con
             starts = torch.linspace(0, test.numel() - context - 2, eval_windows).long()
             text.update(
                 train=train,
-                x_test=torch.stack([test[s:s + context] for s in starts.tolist()]),
-                y_test=torch.stack([test[s + 1:s + context + 1] for s in starts.tolist()]),
+                x_test=torch.stack([test[s : s + context] for s in starts.tolist()]),
+                y_test=torch.stack([test[s + 1 : s + context + 1] for s in starts.tolist()]),
             )
 
     def sample(gen):
         load()
         data = text["train"]
         starts = torch.randint(0, data.numel() - context - 1, (batch,), generator=gen).tolist()
-        return (torch.stack([data[s:s + context] for s in starts]),
-                torch.stack([data[s + 1:s + context + 1] for s in starts]))
+        return (
+            torch.stack([data[s : s + context] for s in starts]),
+            torch.stack([data[s + 1 : s + context + 1] for s in starts]),
+        )
 
     def loss(model, x, y):
         return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
@@ -221,14 +254,27 @@ def _lm_task(*, lr=3e-3, steps=300, quick_steps=20, eval_every=25, batch=16, con
         return {"metric": math.exp(ce) if ce < 50 else float("inf"), "loss": ce}
 
     return Task(
-        name="lm", title="Transformer LM (stdlib source, bytes)", metric="test perplexity",
-        higher_is_better=False, steps=steps, quick_steps=quick_steps, eval_every=eval_every,
-        batch=batch, lr=lr, optimizer=f"Adam(lr={lr}, fused=True)",
+        name="lm",
+        title="Transformer LM (stdlib source, bytes)",
+        metric="test perplexity",
+        higher_is_better=False,
+        steps=steps,
+        quick_steps=quick_steps,
+        eval_every=eval_every,
+        batch=batch,
+        lr=lr,
+        optimizer=f"Adam(lr={lr}, fused=True)",
         build_model=lambda: CharLM(context=context),
         build_optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=lr, fused=True),
-        load=load, sample=sample, loss=loss, evaluate=evaluate, best_mode="wp1",
-        notes=(f"byte-level, context {context}, 2 blocks, width 64; held-out set = "
-               f"{eval_windows} fixed windows of the last 10 % of the text"),
+        load=load,
+        sample=sample,
+        loss=loss,
+        evaluate=evaluate,
+        best_mode="wp1",
+        notes=(
+            f"byte-level, context {context}, 2 blocks, width 64; held-out set = "
+            f"{eval_windows} fixed windows of the last 10 % of the text"
+        ),
     )
 
 
@@ -256,8 +302,10 @@ def r_squared(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return 1.0 - ((pred - y) ** 2).mean(0) / y.var(0, unbiased=False)
 
 
-def _units_task(*, features=32, targets=16, lr=0.5, steps=300, quick_steps=20, eval_every=25, batch=32):
-    data: Dict[str, torch.Tensor] = {}
+def _units_task(
+    *, features=32, targets=16, lr=0.5, steps=300, quick_steps=20, eval_every=25, batch=32
+):
+    data: dict[str, torch.Tensor] = {}
 
     def load():
         if not data:
@@ -277,39 +325,73 @@ def _units_task(*, features=32, targets=16, lr=0.5, steps=300, quick_steps=20, e
         load()
         pred = model(data["x_test"])
         r2 = 100.0 * r_squared(pred, data["y_test"])
-        by_unit = {f"r2_x{u:g}": r2[i::len(UNITS)].mean().item() for i, u in enumerate(UNITS)}
-        return {"metric": r2.mean().item(), "loss": F.mse_loss(pred, data["y_test"]).item(), **by_unit}
+        by_unit = {f"r2_x{u:g}": r2[i :: len(UNITS)].mean().item() for i, u in enumerate(UNITS)}
+        return {
+            "metric": r2.mean().item(),
+            "loss": F.mse_loss(pred, data["y_test"]).item(),
+            **by_unit,
+        }
 
     units = ", ".join(f"x{u:g}" for u in UNITS)
     return Task(
-        name="units", title="Linear regression, targets in 4 units", metric="test R² (%)",
-        higher_is_better=True, steps=steps, quick_steps=quick_steps, eval_every=eval_every,
-        batch=batch, lr=lr, optimizer=f"SGD(lr={lr}, fused=True)",
+        name="units",
+        title="Linear regression, targets in 4 units",
+        metric="test R² (%)",
+        higher_is_better=True,
+        steps=steps,
+        quick_steps=quick_steps,
+        eval_every=eval_every,
+        batch=batch,
+        lr=lr,
+        optimizer=f"SGD(lr={lr}, fused=True)",
         build_model=lambda: nn.Linear(features, targets),
         build_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=lr, fused=True),
-        load=load, sample=sample, loss=loss, evaluate=evaluate, best_mode="sync",
+        load=load,
+        sample=sample,
+        loss=loss,
+        evaluate=evaluate,
+        best_mode="sync",
         studies=("compression",),
-        notes=(f"Linear({features}, {targets}), synthetic (seed 0): {features} N(0, 1) features, "
-               f"{targets} noisy linear targets in units {units} in turn, MSE on the raw targets, "
-               "4096/1024 split; metric = the targets' mean R². Shows what error feedback is for: "
-               "the x1 targets' gradients are ~1/10 of the x10 ones' in the same int8 blocks"),
+        notes=(
+            f"Linear({features}, {targets}), synthetic (seed 0): {features} N(0, 1) features, "
+            f"{targets} noisy linear targets in units {units} in turn, MSE on the raw targets, "
+            "4096/1024 split; metric = the targets' mean R². Shows what error feedback is for: "
+            "the x1 targets' gradients are ~1/10 of the x10 ones' in the same int8 blocks"
+        ),
     )
 
 
-def get_tasks() -> Dict[str, Task]:
+def get_tasks() -> dict[str, Task]:
     tasks = [
         _classifier_task(
-            "digits", "CNN on digits", DigitsCNN, lr=0.05, momentum=0.9,
-            steps=300, quick_steps=20, eval_every=25, batch=32, best_mode="wp2",
+            "digits",
+            "CNN on digits",
+            DigitsCNN,
+            lr=0.05,
+            momentum=0.9,
+            steps=300,
+            quick_steps=20,
+            eval_every=25,
+            batch=32,
+            best_mode="wp2",
             notes="2 conv + 2 fc, 1437/360 split",
         ),
         _lm_task(),
         _classifier_task(
-            "deepmlp", "8-layer MLP on digits, high LR", lambda: DeepMLP(depth=8, width=128),
-            lr=0.05, momentum=0.9, steps=300, quick_steps=20, eval_every=25, batch=32,
+            "deepmlp",
+            "8-layer MLP on digits, high LR",
+            lambda: DeepMLP(depth=8, width=128),
+            lr=0.05,
+            momentum=0.9,
+            steps=300,
+            quick_steps=20,
+            eval_every=25,
+            batch=32,
             best_mode="wp1",
-            notes=("8 Linear layers of width 128, ReLU, He init, same split as digits; "
-                   "LR 0.05 = the largest of {0.02, 0.05, 0.1} at which sync trains stably"),
+            notes=(
+                "8 Linear layers of width 128, ReLU, He init, same split as digits; "
+                "LR 0.05 = the largest of {0.02, 0.05, 0.1} at which sync trains stably"
+            ),
         ),
         _units_task(),
     ]

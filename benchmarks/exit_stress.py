@@ -24,6 +24,7 @@ for a rank that dumped core, every thread's backtrace (``gdb``), so that an abor
 thread, object and destructor. Prints a table by set-up and ending; ``--json`` writes every
 job's record. ``tests/test_exit.py`` runs samples of it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # ---------------------------------------------------------------------------- in a rank
 
 
-def thread_names() -> List[str]:
+def thread_names() -> list[str]:
     """This process's threads, by their kernel names (Gloo's workers are ``pt_gloo_runloop``)."""
     names = []
     for tid in os.listdir("/proc/self/task"):
@@ -87,7 +88,10 @@ def report_threads_at_exit() -> None:
         names = thread_names()
         print(f"gloo workers at exit {names.count('pt_gloo_runloop')}", flush=True)
         print("threads at exit " + json.dumps(names), flush=True)
-        print("python threads at exit " + json.dumps([t.name for t in threading.enumerate()]), flush=True)
+        print(
+            "python threads at exit " + json.dumps([t.name for t in threading.enumerate()]),
+            flush=True,
+        )
 
     atexit.register(at_exit)  # registered before sapipe's handler, so it runs after it
 
@@ -117,11 +121,15 @@ class Job:
     ending: str
     peer: str  # ok | dies | hangs | raises: what the last rank does before its last iteration
     starve: bool = False  # starve_other_threads() before the ending
-    guard: bool = True  # False: sapipe's settling of Gloo's workers at exit is unregistered (a control)
+    guard: bool = (
+        True  # False: sapipe's settling of Gloo's workers at exit is unregistered (a control)
+    )
 
 
 def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)
+    )
 
 
 def keep(**objects) -> None:
@@ -129,7 +137,9 @@ def keep(**objects) -> None:
     globals().update(objects)
 
 
-def train_loop(job: Job, model: nn.Module, opt, steps: int, batch: Callable[[], tuple], loss_fn) -> None:
+def train_loop(
+    job: Job, model: nn.Module, opt, steps: int, batch: Callable[[], tuple], loss_fn
+) -> None:
     """``steps`` iterations; the peer fault, if any, before the last; one rank (alternating)
     lags a random 0-200 ms before the last, as a rank 0 that logs or saves does, so that the
     other reaches its exit with the last all-reduces still running."""
@@ -156,17 +166,25 @@ def _mlp_job(job: Job, **options) -> None:
     torch.manual_seed(0)
     model = mlp()
     opt = sapipe.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), model, stale_layers=2,
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        model,
+        stale_layers=2,
         timeout=timedelta(seconds=2) if job.peer != "ok" else None,
         # Exposed, the end of the last backward waits for the sync all-reduces (and raises
         # CommunicationError when the peer is gone); deferred, the rank finishes training
         # with them in flight, the exit path under test.
-        expose_gradients=job.peer == "ok", **options)
+        expose_gradients=job.peer == "ok",
+        **options,
+    )
     keep(model=model, opt=opt)
-    train_loop(job, model, opt, STEPS, lambda: (torch.randn(8, 32), None), lambda out, _: out.pow(2).mean())
+    train_loop(
+        job, model, opt, STEPS, lambda: (torch.randn(8, 32), None), lambda out, _: out.pow(2).mean()
+    )
 
 
-def _auto_job(job: Job, steps_after_warmup: Optional[int], compensation: str = "none", **options) -> None:
+def _auto_job(
+    job: Job, steps_after_warmup: int | None, compensation: str = "none", **options
+) -> None:
     """``stale_layers="auto"`` on a GPT (benchmarks/bench_models.py, tiny: 15 layers): until k is
     final (``steps_after_warmup`` None) or that many iterations past the warm-up, when the
     measured search is still running its trials."""
@@ -174,9 +192,16 @@ def _auto_job(job: Job, steps_after_warmup: Optional[int], compensation: str = "
 
     spec = bench_models.build("gpt2", "tiny")
     model = spec.make_model()
-    opt = sapipe.DistributedOptimizer(spec.make_optimizer(model.parameters()), model, stale_layers="auto",
-                                      compensation=compensation, profile_steps=2, tune_steps=2, auto_budget=40,
-                                      **options)
+    opt = sapipe.DistributedOptimizer(
+        spec.make_optimizer(model.parameters()),
+        model,
+        stale_layers="auto",
+        compensation=compensation,
+        profile_steps=2,
+        tune_steps=2,
+        auto_budget=40,
+        **options,
+    )
     keep(model=model, opt=opt)
     gen = torch.Generator().manual_seed(job.rank)
     batches = [spec.make_batch(spec.batch_size, torch.device("cpu"), gen) for _ in range(2)]
@@ -199,9 +224,13 @@ def _control_job(job: Job) -> None:
     possibly still held by the group's worker when the rank reaches its exit."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.Tanh(), nn.Linear(64, 4))
-    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, stale_layers=1)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), model, stale_layers=1
+    )
     keep(model=model, opt=opt)
-    train_loop(job, model, opt, STEPS, lambda: (torch.randn(8, 32), None), lambda out, _: out.pow(2).mean())
+    train_loop(
+        job, model, opt, STEPS, lambda: (torch.randn(8, 32), None), lambda out, _: out.pow(2).mean()
+    )
     starve_other_threads(job.rank)
     with torch.no_grad():
         model(torch.randn(8, 32))
@@ -214,8 +243,17 @@ def _demo_job(job: Job) -> None:
     def run_mode():
         torch.manual_seed(0)
         model = mlp()
-        opt = sapipe.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model, stale_layers=2)
-        train_loop(job, model, opt, STEPS, lambda: (torch.randn(8, 32), None), lambda out, _: out.pow(2).mean())
+        opt = sapipe.DistributedOptimizer(
+            torch.optim.Adam(model.parameters(), lr=0.01), model, stale_layers=2
+        )
+        train_loop(
+            job,
+            model,
+            opt,
+            STEPS,
+            lambda: (torch.randn(8, 32), None),
+            lambda out, _: out.pow(2).mean(),
+        )
         opt.synchronize()
         starve_other_threads(job.rank)
         elapsed = torch.tensor(1.0)
@@ -263,38 +301,67 @@ class Setup:
     doc: str
     world: int = 2
     keeps_optimizer: bool = True  # the optimizer is a global the ending can close
-    env: Optional[Callable[[int], Dict[str, str]]] = None  # per rank: environment a launcher would set
+    env: Callable[[int], dict[str, str]] | None = None  # per rank: environment a launcher would set
 
 
-def _two_nodes(rank: int) -> Dict[str, str]:
+def _two_nodes(rank: int) -> dict[str, str]:
     """torchrun's node numbering for 2 nodes of 2 ranks: sapipe then sums node first."""
     return {"GROUP_RANK": str(rank // 2), "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": str(rank % 2)}
 
 
-SETUPS: Dict[str, Setup] = {
+SETUPS: dict[str, Setup] = {
     "plain": Setup(_mlp_job, "the default torch back-end: Gloo's workers finish the all-reduces"),
-    "trace": Setup(lambda job: _mlp_job(job, trace=True),
-                   "trace=True: a Python callback on each all-reduce's future, run and freed by Gloo's worker"),
-    "pushpull": Setup(lambda job: _mlp_job(job, backend="pushpull"),
-                      "push-pull: sapipe's Python worker thread inside a collective"),
-    "int8": Setup(lambda job: _mlp_job(job, compression="int8"),
-                  "compressed sums (int8, error feedback): sapipe's worker thread encodes and sums"),
-    "pushpull-bf16": Setup(lambda job: _mlp_job(job, backend="pushpull", compression="bf16"),
-                           "push-pull with bf16 partitions"),
-    "hierarchical": Setup(lambda job: _mlp_job(job, compression="int8"), world=4, env=_two_nodes,
-                          doc="4 ranks as 2 nodes of 2: node-first sums (int8 across nodes), subset groups"),
-    "auto": Setup(lambda job: _auto_job(job, None, "wp3"),
-                  'stale_layers="auto", wp3, on a GPT: ends once k is final (profiling callbacks, trials, relayouts done)'),
-    "auto-searching": Setup(lambda job: _auto_job(job, 3, "wp1"),
-                            'stale_layers="auto", wp1: ends 3 iterations into the measured search (a trial running)'),
-    "auto-int8": Setup(lambda job: _auto_job(job, None, "none", compression="int8"),
-                       'stale_layers="auto" with int8: the codec timed, trials on compressed sums'),
-    "control": Setup(_control_job, "BatchNorm: the last collective is the buffer broadcast on sapipe's control group"),
-    "baselines": Setup(_baselines_job, "DDP and a ceiling on the script's own second group first, kept in globals"),
-    "torch-only": Setup(_torch_only_job, "no optimizer: the script's group kept in a global, its own all-reduces",
-                        keeps_optimizer=False),
-    "demo": Setup(_demo_job, "examples/demo.py: optimizer local to a function, the script's own all-reduces last",
-                  keeps_optimizer=False),
+    "trace": Setup(
+        lambda job: _mlp_job(job, trace=True),
+        "trace=True: a Python callback on each all-reduce's future, run and freed by Gloo's worker",
+    ),
+    "pushpull": Setup(
+        lambda job: _mlp_job(job, backend="pushpull"),
+        "push-pull: sapipe's Python worker thread inside a collective",
+    ),
+    "int8": Setup(
+        lambda job: _mlp_job(job, compression="int8"),
+        "compressed sums (int8, error feedback): sapipe's worker thread encodes and sums",
+    ),
+    "pushpull-bf16": Setup(
+        lambda job: _mlp_job(job, backend="pushpull", compression="bf16"),
+        "push-pull with bf16 partitions",
+    ),
+    "hierarchical": Setup(
+        lambda job: _mlp_job(job, compression="int8"),
+        world=4,
+        env=_two_nodes,
+        doc="4 ranks as 2 nodes of 2: node-first sums (int8 across nodes), subset groups",
+    ),
+    "auto": Setup(
+        lambda job: _auto_job(job, None, "wp3"),
+        'stale_layers="auto", wp3, on a GPT: ends once k is final (profiling callbacks, trials, relayouts done)',
+    ),
+    "auto-searching": Setup(
+        lambda job: _auto_job(job, 3, "wp1"),
+        'stale_layers="auto", wp1: ends 3 iterations into the measured search (a trial running)',
+    ),
+    "auto-int8": Setup(
+        lambda job: _auto_job(job, None, "none", compression="int8"),
+        'stale_layers="auto" with int8: the codec timed, trials on compressed sums',
+    ),
+    "control": Setup(
+        _control_job,
+        "BatchNorm: the last collective is the buffer broadcast on sapipe's control group",
+    ),
+    "baselines": Setup(
+        _baselines_job, "DDP and a ceiling on the script's own second group first, kept in globals"
+    ),
+    "torch-only": Setup(
+        _torch_only_job,
+        "no optimizer: the script's group kept in a global, its own all-reduces",
+        keeps_optimizer=False,
+    ),
+    "demo": Setup(
+        _demo_job,
+        "examples/demo.py: optimizer local to a function, the script's own all-reduces last",
+        keeps_optimizer=False,
+    ),
 }
 DEFAULT_SETUPS = ("plain", "trace", "pushpull", "int8", "auto", "auto-searching", "control", "demo")
 
@@ -313,18 +380,29 @@ def _own_collective() -> None:
     del value
 
 
-ENDINGS: Dict[str, Callable[[], None]] = {
+ENDINGS: dict[str, Callable[[], None]] = {
     "neither": lambda: None,  # the script just ends
     "destroy": dist.destroy_process_group,  # the DDP habit (nanoGPT), no close()
-    "destroy-close": lambda: (dist.destroy_process_group(), globals()["opt"].close(), globals()["opt"].close()),
+    "destroy-close": lambda: (
+        dist.destroy_process_group(),
+        globals()["opt"].close(),
+        globals()["opt"].close(),
+    ),
     "close": _close,  # close(), the process group left to torch
     "close-destroy": lambda: (_close(), dist.destroy_process_group()),
     "close-collective-destroy": lambda: (_close(), _own_collective(), dist.destroy_process_group()),
     "collective-destroy": lambda: (_own_collective(), dist.destroy_process_group()),  # no close()
 }
 NEEDS_OPTIMIZER = ("destroy-close", "close", "close-destroy", "close-collective-destroy")
-DEFAULT_ENDINGS = ("neither", "destroy", "close-destroy", "close-collective-destroy", "collective-destroy",
-                   "destroy-close", "close")
+DEFAULT_ENDINGS = (
+    "neither",
+    "destroy",
+    "close-destroy",
+    "close-collective-destroy",
+    "collective-destroy",
+    "destroy-close",
+    "close",
+)
 
 
 def rank_main(job: Job, store) -> None:
@@ -356,7 +434,9 @@ def start_rank(job: Job, port_pipe, jobdir: str) -> int:
         os.mkdir(coredir)
         os.chdir(coredir)  # a core dump lands here (core_pattern "core")
         resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-        log = os.open(os.path.join(jobdir, f"rank{job.rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        log = os.open(
+            os.path.join(jobdir, f"rank{job.rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        )
         os.dup2(log, 1)
         os.dup2(log, 2)
         setup = SETUPS[job.setup]
@@ -370,7 +450,9 @@ def start_rank(job: Job, port_pipe, jobdir: str) -> int:
             for _ in range(job.world - 1):
                 os.write(write_end, store.port.to_bytes(4, "little"))
         else:
-            store = dist.TCPStore("127.0.0.1", int.from_bytes(os.read(read_end, 4), "little"), job.world, False)
+            store = dist.TCPStore(
+                "127.0.0.1", int.from_bytes(os.read(read_end, 4), "little"), job.world, False
+            )
     except BaseException:  # noqa: BLE001 - never back into the parent's loop
         import traceback
 
@@ -384,17 +466,21 @@ def backtraces(core: str) -> str:
     if shutil.which("gdb") is None:
         return "(gdb not installed: no backtrace)"
     try:
-        out = subprocess.run(["gdb", "-batch", "-nx", "-ex", "thread apply all bt 40", sys.executable, core],
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            ["gdb", "-batch", "-nx", "-ex", "thread apply all bt 40", sys.executable, core],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     except subprocess.TimeoutExpired:
         return "(gdb timed out)"
     lines = [line for line in out.stdout.splitlines() if line.startswith(("Thread ", "#", "["))]
     return "\n".join(lines)[-30000:]
 
 
-def parse_rank(text: str) -> Dict[str, object]:
+def parse_rank(text: str) -> dict[str, object]:
     lines = text.splitlines()
-    out: Dict[str, object] = {"trained": None}
+    out: dict[str, object] = {"trained": None}
     for line in lines:
         if line.startswith("trained "):
             out["trained"] = float(line.split()[1])
@@ -403,13 +489,13 @@ def parse_rank(text: str) -> Dict[str, object]:
         elif line.startswith("gloo workers at exit "):
             out["gloo_workers_at_exit"] = int(line.split()[-1])
         elif line.startswith("threads at exit "):
-            out["threads_at_exit"] = json.loads(line[len("threads at exit "):])
+            out["threads_at_exit"] = json.loads(line[len("threads at exit ") :])
         elif line.startswith("python threads at exit "):
-            out["python_threads_at_exit"] = json.loads(line[len("python threads at exit "):])
+            out["python_threads_at_exit"] = json.loads(line[len("python threads at exit ") :])
     return out
 
 
-def crashed(rank: Dict[str, object]) -> bool:
+def crashed(rank: dict[str, object]) -> bool:
     """A rank that did not exit 0, or whose output shows C++'s terminate."""
     return rank["exit"] != 0 or "terminate called" in str(rank["output"])
 
@@ -418,7 +504,9 @@ class Load:
     """``n`` busy processes competing for the cores while the jobs run (a shared node)."""
 
     def __init__(self, n: int):
-        self._procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+        self._procs = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)
+        ]
 
     def stop(self) -> None:
         for proc in self._procs:
@@ -426,10 +514,15 @@ class Load:
             proc.wait()
 
 
-def plan(runs: int, setups: List[str], endings: List[str]) -> List[tuple]:
+def plan(runs: int, setups: list[str], endings: list[str]) -> list[tuple]:
     """(setup, ending) of each run: every ending in turn, each full turn on the next set-up.
     Endings that close the optimizer are skipped for set-ups that keep none."""
-    pairs = [(s, e) for s in setups for e in endings if SETUPS[s].keeps_optimizer or e not in NEEDS_OPTIMIZER]
+    pairs = [
+        (s, e)
+        for s in setups
+        for e in endings
+        if SETUPS[s].keeps_optimizer or e not in NEEDS_OPTIMIZER
+    ]
     if not pairs:
         raise SystemExit("exit_stress: no set-up and ending combine")
     by_ending = collections.defaultdict(list)
@@ -443,13 +536,15 @@ def plan(runs: int, setups: List[str], endings: List[str]) -> List[tuple]:
     return [order[i % len(order)] for i in range(runs)]
 
 
-def run_jobs(args) -> List[dict]:
+def run_jobs(args) -> list[dict]:
     jobs = plan(args.runs, args.setups.split(","), args.endings.split(","))
-    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # imports torch's lazy optimizer modules once
+    torch.optim.SGD(
+        [nn.Parameter(torch.zeros(1))], lr=0.1
+    )  # imports torch's lazy optimizer modules once
     gc.freeze()  # the children's exit does not copy the parent's heap
     root = tempfile.mkdtemp(prefix="sapipe-exit-")
-    running: Dict[int, tuple] = {}  # pid -> (run, rank, started)
-    status: Dict[tuple, tuple] = {}  # (run, rank) -> (exit code, monotonic time of exit)
+    running: dict[int, tuple] = {}  # pid -> (run, rank, started)
+    status: dict[tuple, tuple] = {}  # (run, rank) -> (exit code, monotonic time of exit)
     next_run = 0
     parent = os.getpid()
     load = Load(args.load)
@@ -462,7 +557,9 @@ def run_jobs(args) -> List[dict]:
                 os.mkdir(jobdir)
                 port_pipe = os.pipe()
                 for rank in range(world):
-                    job = Job(rank, world, next_run, setup, ending, args.peer, args.starve, args.guard)
+                    job = Job(
+                        rank, world, next_run, setup, ending, args.peer, args.starve, args.guard
+                    )
                     running[start_rank(job, port_pipe, jobdir)] = (next_run, rank, time.monotonic())
                 for fd in port_pipe:
                     os.close(fd)
@@ -473,10 +570,15 @@ def run_jobs(args) -> List[dict]:
                 now = time.monotonic()
                 for other, (run, rank, started) in list(running.items()):
                     world = SETUPS[jobs[run][0]].world
-                    hung_peer = args.peer == "hangs" and rank == world - 1 and all(
-                        (run, r) in status for r in range(world - 1))
+                    hung_peer = (
+                        args.peer == "hangs"
+                        and rank == world - 1
+                        and all((run, r) in status for r in range(world - 1))
+                    )
                     if now - started > args.job_timeout or hung_peer:
-                        os.kill(other, signal.SIGKILL)  # a hang (or the hung peer, once the others are out)
+                        os.kill(
+                            other, signal.SIGKILL
+                        )  # a hang (or the hung peer, once the others are out)
                 continue
             run, rank, _ = running.pop(pid)
             status[(run, rank)] = (os.waitstatus_to_exitcode(wait_status), time.monotonic())
@@ -493,12 +595,29 @@ def run_jobs(args) -> List[dict]:
             code, exited = status[(run, rank)]
             info = parse_rank(text)
             trained = info.pop("trained")
-            ranks.append(dict(exit=code, exit_seconds=exited - trained if trained else None,
-                              output=text[-3000:], **info))
-        cores = sorted(os.path.join(f"rank{rank}", f) for rank in range(SETUPS[setup].world)
-                       for f in os.listdir(os.path.join(jobdir, f"rank{rank}")) if f.startswith("core"))
-        record = {"run": run, "setup": setup, "ending": ending, "load": args.load, "starve": args.starve,
-                  "guard": args.guard, "ranks": ranks}
+            ranks.append(
+                dict(
+                    exit=code,
+                    exit_seconds=exited - trained if trained else None,
+                    output=text[-3000:],
+                    **info,
+                )
+            )
+        cores = sorted(
+            os.path.join(f"rank{rank}", f)
+            for rank in range(SETUPS[setup].world)
+            for f in os.listdir(os.path.join(jobdir, f"rank{rank}"))
+            if f.startswith("core")
+        )
+        record = {
+            "run": run,
+            "setup": setup,
+            "ending": ending,
+            "load": args.load,
+            "starve": args.starve,
+            "guard": args.guard,
+            "ranks": ranks,
+        }
         if cores and args.backtraces:
             record["backtraces"] = {core: backtraces(os.path.join(jobdir, core)) for core in cores}
         if cores and args.keep_cores:
@@ -510,7 +629,7 @@ def run_jobs(args) -> List[dict]:
     return results
 
 
-def summary(results: List[dict]) -> str:
+def summary(results: list[dict]) -> str:
     """A table: per set-up and ending, the jobs and how many did not exit cleanly."""
     table = collections.defaultdict(lambda: [0, 0])
     for record in results:
@@ -525,29 +644,63 @@ def summary(results: List[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="set-ups:\n" + "\n".join(f"  {k}: {v.doc}" for k, v in SETUPS.items()))
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="set-ups:\n" + "\n".join(f"  {k}: {v.doc}" for k, v in SETUPS.items()),
+    )
     parser.add_argument("--runs", type=int, default=100, help="jobs in all (default 100)")
     parser.add_argument("--parallel", type=int, default=2, help="jobs at a time (default 2)")
-    parser.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help="rotated over, from " + ",".join(SETUPS))
-    parser.add_argument("--endings", default=",".join(DEFAULT_ENDINGS), help="rotated over, from " + ",".join(ENDINGS))
-    parser.add_argument("--peer", default="ok", choices=("ok", "dies", "hangs", "raises"),
-                        help="what the last rank does before its last iteration (default: nothing)")
-    parser.add_argument("--starve", action="store_true",
-                        help="before its ending, each rank pins itself to one core and puts its other threads in "
-                             "SCHED_IDLE: they run only when the main thread sleeps (the worst a loaded host can do)")
-    parser.add_argument("--no-exit-guard", dest="guard", action="store_false",
-                        help="a control: unregister sapipe's settling of Gloo's workers at exit")
-    parser.add_argument("--load", type=int, default=0, help="busy processes competing for the cores (default 0)")
-    parser.add_argument("--emulate-net", metavar="RATE[,LATENCY]",
-                        help="run inside a network namespace whose loopback is limited to RATE (sapipe-launch's)")
-    parser.add_argument("--job-timeout", type=float, default=120.0, help="a job still running then is killed")
-    parser.add_argument("--no-backtraces", dest="backtraces", action="store_false",
-                        help="do not run gdb on the cores of aborted ranks")
-    parser.add_argument("--keep-cores", metavar="DIR", help="copy the folders of jobs that dumped core here")
-    parser.add_argument("--json", metavar="PATH", help="write every job's record here ('-': stdout, no table)")
+    parser.add_argument(
+        "--setups", default=",".join(DEFAULT_SETUPS), help="rotated over, from " + ",".join(SETUPS)
+    )
+    parser.add_argument(
+        "--endings",
+        default=",".join(DEFAULT_ENDINGS),
+        help="rotated over, from " + ",".join(ENDINGS),
+    )
+    parser.add_argument(
+        "--peer",
+        default="ok",
+        choices=("ok", "dies", "hangs", "raises"),
+        help="what the last rank does before its last iteration (default: nothing)",
+    )
+    parser.add_argument(
+        "--starve",
+        action="store_true",
+        help="before its ending, each rank pins itself to one core and puts its other threads in "
+        "SCHED_IDLE: they run only when the main thread sleeps (the worst a loaded host can do)",
+    )
+    parser.add_argument(
+        "--no-exit-guard",
+        dest="guard",
+        action="store_false",
+        help="a control: unregister sapipe's settling of Gloo's workers at exit",
+    )
+    parser.add_argument(
+        "--load", type=int, default=0, help="busy processes competing for the cores (default 0)"
+    )
+    parser.add_argument(
+        "--emulate-net",
+        metavar="RATE[,LATENCY]",
+        help="run inside a network namespace whose loopback is limited to RATE (sapipe-launch's)",
+    )
+    parser.add_argument(
+        "--job-timeout", type=float, default=120.0, help="a job still running then is killed"
+    )
+    parser.add_argument(
+        "--no-backtraces",
+        dest="backtraces",
+        action="store_false",
+        help="do not run gdb on the cores of aborted ranks",
+    )
+    parser.add_argument(
+        "--keep-cores", metavar="DIR", help="copy the folders of jobs that dumped core here"
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", help="write every job's record here ('-': stdout, no table)"
+    )
     args = parser.parse_args(argv)
     if args.emulate_net and not os.environ.get("SAPIPE_EXIT_STRESS_IN_NETNS"):
         from sapipe.launch import netns
@@ -556,7 +709,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         ok, why = netns.check(spec)
         if not ok:
             raise SystemExit(f"exit_stress: cannot emulate {args.emulate_net}: {why}")
-        argv_in = [sys.executable, os.path.abspath(__file__)] + (argv if argv is not None else sys.argv[1:])
+        argv_in = [sys.executable, os.path.abspath(__file__)] + (
+            argv if argv is not None else sys.argv[1:]
+        )
         env = dict(os.environ, SAPIPE_EXIT_STRESS_IN_NETNS="1")
         return subprocess.run(netns.wrap(argv_in, spec), env=env).returncode
     start = time.monotonic()
@@ -568,14 +723,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     print(summary(results))
-    print(f"{len(results)} jobs, load {args.load}, peer {args.peer}{', starved' if args.starve else ''}"
-          f"{', without the exit guard' if not args.guard else ''}"
-          f"{', link ' + args.emulate_net if args.emulate_net else ''}, {time.monotonic() - start:.0f} s")
+    print(
+        f"{len(results)} jobs, load {args.load}, peer {args.peer}{', starved' if args.starve else ''}"
+        f"{', without the exit guard' if not args.guard else ''}"
+        f"{', link ' + args.emulate_net if args.emulate_net else ''}, {time.monotonic() - start:.0f} s"
+    )
     for record in [r for r in results if any(crashed(rank) for rank in r["ranks"])][:3]:
         for r, rank in enumerate(record["ranks"]):
             if crashed(rank):
-                print(f"\njob {record['run']} ({record['setup']}, {record['ending']}) rank {r}: exit {rank['exit']}\n"
-                      f"{str(rank['output'])[-1500:]}")
+                print(
+                    f"\njob {record['run']} ({record['setup']}, {record['ending']}) rank {r}: exit {rank['exit']}\n"
+                    f"{str(rank['output'])[-1500:]}"
+                )
         for core, text in record.get("backtraces", {}).items():
             print(f"\n{core}:\n{text[-6000:]}")
     return 0

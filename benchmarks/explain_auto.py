@@ -16,6 +16,7 @@ and sets the same split of the scheduler's simulated iteration beside it. A gap 
 
     python benchmarks/explain_auto.py --model vgg16 --size small --rate 25gbit
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,12 +31,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import hostenv  # noqa: E402
+
 from sapipe.launch import netns  # noqa: E402
 
 
 def _split(events, first_iteration: int):
     """Median per-iteration (total, compute, forward waits, step waits) in ms of a recorded trace."""
-    iterations = [e for e in events if e.category == "iteration" and e.args.get("iteration", 0) >= first_iteration]
+    iterations = [
+        e
+        for e in events
+        if e.category == "iteration" and e.args.get("iteration", 0) >= first_iteration
+    ]
     waits = [e for e in events if e.category == "wait"]
     rows = []
     for it in iterations:
@@ -53,17 +59,19 @@ def _predicted(events):
     As :func:`_split` does, waits are told apart by what they wait for: a sync all-reduce
     ("wait sync bucket N" before a forward, or "step: wait sync all-reduces" at the end of
     backward when the simulator models a script that reads ``p.grad``) or a stale one."""
-    compute = sum(e.end - e.start for e in events if e.category in ("forward", "backward", "update", "step"))
+    compute = sum(
+        e.end - e.start for e in events if e.category in ("forward", "backward", "update", "step")
+    )
     forward = sum(e.end - e.start for e in events if e.category == "wait" and "wait sync" in e.name)
     step = sum(e.end - e.start for e in events if e.category == "wait" and "wait stale" in e.name)
     return [1e3 * x for x in (compute + forward + step, compute, forward, step)]
 
 
 def worker(args) -> None:
+    import bench_models
     import torch
     import torch.distributed as dist
 
-    import bench_models
     import sapipe
     from sapipe.schedule import simulator
     from sapipe.tracing import chrome_trace
@@ -72,14 +80,22 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     spec = bench_models.build(args.model, args.size)
-    batch = spec.make_batch(spec.batch_size, torch.device("cpu"), torch.Generator().manual_seed(rank))
+    batch = spec.make_batch(
+        spec.batch_size, torch.device("cpu"), torch.Generator().manual_seed(rank)
+    )
     out = {}
     k = "auto"
     for label in ("auto", "k=m"):
         torch.manual_seed(0)
         model = spec.make_model()
-        opt = sapipe.DistributedOptimizer(spec.make_optimizer(model.parameters()), model, stale_layers=k,
-                                          bucket_cap_mb=args.bucket_cap_mb, trace=True)
+        opt = sapipe.DistributedOptimizer(
+            spec.make_optimizer(model.parameters()),
+            model,
+            stale_layers=k,
+            bucket_cap_mb=args.bucket_cap_mb,
+            trace=True,
+        )
+
         def train(steps):
             for _ in range(steps):
                 opt.zero_grad()
@@ -99,7 +115,9 @@ def worker(args) -> None:
             row["tuning"] = auto.tuner.summary()
         if auto is not None and auto.decision is not None:
             # the decision's own inputs: its layer profiles and the simulator's other arguments
-            sim = simulator.simulate(auto.layer_profiles, auto.decision.k, **auto.simulator_arguments())
+            sim = simulator.simulate(
+                auto.layer_profiles, auto.decision.k, **auto.simulator_arguments()
+            )
             row["predicted"] = _predicted(sim.events)
             row["summary"] = auto.decision.summary()
         out[label] = row
@@ -116,8 +134,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="vgg16")
     p.add_argument("--size", default="small")
-    p.add_argument("--rate", default="25gbit",
-                   help="loopback RATE[,LATENCY] in the namespace, e.g. 25gbit, 1gbit,2ms or unlimited")
+    p.add_argument(
+        "--rate",
+        default="25gbit",
+        help="loopback RATE[,LATENCY] in the namespace, e.g. 25gbit, 1gbit,2ms or unlimited",
+    )
     p.add_argument("--steps", type=int, default=20, help="timed iterations per run")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -129,23 +150,45 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        cmd = [torchrun, "--standalone", "--nproc_per_node=2", os.path.abspath(__file__), "--worker",
-               "--model", args.model, "--size", args.size, "--steps", str(args.steps),
-               "--bucket-cap-mb", str(args.bucket_cap_mb), "--out", out]
+        cmd = [
+            torchrun,
+            "--standalone",
+            "--nproc_per_node=2",
+            os.path.abspath(__file__),
+            "--worker",
+            "--model",
+            args.model,
+            "--size",
+            args.size,
+            "--steps",
+            str(args.steps),
+            "--bucket-cap-mb",
+            str(args.bucket_cap_mb),
+            "--out",
+            out,
+        ]
         env = hostenv.worker_env(OMP_NUM_THREADS="1")
-        proc = subprocess.run(netns.wrap(cmd, netns.parse_spec(args.rate)), capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            netns.wrap(cmd, netns.parse_spec(args.rate)), capture_output=True, text=True, env=env
+        )
         if proc.returncode != 0:
             sys.exit(f"job failed:\n{proc.stderr[-3000:]}")
         with open(out) as f:
             result = json.load(f)
-    print(f"`python benchmarks/explain_auto.py --model {args.model} --size {args.size} --rate {args.rate}` "
-          f"(rank 0, median of {args.steps} iterations, ms)\n")
+    print(
+        f"`python benchmarks/explain_auto.py --model {args.model} --size {args.size} --rate {args.rate}` "
+        f"(rank 0, median of {args.steps} iterations, ms)\n"
+    )
     print("| run | k | | iteration | compute | forward waits | step waits |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     for label, row in result.items():
         for what in ("measured", "predicted"):
             if what in row:
-                print(f"| {label} | {row['k']} | {what} | " + " | ".join(f"{x:.1f}" for x in row[what]) + " |")
+                print(
+                    f"| {label} | {row['k']} | {what} | "
+                    + " | ".join(f"{x:.1f}" for x in row[what])
+                    + " |"
+                )
     if "summary" in result.get("auto", {}):
         print(f"\n{result['auto']['summary']}")
     if "tuning" in result.get("auto", {}):

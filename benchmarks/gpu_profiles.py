@@ -17,6 +17,7 @@ complete the profile is.
 
     python benchmarks/gpu_profiles.py --out gpu-results/profiles [--models vgg16_cifar,gpt2] [--settings fp32,amp]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,13 +66,18 @@ def record(name: str, setting: str, out: str, device, batch: int = 0) -> dict:
     net = model.make().to(device)
     loss_fn = bench_models._lm_loss if name in LM_MODELS else F.cross_entropy
     if model.optimizer == "sgd":
-        base = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4, fused=True)
+        base = torch.optim.SGD(
+            net.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4, fused=True
+        )
     else:
         base = torch.optim.Adam(net.parameters(), lr=3e-4, fused=True)
     opt = sapipe.DistributedOptimizer(base, net, stale_layers="auto")
     x, y = batch_of(name, model, batch or model.batch, device, torch.Generator().manual_seed(0))
-    autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if setting == "amp"
-                else contextlib.nullcontext)
+    autocast = (
+        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+        if setting == "amp"
+        else contextlib.nullcontext
+    )
 
     def iteration():
         opt.zero_grad(set_to_none=True)
@@ -85,7 +91,9 @@ def record(name: str, setting: str, out: str, device, batch: int = 0) -> dict:
         if opt.auto.decided:
             break
     if not opt.auto.decided:
-        raise RuntimeError(f"{name} {setting}: auto did not decide within {MAX_ITERATIONS} iterations")
+        raise RuntimeError(
+            f"{name} {setting}: auto did not decide within {MAX_ITERATIONS} iterations"
+        )
     times = []
     for _ in range(TIMED_ITERATIONS):
         synchronize(device)
@@ -96,11 +104,19 @@ def record(name: str, setting: str, out: str, device, batch: int = 0) -> dict:
     path = os.path.join(out, f"{name}_{setting}.json")
     opt.save_profile(path)
     profile = SavedProfile.load(path)
-    seen = {"model": name, "setting": setting, "layers": len(profile.layers), "k": profile.stale_layers,
-            "decided_at": opt.auto.decided_at, "iteration_ms": statistics.median(times) * 1e3,
-            "profile_compute_ms": profile.compute_time * 1e3, "forward_ms": sum(profile.forward) * 1e3,
-            "backward_ms": sum(profile.backward) * 1e3, "update_ms": profile.update_time * 1e3,
-            "step_ms": profile.step_time * 1e3}
+    seen = {
+        "model": name,
+        "setting": setting,
+        "layers": len(profile.layers),
+        "k": profile.stale_layers,
+        "decided_at": opt.auto.decided_at,
+        "iteration_ms": statistics.median(times) * 1e3,
+        "profile_compute_ms": profile.compute_time * 1e3,
+        "forward_ms": sum(profile.forward) * 1e3,
+        "backward_ms": sum(profile.backward) * 1e3,
+        "update_ms": profile.update_time * 1e3,
+        "step_ms": profile.step_time * 1e3,
+    }
     opt.close()
     if device.type == "cuda":
         seen["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -112,11 +128,17 @@ def record(name: str, setting: str, out: str, device, batch: int = 0) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="folder for <model>_<setting>.json and summary.json")
+    p.add_argument(
+        "--out", required=True, help="folder for <model>_<setting>.json and summary.json"
+    )
     p.add_argument("--models", default=",".join(scaling.MODELS))
     p.add_argument("--settings", default="fp32,amp")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of this script")
-    p.add_argument("--batch", type=int, default=0, help="samples per iteration (0: scaling.py's per-GPU batch)")
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of this script"
+    )
+    p.add_argument(
+        "--batch", type=int, default=0, help="samples per iteration (0: scaling.py's per-GPU batch)"
+    )
     args = p.parse_args()
     import torch
     import torch.distributed as dist
@@ -126,8 +148,11 @@ def main() -> None:
         sys.exit("gpu_profiles: torch sees no CUDA device")
     init_one_rank_group(device)
     os.makedirs(args.out, exist_ok=True)
-    summary = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "torch": torch.__version__, "runs": []}
+    summary = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "runs": [],
+    }
     for name in args.models.split(","):
         for setting in args.settings.split(","):
             seen = record(name, setting, args.out, device, args.batch)

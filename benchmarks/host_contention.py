@@ -17,6 +17,7 @@ a share F of the time, as a step's communication does, in bursts. Each cell is t
 over rounds of the round's median, and the table gives each against ``none``. Usage:
 ``OMP_NUM_THREADS=1 python benchmarks/host_contention.py [--duty 0.2]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable
 
 import torch
 
@@ -43,8 +44,9 @@ def background_work(kind: str, numel: int) -> Callable[[], None]:
     if kind == "matmul":
         a = torch.randn(256, 256)
         return lambda: torch.mm(a, a)
-    from sapipe.kernels import codec as codec_kernels
     from sapipe.compression.codec import WireFormat
+    from sapipe.kernels import codec as codec_kernels
+
     fmt = WireFormat("int8", numel, 0, 2)
     grad, residual, out = torch.randn(numel), torch.zeros(numel), torch.empty(numel)
     q, scales = torch.zeros(2, fmt.shard, dtype=torch.int8), torch.zeros(2, fmt.blocks)
@@ -55,6 +57,7 @@ def background_work(kind: str, numel: int) -> Callable[[], None]:
         codec_kernels.encode(grad, residual, q, scales)
         codec_kernels.sum_encode(q, scales, server, own_q, own_scales, 2.0, torch.float32)
         codec_kernels.decode(q, scales, out)
+
     return codec
 
 
@@ -71,10 +74,12 @@ def background_loop(kind: str, numel: int, duty: float) -> None:
             time.sleep((time.perf_counter() - start) * (1 / duty - 1))
 
 
-def workloads(model: str, numel: int) -> Dict[str, Callable[[], None]]:
+def workloads(model: str, numel: int) -> dict[str, Callable[[], None]]:
     spec = build(model, "small")
     net = spec.make_model()
-    inputs, target = spec.make_batch(spec.batch_size, torch.device("cpu"), torch.Generator().manual_seed(0))
+    inputs, target = spec.make_batch(
+        spec.batch_size, torch.device("cpu"), torch.Generator().manual_seed(0)
+    )
 
     def step():
         net.zero_grad(set_to_none=True)
@@ -102,9 +107,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--calls", type=int, default=20, help="timed calls per workload per round")
     parser.add_argument("--background", help=argparse.SUPPRESS)
-    parser.add_argument("--numel", type=int, default=0, help="values copied / encoded (default: the model's)")
-    parser.add_argument("--duty", type=float, default=1.0,
-                        help="share of the time the background works (it pauses after each round)")
+    parser.add_argument(
+        "--numel", type=int, default=0, help="values copied / encoded (default: the model's)"
+    )
+    parser.add_argument(
+        "--duty",
+        type=float,
+        default=1.0,
+        help="share of the time the background works (it pauses after each round)",
+    )
     args = parser.parse_args()
     if args.background:
         background_loop(args.background, args.numel, args.duty)
@@ -116,13 +127,23 @@ def main() -> None:
     if not args.numel:
         args.numel = sum(p.numel() for p in build(args.model, "small").make_model().parameters())
     work = workloads(args.model, args.numel)
-    results: Dict[str, Dict[str, List[float]]] = {w: {b: [] for b in BACKGROUNDS} for w in work}
+    results: dict[str, dict[str, list[float]]] = {w: {b: [] for b in BACKGROUNDS} for w in work}
     for _ in range(args.rounds):
         for kind in BACKGROUNDS:
             child = None
             if kind != "none":
-                child = subprocess.Popen([sys.executable, __file__, "--background", kind, "--numel", str(args.numel),
-                                          "--duty", str(args.duty)])
+                child = subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--background",
+                        kind,
+                        "--numel",
+                        str(args.numel),
+                        "--duty",
+                        str(args.duty),
+                    ]
+                )
                 time.sleep(2.0)  # imported and looping
             try:
                 for name, fn in work.items():
@@ -131,13 +152,18 @@ def main() -> None:
                 if child is not None:
                     child.kill()
                     child.wait()
-    print(f"{args.numel / 1e6:.2f} M values; one thread on core 0, core 1 busy {args.duty:.0%} of the time; "
-          f"ms per call (× alone), median of {args.rounds} rounds of {args.calls} calls\n")
+    print(
+        f"{args.numel / 1e6:.2f} M values; one thread on core 0, core 1 busy {args.duty:.0%} of the time; "
+        f"ms per call (× alone), median of {args.rounds} rounds of {args.calls} calls\n"
+    )
     print("| on core 0 | " + " | ".join(f"core 1: {b}" for b in BACKGROUNDS) + " |")
     print("| --- |" + " ---: |" * len(BACKGROUNDS))
     for name, per_kind in results.items():
         alone = statistics.median(per_kind["none"])
-        cells = [f"{statistics.median(v) * 1e3:.2f} ({statistics.median(v) / alone:.2f}×)" for v in per_kind.values()]
+        cells = [
+            f"{statistics.median(v) * 1e3:.2f} ({statistics.median(v) / alone:.2f}×)"
+            for v in per_kind.values()
+        ]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

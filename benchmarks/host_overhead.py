@@ -19,6 +19,7 @@ per bucket (its passes, the two collectives and the worker thread's hand-over), 
 ``--device cuda`` runs the same on a GPU (one NCCL rank): its kernels are too small to keep
 the device busy, so a step lasts as long as the host takes to issue it, launches included.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,19 +36,27 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--compressions", default="", help="comma-separated formats to add at k = m (bf16,int8,fp16)")
+    p.add_argument(
+        "--compressions",
+        default="",
+        help="comma-separated formats to add at k = m (bf16,int8,fp16)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--no-ddp", dest="ddp", action="store_false",
-                   help="leave out the peer rows: torch's DDP (default, and with gradient_as_bucket_view=True)")
+    p.add_argument(
+        "--no-ddp",
+        dest="ddp",
+        action="store_false",
+        help="leave out the peer rows: torch's DDP (default, and with gradient_as_bucket_view=True)",
+    )
     args = p.parse_args()
+    import bench_models
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+    from compensation_overhead import init_one_rank_group, synchronize
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import bench_models
     import sapipe
-    from compensation_overhead import init_one_rank_group, synchronize
 
     torch.set_num_threads(1)
     device = torch.device(args.device)
@@ -72,13 +81,19 @@ def main() -> None:
 
     plain = make()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"torch {torch.__version__}, {where}, one thread; {args.rounds} rounds of {args.steps} steps")
-    print("| wrapper | layers | torch alone ms | wrapper − torch, ms per iteration | per layer, µs |")
+    print(
+        f"torch {torch.__version__}, {where}, one thread; {args.rounds} rounds of {args.steps} steps"
+    )
+    print(
+        "| wrapper | layers | torch alone ms | wrapper − torch, ms per iteration | per layer, µs |"
+    )
     print("| --- | ---: | ---: | ---: | ---: |")
     m = len(bench_models.describe_layers(plain[0], x))  # sapipe's layers, by its own rule
     cases = [("sapipe, k = 0", 0, None), ("sapipe, k = m", m, None)]
     cases += [(f"sapipe, k = m, {c}", m, c) for c in filter(None, args.compressions.split(","))]
-    cases += [("DDP", None, False), ("DDP, gradient_as_bucket_view", None, True)] if args.ddp else []
+    cases += (
+        [("DDP", None, False), ("DDP, gradient_as_bucket_view", None, True)] if args.ddp else []
+    )
     for label, k, setting in cases:
         model, base = make()
         if k is None:  # the peer: torch's DDP around the same model, stepping the same optimizer
@@ -91,7 +106,9 @@ def main() -> None:
             extra.append(median_step(model, opt) - a)
             alone.append(a)
         cost = statistics.median(extra)
-        print(f"| {label} | {m} | {statistics.median(alone) * 1e3:.2f} | {cost * 1e3:.2f} | {cost / m * 1e6:.1f} |")
+        print(
+            f"| {label} | {m} | {statistics.median(alone) * 1e3:.2f} | {cost * 1e3:.2f} | {cost / m * 1e6:.1f} |"
+        )
         if k is not None:
             opt.close()
     dist.destroy_process_group()

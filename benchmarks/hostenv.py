@@ -11,6 +11,7 @@ heap makes every mode, and every phase of a job, run on the same allocator footi
 PyTorch's CPU performance guides get by preloading jemalloc or tcmalloc. sapipe itself
 sets nothing: this is the benchmarks' host hygiene, not the library's business.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,15 +19,19 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any, Dict, List
+from typing import Any
 
 STEADY_MALLOC = {
-    "MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024),  # glibc's largest: blocks below it come from the heap
-    "MALLOC_TRIM_THRESHOLD_": str(1024 * 1024 * 1024),  # keep freed heap memory instead of giving it back
+    "MALLOC_MMAP_THRESHOLD_": str(
+        32 * 1024 * 1024
+    ),  # glibc's largest: blocks below it come from the heap
+    "MALLOC_TRIM_THRESHOLD_": str(
+        1024 * 1024 * 1024
+    ),  # keep freed heap memory instead of giving it back
 }
 
 
-def worker_env(**extra: str) -> Dict[str, str]:
+def worker_env(**extra: str) -> dict[str, str]:
     """``os.environ`` plus the allocator settings above (unless the caller set its own) and ``extra``."""
     env = dict(os.environ)
     for key, value in STEADY_MALLOC.items():
@@ -35,12 +40,18 @@ def worker_env(**extra: str) -> Dict[str, str]:
     return env
 
 
-def run_job(name: str, cmd: List[str], env: Dict[str, str], timeout: float, result: str) -> Any:
+def run_job(name: str, cmd: list[str], env: dict[str, str], timeout: float, result: str) -> Any:
     """Run a benchmark's job (``cmd``, e.g. a torchrun line, in a process group of its own,
     killed whole past ``timeout`` seconds) and return the JSON it wrote to ``result``; exit
     with the job's output on a failure or a timeout."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -15,6 +15,7 @@ size can vary; sapipe's own codec is not used.
 
 Prints the test R² (%) per seed: all 16 targets, and the ×1 targets alone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,12 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from convergence_tasks import make_units_data, r_squared  # noqa: E402
 
-WORLD, LR, STEPS, BATCH = 4, 0.5, 300, 32  # the units task's settings (convergence_tasks._units_task)
+WORLD, LR, STEPS, BATCH = (
+    4,
+    0.5,
+    300,
+    32,
+)  # the units task's settings (convergence_tasks._units_task)
 
 
 def rounded(v: torch.Tensor, block: int) -> torch.Tensor:
@@ -82,7 +88,11 @@ def train(seed: int, block: int, data) -> tuple:
             model.zero_grad()
             F.mse_loss(model(data["x_train"][i]), data["y_train"][i]).backward()
             grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
-        mean = torch.stack(grads).mean(0) if block == 0 else compressed_mean(grads, worker, server, block)
+        mean = (
+            torch.stack(grads).mean(0)
+            if block == 0
+            else compressed_mean(grads, worker, server, block)
+        )
         with torch.no_grad():
             offset = 0
             for p in model.parameters():
@@ -104,7 +114,9 @@ def main() -> None:
     for block in [0] + [int(b) for b in args.blocks.split(",")]:
         results = [train(seed, block, data) for seed in range(args.seeds)]
         label = "uncompressed" if block == 0 else f"int8 + error feedback, blocks of {block}"
-        print(f"| {label} | {' '.join(f'{a:.2f}' for a, _ in results)} | {' '.join(f'{b:.2f}' for _, b in results)} |")
+        print(
+            f"| {label} | {' '.join(f'{a:.2f}' for a, _ in results)} | {' '.join(f'{b:.2f}' for _, b in results)} |"
+        )
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ is compared with its neighbouring copy. Timings come after a warm-up call:
 
 A case that raises for the chosen device/dtype is printed as n/a with the reason.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,11 +47,12 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable
 
 import torch
 
-from sapipe.kernels import codec as codec_kernels, ops
+from sapipe.kernels import codec as codec_kernels
+from sapipe.kernels import ops
 from sapipe.kernels.gradient_spec import GradientSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,8 +73,10 @@ def median_cuda(fn: Callable[[], object], reps: int) -> float:
     """CUDA: median device time (s) of ``reps`` calls, each between two CUDA events."""
     fn()
     torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(reps)
+    ]
     for start, end in events:
         start.record()
         fn()
@@ -81,8 +85,9 @@ def median_cuda(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
 
 
-def codec_cases(n: int, device: torch.device, world: int = 2) -> Dict[str, Tuple[float, Callable[[], object],
-                                                                               Callable[[], object]]]:
+def codec_cases(
+    n: int, device: torch.device, world: int = 2
+) -> dict[str, tuple[float, Callable[[], object], Callable[[], object]]]:
     """The compression codec's stages (sapipe.kernels.codec) on a float32 bucket of ``n`` values
     sent as ``world`` rows, with and without error feedback: name -> (ideal bytes per bucket
     value, kernel call, torch call). encode reads the gradient (and the residual) and writes the
@@ -97,7 +102,11 @@ def codec_cases(n: int, device: torch.device, world: int = 2) -> Dict[str, Tuple
         value = dtype.itemsize + (4 / codec_kernels.BLOCK if kind == "int8" else 0)
         rows = torch.zeros(world, width, dtype=dtype, device=device)
         own = torch.zeros(1, width, dtype=dtype, device=device)
-        scales = torch.ones(world, width // codec_kernels.BLOCK, device=device) if kind == "int8" else None
+        scales = (
+            torch.ones(world, width // codec_kernels.BLOCK, device=device)
+            if kind == "int8"
+            else None
+        )
         own_scales = scales[:1].clone() if scales is not None else None
         codec_kernels.reference_encode(grad, None, rows, scales, 1.0)
         out = torch.empty(n, device=device)
@@ -108,17 +117,26 @@ def codec_cases(n: int, device: torch.device, world: int = 2) -> Dict[str, Tuple
             cases[f"codec {kind}: encode{ef}"] = (
                 4 + value + (8 if feedback else 0),
                 lambda r=residual, rows=rows, s=scales: codec_kernels.encode(grad, r, rows, s, 1.0),
-                lambda r=residual, rows=rows, s=scales: codec_kernels.reference_encode(grad, r, rows, s, 1.0))
+                lambda r=residual, rows=rows, s=scales: codec_kernels.reference_encode(
+                    grad, r, rows, s, 1.0
+                ),
+            )
             cases[f"codec {kind}: sum of {world} rows{ef}"] = (
                 value + (value + (8 if feedback else 0)) / world,
                 lambda r=server, a=(rows, scales, own, own_scales): codec_kernels.sum_encode(
-                    a[0], a[1], r, a[2], a[3], world, torch.float32),
-                lambda r=server, a=(rows, scales, own, own_scales): codec_kernels.reference_sum_encode(
-                    a[0], a[1], r, a[2], a[3], world, torch.float32))
+                    a[0], a[1], r, a[2], a[3], world, torch.float32
+                ),
+                lambda r=server, a=(rows, scales, own, own_scales): (
+                    codec_kernels.reference_sum_encode(
+                        a[0], a[1], r, a[2], a[3], world, torch.float32
+                    )
+                ),
+            )
         cases[f"codec {kind}: decode"] = (
             value + 4,
             lambda rows=rows, s=scales: codec_kernels.decode(rows, s, out, world),
-            lambda rows=rows, s=scales: codec_kernels.reference_decode(rows, s, out, world))
+            lambda rows=rows, s=scales: codec_kernels.reference_decode(rows, s, out, world),
+        )
     return cases
 
 
@@ -127,15 +145,15 @@ class Row:
     name: str
     bytes_per_elem: float
     copy_gbps: float
-    torch_ms: Optional[float] = None
-    ext_ms: Optional[float] = None
-    ext_gbps: Optional[float] = None
-    speedup: Optional[float] = None  # torch ms / ext ms
-    ext_over_copy: Optional[float] = None  # ext GB/s / copy GB/s
-    error: Optional[str] = None  # why the case could not run
+    torch_ms: float | None = None
+    ext_ms: float | None = None
+    ext_gbps: float | None = None
+    speedup: float | None = None  # torch ms / ext ms
+    ext_over_copy: float | None = None  # ext GB/s / copy GB/s
+    error: str | None = None  # why the case could not run
 
 
-def fmt(x: Optional[float], spec: str, suffix: str = "") -> str:
+def fmt(x: float | None, spec: str, suffix: str = "") -> str:
     return "n/a" if x is None else f"{x:{spec}}{suffix}"
 
 
@@ -150,23 +168,31 @@ def check_device(device: torch.device, dtype: torch.dtype) -> None:
 
 
 def _cpu_isa() -> str:
-    """", instruction set X" of the compiled CPU kernels in use (SAPIPE_CPU_ISA caps it), if built."""
+    """ ", instruction set X" of the compiled CPU kernels in use (SAPIPE_CPU_ISA caps it), if built."""
     from sapipe.kernels import _ext
 
     return f", instruction set {_ext.cpu.cpu_isa()}" if _ext.cpu is not None else ""
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--n", type=int, default=16 * 1024 * 1024, help="elements per buffer")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
-    ap.add_argument("--reps", type=int, default=None, help="timed runs (default: 10 on CPU, 50 on CUDA)")
+    ap.add_argument(
+        "--reps", type=int, default=None, help="timed runs (default: 10 on CPU, 50 on CUDA)"
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file")
-    ap.add_argument("--only", choices=("all", "update", "codec"), default="all",
-                    help="time only the update kernels or only the compression codec's stages (which run on one "
-                         "thread by design: time them with --threads 1, so the copy beside them has one too)")
+    ap.add_argument(
+        "--only",
+        choices=("all", "update", "codec"),
+        default="all",
+        help="time only the update kernels or only the compression codec's stages (which run on one "
+        "thread by design: time them with --threads 1, so the copy beside them has one too)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -189,28 +215,52 @@ def main() -> None:
     delta = p - x_old
     out = torch.empty(n, **new)
     # tensor layout of the bucket segment: a few big and many small tensors
-    lengths: List[int] = [n // 2, n // 4, n // 8]
+    lengths: list[int] = [n // 2, n // 4, n // 8]
     small = [min(4096, n // 4096)] * 64
     lengths += small + [n - sum(lengths) - sum(small)]
 
     src, dst = buf(), torch.empty(n, **new)
 
-    sgd_hp = dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=1e-4,
-                  maximize=False, first=False)
-    adam_hp = dict(step=10, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
-                   decoupled=True, maximize=False)
+    sgd_hp = dict(
+        lr=0.1,
+        momentum=0.9,
+        dampening=0.0,
+        nesterov=True,
+        weight_decay=1e-4,
+        maximize=False,
+        first=False,
+    )
+    adam_hp = dict(
+        step=10,
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=1e-2,
+        decoupled=True,
+        maximize=False,
+    )
     dc_out = dict(delta=p, delta_ref=x_old, lam=0.04, form="outer", lengths=lengths)
     dc_diag = dict(dc_out, form="diagonal")
     wp3 = dict(dc_out, prev_local=prev, local=local, world_size=4)
     wp3_diag = dict(wp3, form="diagonal")
     hist = x_old.clone()  # a history slot (overwritten by the dc-with-history case)
     step_dots = torch.empty(len(lengths), dtype=torch.float64, device=device)
-    wp3_terms = GradientSpec(g, prev_local=prev, world_size=4, delta_is_step=True, lengths=lengths,
-                             dots=step_dots)
-    wp3_second = dict(prev_local=prev, local=local, world_size=4, lam=0.04, form="outer",
-                      lengths=lengths, dots=ops.dc_dots(GradientSpec(g, delta=delta, lengths=lengths)))
-    wp3_diag_peek = GradientSpec(g, prev_local=prev, local=local, form="diagonal", lam=0.04,
-                                 world_size=4, delta_is_step=True)
+    wp3_terms = GradientSpec(
+        g, prev_local=prev, world_size=4, delta_is_step=True, lengths=lengths, dots=step_dots
+    )
+    wp3_second = dict(
+        prev_local=prev,
+        local=local,
+        world_size=4,
+        lam=0.04,
+        form="outer",
+        lengths=lengths,
+        dots=ops.dc_dots(GradientSpec(g, delta=delta, lengths=lengths)),
+    )
+    wp3_diag_peek = GradientSpec(
+        g, prev_local=prev, local=local, form="diagonal", lam=0.04, world_size=4, delta_is_step=True
+    )
     sgd_h, adam_h = ops.SGDHyperParams(**sgd_hp), ops.AdamHyperParams(**adam_hp)
     plain, from_local = GradientSpec.plain(g), GradientSpec.plain(local)
     dots_spec = GradientSpec(g, delta=delta, lengths=lengths)
@@ -221,7 +271,7 @@ def main() -> None:
 
     # name -> (bytes per element, ext call, torch call)
     # In-place kernels run repeatedly on the same buffers (values drift; the timing does not).
-    cases: Dict[str, Tuple[float, Callable[[], object], Callable[[], object]]] = {
+    cases: dict[str, tuple[float, Callable[[], object], Callable[[], object]]] = {
         "DC diagonal (g, Δ → out)": (
             3 * E,
             lambda: ops.delay_compensate(g, delta, 0.04, "diagonal", lengths, out=out),
@@ -333,24 +383,30 @@ def main() -> None:
         if dtype != torch.float32:
             sys.exit("kernels.py: the codec's stages take float32 gradients here (--dtype float32)")
         cases = {}
-    if dtype == torch.float32 and args.only != "update":  # the codec's gradients are float32 (or float64)
+    if (
+        dtype == torch.float32 and args.only != "update"
+    ):  # the codec's gradients are float32 (or float64)
         cases.update(codec_cases(n, device))
 
     mib = n * E / 2**20
     if cuda:
-        l2: Optional[int] = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
+        l2: int | None = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
         l2_text = f"L2 {l2 / 2**20:.0f} MiB" if l2 else "L2 size unknown"
-        print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, backend "
-              f"{ops.backend('cuda')}, {args.dtype}, n = {n:,} ({mib:.0f} MiB per buffer), "
-              f"{l2_text}, median of {reps} CUDA-event-timed calls")
+        print(
+            f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, backend "
+            f"{ops.backend('cuda')}, {args.dtype}, n = {n:,} ({mib:.0f} MiB per buffer), "
+            f"{l2_text}, median of {reps} CUDA-event-timed calls"
+        )
         if l2 and n * E <= l2:
             print(f"WARNING: a buffer ({mib:.0f} MiB) fits in L2; raise --n to time DRAM traffic")
     else:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-        print(f"n = {n:,} {args.dtype} ({mib:.0f} MiB per buffer), torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {load:.1f}, "
-              f"backend {ops.backend('cpu')}{_cpu_isa()}")
-    rows: List[Row] = []
+        print(
+            f"n = {n:,} {args.dtype} ({mib:.0f} MiB per buffer), torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {load:.1f}, "
+            f"backend {ops.backend('cpu')}{_cpu_isa()}"
+        )
+    rows: list[Row] = []
     for name, (bpe, ext_fn, ref_fn) in cases.items():
         # the yardstick is re-measured next to every kernel, so that load from elsewhere on a
         # shared machine affects both alike
@@ -358,27 +414,53 @@ def main() -> None:
         try:
             torch_s, ext_s = timeit(ref_fn, reps), timeit(ext_fn, reps)
         except Exception as exc:  # a case this device/dtype does not support
-            rows.append(Row(name, bpe, copy_gbps, error=f"{type(exc).__name__}: {exc}".splitlines()[0]))
+            rows.append(
+                Row(name, bpe, copy_gbps, error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+            )
             continue
         ext_gbps = bpe * n / ext_s / 1e9
-        rows.append(Row(name, bpe, copy_gbps, torch_s * 1e3, ext_s * 1e3, ext_gbps, torch_s / ext_s,
-                        ext_gbps / copy_gbps))
+        rows.append(
+            Row(
+                name,
+                bpe,
+                copy_gbps,
+                torch_s * 1e3,
+                ext_s * 1e3,
+                ext_gbps,
+                torch_s / ext_s,
+                ext_gbps / copy_gbps,
+            )
+        )
     copy_bws = sorted(r.copy_gbps for r in rows)
-    print(f"copy bandwidth (torch copy_, {2 * E} bytes/elem read+write), measured next to each "
-          f"kernel: best {copy_bws[-1]:.1f} GB/s, median {copy_bws[len(copy_bws) // 2]:.1f} GB/s\n")
-    print("| kernel | bytes/elem | torch ms | ext ms | speed-up | ext GB/s | copy GB/s | ext / copy |")
+    print(
+        f"copy bandwidth (torch copy_, {2 * E} bytes/elem read+write), measured next to each "
+        f"kernel: best {copy_bws[-1]:.1f} GB/s, median {copy_bws[len(copy_bws) // 2]:.1f} GB/s\n"
+    )
+    print(
+        "| kernel | bytes/elem | torch ms | ext ms | speed-up | ext GB/s | copy GB/s | ext / copy |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         ratio = fmt(None if r.ext_over_copy is None else 100 * r.ext_over_copy, ".0f", "%")
-        print(f"| {r.name} | {r.bytes_per_elem:g} | {fmt(r.torch_ms, '.3f')} | {fmt(r.ext_ms, '.3f')} | "
-              f"{fmt(r.speedup, '.1f', 'x')} | {fmt(r.ext_gbps, '.1f')} | {r.copy_gbps:.1f} | "
-              f"{ratio}{f' ({r.error})' if r.error else ''} |")
+        print(
+            f"| {r.name} | {r.bytes_per_elem:g} | {fmt(r.torch_ms, '.3f')} | {fmt(r.ext_ms, '.3f')} | "
+            f"{fmt(r.speedup, '.1f', 'x')} | {fmt(r.ext_gbps, '.1f')} | {r.copy_gbps:.1f} | "
+            f"{ratio}{f' ({r.error})' if r.error else ''} |"
+        )
     if args.json:
-        meta = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu",
-                    torch=torch.__version__, backend=ops.backend(device), dtype=args.dtype, n=n,
-                    reps=reps, timing="median of CUDA events" if cuda else "best wall clock")
+        meta = dict(
+            device=torch.cuda.get_device_name(device) if cuda else "cpu",
+            torch=torch.__version__,
+            backend=ops.backend(device),
+            dtype=args.dtype,
+            n=n,
+            reps=reps,
+            timing="median of CUDA events" if cuda else "best wall clock",
+        )
         with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=[asdict(r) for r in rows]), f, indent=1, ensure_ascii=False)
+            json.dump(
+                dict(meta=meta, rows=[asdict(r) for r in rows]), f, indent=1, ensure_ascii=False
+            )
 
 
 if __name__ == "__main__":

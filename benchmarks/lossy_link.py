@@ -25,6 +25,7 @@ interpreter per rank costs seconds of imports), and which hosts the job's TCPSto
 torchrun's agent would. Each rank saves its final weights and step times; the rank's
 collectives have a 120 s limit, far beyond what a retransmission costs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,11 +59,45 @@ def rule_commands(tool: str, drop: float) -> list:
     """The commands that make the namespace's loopback drop ``drop`` of the packets sent."""
     if tool == "nft":
         chain = "{ type filter hook output priority 0 ; policy accept ; }"
-        return [["nft", "add", "table", "inet", TABLE], ["nft", "add", "chain", "inet", TABLE, "out", chain],
-                ["nft", "add", "rule", "inet", TABLE, "out", "oifname", "lo", "numgen", "random", "mod", "10000",
-                 "lt", str(round(drop * 10000)), "counter", "drop"]]
-    commands = [["iptables", "-A", "OUTPUT", "-o", "lo", "-m", "statistic", "--mode", "random",
-                 "--probability", f"{drop:.6f}", "-j", "DROP"]]
+        return [
+            ["nft", "add", "table", "inet", TABLE],
+            ["nft", "add", "chain", "inet", TABLE, "out", chain],
+            [
+                "nft",
+                "add",
+                "rule",
+                "inet",
+                TABLE,
+                "out",
+                "oifname",
+                "lo",
+                "numgen",
+                "random",
+                "mod",
+                "10000",
+                "lt",
+                str(round(drop * 10000)),
+                "counter",
+                "drop",
+            ],
+        ]
+    commands = [
+        [
+            "iptables",
+            "-A",
+            "OUTPUT",
+            "-o",
+            "lo",
+            "-m",
+            "statistic",
+            "--mode",
+            "random",
+            "--probability",
+            f"{drop:.6f}",
+            "-j",
+            "DROP",
+        ]
+    ]
     if shutil.which("ip6tables"):
         commands.append(["ip6tables"] + commands[0][1:])
     return commands
@@ -71,34 +106,48 @@ def rule_commands(tool: str, drop: float) -> list:
 def clear_commands(tool: str) -> list:
     if tool == "nft":
         return [["nft", "delete", "table", "inet", TABLE]]
-    return [["iptables", "-F", "OUTPUT"]] + ([["ip6tables", "-F", "OUTPUT"]] if shutil.which("ip6tables") else [])
+    return [["iptables", "-F", "OUTPUT"]] + (
+        [["ip6tables", "-F", "OUTPUT"]] if shutil.which("ip6tables") else []
+    )
 
 
 def dropped_packets(tool: str) -> int:
     """Packets the rule dropped so far."""
     if tool == "nft":
-        text = subprocess.run(["nft", "list", "table", "inet", TABLE], capture_output=True, text=True).stdout
+        text = subprocess.run(
+            ["nft", "list", "table", "inet", TABLE], capture_output=True, text=True
+        ).stdout
         return sum(int(n) for n in re.findall(r"counter packets (\d+)", text))
     total = 0
     for binary in ("iptables", "ip6tables"):
         if shutil.which(binary):
-            text = subprocess.run([binary, "-L", "OUTPUT", "-v", "-x", "-n"], capture_output=True, text=True).stdout
-            total += sum(int(line.split()[0]) for line in text.splitlines() if " DROP " in f" {line} ")
+            text = subprocess.run(
+                [binary, "-L", "OUTPUT", "-v", "-x", "-n"], capture_output=True, text=True
+            ).stdout
+            total += sum(
+                int(line.split()[0]) for line in text.splitlines() if " DROP " in f" {line} "
+            )
     return total
 
 
 def why_unavailable() -> str:
     """Why this host cannot run the benchmark ('' if it can), checked by trying it."""
     if os.geteuid() != 0:
-        return "lossy_link needs root (a network namespace and firewall rules in it); run it as root"
+        return (
+            "lossy_link needs root (a network namespace and firewall rules in it); run it as root"
+        )
     if not shutil.which("unshare") or not shutil.which("ip"):
         return "lossy_link needs unshare and ip (apt-get install util-linux iproute2)"
     tool = dropper()
     if not tool:
         return "lossy_link needs nftables or iptables to drop packets (apt-get install nftables iptables)"
-    script = " && ".join(shlex.join(c) for c in [["ip", "link", "set", "lo", "up"]] + rule_commands(tool, 0.01))
+    script = " && ".join(
+        shlex.join(c) for c in [["ip", "link", "set", "lo", "up"]] + rule_commands(tool, 0.01)
+    )
     try:
-        out = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            ["unshare", "-n", "sh", "-c", script], capture_output=True, text=True, timeout=60
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"lossy_link cannot create a network namespace: {exc}"
     if out.returncode != 0:
@@ -126,12 +175,19 @@ def rank_main(rank: int, port: int, steps: int, outdir: str) -> None:
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=LIMIT_SECONDS))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=LIMIT_SECONDS))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=LIMIT_SECONDS)
+    )
     torch.manual_seed(0)
     layers = [m for _ in range(4) for m in (torch.nn.Linear(512, 512), torch.nn.Tanh())]
     model = torch.nn.Sequential(*layers, torch.nn.Linear(512, 10))
-    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), model,
-                                      stale_layers=2, bucket_cap_mb=1, timeout=LIMIT_SECONDS)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        model,
+        stale_layers=2,
+        bucket_cap_mb=1,
+        timeout=LIMIT_SECONDS,
+    )
     data = torch.Generator().manual_seed(rank)
     times = []
     for _ in range(steps):
@@ -142,8 +198,10 @@ def rank_main(rank: int, port: int, steps: int, outdir: str) -> None:
         opt.step()
         times.append(time.perf_counter() - start)
     opt.synchronize()
-    torch.save({"weights": {n: p.detach().clone() for n, p in model.named_parameters()}, "times": times},
-               os.path.join(outdir, f"rank{rank}.pt"))
+    torch.save(
+        {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}, "times": times},
+        os.path.join(outdir, f"rank{rank}.pt"),
+    )
     opt.close()
     dist.destroy_process_group()
 
@@ -169,7 +227,9 @@ def run_job(steps: int, outdir: str) -> float:
                 sys.stderr.flush()
                 os._exit(code)
         pids.append(pid)
-    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)  # after the forks: no rank holds it
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 2, True, wait_for_workers=False
+    )  # after the forks: no rank holds it
     for _ in pids:
         os.write(write_end, store.port.to_bytes(4, "little"))
     codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
@@ -186,7 +246,9 @@ def measure(drops: list, steps: int) -> list:
 
     import sapipe  # noqa: F401 - imported once, before the forks
 
-    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # torch's lazy optimizer modules, once
+    torch.optim.SGD(
+        [torch.nn.Parameter(torch.zeros(1))], lr=0.1
+    )  # torch's lazy optimizer modules, once
     gc.freeze()
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     run([["ip", "link", "set", "lo", "up"]])
@@ -200,30 +262,53 @@ def measure(drops: list, steps: int) -> list:
         ranks = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(2)]
         shutil.rmtree(outdir)
         clean = clean or ranks
-        identical = all(torch.equal(mine["weights"][n], theirs["weights"][n]) for mine, theirs in zip(ranks, clean)
-                        for n in theirs["weights"])
+        identical = all(
+            torch.equal(mine["weights"][n], theirs["weights"][n])
+            for mine, theirs in zip(ranks, clean)
+            for n in theirs["weights"]
+        )
         times = ranks[0]["times"][2:]  # past the first steps' set-up
-        results.append({"drop": drop, "dropped_packets": dropped, "identical_to_clean": identical, "wall_s": wall,
-                        "step_ms_median": 1e3 * statistics.median(times), "step_ms_max": 1e3 * max(times)})
+        results.append(
+            {
+                "drop": drop,
+                "dropped_packets": dropped,
+                "identical_to_clean": identical,
+                "wall_s": wall,
+                "step_ms_median": 1e3 * statistics.median(times),
+                "step_ms_max": 1e3 * max(times),
+            }
+        )
     return results
 
 
 def report(results: list, as_json: bool) -> None:
-    print(f"{'drop':>6} {'dropped':>8} {'median step':>12} {'max step':>10} {'job':>7}  weights vs the clean link")
+    print(
+        f"{'drop':>6} {'dropped':>8} {'median step':>12} {'max step':>10} {'job':>7}  weights vs the clean link"
+    )
     for r in results:
-        print(f"{r['drop']:>6.1%} {r['dropped_packets']:>8} {r['step_ms_median']:>9.1f} ms {r['step_ms_max']:>7.0f} ms "
-              f"{r['wall_s']:>5.1f} s  {'bit-identical' if r['identical_to_clean'] else 'DIFFERENT'}")
+        print(
+            f"{r['drop']:>6.1%} {r['dropped_packets']:>8} {r['step_ms_median']:>9.1f} ms {r['step_ms_max']:>7.0f} ms "
+            f"{r['wall_s']:>5.1f} s  {'bit-identical' if r['identical_to_clean'] else 'DIFFERENT'}"
+        )
     if as_json:
         print(json.dumps(results))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--drops", default="0,0.01,0.05", help="drop probabilities, the clean link first")
+    parser.add_argument(
+        "--drops", default="0,0.01,0.05", help="drop probabilities, the clean link first"
+    )
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--json", action="store_true", help="also print the results as one JSON line")
-    parser.add_argument("--check", action="store_true", help="only say whether this host can run it")
-    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # already in the namespace
+    parser.add_argument(
+        "--json", action="store_true", help="also print the results as one JSON line"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="only say whether this host can run it"
+    )
+    parser.add_argument(
+        "--inside", action="store_true", help=argparse.SUPPRESS
+    )  # already in the namespace
     args = parser.parse_args()
     drops = [float(d) for d in args.drops.split(",")]
     if args.inside:
@@ -232,14 +317,20 @@ def main() -> None:
         raise SystemExit(0 if all(r["identical_to_clean"] for r in results) else 1)
     reason = why_unavailable()
     if args.check:
-        print(reason or f"ok: network namespaces and {dropper()} can drop packets on a namespace's loopback")
+        print(
+            reason
+            or f"ok: network namespaces and {dropper()} can drop packets on a namespace's loopback"
+        )
         raise SystemExit(1 if reason else 0)
     if reason:
         print(reason, file=sys.stderr)
         raise SystemExit(UNAVAILABLE)
     if drops[0] != 0.0:
         parser.error("--drops must start with 0 (the clean link the others are compared with)")
-    os.execvp("unshare", ["unshare", "-n", sys.executable, os.path.abspath(__file__), "--inside", *sys.argv[1:]])
+    os.execvp(
+        "unshare",
+        ["unshare", "-n", sys.executable, os.path.abspath(__file__), "--inside", *sys.argv[1:]],
+    )
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ marked ``!``.
     python benchmarks/memory.py --models gpt2 --modes ddp,k0,km-none --out memory.md
     python benchmarks/memory.py --json                       # the numbers as JSON
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,12 +80,23 @@ MODES = {
     "km-none-int8": {"k": "m", "compression": "int8"},
     "km-none-int8-noef": {"k": "m", "compression": "int8", "error_feedback": False},
 }
-CATEGORIES = ("slots", "own p.grad", "local", "real weights", "history", "codec buffers", "residuals",
-              "DDP buckets", "update scratch", "other")
+CATEGORIES = (
+    "slots",
+    "own p.grad",
+    "local",
+    "real weights",
+    "history",
+    "codec buffers",
+    "residuals",
+    "DDP buckets",
+    "update scratch",
+    "other",
+)
 MODEL_TOLERANCE = 0.02  # of G: a measured extra farther than this from the model is marked
 
 
 # ============================================================================ counting (each rank)
+
 
 def model_multiple(mode: dict, world: int) -> float:
     """The extra this mode is expected to hold, as a multiple of G (see the module's docstring)."""
@@ -94,7 +106,12 @@ def model_multiple(mode: dict, world: int) -> float:
     depth = 1 if mode["k"] == 0 else s + 1
     held = depth  # slots
     if mode["k"] != 0:
-        held += (comp in ("wp1", "wp3")) + (comp == "wp3") + comp.startswith("wp") + (s + 1) * (comp == "dc")
+        held += (
+            (comp in ("wp1", "wp3"))
+            + (comp == "wp3")
+            + comp.startswith("wp")
+            + (s + 1) * (comp == "dc")
+        )
     kind = mode.get("compression")
     if kind is not None:
         per_value = 2.0 if kind in ("fp16", "bf16") else 1.0 + 4.0 / 64
@@ -112,8 +129,13 @@ def _category(path: str) -> str:
         return "optimizer state"
     if ".codec." in path:
         return "residuals" if "residual" in path else "codec buffers"
-    for attribute, category in ((".grads.", "slots"), (".prev_local", "local"), (".local", "local"),
-                                (".real", "real weights"), (".history.", "history")):
+    for attribute, category in (
+        (".grads.", "slots"),
+        (".prev_local", "local"),
+        (".local", "local"),
+        (".real", "real weights"),
+        (".history.", "history"),
+    ):
         if attribute in path:
             return category
     return "other"
@@ -128,7 +150,9 @@ def reachable_tensors(root, name: str = "opt") -> dict:
     while todo:
         path, obj = todo.pop()
         if isinstance(obj, torch.Tensor):
-            found[path] = obj  # every path to it: the bucket's name for it is the one that says what it is
+            found[path] = (
+                obj  # every path to it: the bucket's name for it is the one that says what it is
+            )
             continue
         if id(obj) in seen:
             continue
@@ -143,8 +167,13 @@ def reachable_tensors(root, name: str = "opt") -> dict:
             todo += [(f"{path}[{i}]", value) for i, value in enumerate(obj)]
         elif type(obj).__module__.startswith("sapipe") or obj is root:
             fields = dict(getattr(obj, "__dict__", {}))
-            fields.update({slot: getattr(obj, slot) for slot in getattr(type(obj), "__slots__", ())
-                           if hasattr(obj, slot)})
+            fields.update(
+                {
+                    slot: getattr(obj, slot)
+                    for slot in getattr(type(obj), "__slots__", ())
+                    if hasattr(obj, slot)
+                }
+            )
             todo += [(f"{path}.{key}", value) for key, value in fields.items()]
     return found
 
@@ -173,8 +202,10 @@ def account(params, internals: dict) -> dict:
 
     for p in params:
         claim(p, "params")
-    named = sorted((item for item in internals.items() if item[1][0] != "other"),
-                   key=lambda item: item[1][0] != "optimizer state")
+    named = sorted(
+        (item for item in internals.items() if item[1][0] != "other"),
+        key=lambda item: item[1][0] != "optimizer state",
+    )
     for path, (category, tensor) in named:
         claim(tensor, category, path)
     for p in params:
@@ -191,10 +222,14 @@ def account(params, internals: dict) -> dict:
 
 
 def extra_of(totals: dict, grad_bytes: int) -> int:
-    return sum(v for k, v in totals.items() if k not in ("params", "optimizer state", "other paths")) - grad_bytes
+    return (
+        sum(v for k, v in totals.items() if k not in ("params", "optimizer state", "other paths"))
+        - grad_bytes
+    )
 
 
 # ============================================================================ the job (each rank)
+
 
 def rss_bytes() -> int:
     with open("/proc/self/status") as f:
@@ -234,8 +269,10 @@ def _ddp(model, base, mode, device):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     ddp = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None,
-        gradient_as_bucket_view=mode["ddp"] == "view")
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=mode["ddp"] == "view",
+    )
     buckets = {}
 
     def hook(state, bucket):
@@ -248,9 +285,14 @@ def _ddp(model, base, mode, device):
 
     def internals():
         found = {f"ddp.bucket[{i}]": ("DDP buckets", t) for i, t in buckets.items()}
-        found.update({f"optimizer.state[{n}][{key!r}]": ("optimizer state", t)
-                      for n, state in enumerate(base.state.values()) for key, t in state.items()
-                      if isinstance(t, torch.Tensor)})
+        found.update(
+            {
+                f"optimizer.state[{n}][{key!r}]": ("optimizer state", t)
+                for n, state in enumerate(base.state.values())
+                for key, t in state.items()
+                if isinstance(t, torch.Tensor)
+            }
+        )
         return found
 
     return ddp, internals
@@ -261,8 +303,9 @@ def _sapipe(model, base, mode, layers):
     import sapipe
 
     settings = {k: v for k, v in mode.items() if k != "k"}
-    opt = sapipe.DistributedOptimizer(base, model, stale_layers=0 if mode["k"] == 0 else layers,
-                                      timeout=300, **settings)
+    opt = sapipe.DistributedOptimizer(
+        base, model, stale_layers=0 if mode["k"] == 0 else layers, timeout=300, **settings
+    )
     return opt, lambda: {path: (_category(path), t) for path, t in reachable_tensors(opt).items()}
 
 
@@ -299,13 +342,28 @@ def measure(spec, name: str, args, device, world: int) -> dict:
     if cuda:
         torch.cuda.synchronize(device)
     between = account(params, internals())
-    out = {"mode": name, "grad_bytes": grad_bytes, "numel": sum(p.numel() for p in params),
-           "params": len(params), "layers": layers, "between": between, "backward": seen.get("backward", {}),
-           "rss_delta": rss_bytes() - rss_start, "model": model_multiple(mode, world),
-           "cuda_peak_delta": torch.cuda.max_memory_allocated(device) - cuda_start if cuda else None}
+    out = {
+        "mode": name,
+        "grad_bytes": grad_bytes,
+        "numel": sum(p.numel() for p in params),
+        "params": len(params),
+        "layers": layers,
+        "between": between,
+        "backward": seen.get("backward", {}),
+        "rss_delta": rss_bytes() - rss_start,
+        "model": model_multiple(mode, world),
+        "cuda_peak_delta": torch.cuda.max_memory_allocated(device) - cuda_start if cuda else None,
+    }
     if "ddp" not in mode:
-        out["buckets"] = [{"numel": b.numel, "params": len(b.params), "stale": b.stale,
-                           "wire": [w.numel() for w in b.grads.wire]} for b in opt.buckets]
+        out["buckets"] = [
+            {
+                "numel": b.numel,
+                "params": len(b.params),
+                "stale": b.stale,
+                "wire": [w.numel() for w in b.grads.wire],
+            }
+            for b in opt.buckets
+        ]
         opt.close()
     probe.remove()
     return out
@@ -325,17 +383,29 @@ def worker(args) -> None:
         torch.cuda.set_device(device)
     spec = bench_models.build(args.model, args.size)
     names = args.modes.split(",")
-    measure(spec, "km-wp3" if "km-wp3" in names else names[-1], args, device, world)  # one-off costs: not counted
+    measure(
+        spec, "km-wp3" if "km-wp3" in names else names[-1], args, device, world
+    )  # one-off costs: not counted
     rows = [measure(spec, name, args, device, world) for name in names]
     if rank == 0:
         with open(args.result, "w") as f:
-            json.dump({"model": args.model, "size": args.size, "world": world, "device": str(device),
-                       "steps": args.steps, "rows": rows}, f)
+            json.dump(
+                {
+                    "model": args.model,
+                    "size": args.size,
+                    "world": world,
+                    "device": str(device),
+                    "steps": args.steps,
+                    "rows": rows,
+                },
+                f,
+            )
     dist.barrier()
     dist.destroy_process_group()
 
 
 # ============================================================================ report
+
 
 def _mib(nbytes) -> str:
     return f"{nbytes / MiB:.2f}"
@@ -345,30 +415,51 @@ def table(result: dict) -> str:
     rows = result["rows"]
     g = rows[0]["grad_bytes"]
     cuda = rows[0]["cuda_peak_delta"] is not None
-    lines = [(f"**{result['model']} ({result['size']})**: {rows[0]['numel']:,} parameters in {rows[0]['params']} "
-              f"tensors, {rows[0]['layers']} layers; G = {_mib(g)} MiB; {result['world']} ranks on "
-              f"{result['device']}; counted after {result['steps']} steps, on rank 0. MiB, and multiples of G.\n"),
-             ("| mode | extra between steps | model | in backward | " + " | ".join(CATEGORIES)
-              + " | optimizer state | RSS check |" + (" CUDA peak check |" if cuda else "")),
-             "| --- " * (5 + len(CATEGORIES) + 1 + cuda) + "|"]
+    lines = [
+        (
+            f"**{result['model']} ({result['size']})**: {rows[0]['numel']:,} parameters in {rows[0]['params']} "
+            f"tensors, {rows[0]['layers']} layers; G = {_mib(g)} MiB; {result['world']} ranks on "
+            f"{result['device']}; counted after {result['steps']} steps, on rank 0. MiB, and multiples of G.\n"
+        ),
+        (
+            "| mode | extra between steps | model | in backward | "
+            + " | ".join(CATEGORIES)
+            + " | optimizer state | RSS check |"
+            + (" CUDA peak check |" if cuda else "")
+        ),
+        "| --- " * (5 + len(CATEGORIES) + 1 + cuda) + "|",
+    ]
     for row in rows:
         between, backward = row["between"], row["backward"]
-        extra, in_backward = extra_of(between, g), extra_of(backward, g) if backward else float("nan")
+        extra, in_backward = (
+            extra_of(between, g),
+            extra_of(backward, g) if backward else float("nan"),
+        )
         off = "" if abs(extra / g - row["model"]) <= MODEL_TOLERANCE else " !"
         state = between.get("optimizer state", 0)
-        cells = [row["mode"], f"{_mib(extra)} (+{extra / g:.2f}x){off}", f"+{row['model']:.2f}x",
-                 f"{_mib(in_backward)} (+{in_backward / g:.2f}x)"]
+        cells = [
+            row["mode"],
+            f"{_mib(extra)} (+{extra / g:.2f}x){off}",
+            f"+{row['model']:.2f}x",
+            f"{_mib(in_backward)} (+{in_backward / g:.2f}x)",
+        ]
         cells += [_mib(between.get(c, 0)) if between.get(c) else "" for c in CATEGORIES]
         cells += [_mib(state), _mib(row["rss_delta"] - g - state)]
         if cuda:
             cells.append(_mib(row["cuda_peak_delta"] - g - state))
         lines.append("| " + " | ".join(cells) + " |")
-    lines.append("\n*extra*: held beyond the parameters and the optimizer state, less one gradient (G); "
-                 "*in backward*: the same at the last gradient of a step (DDP: the instant among its reducer's "
-                 "own hooks); *RSS check*: the process's RSS "
-                 "change over the mode less G and the optimizer state" + (
-                     "; *CUDA peak check*: max_memory_allocated over the mode less G and the optimizer state"
-                     if cuda else "") + ". A `!` marks an extra more than 2% of G from the model.")
+    lines.append(
+        "\n*extra*: held beyond the parameters and the optimizer state, less one gradient (G); "
+        "*in backward*: the same at the last gradient of a step (DDP: the instant among its reducer's "
+        "own hooks); *RSS check*: the process's RSS "
+        "change over the mode less G and the optimizer state"
+        + (
+            "; *CUDA peak check*: max_memory_allocated over the mode less G and the optimizer state"
+            if cuda
+            else ""
+        )
+        + ". A `!` marks an extra more than 2% of G from the model."
+    )
     return "\n".join(lines)
 
 
@@ -376,26 +467,58 @@ def launch(model: str, args) -> dict:
     """One job for ``model``, every mode in it; rank 0's counts. Killed whole if it overruns."""
     import torch
 
-    ranks = min(2, torch.cuda.device_count()) if torch.cuda.is_available() and args.device != "cpu" else 2
+    ranks = (
+        min(2, torch.cuda.device_count())
+        if torch.cuda.is_available() and args.device != "cpu"
+        else 2
+    )
     with tempfile.TemporaryDirectory(prefix="sapipe-memory-") as tmp:
         out = os.path.join(tmp, "result.json")
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        cmd = [torchrun, "--standalone", f"--nproc_per_node={ranks}", os.path.abspath(__file__), "--worker",
-               "--model", model, "--size", args.size, "--modes", args.modes, "--steps", str(args.steps),
-               "--device", args.device, "--result", out]
+        cmd = [
+            torchrun,
+            "--standalone",
+            f"--nproc_per_node={ranks}",
+            os.path.abspath(__file__),
+            "--worker",
+            "--model",
+            model,
+            "--size",
+            args.size,
+            "--modes",
+            args.modes,
+            "--steps",
+            str(args.steps),
+            "--device",
+            args.device,
+            "--result",
+            out,
+        ]
         # glibc returns freed blocks of 64 KiB and more, so that RSS follows what is held
-        env = hostenv.worker_env(OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
-                                 MALLOC_TRIM_THRESHOLD_="65536")
+        env = hostenv.worker_env(
+            OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536"
+        )
         return hostenv.run_job(f"memory ({model})", cmd, env, args.timeout, out)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="gpt2,resnet50", help="bench_models families, comma-separated")
+    p.add_argument(
+        "--models", default="gpt2,resnet50", help="bench_models families, comma-separated"
+    )
     p.add_argument("--size", default="small", help="tiny, small or full")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
-    p.add_argument("--steps", type=int, default=5, help="steps before counting (s = 2 needs 4 for a full pipeline)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu"), help="auto: CUDA where there is one")
+    p.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}"
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=5,
+        help="steps before counting (s = 2 needs 4 for a full pipeline)",
+    )
+    p.add_argument(
+        "--device", default="auto", choices=("auto", "cpu"), help="auto: CUDA where there is one"
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a job is killed")
     p.add_argument("--json", action="store_true", help="print the counts as JSON, not the tables")
     p.add_argument("--out", help="also write the report (or the JSON) to this file")
@@ -411,8 +534,11 @@ def main(argv=None) -> int:
         return 0
     results = [launch(model, args) for model in args.models.split(",")]
     command = "python benchmarks/memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = (json.dumps({"command": command.strip(), "results": results}) if args.json
-            else f"`{command.strip()}`\n\n" + "\n\n".join(table(r) for r in results))
+    text = (
+        json.dumps({"command": command.strip(), "results": results})
+        if args.json
+        else f"`{command.strip()}`\n\n" + "\n\n".join(table(r) for r in results)
+    )
     print(text)
     if args.out:
         with open(args.out, "w") as f:

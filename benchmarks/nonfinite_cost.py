@@ -18,6 +18,7 @@ reads the summed count as the sum is consumed (sapipe.runtime.nonfinite). Two me
     python benchmarks/nonfinite_cost.py [--model gpt2] [--size small] [--ranks 2] [--rounds 9] [--steps 20]
     python benchmarks/nonfinite_cost.py --device cuda --size full --ranks 1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,10 @@ def per_bucket(device: str, sizes) -> None:
         def __init__(self, grads):
             self.grads = grads
 
-    print("| bucket values (float32) | MiB | check µs (launched + arrived) | of which arrived µs | GB/s "
-          "| take_mean's div_ µs | check / div_ |")
+    print(
+        "| bucket values (float32) | MiB | check µs (launched + arrived) | of which arrived µs | GB/s "
+        "| take_mean's div_ µs | check / div_ |"
+    )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in sizes:
         grads = StalenessBuffer(n, torch.float32, dev, 1, flags=8, verdict=True)
@@ -88,21 +91,27 @@ def per_bucket(device: str, sizes) -> None:
         kept = grads.verdicts[0]
         on_arrival = timed(arrived_alone, reps)
         div = timed(lambda: grads.slots[0].div_(1.0), reps)
-        print(f"| {n:,} | {n * 4 / 2**20:.2f} | {cost * 1e6:.1f} | {on_arrival * 1e6:.1f} | {n * 4 / cost / 1e9:.1f} "
-              f"| {div * 1e6:.1f} | {cost / div:.2f} |")
+        print(
+            f"| {n:,} | {n * 4 / 2**20:.2f} | {cost * 1e6:.1f} | {on_arrival * 1e6:.1f} | {n * 4 / cost / 1e9:.1f} "
+            f"| {div * 1e6:.1f} | {cost / div:.2f} |"
+        )
 
 
 def _job(rank, world, port, args, results) -> None:
+    import bench_models
     import torch
     import torch.distributed as dist
 
-    import bench_models
     import sapipe
 
     torch.set_num_threads(1)
     device = torch.device(args.device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+    )
     spec = bench_models.build(args.model, args.size)
     gen = torch.Generator().manual_seed(rank)
     batches = [spec.make_batch(spec.batch_size, device, gen) for _ in range(4)]
@@ -110,8 +119,13 @@ def _job(rank, world, port, args, results) -> None:
     for setting in ("warn", "ignore"):
         model = spec.make_model().to(device)
         k = 0 if args.stale == "0" else len(bench_models.describe_layers(model, batches[0][0]))
-        opt = sapipe.DistributedOptimizer(spec.make_optimizer(model.parameters()), model, stale_layers=k,
-                                          compression=args.compression, nonfinite_gradients=setting)
+        opt = sapipe.DistributedOptimizer(
+            spec.make_optimizer(model.parameters()),
+            model,
+            stale_layers=k,
+            compression=args.compression,
+            nonfinite_gradients=setting,
+        )
         jobs[setting] = (model, opt)
 
     def median_step(model, opt):
@@ -144,7 +158,9 @@ def _job(rank, world, port, args, results) -> None:
     for _, o in jobs.values():
         o.close()
     if rank == 0:
-        results.put({"ratios": ratios, "cpu_ratios": cpu_ratios, "steps": steps, "buckets": buckets})
+        results.put(
+            {"ratios": ratios, "cpu_ratios": cpu_ratios, "steps": steps, "buckets": buckets}
+        )
     dist.destroy_process_group()
 
 
@@ -157,7 +173,10 @@ def per_step(args) -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_job, args=(r, args.ranks, port, args, results)) for r in range(args.ranks)]
+    procs = [
+        ctx.Process(target=_job, args=(r, args.ranks, port, args, results))
+        for r in range(args.ranks)
+    ]
     for p in procs:
         p.start()
     out = results.get(timeout=3600)
@@ -167,15 +186,21 @@ def per_step(args) -> None:
     warn, ignore = (statistics.median(out["steps"][s]) * 1e3 for s in ("warn", "ignore"))
     values = sum(n for n, _ in out["buckets"])
     k = "0" if args.stale == "0" else "m"
-    print(f"\n{args.model} ({args.size}), {args.ranks} rank(s) on {args.device}, k={k}, "
-          f"compression={args.compression}, torch {torch.__version__}: {len(out['buckets'])} buckets, "
-          f"{values:,} gradient values; {args.rounds} rounds of {args.steps} steps")
-    print(f"median step: warn {warn:.2f} ms, ignore {ignore:.2f} ms; warn/ignore − 1 per round: "
-          + ", ".join(f"{r * 100:+.2f}%" for r in ratios))
+    print(
+        f"\n{args.model} ({args.size}), {args.ranks} rank(s) on {args.device}, k={k}, "
+        f"compression={args.compression}, torch {torch.__version__}: {len(out['buckets'])} buckets, "
+        f"{values:,} gradient values; {args.rounds} rounds of {args.steps} steps"
+    )
+    print(
+        f"median step: warn {warn:.2f} ms, ignore {ignore:.2f} ms; warn/ignore − 1 per round: "
+        + ", ".join(f"{r * 100:+.2f}%" for r in ratios)
+    )
     for what, values in (("step time", ratios), ("training thread's CPU time", out["cpu_ratios"])):
         quartiles = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-        print(f"cost in {what}: median {statistics.median(values) * 100:+.2f}% (quartiles "
-              f"{quartiles[0] * 100:+.2f}% .. {quartiles[2] * 100:+.2f}%)")
+        print(
+            f"cost in {what}: median {statistics.median(values) * 100:+.2f}% (quartiles "
+            f"{quartiles[0] * 100:+.2f}% .. {quartiles[2] * 100:+.2f}%)"
+        )
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ Target: within 10 %. Not root (or no emulated cluster here): a message, exit sta
 
     python benchmarks/predict_validation.py --steps 40 --rounds 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,6 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import hostenv  # noqa: E402
+
 from sapipe.launch import cluster  # noqa: E402
 
 MODES = ("ddp", "pipesgd", "sapipe")
@@ -53,10 +55,10 @@ WARMUP = 3  # untimed steps of each mode after its setup
 
 
 def worker(args) -> None:
+    import bench_models
     import torch
     import torch.distributed as dist
 
-    import bench_models
     import sapipe
 
     torch.set_num_threads(1)
@@ -87,8 +89,13 @@ def worker(args) -> None:
 
     def sapipe_run(stale_layers):
         model = spec.make_model()
-        opt = sapipe.DistributedOptimizer(spec.make_optimizer(model.parameters()), model,
-                                          stale_layers=stale_layers, bucket_cap_mb=25, timeout=600)
+        opt = sapipe.DistributedOptimizer(
+            spec.make_optimizer(model.parameters()),
+            model,
+            stale_layers=stale_layers,
+            bucket_cap_mb=25,
+            timeout=600,
+        )
         for _ in range(MAX_SETTLE_STEPS):  # "auto" profiles, then measures its k: until k is final
             if opt.stale_layers != "auto":
                 break
@@ -111,16 +118,20 @@ def worker(args) -> None:
     times = {mode: [] for mode in runs}
     per_round = max(1, math.ceil(args.steps / args.rounds))
     for r in range(args.rounds):  # interleaved, alternating order: host drifts hit every mode alike
-        for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+        for mode in MODES if r % 2 == 0 else MODES[::-1]:
             net, opt = runs[mode]
             timed(net, opt, 1)  # caches and the link were another mode's
             times[mode] += timed(net, opt, per_round)
             _pause(opt)
     if rank == 0:
         decision = auto[1].decision
-        result = {"k": auto[1].stale_layers, "m": auto[1].num_layers, "times": times,
-                  "measured": {mode: statistics.fmean(ts) for mode, ts in times.items()},
-                  "own_prediction": decision.iteration_time if decision is not None else None}
+        result = {
+            "k": auto[1].stale_layers,
+            "m": auto[1].num_layers,
+            "times": times,
+            "measured": {mode: statistics.fmean(ts) for mode, ts in times.items()},
+            "own_prediction": decision.iteration_time if decision is not None else None,
+        }
         with open(args.result_out, "w") as f:
             json.dump(result, f)
     _finish(dist)
@@ -147,17 +158,45 @@ def _finish(dist) -> None:
 
 def launch(topology: str, args, role: str, profile_out: str, result_out: str) -> None:
     """One emulated-cluster job of the worker; RuntimeError with its output's tail if it fails."""
-    cmd = [sys.executable, "-m", "sapipe.launch", "--quiet", "--emulate-cluster", topology, "--inter-node",
-           args.inter_node, "--monitor-interval=0.5", os.path.abspath(__file__), "--worker", "--role", role,
-           "--model", args.model, "--size", args.size, "--steps", str(args.steps), "--rounds", str(args.rounds),
-           "--profile-out", profile_out, "--result-out", result_out]
-    print(f"[predict_validation] {topology} ({role}), load {os.getloadavg()[0]:.2f}: {shlex.join(cmd)}",
-          file=sys.stderr, flush=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "sapipe.launch",
+        "--quiet",
+        "--emulate-cluster",
+        topology,
+        "--inter-node",
+        args.inter_node,
+        "--monitor-interval=0.5",
+        os.path.abspath(__file__),
+        "--worker",
+        "--role",
+        role,
+        "--model",
+        args.model,
+        "--size",
+        args.size,
+        "--steps",
+        str(args.steps),
+        "--rounds",
+        str(args.rounds),
+        "--profile-out",
+        profile_out,
+        "--result-out",
+        result_out,
+    ]
+    print(
+        f"[predict_validation] {topology} ({role}), load {os.getloadavg()[0]:.2f}: {shlex.join(cmd)}",
+        file=sys.stderr,
+        flush=True,
+    )
     env = hostenv.worker_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        raise RuntimeError(f"{topology} ({role}) failed with status {done.returncode}:\n"
-                           f"{(done.stdout + done.stderr)[-3000:]}")
+        raise RuntimeError(
+            f"{topology} ({role}) failed with status {done.returncode}:\n"
+            f"{(done.stdout + done.stderr)[-3000:]}"
+        )
 
 
 def _err(predicted: float, measured: float) -> str:
@@ -170,30 +209,42 @@ def table(args, reference, jobs) -> str:
     from sapipe.schedule.predict import predict, simulator_arguments
     from sapipe.schedule.simulator import simulate
 
-    lines = ["| topology | mode | k measured / predicted | measured ms | predicted ms (1x4 profile) | error "
-             "| at the measured k | predicted ms (the other topology's profile) | error "
-             "| predicted ms (own profile) | error |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| topology | mode | k measured / predicted | measured ms | predicted ms (1x4 profile) | error "
+        "| at the measured k | predicted ms (the other topology's profile) | error "
+        "| predicted ms (own profile) | error |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     intra = intra_link_from_profile(reference)
     for topology, (result, own) in jobs.items():
         nodes, g = cluster.parse_topology(topology)
         pred = predict(reference, nodes, g, args.inter_node)
         ref = predict(own, nodes, g, args.inter_node, intra=intra if g > 1 else None)
         others = [profile for name, (_, profile) in jobs.items() if name != topology]
-        cross = predict(others[0], nodes, g, args.inter_node, intra=intra if g > 1 else None) if others else None
+        cross = (
+            predict(others[0], nodes, g, args.inter_node, intra=intra if g > 1 else None)
+            if others
+            else None
+        )
         for mode in MODES:
             measured = result["measured"][mode] * 1e3
             p, r = pred.modes[mode], ref.modes[mode]
             k = {"ddp": "0", "pipesgd": f"{result['m']}"}.get(mode, f"{result['k']} / {p.k}")
             at_k = ""
             if mode == "sapipe":
-                at = simulate(reference.layer_profiles(p.alpha, p.beta), result["k"], record_events=False,
-                              **simulator_arguments(reference, p.alpha, p.beta, reference.slowdown))
+                at = simulate(
+                    reference.layer_profiles(p.alpha, p.beta),
+                    result["k"],
+                    record_events=False,
+                    **simulator_arguments(reference, p.alpha, p.beta, reference.slowdown),
+                )
                 at_k = f"{at.iteration_time * 1e3:.1f} ({_err(at.iteration_time * 1e3, measured)})"
             c = cross.modes[mode].iteration_time * 1e3 if cross is not None else math.nan
-            lines.append(f"| {topology} | {mode} | {k} | {measured:.1f} | {p.iteration_time * 1e3:.1f} "
-                         f"| {_err(p.iteration_time * 1e3, measured)} | {at_k} | {c:.1f} | {_err(c, measured)} "
-                         f"| {r.iteration_time * 1e3:.1f} | {_err(r.iteration_time * 1e3, measured)} |")
+            lines.append(
+                f"| {topology} | {mode} | {k} | {measured:.1f} | {p.iteration_time * 1e3:.1f} "
+                f"| {_err(p.iteration_time * 1e3, measured)} | {at_k} | {c:.1f} | {_err(c, measured)} "
+                f"| {r.iteration_time * 1e3:.1f} | {_err(r.iteration_time * 1e3, measured)} |"
+            )
     return "\n".join(lines)
 
 
@@ -204,7 +255,12 @@ def main() -> None:
     p.add_argument("--topologies", default="2x2,4x1")
     p.add_argument("--inter-node", default="1gbit")
     p.add_argument("--steps", type=int, default=40, help="timed steps per mode")
-    p.add_argument("--rounds", type=int, default=4, help="the timed steps are split into this many interleaved rounds")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="the timed steps are split into this many interleaved rounds",
+    )
     p.add_argument("--output", default=os.path.join(HERE, "results", "predict_validation.md"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--role", default="measure", help=argparse.SUPPRESS)
@@ -220,21 +276,33 @@ def main() -> None:
     from sapipe.schedule.saved_profile import SavedProfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        launch("1x4", args, "profile", os.path.join(tmp, "profile_1x4.json"), os.path.join(tmp, "unused.json"))
+        launch(
+            "1x4",
+            args,
+            "profile",
+            os.path.join(tmp, "profile_1x4.json"),
+            os.path.join(tmp, "unused.json"),
+        )
         reference = SavedProfile.load(os.path.join(tmp, "profile_1x4.json"))
         jobs = {}
         for topology in filter(None, args.topologies.split(",")):
-            profile, result = os.path.join(tmp, f"profile_{topology}.json"), os.path.join(tmp, f"{topology}.json")
+            profile, result = (
+                os.path.join(tmp, f"profile_{topology}.json"),
+                os.path.join(tmp, f"{topology}.json"),
+            )
             launch(topology, args, "measure", profile, result)
             with open(result) as f:
                 jobs[topology] = (json.load(f), SavedProfile.load(profile))
     command = "python benchmarks/predict_validation.py " + " ".join(sys.argv[1:])
-    text = (f"## {time.strftime('%Y-%m-%d %H:%M')} — `{command}`\n\n"
-            f"{args.model}/{args.size}, Gloo on CPU, one thread per rank; `--inter-node {args.inter_node}`, each "
-            f"node's loopback unshaped. The 1x4 profile: k = {reference.stale_layers} of {len(reference.layers)}, "
-            f"compute {reference.compute_time * 1e3:.1f} ms, sigma = {reference.slowdown:g}, link alpha = "
-            f"{reference.alpha * 1e3:.3g} ms + {reference.beta * 1e9:.3g} ns/byte. Target: |error| <= 10 %.\n\n"
-            + table(args, reference, jobs) + "\n")
+    text = (
+        f"## {time.strftime('%Y-%m-%d %H:%M')} — `{command}`\n\n"
+        f"{args.model}/{args.size}, Gloo on CPU, one thread per rank; `--inter-node {args.inter_node}`, each "
+        f"node's loopback unshaped. The 1x4 profile: k = {reference.stale_layers} of {len(reference.layers)}, "
+        f"compute {reference.compute_time * 1e3:.1f} ms, sigma = {reference.slowdown:g}, link alpha = "
+        f"{reference.alpha * 1e3:.3g} ms + {reference.beta * 1e9:.3g} ns/byte. Target: |error| <= 10 %.\n\n"
+        + table(args, reference, jobs)
+        + "\n"
+    )
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     fresh = not os.path.exists(args.output)

@@ -6,6 +6,7 @@ Times, on rank 0 (mean of ``--calls`` calls after one warm-up, ranks aligned by 
 ``dist.reduce_scatter_tensor``, :func:`sapipe.comm.worker.reduce_scatter_sum` and, for
 scale, ``dist.all_reduce`` and ``dist.all_gather_into_tensor`` of the same float32 buffer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,17 +29,26 @@ def timed(fn, calls: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--mib", type=float, default=10.0)
     p.add_argument("--calls", type=int, default=20)
     args = p.parse_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     n = int(args.mib * 2**20 / 4) // world * world
-    full, shard, gathered, scratch = torch.randn(n), torch.empty(n // world), torch.empty(n), Scratch()
+    full, shard, gathered, scratch = (
+        torch.randn(n),
+        torch.empty(n // world),
+        torch.empty(n),
+        Scratch(),
+    )
     rows = {
         "dist.reduce_scatter_tensor": lambda: reduce_scatter_single(shard, full),
-        "sapipe reduce_scatter_sum": lambda: reduce_scatter_sum(shard, full, dist.group.WORLD, scratch, "received"),
+        "sapipe reduce_scatter_sum": lambda: reduce_scatter_sum(
+            shard, full, dist.group.WORLD, scratch, "received"
+        ),
         "dist.all_reduce": lambda: dist.all_reduce(full),
         "dist.all_gather_into_tensor": lambda: all_gather_single(gathered, shard),
     }

@@ -44,19 +44,22 @@ How a profile is derived (every number is in the md):
 
     python benchmarks/scaling.py
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import bench_models  # noqa: E402
+
 from sapipe.schedule.cluster_link import ClusterLink, LinkSpec  # noqa: E402
 from sapipe.schedule.predict import MODES, Prediction, format_table, plot_throughput, predict  # noqa: E402
 from sapipe.schedule.saved_profile import SavedProfile  # noqa: E402
@@ -90,7 +93,7 @@ class Model:
 
     title: str
     make: Callable  # () -> nn.Module (called under the meta device)
-    sample: Tuple[int, ...]  # one sample's shape: (3, H, W) images, (T,) tokens
+    sample: tuple[int, ...]  # one sample's shape: (3, H, W) images, (T,) tokens
     batch: int  # samples per GPU per iteration
     unit: str  # what a sample is (plural)
     optimizer: str  # "sgd" or "adam"
@@ -108,12 +111,16 @@ class Model:
 
 
 #: every model the script predicts, by the stem of its profile's file name
-MODELS: Dict[str, Model] = {
+MODELS: dict[str, Model] = {
     "vgg16_cifar": Model("VGG-16, CIFAR-10", _vgg16_cifar, (3, 32, 32), 128, "images", "sgd"),
-    "resnet50_cifar": Model("ResNet-50, CIFAR-10", _resnet50_cifar, (3, 32, 32), 128, "images", "sgd"),
+    "resnet50_cifar": Model(
+        "ResNet-50, CIFAR-10", _resnet50_cifar, (3, 32, 32), 128, "images", "sgd"
+    ),
     "gpt2": Model("GPT-2 small", _full("gpt2"), (1024,), 8, "sequences of 1024 tokens", "adam"),
     "vgg16": Model("VGG-16, ImageNet", _full("vgg16"), (3, 224, 224), 128, "images", "sgd"),
-    "resnet50": Model("ResNet-50, ImageNet", _full("resnet50"), (3, 224, 224), 128, "images", "sgd"),
+    "resnet50": Model(
+        "ResNet-50, ImageNet", _full("resnet50"), (3, 224, 224), 128, "images", "sgd"
+    ),
 }
 #: the figures: file name, panels (models), what they show
 FIGURES = {
@@ -133,7 +140,7 @@ GPUS_PER_NODE = 8
 BUCKET_CAP_BYTES = 25 * 1024 * 1024
 
 
-def layer_flops(model: Model, batch: int) -> Tuple[List[str], List[int], List[float]]:
+def layer_flops(model: Model, batch: int) -> tuple[list[str], list[int], list[float]]:
     """sapipe's layers of ``model`` (names, parameters, forward FLOPs at ``batch``), counted on
     the meta device: each layer from its forward's start to the next's."""
     import torch
@@ -144,13 +151,17 @@ def layer_flops(model: Model, batch: int) -> Tuple[List[str], List[int], List[fl
         x = model.example(batch)
     layers = bench_models.describe_layers(net, x[:1])
     modules = dict(net.named_modules())
-    starts: Dict[str, float] = {}
+    starts: dict[str, float] = {}
     counter = FlopCounterMode(display=False)
 
     def started(name: str) -> None:
-        starts.setdefault(name, counter.get_total_flops())  # a pre-hook returning a value would replace the input
+        starts.setdefault(
+            name, counter.get_total_flops()
+        )  # a pre-hook returning a value would replace the input
 
-    hooks = [modules[n].register_forward_pre_hook(lambda mod, args, n=n: started(n)) for n, _ in layers]
+    hooks = [
+        modules[n].register_forward_pre_hook(lambda mod, args, n=n: started(n)) for n, _ in layers
+    ]
     with counter, torch.no_grad():
         net(x)
     for hook in hooks:
@@ -168,72 +179,118 @@ def derived_profile(model: Model, batch: int, flop_rate: float, setting: str) ->
     forward = [f / flop_rate for f in flops]
     update = sum(numel) * UPDATE_BYTES[model.optimizer] / MEMORY_BANDWIDTH
     alpha, beta = ClusterLink(1, GPUS_PER_NODE, LinkSpec(1.0), NVLINK).allreduce()
-    fields = dict(layers=tuple(names), numel=tuple(numel), element_size=4, forward=tuple(forward),
-                  backward=tuple(2 * u for u in forward), step_time=0.0, update_time=update, alpha=alpha, beta=beta,
-                  slowdown=0.0, world_size=GPUS_PER_NODE, nodes=1, ranks_per_node=GPUS_PER_NODE, hierarchical=False,
-                  backend="torch", compression=None, wire_ratio=1.0, codec_per_byte=0.0,
-                  bucket_cap_bytes=BUCKET_CAP_BYTES, sync_at_step=False,
-                  device=f"V100 (derived from FLOPs, {setting}: {flop_rate / 1e12:g} TFLOP/s)",
-                  stale_layers=0, iteration_time=0.0)
+    fields = dict(
+        layers=tuple(names),
+        numel=tuple(numel),
+        element_size=4,
+        forward=tuple(forward),
+        backward=tuple(2 * u for u in forward),
+        step_time=0.0,
+        update_time=update,
+        alpha=alpha,
+        beta=beta,
+        slowdown=0.0,
+        world_size=GPUS_PER_NODE,
+        nodes=1,
+        ranks_per_node=GPUS_PER_NODE,
+        hierarchical=False,
+        backend="torch",
+        compression=None,
+        wire_ratio=1.0,
+        codec_per_byte=0.0,
+        bucket_cap_bytes=BUCKET_CAP_BYTES,
+        sync_at_step=False,
+        device=f"V100 (derived from FLOPs, {setting}: {flop_rate / 1e12:g} TFLOP/s)",
+        stale_layers=0,
+        iteration_time=0.0,
+    )
     draft = SavedProfile(**fields)
-    decision = choose_k(draft.layer_profiles(alpha, beta), tolerance=0.03, bucket_cap_bytes=BUCKET_CAP_BYTES,
-                        alpha=alpha, beta=beta, bytes_per_layer=draft.layer_bytes, shared_link=True,
-                        update_per_element=update / sum(numel))
-    return SavedProfile(**dict(fields, stale_layers=decision.k, iteration_time=decision.iteration_time))
+    decision = choose_k(
+        draft.layer_profiles(alpha, beta),
+        tolerance=0.03,
+        bucket_cap_bytes=BUCKET_CAP_BYTES,
+        alpha=alpha,
+        beta=beta,
+        bytes_per_layer=draft.layer_bytes,
+        shared_link=True,
+        update_per_element=update / sum(numel),
+    )
+    return SavedProfile(
+        **dict(fields, stale_layers=decision.k, iteration_time=decision.iteration_time)
+    )
 
 
-def headline(results: Dict[Tuple[str, str], List[Prediction]], names: Sequence[str], settings: Sequence[str]) -> str:
+def headline(
+    results: dict[tuple[str, str], list[Prediction]], names: Sequence[str], settings: Sequence[str]
+) -> str:
     """At the largest cluster, per model and compute rate: the speed-ups and DDP's efficiency."""
-    lines = ["| model | compute | GPUs | sapipe × DDP | Pipe-SGD × DDP | sapipe × Pipe-SGD | sapipe k "
-             "| efficiency DDP / Pipe-SGD / sapipe |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        "| model | compute | GPUs | sapipe × DDP | Pipe-SGD × DDP | sapipe × Pipe-SGD | sapipe k "
+        "| efficiency DDP / Pipe-SGD / sapipe |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for name in names:
         for setting in settings:
             p = results[(setting, name)][-1]
             over_pipe = p.modes["pipesgd"].iteration_time / p.modes["sapipe"].iteration_time
-            lines.append(f"| {MODELS[name].title} | {setting} | {p.world_size} | {p.speedup('sapipe'):.2f} "
-                         f"| {p.speedup('pipesgd'):.2f} | {over_pipe:.3f} | {p.modes['sapipe'].k} of {p.m} | "
-                         + " / ".join(f"{p.efficiency(mode):.0%}" for mode in MODES) + " |")
+            lines.append(
+                f"| {MODELS[name].title} | {setting} | {p.world_size} | {p.speedup('sapipe'):.2f} "
+                f"| {p.speedup('pipesgd'):.2f} | {over_pipe:.3f} | {p.modes['sapipe'].k} of {p.m} | "
+                + " / ".join(f"{p.efficiency(mode):.0%}" for mode in MODES)
+                + " |"
+            )
     return "\n".join(lines)
 
 
-def _shape_notes(results: Dict[Tuple[str, str], List[Prediction]]) -> List[str]:
+def _shape_notes(results: dict[tuple[str, str], list[Prediction]]) -> list[str]:
     """Facts of the predictions the comparison with the paper rests on, one line each."""
     notes = []
     for (setting, name), preds in results.items():
         best = max(preds, key=lambda p: p.speedup("sapipe"))
-        over_pipe = max(p.modes["pipesgd"].iteration_time / p.modes["sapipe"].iteration_time for p in preds)
+        over_pipe = max(
+            p.modes["pipesgd"].iteration_time / p.modes["sapipe"].iteration_time for p in preds
+        )
         eff = {mode: preds[-1].efficiency(mode) for mode in MODES}
-        notes.append(f"* {MODELS[name].title} ({setting}): sapipe up to {best.speedup('sapipe') - 1:+.0%} over DDP "
-                     f"({best.world_size} GPUs, k = {best.modes['sapipe'].k} of {best.m}); sapipe / Pipe-SGD "
-                     f"throughput at most {over_pipe:.3f}; at {preds[-1].world_size} GPUs the efficiency "
-                     f"(compute / iteration) is DDP {eff['ddp']:.0%}, Pipe-SGD {eff['pipesgd']:.0%}, "
-                     f"sapipe {eff['sapipe']:.0%}")
+        notes.append(
+            f"* {MODELS[name].title} ({setting}): sapipe up to {best.speedup('sapipe') - 1:+.0%} over DDP "
+            f"({best.world_size} GPUs, k = {best.modes['sapipe'].k} of {best.m}); sapipe / Pipe-SGD "
+            f"throughput at most {over_pipe:.3f}; at {preds[-1].world_size} GPUs the efficiency "
+            f"(compute / iteration) is DDP {eff['ddp']:.0%}, Pipe-SGD {eff['pipesgd']:.0%}, "
+            f"sapipe {eff['sapipe']:.0%}"
+        )
     return notes
 
 
-def sensitivity(profiles: Dict[Tuple[str, str], SavedProfile],
-                nodes: int) -> Tuple[str, Dict[Tuple[str, str, str], Prediction]]:
+def sensitivity(
+    profiles: dict[tuple[str, str], SavedProfile], nodes: int
+) -> tuple[str, dict[tuple[str, str, str], Prediction]]:
     """sapipe's and Pipe-SGD's speed-up over DDP on ``nodes`` nodes as the link between nodes slows:
     the markdown, and the predictions by (setting, model, link)."""
     rates = (INTER,) + SLOWER
-    lines = ["| model | compute | " + " | ".join(f"`{r}`" for r in rates) + " |",
-             "| --- | --- | " + " | ".join("---" for _ in rates) + " |"]
-    out: Dict[Tuple[str, str, str], Prediction] = {}
+    lines = [
+        "| model | compute | " + " | ".join(f"`{r}`" for r in rates) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in rates) + " |",
+    ]
+    out: dict[tuple[str, str, str], Prediction] = {}
     for (setting, name), profile in profiles.items():
         cells = []
         for rate in rates:
             p = out[(setting, name, rate)] = predict(profile, nodes, GPUS_PER_NODE, rate)
-            cells.append(f"{p.speedup('sapipe'):.2f} (k={p.modes['sapipe'].k}) / {p.speedup('pipesgd'):.2f}; "
-                         f"DDP {p.efficiency('ddp'):.0%}")
+            cells.append(
+                f"{p.speedup('sapipe'):.2f} (k={p.modes['sapipe'].k}) / {p.speedup('pipesgd'):.2f}; "
+                f"DDP {p.efficiency('ddp'):.0%}"
+            )
         lines.append(f"| {MODELS[name].title} | {setting} | " + " | ".join(cells) + " |")
-    return (f"Speed-up over DDP of sapipe (its k) / of Pipe-SGD, and DDP's efficiency, on {nodes} nodes × "
-            f"{GPUS_PER_NODE} GPUs as the link between nodes slows (latency 5 µs per step throughout):\n\n"
-            + "\n".join(lines)), out
+    return (
+        f"Speed-up over DDP of sapipe (its k) / of Pipe-SGD, and DDP's efficiency, on {nodes} nodes × "
+        f"{GPUS_PER_NODE} GPUs as the link between nodes slows (latency 5 µs per step throughout):\n\n"
+        + "\n".join(lines)
+    ), out
 
 
-def gpt2_batches(settings: Sequence[str], nodes: int) -> Tuple[str, Dict[str, Dict[str, float]],
-                                                                 Dict[Tuple[str, int, int], Prediction]]:
+def gpt2_batches(
+    settings: Sequence[str], nodes: int
+) -> tuple[str, dict[str, dict[str, float]], dict[tuple[str, int, int], Prediction]]:
     """GPT-2 on ``nodes`` × 8 GPUs at 100 Gbit/s for the per-GPU batches of GPT2_BATCHES, and
     the batch (tokens per GPU, sequences of 1024) at which a link busy the whole iteration
     is reached: DDP's all-reduce time per iteration (flat ring, 25 MiB buckets; it does not
@@ -243,16 +300,29 @@ def gpt2_batches(settings: Sequence[str], nodes: int) -> Tuple[str, Dict[str, Di
     compute of a token is its backward's share). Returns the markdown, per setting the
     crossover tokens, and the predictions by (setting, sequences, tokens)."""
     base = MODELS["gpt2"]
-    lines = ["| per GPU | tokens | " + " | ".join(f"{s}: compute / DDP link busy (ms) | {s}: DDP eff. "
-                                                   f"| {s}: sapipe × DDP (k) | {s}: Pipe-SGD × DDP"
-                                                   for s in settings) + " |",
-             "| --- | ---: | " + " | ".join("---: | ---: | ---: | ---:" for _ in settings) + " |"]
-    crossover: Dict[str, Dict[str, float]] = {s: {} for s in settings}
-    per_sequence: Dict[str, float] = {}
-    link: Dict[str, float] = {}
-    sweep: Dict[Tuple[str, int, int], Prediction] = {}
+    lines = [
+        "| per GPU | tokens | "
+        + " | ".join(
+            f"{s}: compute / DDP link busy (ms) | {s}: DDP eff. "
+            f"| {s}: sapipe × DDP (k) | {s}: Pipe-SGD × DDP"
+            for s in settings
+        )
+        + " |",
+        "| --- | ---: | " + " | ".join("---: | ---: | ---: | ---:" for _ in settings) + " |",
+    ]
+    crossover: dict[str, dict[str, float]] = {s: {} for s in settings}
+    per_sequence: dict[str, float] = {}
+    link: dict[str, float] = {}
+    sweep: dict[tuple[str, int, int], Prediction] = {}
     for sequences, tokens in GPT2_BATCHES:
-        model = Model(base.title, base.make, (tokens,), sequences, f"sequences of {tokens} tokens", base.optimizer)
+        model = Model(
+            base.title,
+            base.make,
+            (tokens,),
+            sequences,
+            f"sequences of {tokens} tokens",
+            base.optimizer,
+        )
         cells = []
         for setting in settings:
             profile = derived_profile(model, sequences, RATES[setting], setting)
@@ -262,34 +332,52 @@ def gpt2_batches(settings: Sequence[str], nodes: int) -> Tuple[str, Dict[str, Di
             if (sequences, tokens) == (1, 1024):
                 per_sequence[setting] = profile.compute_time - profile.update_time
                 crossover[setting]["update"] = profile.update_time
-            cells.append(f"{profile.compute_time * 1e3:.1f} / {p.modes['ddp'].comm_time * 1e3:.1f} | "
-                         f"{p.efficiency('ddp'):.0%} | {p.speedup('sapipe'):.2f} ({p.modes['sapipe'].k}) | "
-                         f"{p.speedup('pipesgd'):.2f}")
-        lines.append(f"| {sequences} × {tokens} | {sequences * tokens} | " + " | ".join(cells) + " |")
+            cells.append(
+                f"{profile.compute_time * 1e3:.1f} / {p.modes['ddp'].comm_time * 1e3:.1f} | "
+                f"{p.efficiency('ddp'):.0%} | {p.speedup('sapipe'):.2f} ({p.modes['sapipe'].k}) | "
+                f"{p.speedup('pipesgd'):.2f}"
+            )
+        lines.append(
+            f"| {sequences} × {tokens} | {sequences * tokens} | " + " | ".join(cells) + " |"
+        )
     for setting in settings:
         update = crossover[setting].pop("update")
         crossover[setting]["link"] = link[setting]
         crossover[setting]["tokens"] = 1024 * (link[setting] - update) / per_sequence[setting]
         # DDP can hide its all-reduce only behind the backward (2/3 of forward + backward)
-        crossover[setting]["tokens_backward"] = 1024 * (link[setting]) / (per_sequence[setting] * 2 / 3)
-    text = (f"GPT-2 small on {nodes} nodes × {GPUS_PER_NODE} GPUs at `{INTER}` for other batches per GPU "
-            "(`sequences × tokens`; shorter sequences at the same model, context up to 1024). "
-            "\"DDP link busy\" is the time DDP's all-reduces occupy the link per iteration (flat ring, "
-            "25 MiB buckets; it does not depend on the batch):\n\n" + "\n".join(lines) + "\n\n"
-            "GPT-2 becomes communication-bound (the link busy longer than the GPU computes, so that "
-            "no overlap can hide it) below " + "; ".join(
-                f"**{crossover[s]['tokens']:.0f} tokens per GPU** ({s}, "
-                f"{crossover[s]['tokens'] / 1024:.2f} sequences of 1024; link busy "
-                f"{crossover[s]['link'] * 1e3:.1f} ms)" for s in settings)
-            + ", from the compute of one sequence of 1024 tokens scaled linearly and the update added; "
-            "DDP, which hides its all-reduces behind the backward only, has its link busy longer than "
-            "its backward below " + "; ".join(f"{crossover[s]['tokens_backward']:.0f} tokens ({s})"
-                                               for s in settings) + ".")
+        crossover[setting]["tokens_backward"] = (
+            1024 * (link[setting]) / (per_sequence[setting] * 2 / 3)
+        )
+    text = (
+        f"GPT-2 small on {nodes} nodes × {GPUS_PER_NODE} GPUs at `{INTER}` for other batches per GPU "
+        "(`sequences × tokens`; shorter sequences at the same model, context up to 1024). "
+        '"DDP link busy" is the time DDP\'s all-reduces occupy the link per iteration (flat ring, '
+        "25 MiB buckets; it does not depend on the batch):\n\n" + "\n".join(lines) + "\n\n"
+        "GPT-2 becomes communication-bound (the link busy longer than the GPU computes, so that "
+        "no overlap can hide it) below "
+        + "; ".join(
+            f"**{crossover[s]['tokens']:.0f} tokens per GPU** ({s}, "
+            f"{crossover[s]['tokens'] / 1024:.2f} sequences of 1024; link busy "
+            f"{crossover[s]['link'] * 1e3:.1f} ms)"
+            for s in settings
+        )
+        + ", from the compute of one sequence of 1024 tokens scaled linearly and the update added; "
+        "DDP, which hides its all-reduces behind the backward only, has its link busy longer than "
+        "its backward below "
+        + "; ".join(f"{crossover[s]['tokens_backward']:.0f} tokens ({s})" for s in settings)
+        + "."
+    )
     return text, crossover, sweep
 
 
-def write_figure(path: str, results: Dict[Tuple[str, str], List[Prediction]], names: Sequence[str],
-                 settings: Sequence[str], what: str, source: str = "") -> None:
+def write_figure(
+    path: str,
+    results: dict[tuple[str, str], list[Prediction]],
+    names: Sequence[str],
+    settings: Sequence[str],
+    what: str,
+    source: str = "",
+) -> None:
     """One panel per model (columns) and setting (rows). ``source``: where the profiles came
     from, for the title (default: this script's FLOP counts on V100 nodes)."""
     import matplotlib
@@ -297,18 +385,32 @@ def write_figure(path: str, results: Dict[Tuple[str, str], List[Prediction]], na
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(settings), len(names), figsize=(max(5 * len(names), 12), 3.8 * len(settings) + 0.4),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(settings),
+        len(names),
+        figsize=(max(5 * len(names), 12), 3.8 * len(settings) + 0.4),
+        squeeze=False,
+    )
     for row, setting in enumerate(settings):
         for col, name in enumerate(names):
             model = MODELS[name]
             rate = "" if source else f" ({RATES[setting] / 1e12:g} TFLOP/s)"
-            plot_throughput(axes[row][col], results[(setting, name)], model.batch,
-                            f"{model.title}, {model.batch} {model.short_unit}/GPU, {setting}{rate}")
+            plot_throughput(
+                axes[row][col],
+                results[(setting, name)],
+                model.batch,
+                f"{model.title}, {model.batch} {model.short_unit}/GPU, {setting}{rate}",
+            )
             axes[row][col].set_xlabel("GPUs (8 per node)")
             axes[row][col].set_ylabel(f"{model.short_unit}/s")
-    fig.suptitle(f"{what}, " + (source or f"predicted from FLOP counts (sapipe.schedule.predict)\n"
-                                           f"V100 nodes, NVLink inside, {INTER} between"))
+    fig.suptitle(
+        f"{what}, "
+        + (
+            source
+            or f"predicted from FLOP counts (sapipe.schedule.predict)\n"
+            f"V100 nodes, NVLink inside, {INTER} between"
+        )
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -318,14 +420,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", default="1,2,4,8")
     p.add_argument("--settings", default="fp32,amp", help=f"compute rates, of {list(RATES)}")
-    p.add_argument("--out", default=RESULTS, help="folder for scaling.md, the figures and scaling/<model>.json")
+    p.add_argument(
+        "--out", default=RESULTS, help="folder for scaling.md, the figures and scaling/<model>.json"
+    )
     args = p.parse_args()
     nodes = [int(n) for n in args.nodes.split(",")]
     settings = [s for s in args.settings.split(",") if s]
     os.makedirs(os.path.join(args.out, "scaling"), exist_ok=True)
-    results: Dict[Tuple[str, str], List[Prediction]] = {}
-    profiles: Dict[Tuple[str, str], SavedProfile] = {}
-    tables: Dict[str, str] = {}
+    results: dict[tuple[str, str], list[Prediction]] = {}
+    profiles: dict[tuple[str, str], SavedProfile] = {}
+    tables: dict[str, str] = {}
     for name, model in MODELS.items():
         for setting in settings:
             started = time.perf_counter()
@@ -334,32 +438,63 @@ def main() -> None:
             profile.save(path)
             profiles[(setting, name)] = profile
             results[(setting, name)] = [predict(profile, n, GPUS_PER_NODE, INTER) for n in nodes]
-            print(f"[scaling] {name} {setting}: {len(profile.layers)} layers, compute "
-                  f"{profile.compute_time * 1e3:.1f} ms, {time.perf_counter() - started:.1f} s", file=sys.stderr)
+            print(
+                f"[scaling] {name} {setting}: {len(profile.layers)} layers, compute "
+                f"{profile.compute_time * 1e3:.1f} ms, {time.perf_counter() - started:.1f} s",
+                file=sys.stderr,
+            )
             tables[(setting, name)] = (
                 f"### {model.title}, {setting}: {model.batch} {model.unit} per GPU\n\n"
                 f"Profile `{os.path.relpath(path, REPO)}`: {len(profile.layers)} layers, "
                 f"{sum(profile.numel) / 1e6:.1f} M parameters, compute "
                 f"{profile.compute_time * 1e3:.1f} ms per iteration (of which the update "
                 f"{profile.update_time * 1e3:.2f} ms); gradients {sum(profile.layer_bytes) / 2**20:.1f} MiB.\n\n"
-                + format_table(results[(setting, name)], model.batch))
+                + format_table(results[(setting, name)], model.batch)
+            )
     for figure, (names, what) in FIGURES.items():
         write_figure(os.path.join(args.out, figure), results, names, settings, what)
     gpt2_text, crossover, sweep = gpt2_batches(settings, nodes[-1])
-    command = "python benchmarks/scaling.py" + ("" if len(sys.argv) == 1 else " " + " ".join(sys.argv[1:]))
-    sections = {figure: [tables[(s, n)] for n in names for s in settings] for figure, (names, _) in FIGURES.items()}
+    command = "python benchmarks/scaling.py" + (
+        "" if len(sys.argv) == 1 else " " + " ".join(sys.argv[1:])
+    )
+    sections = {
+        figure: [tables[(s, n)] for n in names for s in settings]
+        for figure, (names, _) in FIGURES.items()
+    }
     heads = {figure: headline(results, names, settings) for figure, (names, _) in FIGURES.items()}
     sens, slower = sensitivity(profiles, nodes[-1])
     with open(os.path.join(args.out, "scaling.md"), "w") as f:
-        f.write(report(command, heads, sections, gpt2_text, sens, _shape_notes(results), results, crossover, sweep,
-                       slower, profiles))
+        f.write(
+            report(
+                command,
+                heads,
+                sections,
+                gpt2_text,
+                sens,
+                _shape_notes(results),
+                results,
+                crossover,
+                sweep,
+                slower,
+                profiles,
+            )
+        )
     print("\n\n".join(heads.values()) + "\n\n" + gpt2_text + "\n\n" + sens)
 
 
-def report(command: str, heads: Dict[str, str], sections: Dict[str, List[str]], gpt2_text: str, sens: str,
-           notes: Sequence[str], results: Dict[Tuple[str, str], List[Prediction]],
-           crossover: Dict[str, Dict[str, float]], sweep: Dict[Tuple[str, int, int], Prediction],
-           slower: Dict[Tuple[str, str, str], Prediction], profiles: Dict[Tuple[str, str], SavedProfile]) -> str:
+def report(
+    command: str,
+    heads: dict[str, str],
+    sections: dict[str, list[str]],
+    gpt2_text: str,
+    sens: str,
+    notes: Sequence[str],
+    results: dict[tuple[str, str], list[Prediction]],
+    crossover: dict[str, dict[str, float]],
+    sweep: dict[tuple[str, int, int], Prediction],
+    slower: dict[tuple[str, str, str], Prediction],
+    profiles: dict[tuple[str, str], SavedProfile],
+) -> str:
     batches = "; ".join(f"{m.title}: {m.batch} {m.unit}" for m in MODELS.values())
     assumptions = (
         f"| what | assumed |\n| --- | --- |\n"
@@ -380,43 +515,59 @@ def report(command: str, heads: Dict[str, str], sections: Dict[str, List[str]], 
         f"| inside a node | ring over NVLink, {NVLINK.rate / 1e9:g} GB/s bus bandwidth, "
         f"{NVLINK.latency * 1e6:g} µs per step (the profile is of one node of 8; the prediction derives it back) |\n"
         f"| between nodes | `{INTER}`: 100 Gbit/s per node, 5 µs per ring step |\n"
-        f"| σ, clipping | 0 (GPU), none (`sync_at_step` False) |\n")
-    return (f"# Predicted scaling: VGG-16 and ResNet-50 (CIFAR-10, ImageNet), GPT-2 on V100 nodes\n\n"
-            f"```\n{command}\n```\n\n"
-            "(one command, seconds on a CPU; it writes this file, `scaling.png`, `scaling_imagenet.png` and the "
-            "profiles in `scaling/`.) No GPU was used: each model's profile is derived from FLOP counts under the "
-            "assumptions below (`benchmarks/scaling.py`), then `sapipe.schedule.predict` predicts DDP (k = 0, "
-            "DDP's timeline, one flat all-reduce at a time), Pipe-SGD (k = m) and sapipe (the k "
-            "`stale_layers=\"auto\"` would choose, sums node first) on 1, 2, 4 and 8 nodes of 8 GPUs.\n\n"
-            f"## Assumptions\n\n{assumptions}\n"
-            "## Headline: CIFAR-10 and GPT-2 (`scaling.png`)\n\n"
-            "The paper trains its CV models on CIFAR-10 as well as ImageNet. At 32×32 a GPU computes "
-            + _ratios(profiles) + ", so these are the settings where the link can matter. At "
-            f"{results[next(iter(results))][-1].world_size} GPUs:\n\n"
-            + heads["scaling.png"] + "\n\n![scaling](scaling.png)\n\n"
-            + "\n\n".join(sections["scaling.png"])
-            + "\n\n### GPT-2: the batch per GPU at which it becomes communication-bound\n\n"
-            "The paper gives GPT-2's batch as \"80 tokens\" per GPU, which does not say how many sequences of "
-            "what length (80 sequences of 1024 tokens would need several times a 32 GB V100's memory for "
-            "activations without recomputation; 80 tokens is one short sequence). The tables above keep the earlier choice, 8 sequences of 1024 tokens (8192 tokens) per "
-            "GPU. " + gpt2_text
-            + "\n\n## ImageNet, 224×224 (`scaling_imagenet.png`)\n\nAt 64 GPUs:\n\n" + heads["scaling_imagenet.png"]
-            + "\n\n![scaling, ImageNet](scaling_imagenet.png)\n\n" + "\n\n".join(sections["scaling_imagenet.png"])
-            + "\n\n## Slower links between nodes\n\n" + sens
-            + "\n\n## Against the paper's Figure 3\n\n" + "\n".join(notes) + "\n\n"
-            + comparison(results, crossover, sweep, slower))
+        f"| σ, clipping | 0 (GPU), none (`sync_at_step` False) |\n"
+    )
+    return (
+        f"# Predicted scaling: VGG-16 and ResNet-50 (CIFAR-10, ImageNet), GPT-2 on V100 nodes\n\n"
+        f"```\n{command}\n```\n\n"
+        "(one command, seconds on a CPU; it writes this file, `scaling.png`, `scaling_imagenet.png` and the "
+        "profiles in `scaling/`.) No GPU was used: each model's profile is derived from FLOP counts under the "
+        "assumptions below (`benchmarks/scaling.py`), then `sapipe.schedule.predict` predicts DDP (k = 0, "
+        "DDP's timeline, one flat all-reduce at a time), Pipe-SGD (k = m) and sapipe (the k "
+        '`stale_layers="auto"` would choose, sums node first) on 1, 2, 4 and 8 nodes of 8 GPUs.\n\n'
+        f"## Assumptions\n\n{assumptions}\n"
+        "## Headline: CIFAR-10 and GPT-2 (`scaling.png`)\n\n"
+        "The paper trains its CV models on CIFAR-10 as well as ImageNet. At 32×32 a GPU computes "
+        + _ratios(profiles)
+        + ", so these are the settings where the link can matter. At "
+        f"{results[next(iter(results))][-1].world_size} GPUs:\n\n"
+        + heads["scaling.png"]
+        + "\n\n![scaling](scaling.png)\n\n"
+        + "\n\n".join(sections["scaling.png"])
+        + "\n\n### GPT-2: the batch per GPU at which it becomes communication-bound\n\n"
+        'The paper gives GPT-2\'s batch as "80 tokens" per GPU, which does not say how many sequences of '
+        "what length (80 sequences of 1024 tokens would need several times a 32 GB V100's memory for "
+        "activations without recomputation; 80 tokens is one short sequence). The tables above keep the earlier choice, 8 sequences of 1024 tokens (8192 tokens) per "
+        "GPU. "
+        + gpt2_text
+        + "\n\n## ImageNet, 224×224 (`scaling_imagenet.png`)\n\nAt 64 GPUs:\n\n"
+        + heads["scaling_imagenet.png"]
+        + "\n\n![scaling, ImageNet](scaling_imagenet.png)\n\n"
+        + "\n\n".join(sections["scaling_imagenet.png"])
+        + "\n\n## Slower links between nodes\n\n"
+        + sens
+        + "\n\n## Against the paper's Figure 3\n\n"
+        + "\n".join(notes)
+        + "\n\n"
+        + comparison(results, crossover, sweep, slower)
+    )
 
 
-def _ratios(profiles: Dict[Tuple[str, str], SavedProfile]) -> str:
+def _ratios(profiles: dict[tuple[str, str], SavedProfile]) -> str:
     """How much less a GPU computes per iteration at 32×32 than at 224×224, and how the gradients change."""
     setting = next(iter(profiles))[0]
     parts = []
-    for cifar, imagenet, title in (("vgg16_cifar", "vgg16", "VGG-16"), ("resnet50_cifar", "resnet50", "ResNet-50")):
+    for cifar, imagenet, title in (
+        ("vgg16_cifar", "vgg16", "VGG-16"),
+        ("resnet50_cifar", "resnet50", "ResNet-50"),
+    ):
         small, large = profiles.get((setting, cifar)), profiles.get((setting, imagenet))
         if small and large:
-            parts.append(f"{large.compute_time / small.compute_time:.1f}× less per iteration for {title} with "
-                         f"{sum(large.layer_bytes) / sum(small.layer_bytes):.2f}× fewer gradient bytes "
-                         f"({sum(small.numel) / 1e6:.1f} M parameters against {sum(large.numel) / 1e6:.1f} M)")
+            parts.append(
+                f"{large.compute_time / small.compute_time:.1f}× less per iteration for {title} with "
+                f"{sum(large.layer_bytes) / sum(small.layer_bytes):.2f}× fewer gradient bytes "
+                f"({sum(small.numel) / 1e6:.1f} M parameters against {sum(large.numel) / 1e6:.1f} M)"
+            )
     return "; ".join(parts)
 
 
@@ -426,13 +577,19 @@ def _at(results, setting: str, name: str, mode: str = "sapipe", over: str = "ddp
     return p.modes[over].iteration_time / p.modes[mode].iteration_time
 
 
-def comparison(results: Dict[Tuple[str, str], List[Prediction]], crossover: Dict[str, Dict[str, float]],
-               sweep: Dict[Tuple[str, int, int], Prediction], slower: Dict[Tuple[str, str, str], Prediction]) -> str:
+def comparison(
+    results: dict[tuple[str, str], list[Prediction]],
+    crossover: dict[str, dict[str, float]],
+    sweep: dict[tuple[str, int, int], Prediction],
+    slower: dict[tuple[str, str, str], Prediction],
+) -> str:
     """The comparison with the paper: the numbers are the predictions', the reading is prose
     written from them (re-read it when they change)."""
     have = {s for s, _ in results}
     if not {"fp32", "amp"} <= have:
-        return "(The comparison with the paper is written for the settings fp32 and amp together.)\n"
+        return (
+            "(The comparison with the paper is written for the settings fp32 and amp together.)\n"
+        )
 
     def pct(setting, name, mode="sapipe", over="ddp"):
         return f"{_at(results, setting, name, mode, over) - 1:+.0%}"
@@ -464,29 +621,29 @@ backward, no scheduling), so only the orderings and the size of the gaps can be 
 
 **Where the shape matches.** On CIFAR-10 the curves are no longer all linear for VGG-16:
 DDP bends once the job crosses the network, the stale pipelines stay (near) linear. At {n}
-GPUs sapipe is {pct('fp32', 'vgg16_cifar')} over DDP in fp32 (DDP's efficiency {vgg_fp.efficiency('ddp'):.0%},
-sapipe's {vgg_fp.efficiency('sapipe'):.0%}) and {pct('amp', 'vgg16_cifar')} with amp (DDP {vgg_amp.efficiency('ddp'):.0%},
-Pipe-SGD and sapipe {vgg_amp.efficiency('sapipe'):.0%}, k = {vgg_amp.modes['sapipe'].k} of {vgg_amp.m}). That is the
+GPUs sapipe is {pct("fp32", "vgg16_cifar")} over DDP in fp32 (DDP's efficiency {vgg_fp.efficiency("ddp"):.0%},
+sapipe's {vgg_fp.efficiency("sapipe"):.0%}) and {pct("amp", "vgg16_cifar")} with amp (DDP {vgg_amp.efficiency("ddp"):.0%},
+Pipe-SGD and sapipe {vgg_amp.efficiency("sapipe"):.0%}, k = {vgg_amp.modes["sapipe"].k} of {vgg_amp.m}). That is the
 paper's ordering (DDP lowest, Pipe-SGD and SAPipe on top), and the amp gap is about the
 paper's 57 % over BytePS, a coincidence of the stated rates more than a reproduction (it
 moves with the compute rate and the link; see the sensitivity table). As in a figure of
 throughput against workers, the gap opens between 8 and 16 GPUs (the first hop over the
 network) and then grows only slowly, as a ring's time barely grows with the number of
-nodes. GPT-2 with 8 × 1024 tokens per GPU gains {pct('fp32', 'gpt2')} (fp32) and {pct('amp', 'gpt2')} (amp) at {n}
-GPUs; it becomes communication-bound below about {crossover['fp32']['tokens']:.0f} (fp32) /
-{crossover['amp']['tokens']:.0f} (amp) tokens per GPU, and the stale pipelines' gain over DDP peaks near there:
-{best('fp32')[0]:+.0%} at {best('fp32')[1]} tokens (fp32), {best('amp')[0]:+.0%} at {best('amp')[1]} tokens (amp). So the paper's
+nodes. GPT-2 with 8 × 1024 tokens per GPU gains {pct("fp32", "gpt2")} (fp32) and {pct("amp", "gpt2")} (amp) at {n}
+GPUs; it becomes communication-bound below about {crossover["fp32"]["tokens"]:.0f} (fp32) /
+{crossover["amp"]["tokens"]:.0f} (amp) tokens per GPU, and the stale pipelines' gain over DDP peaks near there:
+{best("fp32")[0]:+.0%} at {best("fp32")[1]} tokens (fp32), {best("amp")[0]:+.0%} at {best("amp")[1]} tokens (amp). So the paper's
 remark that BytePS keeps a large communication overhead for GPT-2 fits a batch of a few
 hundred to a few thousand tokens per GPU.
 
 **Where it does not.** ResNet-50 on CIFAR-10 stays close to linear: 23.5 M parameters
 (90 MiB of gradients) against {res_fp.compute_time * 1e3:.0f} ms (fp32) / {res_amp.compute_time * 1e3:.0f} ms (amp) of
-compute, sapipe {pct('fp32', 'resnet50_cifar')} / {pct('amp', 'resnet50_cifar')} over DDP at {n} GPUs, far below the
+compute, sapipe {pct("fp32", "resnet50_cifar")} / {pct("amp", "resnet50_cifar")} over DDP at {n} GPUs, far below the
 paper's tens of percent; ImageNet VGG-16 and ResNet-50 stay compute-bound (sapipe
-{pct('fp32', 'vgg16')} and {pct('fp32', 'resnet50')} in fp32, {pct('amp', 'vgg16')} and {pct('amp', 'resnet50')} with amp).
+{pct("fp32", "vgg16")} and {pct("fp32", "resnet50")} in fp32, {pct("amp", "vgg16")} and {pct("amp", "resnet50")} with amp).
 Taken literally, "80 tokens" per GPU makes GPT-2 so communication-bound that the link is the
-bottleneck for every mode: the stale pipelines gain only {tokens80('fp32')},
-{tokens80('amp')}, and all curves would be far below linear. No model
+bottleneck for every mode: the stale pipelines gain only {tokens80("fp32")},
+{tokens80("amp")}, and all curves would be far below linear. No model
 comes near +203 % (Horovod): Pipe-SGD can at best hide the whole all-reduce behind the
 compute, so in this model it gains at most about 2× over a DDP that overlapped nothing
 (link and compute equally long); 3× needs a baseline slower than its link and compute
@@ -494,14 +651,14 @@ added, which the model does not produce. Reasons the paper's gaps are larger, no
 measured here: (1) the model's links run at their nominal rate with ideal rings, where real
 NCCL/Gloo over TCP, BytePS's CPU servers and Horovod's negotiation reach well below
 100 Gbit/s (the sensitivity table shows how the gaps move as the effective rate falls:
-ResNet-50 on CIFAR-10 gains {slower[('amp', 'resnet50_cifar', '40gbit,5us')].speedup('sapipe') - 1:+.0%} with amp at 40 Gbit/s); (2) DDP
+ResNet-50 on CIFAR-10 gains {slower[("amp", "resnet50_cifar", "40gbit,5us")].speedup("sapipe") - 1:+.0%} with amp at 40 Gbit/s); (2) DDP
 is modelled with perfect overlap of every bucket with the backward that follows it, better
 than Horovod without tuning; (3) the compute rates are ResNet-50's on ImageNet; a V100 on
 32×32 images, whose small convolutions use it less well, may compute more slowly (which
 would shrink the CIFAR-10 gaps). And sapipe never beats Pipe-SGD here: sapipe / Pipe-SGD
-throughput at {n} GPUs is {_at(results, 'fp32', 'vgg16_cifar', 'sapipe', 'pipesgd'):.3f} / {_at(results, 'amp', 'vgg16_cifar', 'sapipe', 'pipesgd'):.3f} (VGG-16, CIFAR-10,
-fp32 / amp), {_at(results, 'fp32', 'resnet50_cifar', 'sapipe', 'pipesgd'):.3f} / {_at(results, 'amp', 'resnet50_cifar', 'sapipe', 'pipesgd'):.3f} (ResNet-50) and {_at(results, 'fp32', 'gpt2', 'sapipe', 'pipesgd'):.3f} /
-{_at(results, 'amp', 'gpt2', 'sapipe', 'pipesgd'):.3f} (GPT-2): with the same runtime k = m hides the most, and sapipe takes
+throughput at {n} GPUs is {_at(results, "fp32", "vgg16_cifar", "sapipe", "pipesgd"):.3f} / {_at(results, "amp", "vgg16_cifar", "sapipe", "pipesgd"):.3f} (VGG-16, CIFAR-10,
+fp32 / amp), {_at(results, "fp32", "resnet50_cifar", "sapipe", "pipesgd"):.3f} / {_at(results, "amp", "resnet50_cifar", "sapipe", "pipesgd"):.3f} (ResNet-50) and {_at(results, "fp32", "gpt2", "sapipe", "pipesgd"):.3f} /
+{_at(results, "amp", "gpt2", "sapipe", "pipesgd"):.3f} (GPT-2): with the same runtime k = m hides the most, and sapipe takes
 the smallest k within 3 % of it by design; the paper's 6 % over Pipe-SGD comes from its
 runtime optimisations over its own Pipe-SGD implementation, which a model of one runtime
 cannot show.

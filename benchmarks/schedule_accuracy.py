@@ -25,6 +25,7 @@ within 3% of its measured time), and the second with the first (the noise floor)
 
     python benchmarks/schedule_accuracy.py --models gpt2,vgg16 --rates unlimited,100mbit
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,14 +42,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import hostenv  # noqa: E402
+
 from sapipe.launch import netns  # noqa: E402
 
 
 def worker(args) -> None:
+    import bench_models
     import torch
     import torch.distributed as dist
 
-    import bench_models
     import sapipe
 
     torch.set_num_threads(1)
@@ -77,10 +79,16 @@ def worker(args) -> None:
     def setup(stale_layers, **search):
         model = spec.make_model()
         opt = sapipe.DistributedOptimizer(
-            spec.make_optimizer(model.parameters()), model, stale_layers=stale_layers, profile_steps=args.profile_steps,
-            trace=args.trace_comm, **search,
+            spec.make_optimizer(model.parameters()),
+            model,
+            stale_layers=stale_layers,
+            profile_steps=args.profile_steps,
+            trace=args.trace_comm,
+            **search,
         )
-        for _ in range(500):  # "auto" profiles, then measures its k on the job: train until k is final
+        for _ in range(
+            500
+        ):  # "auto" profiles, then measures its k on the job: train until k is final
             if opt.stale_layers != "auto":
                 break
             opt.zero_grad()
@@ -110,19 +118,36 @@ def worker(args) -> None:
     auto_run = setup("auto")
     auto_opt, controller = auto_run[0], auto_run[0].auto  # controller: the public auto-k state
     d, tuner = controller.decision, controller.tuner
-    results = {"m": d.m, "k": d.k, "kappa": d.kappa, "comm_bound": d.comm_bound, "summary": d.summary(),
-               "model_k": tuner.first_k if tuner else d.k,
-               "tuning": tuner.summary() if tuner else "not measured (model's k is 0 or m)"}
-    results["predicted"] = {"0": d.iteration_time_sync, "auto": d.iteration_time, "m": d.iteration_time_all_stale}
+    results = {
+        "m": d.m,
+        "k": d.k,
+        "kappa": d.kappa,
+        "comm_bound": d.comm_bound,
+        "summary": d.summary(),
+        "model_k": tuner.first_k if tuner else d.k,
+        "tuning": tuner.summary() if tuner else "not measured (model's k is 0 or m)",
+    }
+    results["predicted"] = {
+        "0": d.iteration_time_sync,
+        "auto": d.iteration_time,
+        "m": d.iteration_time_all_stale,
+    }
     runs = {str(d.k): auto_run}
     results["decided_at"] = controller.decided_at
-    if args.compare_search:  # the search without a budget (bisection, trials of 10), twice, on the same job
+    if (
+        args.compare_search
+    ):  # the search without a budget (bisection, trials of 10), twice, on the same job
         results["slow_search"] = []
         for _ in range(2):
             slow_run = setup("auto", auto_budget=None, tune_steps=10)
             slow = slow_run[0].auto
-            results["slow_search"].append({"k": slow.decision.k, "decided_at": slow.decided_at,
-                                           "tuning": slow.tuner.summary() if slow.tuner else "not measured"})
+            results["slow_search"].append(
+                {
+                    "k": slow.decision.k,
+                    "decided_at": slow.decided_at,
+                    "tuning": slow.tuner.summary() if slow.tuner else "not measured",
+                }
+            )
             runs.setdefault(str(slow.decision.k), slow_run)
     for expr in ["0", "m"] + list(filter(None, args.sweep_k.split(","))):
         k = min(d.m, max(0, int(round(eval(expr, {"m": d.m})))))  # noqa: S307 - our own CLI, e.g. "m/2"
@@ -133,7 +158,7 @@ def worker(args) -> None:
     times = {key: [] for key in runs}
     per_round = max(1, math.ceil(args.steps / args.rounds))
     for r in range(args.rounds):
-        for key in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+        for key in list(runs) if r % 2 == 0 else list(runs)[::-1]:
             times[key] += timed_chunk(*runs[key], per_round)
     # The mean: a saturated link often alternates long and short iterations; only the mean is the rate.
     mean = {key: statistics.fmean(ts) for key, ts in times.items()}
@@ -150,10 +175,17 @@ def worker(args) -> None:
         "numel": [layer.numel for layer in auto_opt.layers],
         "bucket_cap_bytes": int(auto_opt.settings.bucket_cap_mb * 1024 * 1024),
         "sync_at_step": bool(controller.sync_at_step),  # the timeline auto modelled
-        "profile": {"forward": prof.forward, "backward": prof.backward, "step_time": prof.step_time,
-                    "alpha": prof.alpha, "beta": prof.beta, "slowdown": prof.slowdown,
-                    "beta_isolated": prof.beta_isolated, "beta_observed": prof.beta_observed,
-                    "update_time": prof.update_time},
+        "profile": {
+            "forward": prof.forward,
+            "backward": prof.backward,
+            "step_time": prof.step_time,
+            "alpha": prof.alpha,
+            "beta": prof.beta,
+            "slowdown": prof.slowdown,
+            "beta_isolated": prof.beta_isolated,
+            "beta_observed": prof.beta_observed,
+            "update_time": prof.update_time,
+        },
         "ranks": ranks,
         "measured_times": times,
         "comm_spans": comm_log,
@@ -173,7 +205,11 @@ def worker(args) -> None:
 VARIANTS = {  # name: (link fitted from, compute slow-down σ, shared link)
     "previous": ("isolated", False, False),  # isolated probes, one transfer at a time, no CPU cost
     "observed": ("observed", False, False),
-    "runtime": ("observed", False, True),  # what stale_layers="auto" decides with (before σ is fitted to trials)
+    "runtime": (
+        "observed",
+        False,
+        True,
+    ),  # what stale_layers="auto" decides with (before σ is fitted to trials)
     "observed+slowdown": ("observed", True, False),  # σ only where the raw file has a probe sample
     "runtime+slowdown": ("observed", True, True),
 }
@@ -181,13 +217,14 @@ VARIANTS = {  # name: (link fitted from, compute slow-down σ, shared link)
 
 def replay(path: str, variants) -> str:
     """Re-predict every job of a raw file with each model variant, against its measured times."""
-    from sapipe.schedule import LayerProfile, simulate
-    from sapipe.schedule import profiler
+    from sapipe.schedule import LayerProfile, profiler, simulate
 
     with open(path) as f:
         saved = json.load(f)
-    lines = ["| job | k | measured ms | " + " | ".join(variants) + " |",
-             "| --- | --- | ---: | " + " | ".join("---:" for _ in variants) + " |"]
+    lines = [
+        "| job | k | measured ms | " + " | ".join(variants) + " |",
+        "| --- | --- | ---: | " + " | ".join("---:" for _ in variants) + " |",
+    ]
     for job, r in saved["jobs"].items():
         raw = r["raw"]
         m = len(raw["layers"])
@@ -204,19 +241,40 @@ def replay(path: str, variants) -> str:
             link = [[tuple(x) for x in rank["link_samples"]] for rank in raw["ranks"]]
             prof = profiler.combine(rows, m, raw["ranks"][0]["probe_sizes"], link, s)
             beta = prof.beta if fit == "observed" else prof.beta_isolated
-            profiles = [LayerProfile(n, u, b, prof.alpha + beta * nb, numel) for n, u, b, nb, numel in
-                        zip(raw["layers"], prof.forward, prof.backward, raw["layer_bytes"], raw["numel"])]
+            profiles = [
+                LayerProfile(n, u, b, prof.alpha + beta * nb, numel)
+                for n, u, b, nb, numel in zip(
+                    raw["layers"], prof.forward, prof.backward, raw["layer_bytes"], raw["numel"]
+                )
+            ]
             predictions[name] = {
-                k: simulate(profiles, int(k), bucket_cap_bytes=raw["bucket_cap_bytes"], alpha=prof.alpha, beta=beta,
-                            bytes_per_layer=raw["layer_bytes"], step_time=prof.step_time, slowdown=s,
-                            shared_link=shared, record_events=False,
-                            update_per_element=prof.update_time / sum(raw["numel"]),
-                            sync_at_step=raw.get("sync_at_step", False)).iteration_time
-                for k in raw["measured_times"]}
+                k: simulate(
+                    profiles,
+                    int(k),
+                    bucket_cap_bytes=raw["bucket_cap_bytes"],
+                    alpha=prof.alpha,
+                    beta=beta,
+                    bytes_per_layer=raw["layer_bytes"],
+                    step_time=prof.step_time,
+                    slowdown=s,
+                    shared_link=shared,
+                    record_events=False,
+                    update_per_element=prof.update_time / sum(raw["numel"]),
+                    sync_at_step=raw.get("sync_at_step", False),
+                ).iteration_time
+                for k in raw["measured_times"]
+            }
         for k in sorted(raw["measured_times"], key=int):
             meas = statistics.fmean(raw["measured_times"][k])
-            cells = [f"{predictions[v][k] * 1e3:.1f} ({(predictions[v][k] - meas) / meas:+.0%})" for v in variants]
-            lines.append(f"| {job} | {k}{' (auto)' if int(k) == r['k'] else ''} | {meas * 1e3:.1f} | " + " | ".join(cells) + " |")
+            cells = [
+                f"{predictions[v][k] * 1e3:.1f} ({(predictions[v][k] - meas) / meas:+.0%})"
+                for v in variants
+            ]
+            lines.append(
+                f"| {job} | {k}{' (auto)' if int(k) == r['k'] else ''} | {meas * 1e3:.1f} | "
+                + " | ".join(cells)
+                + " |"
+            )
         lines.append(f"| {job} σ={sigma:.2f} | | | " + " | ".join("" for _ in variants) + " |")
     return "\n".join(lines)
 
@@ -237,9 +295,11 @@ def search_table(jobs) -> str:
     """The budgeted search's pick against the unbudgeted one's, per job: the iteration each
     decided by, the picks' measured times, and whether they agree (the same k, or within 3%).
     The unbudgeted search ran twice: how often it agrees with itself is the noise floor."""
-    lines = ["| job | budget 30: k, decided by | no budget: k, decided by | again: k, decided by | "
-             "ms/iter: budget / none / again | budget agrees | none agrees with itself |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| job | budget 30: k, decided by | no budget: k, decided by | again: k, decided by | "
+        "ms/iter: budget / none / again | budget agrees | none agrees with itself |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     agreed = consistent = 0
     for job, r in jobs.items():
         slow, again = r["slow_search"]
@@ -247,12 +307,16 @@ def search_table(jobs) -> str:
         ok = r["k"] == slow["k"] or fast_t <= slow_t * 1.03
         same = again["k"] == slow["k"] or again_t <= slow_t * 1.03
         agreed, consistent = agreed + ok, consistent + same
-        lines.append(f"| {job} | {r['k']}, {r['decided_at']} | {slow['k']}, {slow['decided_at']} | "
-                     f"{again['k']}, {again['decided_at']} | {fast_t * 1e3:.1f} / {slow_t * 1e3:.1f} / "
-                     f"{again_t * 1e3:.1f} | {'yes' if ok else 'NO'} | {'yes' if same else 'NO'} |")
-    lines.append(f"\nThe budgeted search agrees with the unbudgeted one in {agreed} of {len(jobs)} jobs; the "
-                 f"unbudgeted one with its own second run in {consistent} of {len(jobs)} (agree: the same k, "
-                 "or one within 3% of the first unbudgeted pick's measured time).")
+        lines.append(
+            f"| {job} | {r['k']}, {r['decided_at']} | {slow['k']}, {slow['decided_at']} | "
+            f"{again['k']}, {again['decided_at']} | {fast_t * 1e3:.1f} / {slow_t * 1e3:.1f} / "
+            f"{again_t * 1e3:.1f} | {'yes' if ok else 'NO'} | {'yes' if same else 'NO'} |"
+        )
+    lines.append(
+        f"\nThe budgeted search agrees with the unbudgeted one in {agreed} of {len(jobs)} jobs; the "
+        f"unbudgeted one with its own second run in {consistent} of {len(jobs)} (agree: the same k, "
+        "or one within 3% of the first unbudgeted pick's measured time)."
+    )
     return "\n".join(lines)
 
 
@@ -264,13 +328,35 @@ def launch(model: str, size: str, rate: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        cmd = [
-            torchrun, "--standalone", f"--nproc_per_node={args.ranks}", os.path.abspath(__file__), "--worker",
-            "--model", model, "--size", size, "--out", out, "--steps", str(args.steps),
-            "--profile-steps", str(args.profile_steps), "--sweep-k", args.sweep_k, "--rounds", str(args.rounds),
-        ] + (["--trace-comm"] if args.trace_comm else []) + (["--compare-search"] if args.compare_search else [])
+        cmd = (
+            [
+                torchrun,
+                "--standalone",
+                f"--nproc_per_node={args.ranks}",
+                os.path.abspath(__file__),
+                "--worker",
+                "--model",
+                model,
+                "--size",
+                size,
+                "--out",
+                out,
+                "--steps",
+                str(args.steps),
+                "--profile-steps",
+                str(args.profile_steps),
+                "--sweep-k",
+                args.sweep_k,
+                "--rounds",
+                str(args.rounds),
+            ]
+            + (["--trace-comm"] if args.trace_comm else [])
+            + (["--compare-search"] if args.compare_search else [])
+        )
         env = hostenv.worker_env(OMP_NUM_THREADS="1")
-        proc = subprocess.run(netns.wrap(cmd, netns.parse_spec(rate)), capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            netns.wrap(cmd, netns.parse_spec(rate)), capture_output=True, text=True, env=env
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{model} @ {rate} failed:\n{proc.stderr[-3000:]}")
         with open(out) as f:
@@ -284,22 +370,45 @@ def main() -> None:
     p.add_argument("--rates", default="unlimited,100mbit")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=4, help="timed steps are split into this many interleaved rounds")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="timed steps are split into this many interleaved rounds",
+    )
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--output", default=os.path.join(HERE, "results", "schedule_accuracy.md"))
-    p.add_argument("--raw", default=os.path.join(HERE, "results", "schedule_accuracy_raw.json"),
-                   help="where to write every job's raw profile and measured times (JSON); '' for nowhere")
-    p.add_argument("--trace-comm", action="store_true",
-                   help="record every timed all-reduce (start, done) into the raw file (adds tracing overhead)")
-    p.add_argument("--sweep-k", default="", help="extra k to time, for the raw file: e.g. '1,m/4,m/2'")
-    p.add_argument("--compare-search", action="store_true",
-                   help="also run auto without a budget (auto_budget=None, tune_steps=10) and compare the two picks")
+    p.add_argument(
+        "--raw",
+        default=os.path.join(HERE, "results", "schedule_accuracy_raw.json"),
+        help="where to write every job's raw profile and measured times (JSON); '' for nowhere",
+    )
+    p.add_argument(
+        "--trace-comm",
+        action="store_true",
+        help="record every timed all-reduce (start, done) into the raw file (adds tracing overhead)",
+    )
+    p.add_argument(
+        "--sweep-k", default="", help="extra k to time, for the raw file: e.g. '1,m/4,m/2'"
+    )
+    p.add_argument(
+        "--compare-search",
+        action="store_true",
+        help="also run auto without a budget (auto_budget=None, tune_steps=10) and compare the two picks",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--replay", metavar="RAW_JSON",
-                   help="no run: re-predict a raw file's jobs with every model variant (offline evaluation)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="with --replay: which, of " + ", ".join(VARIANTS))
+    p.add_argument(
+        "--replay",
+        metavar="RAW_JSON",
+        help="no run: re-predict a raw file's jobs with every model variant (offline evaluation)",
+    )
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="with --replay: which, of " + ", ".join(VARIANTS),
+    )
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -310,20 +419,38 @@ def main() -> None:
     if not ok:
         sys.exit(f"cannot emulate a network here: {why}")
     rows = []
-    raw = {"command": "python benchmarks/schedule_accuracy.py " + " ".join(sys.argv[1:]), "jobs": {}}
+    raw = {
+        "command": "python benchmarks/schedule_accuracy.py " + " ".join(sys.argv[1:]),
+        "jobs": {},
+    }
     for model in args.models.split(","):
         for rate in args.rates.split(","):
-            print(f"[schedule_accuracy] {model}/{args.size} @ {rate} (load {os.getloadavg()[0]:.2f}) ...",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[schedule_accuracy] {model}/{args.size} @ {rate} (load {os.getloadavg()[0]:.2f}) ...",
+                file=sys.stderr,
+                flush=True,
+            )
             r = launch(model, args.size, rate, args)
             raw["jobs"][f"{model}/{args.size}@{rate}"] = r
             if args.raw:
                 with open(args.raw, "w") as f:
                     json.dump(raw, f)
-            auto = f"auto={r['k']}" + (f" (model: {r['model_k']})" if r.get("model_k", r["k"]) != r["k"] else "")
+            auto = f"auto={r['k']}" + (
+                f" (model: {r['model_k']})" if r.get("model_k", r["k"]) != r["k"] else ""
+            )
             for key, label in (("0", "0"), ("auto", auto), ("m", f"m={r['m']}")):
                 pred, meas = r["predicted"][key], r["measured"][key]
-                rows.append((model, rate, label, pred, meas, (pred - meas) / meas, r["kappa"] if key == "auto" else None))
+                rows.append(
+                    (
+                        model,
+                        rate,
+                        label,
+                        pred,
+                        meas,
+                        (pred - meas) / meas,
+                        r["kappa"] if key == "auto" else None,
+                    )
+                )
             print(f"  {r['summary']}; {r.get('tuning')}", file=sys.stderr, flush=True)
     lines = [
         "| model | bandwidth | k | predicted ms/iter | measured ms/iter | error | κ (auto) |",
@@ -331,7 +458,9 @@ def main() -> None:
     ]
     for model, rate, label, pred, meas, err, kappa in rows:
         kap = f"{kappa:.1%}" if kappa is not None else ""
-        lines.append(f"| {model} | {rate} | {label} | {pred * 1e3:.1f} | {meas * 1e3:.1f} | {err:+.1%} | {kap} |")
+        lines.append(
+            f"| {model} | {rate} | {label} | {pred * 1e3:.1f} | {meas * 1e3:.1f} | {err:+.1%} | {kap} |"
+        )
     table = "\n".join(lines)
     if args.compare_search:
         table += "\n\n" + search_table(raw["jobs"])
@@ -339,8 +468,10 @@ def main() -> None:
     command = "python benchmarks/schedule_accuracy.py " + " ".join(sys.argv[1:])
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "a") as f:
-        f.write(f"\n## {time.strftime('%Y-%m-%d %H:%M')} — `{command}`\n\n"
-                f"Optimizers: torch's with `fused=True` (bench_models).\n\n{table}\n")
+        f.write(
+            f"\n## {time.strftime('%Y-%m-%d %H:%M')} — `{command}`\n\n"
+            f"Optimizers: torch's with `fused=True` (bench_models).\n\n{table}\n"
+        )
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ Sampling reads nothing of the model or its gradients: a walk over live tensors t
     python benchmarks/soak.py --json           # the samples and verdicts as JSON
     python benchmarks/soak.py --out soak.md    # also write the report there
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,6 +84,7 @@ VOCAB, WIDTH, BLOCKS, CLASSES, BATCH, CONTEXT = 8192, 128, 2, 64, 8, 16
 
 # ============================================================================ the job (each rank)
 
+
 def make_model():
     import torch
     from torch import nn
@@ -94,8 +96,14 @@ def make_model():
             super().__init__()
             self.embed = nn.Embedding(VOCAB, WIDTH)
             self.blocks = nn.ModuleList(
-                nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
-                for _ in range(BLOCKS))
+                nn.Sequential(
+                    nn.LayerNorm(WIDTH),
+                    nn.Linear(WIDTH, 4 * WIDTH),
+                    nn.GELU(),
+                    nn.Linear(4 * WIDTH, WIDTH),
+                )
+                for _ in range(BLOCKS)
+            )
             self.head = nn.Linear(WIDTH, CLASSES)
 
         def forward(self, tokens):
@@ -113,8 +121,10 @@ def batch(iteration: int, rank: int):
     import torch
 
     gen = torch.Generator().manual_seed(iteration * 1000 + rank)
-    return (torch.randint(0, VOCAB, (BATCH, CONTEXT), generator=gen),
-            torch.randint(0, CLASSES, (BATCH, CONTEXT), generator=gen))
+    return (
+        torch.randint(0, VOCAB, (BATCH, CONTEXT), generator=gen),
+        torch.randint(0, CLASSES, (BATCH, CONTEXT), generator=gen),
+    )
 
 
 def rss_mib() -> float:
@@ -135,8 +145,21 @@ def heap_mib():
         return None, None
 
     class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
 
     info.restype = MallInfo2
     m = info()
@@ -176,8 +199,14 @@ class Job:
         self.args, self.rank, self.dir = args, rank, directory
         self.model = make_model()
         self.opt = sapipe.DistributedOptimizer(
-            torch.optim.Adam(self.model.parameters(), lr=1e-3), self.model, stale_layers="auto",
-            compensation="wp1", compression="int8", bucket_cap_mb=args.bucket_cap_mb, timeout=300)
+            torch.optim.Adam(self.model.parameters(), lr=1e-3),
+            self.model,
+            stale_layers="auto",
+            compensation="wp1",
+            compression="int8",
+            bucket_cap_mb=args.bucket_cap_mb,
+            timeout=300,
+        )
         self.iteration = 0  # the optimizer's: which batch comes next (rewound by a checkpoint)
         self.steps = 0  # loop steps run, replays and detours included: the soak's clock
         self.times = []  # seconds per loop step
@@ -221,7 +250,9 @@ class Job:
             self._gc_start = time.perf_counter()
         elif self._gc_start is not None:
             step = self.steps + 1  # the step running now (or the next one, between steps)
-            self.gc_ms[step] = self.gc_ms.get(step, 0.0) + 1e3 * (time.perf_counter() - self._gc_start)
+            self.gc_ms[step] = self.gc_ms.get(step, 0.0) + 1e3 * (
+                time.perf_counter() - self._gc_start
+            )
             self._gc_start = None
 
     def _watch_layout(self) -> None:
@@ -231,17 +262,28 @@ class Job:
         self._layout_id = id(buckets[0])
         k = stale_k(self.opt)
         self.layouts.append((self.steps, k))
-        if self.decided_k is None and self.opt.stale_layers == "auto":  # k not final yet: keep this layout's state
+        if (
+            self.decided_k is None and self.opt.stale_layers == "auto"
+        ):  # k not final yet: keep this layout's state
             self.search_checkpoints.append((k, self.save(f"search-{len(self.search_checkpoints)}")))
 
     def _sample(self) -> None:
-        window = self.times[-self.args.sample_every:]
+        window = self.times[-self.args.sample_every :]
         gc.collect()  # the objects counted are the live ones
         in_use, free = heap_mib()
-        self.samples.append({"step": self.steps, "rss_mib": rss_mib(), "threads": threads(),
-                             "median_ms": 1e3 * statistics.median(window), "k": stale_k(self.opt),
-                             "loss": self.loss, "objects": len(gc.get_objects()), "heap_in_use_mib": in_use,
-                             "heap_free_mib": free})
+        self.samples.append(
+            {
+                "step": self.steps,
+                "rss_mib": rss_mib(),
+                "threads": threads(),
+                "median_ms": 1e3 * statistics.median(window),
+                "k": stale_k(self.opt),
+                "loss": self.loss,
+                "objects": len(gc.get_objects()),
+                "heap_in_use_mib": in_use,
+                "heap_free_mib": free,
+            }
+        )
         realign()
 
     def save(self, name: str) -> str:
@@ -314,11 +356,20 @@ class Job:
                 self.decided_k, self.decided_step = self.opt.stale_layers, self.steps
         m = len(self.opt.layers)
         self.opt.close()
-        return {"rank": self.rank, "m": m, "decided_k": self.decided_k, "decided_step": self.decided_step,
-                "samples": self.samples, "times_ms": [round(1e3 * t, 3) for t in self.times],
-                "cpu_ms": [round(1e3 * c, 3) for c, _ in self.cpu], "preempted": [n for _, n in self.cpu],
-                "gc_ms": {str(k): round(v, 2) for k, v in self.gc_ms.items() if v >= 1.0},
-                "layouts": self.layouts, "search_ks": [k for k, _ in self.search_checkpoints], "detours": self.detours}
+        return {
+            "rank": self.rank,
+            "m": m,
+            "decided_k": self.decided_k,
+            "decided_step": self.decided_step,
+            "samples": self.samples,
+            "times_ms": [round(1e3 * t, 3) for t in self.times],
+            "cpu_ms": [round(1e3 * c, 3) for c, _ in self.cpu],
+            "preempted": [n for _, n in self.cpu],
+            "gc_ms": {str(k): round(v, 2) for k, v in self.gc_ms.items() if v >= 1.0},
+            "layouts": self.layouts,
+            "search_ks": [k for k, _ in self.search_checkpoints],
+            "detours": self.detours,
+        }
 
 
 def digests(prefix: str, value, out=None) -> dict:
@@ -365,6 +416,7 @@ def worker(args) -> None:
 
 # ============================================================================ verdicts and report
 
+
 def _growth(samples: list, key: str, warmup: int):
     """(relative growth of ``key`` from the first to the last samples after warm-up, start, end),
     each end the median of EDGE_SAMPLES samples; None if there are too few samples."""
@@ -381,107 +433,175 @@ def verdicts(result: dict, warmup: int) -> dict:
     out = {}
     for key, name in (("rss_mib", "rss_flat"), ("threads", "threads_flat")):
         growth = [_growth(r["samples"], key, warmup) for r in ranks]
-        out[name] = {"passed": all(g is not None and g[0] <= GROWTH_LIMIT for g in growth), "limit": GROWTH_LIMIT,
-                     "growth": [None if g is None else g[0] for g in growth],
-                     "start": [None if g is None else g[1] for g in growth],
-                     "end": [None if g is None else g[2] for g in growth]}
+        out[name] = {
+            "passed": all(g is not None and g[0] <= GROWTH_LIMIT for g in growth),
+            "limit": GROWTH_LIMIT,
+            "growth": [None if g is None else g[0] for g in growth],
+            "start": [None if g is None else g[1] for g in growth],
+            "end": [None if g is None else g[2] for g in growth],
+        }
     slow = []
     for r in ranks:
         after = r["times_ms"][warmup:]  # times_ms[i] is loop step i + 1
         median = statistics.median(after) if after else float("nan")
         worst = sorted(range(len(after)), key=after.__getitem__, reverse=True)[:5]
         changes = [step for step, _ in r["layouts"]]
-        slowest = [{"step": warmup + i + 1, "ms": after[i], "cpu_ms": r["cpu_ms"][warmup + i],
-                    "preempted": r["preempted"][warmup + i],
-                    "since_relayout": warmup + i + 1 - max((c for c in changes if c <= warmup + i + 1), default=0),
-                    "gc_ms": r["gc_ms"].get(str(warmup + i + 1), 0.0)} for i in worst]
+        slowest = [
+            {
+                "step": warmup + i + 1,
+                "ms": after[i],
+                "cpu_ms": r["cpu_ms"][warmup + i],
+                "preempted": r["preempted"][warmup + i],
+                "since_relayout": warmup
+                + i
+                + 1
+                - max((c for c in changes if c <= warmup + i + 1), default=0),
+                "gc_ms": r["gc_ms"].get(str(warmup + i + 1), 0.0),
+            }
+            for i in worst
+        ]
         cpu = r["cpu_ms"][warmup:]
         cpu_median = statistics.median(cpu) if cpu else float("nan")
-        slow.append({"cpu_median_ms": cpu_median, "cpu_ratio": max(cpu) / cpu_median if cpu else float("inf"),
-                     "median_ms": median, "max_ms": slowest[0]["ms"] if slowest else float("nan"),
-                     "ratio": slowest[0]["ms"] / median if slowest else float("inf"),
-                     "step": slowest[0]["step"] if slowest else None, "slowest": slowest})
-    out["step_time"] = {"passed": all(s["ratio"] <= SLOW_STEP_LIMIT for s in slow), "limit": SLOW_STEP_LIMIT,
-                        "ranks": slow}
+        slow.append(
+            {
+                "cpu_median_ms": cpu_median,
+                "cpu_ratio": max(cpu) / cpu_median if cpu else float("inf"),
+                "median_ms": median,
+                "max_ms": slowest[0]["ms"] if slowest else float("nan"),
+                "ratio": slowest[0]["ms"] / median if slowest else float("inf"),
+                "step": slowest[0]["step"] if slowest else None,
+                "slowest": slowest,
+            }
+        )
+    out["step_time"] = {
+        "passed": all(s["ratio"] <= SLOW_STEP_LIMIT for s in slow),
+        "limit": SLOW_STEP_LIMIT,
+        "ranks": slow,
+    }
     relayouts = [sum(1 for step, _ in r["layouts"] if step > warmup) for r in ranks]
-    out["relayout"] = {"passed": all(n > 0 for n in relayouts), "after_warmup": relayouts,
-                       "k_seen": sorted({k for r in ranks for _, k in r["layouts"]}),
-                       "decided_k": ranks[0]["decided_k"], "decided_step": ranks[0]["decided_step"]}
+    out["relayout"] = {
+        "passed": all(n > 0 for n in relayouts),
+        "after_warmup": relayouts,
+        "k_seen": sorted({k for r in ranks for _, k in r["layouts"]}),
+        "decided_k": ranks[0]["decided_k"],
+        "decided_step": ranks[0]["decided_step"],
+    }
     detours = [r["detours"] for r in ranks]
     identical = [sum(1 for d in ds if not d["differs"]) for ds in detours]
-    out["equal_after_relayout"] = {"passed": all(ds and n == len(ds) for ds, n in zip(detours, identical)),
-                                   "detours": [len(ds) for ds in detours], "identical": identical,
-                                   "first_difference": next((d["differs"] for ds in detours for d in ds
-                                                             if d["differs"]), None)}
+    out["equal_after_relayout"] = {
+        "passed": all(ds and n == len(ds) for ds, n in zip(detours, identical)),
+        "detours": [len(ds) for ds in detours],
+        "identical": identical,
+        "first_difference": next(
+            (d["differs"] for ds in detours for d in ds if d["differs"]), None
+        ),
+    }
     out["passed"] = all(v["passed"] for v in out.values() if isinstance(v, dict))
     return out
 
 
 def _sample_table(ranks: list) -> list:
-    lines = [("| step | k | RSS MiB (rank 0 / 1) | threads (rank 0 / 1) | median step ms (rank 0 / 1) | loss (rank 0) "
-              "| malloc in use MiB (rank 0) | Python objects (rank 0) |"),
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        (
+            "| step | k | RSS MiB (rank 0 / 1) | threads (rank 0 / 1) | median step ms (rank 0 / 1) | loss (rank 0) "
+            "| malloc in use MiB (rank 0) | Python objects (rank 0) |"
+        ),
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for samples in zip(*(r["samples"] for r in ranks)):
         s = samples[0]
         heap = f"{s['heap_in_use_mib']:.1f}" if s["heap_in_use_mib"] is not None else "n/a"
-        lines.append(f"| {s['step']} | {s['k']} | " + " / ".join(f"{x['rss_mib']:.1f}" for x in samples) + " | "
-                     + " / ".join(str(x["threads"]) for x in samples) + " | "
-                     + " / ".join(f"{x['median_ms']:.1f}" for x in samples) + f" | {s['loss']:.3f} | {heap} | "
-                     + f"{s['objects']} |")
+        lines.append(
+            f"| {s['step']} | {s['k']} | "
+            + " / ".join(f"{x['rss_mib']:.1f}" for x in samples)
+            + " | "
+            + " / ".join(str(x["threads"]) for x in samples)
+            + " | "
+            + " / ".join(f"{x['median_ms']:.1f}" for x in samples)
+            + f" | {s['loss']:.3f} | {heap} | "
+            + f"{s['objects']} |"
+        )
     return lines
 
 
 def _verdict_table(v: dict) -> list:
     def pct(values):
-        return " / ".join("n/a (too few samples)" if g is None else f"{100 * g:+.2f}%" for g in values)
+        return " / ".join(
+            "n/a (too few samples)" if g is None else f"{100 * g:+.2f}%" for g in values
+        )
 
     def ok(name):
         return "PASS" if v[name]["passed"] else "FAIL"
 
     steps, rl, eq = v["step_time"]["ranks"], v["relayout"], v["equal_after_relayout"]
     end = " / ".join(f"{x:.1f}" for x in v["rss_flat"]["end"] if x is not None)
-    slow = " / ".join(f"{s['ratio']:.1f}x ({s['max_ms']:.0f} ms at step {s['step']}, median {s['median_ms']:.1f} ms)"
-                      for s in steps)
+    slow = " / ".join(
+        f"{s['ratio']:.1f}x ({s['max_ms']:.0f} ms at step {s['step']}, median {s['median_ms']:.1f} ms)"
+        for s in steps
+    )
     cpu = " / ".join(f"{s['cpu_ratio']:.1f}x (median {s['cpu_median_ms']:.1f} ms)" for s in steps)
     identical = " / ".join(f"{n} of {d}" for n, d in zip(eq["identical"], eq["detours"]))
-    first = f"; first difference: {', '.join(eq['first_difference'])}" if eq["first_difference"] else ""
+    first = (
+        f"; first difference: {', '.join(eq['first_difference'])}" if eq["first_difference"] else ""
+    )
     return [
-        "| criterion | measured (rank 0 / 1) | verdict |", "| --- | --- | --- |",
-        (f"| RSS flat after warm-up (growth <= {100 * GROWTH_LIMIT:.0f}%) | {pct(v['rss_flat']['growth'])} "
-         f"({end} MiB at the end) | {ok('rss_flat')} |"),
-        (f"| threads flat after warm-up (growth <= {100 * GROWTH_LIMIT:.0f}%) | {pct(v['threads_flat']['growth'])} "
-         f"| {ok('threads_flat')} |"),
+        "| criterion | measured (rank 0 / 1) | verdict |",
+        "| --- | --- | --- |",
+        (
+            f"| RSS flat after warm-up (growth <= {100 * GROWTH_LIMIT:.0f}%) | {pct(v['rss_flat']['growth'])} "
+            f"({end} MiB at the end) | {ok('rss_flat')} |"
+        ),
+        (
+            f"| threads flat after warm-up (growth <= {100 * GROWTH_LIMIT:.0f}%) | {pct(v['threads_flat']['growth'])} "
+            f"| {ok('threads_flat')} |"
+        ),
         f"| no step after warm-up over {SLOW_STEP_LIMIT:.0f}x the median | {slow} | {ok('step_time')} |",
         f"| (no verdict) the training thread's CPU time per step, slowest against the median | {cpu} | |",
-        (f"| relayouts after warm-up (k seen: {rl['k_seen']}) | {' / '.join(map(str, rl['after_warmup']))} "
-         f"| {ok('relayout')} |"),
+        (
+            f"| relayouts after warm-up (k seen: {rl['k_seen']}) | {' / '.join(map(str, rl['after_warmup']))} "
+            f"| {ok('relayout')} |"
+        ),
         f"| detours bit-identical to the run without them | {identical}{first} | {ok('equal_after_relayout')} |",
     ]
 
 
 def _slowest(v: dict) -> str:
     def where(s):
-        since = "a relayout in it" if s["since_relayout"] == 0 else f"{s['since_relayout']} after a relayout"
-        return (f"{s['ms']:.0f} ms at {s['step']} ({since}; the training thread ran {s['cpu_ms']:.0f} ms of it "
-                f"and was preempted {s['preempted']} times; GC {s['gc_ms']:.0f} ms)")
+        since = (
+            "a relayout in it"
+            if s["since_relayout"] == 0
+            else f"{s['since_relayout']} after a relayout"
+        )
+        return (
+            f"{s['ms']:.0f} ms at {s['step']} ({since}; the training thread ran {s['cpu_ms']:.0f} ms of it "
+            f"and was preempted {s['preempted']} times; GC {s['gc_ms']:.0f} ms)"
+        )
 
-    return "; ".join(f"rank {i}: " + ", ".join(where(s) for s in r["slowest"])
-                     for i, r in enumerate(v["step_time"]["ranks"]))
+    return "; ".join(
+        f"rank {i}: " + ", ".join(where(s) for s in r["slowest"])
+        for i, r in enumerate(v["step_time"]["ranks"])
+    )
 
 
 def report(result: dict, v: dict, command: str, warmup: int) -> str:
     ranks = result["ranks"]
     r0 = ranks[0]
-    lines = [(f"`{command}`: 2 Gloo ranks, SoakNet ({r0['m']} layers), Adam, stale_layers=\"auto\" "
-              f"(k = {r0['decided_k']} of {r0['m']}, final at step {r0['decided_step']}), wp1, int8; "
-              f"warm-up {warmup} steps\n")]
+    lines = [
+        (
+            f'`{command}`: 2 Gloo ranks, SoakNet ({r0["m"]} layers), Adam, stale_layers="auto" '
+            f"(k = {r0['decided_k']} of {r0['m']}, final at step {r0['decided_step']}), wp1, int8; "
+            f"warm-up {warmup} steps\n"
+        )
+    ]
     lines += _sample_table(ranks) + [""] + _verdict_table(v)
     for d in r0["detours"]:
         again = "decided again" if d["decided_after_detour"] else "still undecided"
-        lines.append(f"\ndetour at step {d['step']} (iteration {d['iteration']}, k = {d['k']}): loaded iteration "
-                     f"{d['other_iteration']} at k = {d['other_k']} ({d['load_other_ms']:.0f} ms), k = "
-                     f"{d['k_after_detour']} after it ({again}), back at k = {d['k']} ({d['load_back_ms']:.0f} ms); "
-                     f"{d['compared']} values compared, {len(d['differs'])} differ")
+        lines.append(
+            f"\ndetour at step {d['step']} (iteration {d['iteration']}, k = {d['k']}): loaded iteration "
+            f"{d['other_iteration']} at k = {d['other_k']} ({d['load_other_ms']:.0f} ms), k = "
+            f"{d['k_after_detour']} after it ({again}), back at k = {d['k']} ({d['load_back_ms']:.0f} ms); "
+            f"{d['compared']} values compared, {len(d['differs'])} differ"
+        )
     lines.append(f"\nslowest steps after warm-up: {_slowest(v)}")
     lines.append(f"\n**{'PASS' if v['passed'] else 'FAIL'}**")
     return "\n".join(lines)
@@ -492,9 +612,20 @@ def launch(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="sapipe-soak-") as tmp:
         out = os.path.join(tmp, "result.json")
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        cmd = [torchrun, "--standalone", "--nproc_per_node=2", os.path.abspath(__file__), "--worker",
-               "--result", out, "--ckpt-dir", tmp] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in JOB_ARGS]
-        env = hostenv.worker_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **ALLOCATORS[args.allocator])
+        cmd = [
+            torchrun,
+            "--standalone",
+            "--nproc_per_node=2",
+            os.path.abspath(__file__),
+            "--worker",
+            "--result",
+            out,
+            "--ckpt-dir",
+            tmp,
+        ] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in JOB_ARGS]
+        env = hostenv.worker_env(
+            OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **ALLOCATORS[args.allocator]
+        )
         return hostenv.run_job("soak", cmd, env, args.timeout, out)
 
 
@@ -502,27 +633,61 @@ def launch(args) -> dict:
 # alone and unmapped when freed, and the heap is trimmed, so RSS follows what is held (a leak
 # shows, fragmentation does not); "hostenv": the other benchmarks' (hostenv.py: freed memory
 # is kept, so RSS also grows as the heap fragments over checkpoints and relayouts).
-ALLOCATORS = {"returning": {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}, "hostenv": {}}
-JOB_ARGS = ("steps", "warmup", "sample_every", "relayout_every", "replay", "detour", "bucket_cap_mb")
+ALLOCATORS = {
+    "returning": {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"},
+    "hostenv": {},
+}
+JOB_ARGS = (
+    "steps",
+    "warmup",
+    "sample_every",
+    "relayout_every",
+    "replay",
+    "detour",
+    "bucket_cap_mb",
+)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=5000, help="loop steps in all, replays and detours included")
-    p.add_argument("--quick", action="store_true",
-                   help="600 steps, warm-up 300, a detour every 100 steps, a sample every 50")
-    p.add_argument("--warmup", type=int, default=1000,
-                   help="steps before memory, threads and times must be flat (the first detours included)")
+    p.add_argument(
+        "--steps", type=int, default=5000, help="loop steps in all, replays and detours included"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="600 steps, warm-up 300, a detour every 100 steps, a sample every 50",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1000,
+        help="steps before memory, threads and times must be flat (the first detours included)",
+    )
     p.add_argument("--sample-every", type=int, default=100, help="steps between samples")
-    p.add_argument("--relayout-every", type=int, default=250,
-                   help="steps between the starts of detours (the first at half of it)")
-    p.add_argument("--replay", type=int, default=30, help="steps trained from C before each snapshot")
-    p.add_argument("--detour", type=int, default=40, help="steps trained at the other checkpoint's k")
+    p.add_argument(
+        "--relayout-every",
+        type=int,
+        default=250,
+        help="steps between the starts of detours (the first at half of it)",
+    )
+    p.add_argument(
+        "--replay", type=int, default=30, help="steps trained from C before each snapshot"
+    )
+    p.add_argument(
+        "--detour", type=int, default=40, help="steps trained at the other checkpoint's k"
+    )
     p.add_argument("--bucket-cap-mb", type=float, default=1.0)
-    p.add_argument("--allocator", choices=sorted(ALLOCATORS), default="returning",
-                   help="glibc malloc settings of the ranks (see ALLOCATORS)")
+    p.add_argument(
+        "--allocator",
+        choices=sorted(ALLOCATORS),
+        default="returning",
+        help="glibc malloc settings of the ranks (see ALLOCATORS)",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the job is killed")
-    p.add_argument("--json", action="store_true", help="print the samples and verdicts as JSON, not the table")
+    p.add_argument(
+        "--json", action="store_true", help="print the samples and verdicts as JSON, not the table"
+    )
     p.add_argument("--out", help="also write the report (or the JSON) to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -536,8 +701,11 @@ def main(argv=None) -> int:
     command = "python benchmarks/soak.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = launch(args)
     v = verdicts(result, args.warmup)
-    text = (json.dumps({"command": command.strip(), "verdicts": v, **result}) if args.json
-            else report(result, v, command.strip(), args.warmup))
+    text = (
+        json.dumps({"command": command.strip(), "verdicts": v, **result})
+        if args.json
+        else report(result, v, command.strip(), args.warmup)
+    )
     print(text)
     if args.out:
         with open(args.out, "w") as f:

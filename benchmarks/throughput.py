@@ -5,10 +5,13 @@ The entry point (``make bench``, and the script torchrun runs on every rank); th
 itself is the package ``benchmarks/throughput_bench/`` (its docstring describes the modes and
 the report). ``python benchmarks/throughput.py --help`` lists the options.
 """
+
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_models, hostenv, throughput_bench
+sys.path.insert(
+    0, os.path.dirname(os.path.abspath(__file__))
+)  # bench_models, hostenv, throughput_bench
 
 from throughput_bench.cli import main  # noqa: E402
 

@@ -23,6 +23,7 @@ time). Building an sdist never needs torch.
 
 setup.py imports this module too (for :func:`ext_disabled` and :func:`missing_torch`).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -51,7 +52,7 @@ wheels into an isolated build environment). Either
     build in a fresh venv need their no-isolation flag: `python -m build --no-isolation`,
     `uv pip install --no-build-isolation .`)
 
-  * or install without compiled kernels (sapipe.ops then runs the pure-PyTorch kernels):
+  * or install without compiled kernels (sapipe.kernels.ops then runs the pure-PyTorch kernels):
 
         SAPIPE_NO_EXT=1 pip install .
 """
@@ -68,12 +69,20 @@ def missing_torch(why: str) -> str:
 
 def _target_sys_path():
     """(torch's origin or None, sys.path) of this interpreter without pip's isolation."""
-    probe = ("import importlib.util, json, sys; s = importlib.util.find_spec('torch'); "
-             "print(json.dumps([s.origin if s else None, sys.path]))")
+    probe = (
+        "import importlib.util, json, sys; s = importlib.util.find_spec('torch'); "
+        "print(json.dumps([s.origin if s else None, sys.path]))"
+    )
     try:
-        out = subprocess.run([sys.executable, "-E", "-c", probe], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True, timeout=120, check=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+        out = subprocess.run(
+            [sys.executable, "-E", "-c", probe],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            timeout=120,
+            check=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout
         origin, path = json.loads(out.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None, []
@@ -92,8 +101,9 @@ def expose_target_torch() -> str:
     importlib.invalidate_caches()
     if importlib.util.find_spec("torch") is None:
         return f"torch at {origin} is not importable from the build environment"
-    print(f"sapipe: building against the installing environment's torch ({origin})",
-          file=sys.stderr)
+    print(
+        f"sapipe: building against the installing environment's torch ({origin})", file=sys.stderr
+    )
     return ""
 
 
@@ -106,6 +116,7 @@ def _need_torch():
 
 
 # --- PEP 517 / 660 hooks ------------------------------------------------------------------
+
 
 def get_requires_for_build_wheel(config_settings=None):
     _need_torch()

@@ -27,6 +27,7 @@ steps after the first 5, including the final synchronize), training loss (mean o
 10 steps, averaged over ranks) and the loss on the held-out batch, evaluated
 after opt.synchronize() on the real (not weight-predicted) weights.
 """
+
 import argparse
 import math
 import os
@@ -41,9 +42,20 @@ import torch.nn.functional as F
 
 # Fixed, documented training text: these stdlib modules' source, in this order.
 STDLIB_FILES = [
-    "os.py", "random.py", "functools.py", "argparse.py", "textwrap.py",
-    "string.py", "heapq.py", "bisect.py", "json/encoder.py", "json/decoder.py",
-    "collections/__init__.py", "pathlib.py", "shutil.py", "tempfile.py",
+    "os.py",
+    "random.py",
+    "functools.py",
+    "argparse.py",
+    "textwrap.py",
+    "string.py",
+    "heapq.py",
+    "bisect.py",
+    "json/encoder.py",
+    "json/decoder.py",
+    "collections/__init__.py",
+    "pathlib.py",
+    "shutil.py",
+    "tempfile.py",
 ]
 VOCAB = 256
 
@@ -55,14 +67,22 @@ def parse_args():
     p.add_argument("--context", type=int, default=64, help="sequence length (bytes)")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stale-layers", type=lambda v: v if v == "auto" else int(v), default="auto",
-                   help="sapipe: number of leading layers updated with stale gradients, or "
-                        "'auto' (default): the scheduler profiles the warm-up and picks k")
-    p.add_argument("--compensation", default="wp1",
-                   choices=["none", "dc", "wp1", "wp2", "wp3"],
-                   help="sapipe: staleness compensation for the stale layers")
-    p.add_argument("--modes", default="sapipe,ddp",
-                   help="comma-separated modes to run, in order (sapipe, ddp)")
+    p.add_argument(
+        "--stale-layers",
+        type=lambda v: v if v == "auto" else int(v),
+        default="auto",
+        help="sapipe: number of leading layers updated with stale gradients, or "
+        "'auto' (default): the scheduler profiles the warm-up and picks k",
+    )
+    p.add_argument(
+        "--compensation",
+        default="wp1",
+        choices=["none", "dc", "wp1", "wp2", "wp3"],
+        help="sapipe: staleness compensation for the stale layers",
+    )
+    p.add_argument(
+        "--modes", default="sapipe,ddp", help="comma-separated modes to run, in order (sapipe, ddp)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     return p.parse_args()
 
@@ -81,8 +101,8 @@ def load_text():
 
 def sample_batch(data, batch, context, gen):
     starts = torch.randint(0, data.numel() - context - 1, (batch,), generator=gen)
-    x = torch.stack([data[s:s + context] for s in starts.tolist()])
-    y = torch.stack([data[s + 1:s + context + 1] for s in starts.tolist()])
+    x = torch.stack([data[s : s + context] for s in starts.tolist()])
+    y = torch.stack([data[s + 1 : s + context + 1] for s in starts.tolist()])
     return x, y
 
 
@@ -159,13 +179,16 @@ def setup_ddp(model, args):
 def setup_sapipe(model, args):
     try:
         import sapipe
+
         DistributedOptimizer = sapipe.DistributedOptimizer
     except (ImportError, AttributeError) as e:
-        raise SystemExit(f"sapipe mode needs sapipe.DistributedOptimizer ({e}); "
-                         f"run with --modes ddp to skip it")
+        raise SystemExit(
+            f"sapipe mode needs sapipe.DistributedOptimizer ({e}); run with --modes ddp to skip it"
+        )
     base = torch.optim.Adam(model.parameters(), lr=args.lr)
-    opt = DistributedOptimizer(base, model, stale_layers=args.stale_layers,
-                               compensation=args.compensation)
+    opt = DistributedOptimizer(
+        base, model, stale_layers=args.stale_layers, compensation=args.compensation
+    )
     # A callable: with "auto", k is known only after the warm-up (and the scheduler's measured search).
     info = lambda: f"{opt.stale_layers}/{opt.num_layers} stale, {args.compensation}"  # noqa: E731
     return model, opt, info
@@ -177,7 +200,7 @@ def finish_ddp(model, opt, x, y):
 
 
 def finish_sapipe(model, opt, x, y):
-    opt.synchronize()                 # apply every pending deferred update
+    opt.synchronize()  # apply every pending deferred update
     with opt.real_weights(), torch.no_grad():
         return lm_loss(model, x, y).item()
 
@@ -187,14 +210,14 @@ MODES = {"ddp": (setup_ddp, finish_ddp), "sapipe": (setup_sapipe, finish_sapipe)
 
 def run_mode(mode, args, train, held_out, rank, world):
     setup, finish = MODES[mode]
-    torch.manual_seed(args.seed)                    # identical initial weights
+    torch.manual_seed(args.seed)  # identical initial weights
     model = CharLM(context=args.context)
     net, opt, info = setup(model, args)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # per-rank batches
     bar = Progress(mode, args.steps, enabled=(rank == 0))
     losses = []
 
-    skip = min(5, args.steps - 1)                  # untimed warm-up steps
+    skip = min(5, args.steps - 1)  # untimed warm-up steps
     dist.barrier()
     t0 = time.perf_counter()
     for i in range(1, args.steps + 1):
@@ -207,7 +230,7 @@ def run_mode(mode, args, train, held_out, rank, world):
         bar.update(i, losses[-1])
         if i == skip:
             t0 = time.perf_counter()
-    final = finish(net, opt, *held_out)             # includes sapipe's synchronize()
+    final = finish(net, opt, *held_out)  # includes sapipe's synchronize()
     elapsed = torch.tensor(time.perf_counter() - t0)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # slowest rank
 
@@ -232,12 +255,18 @@ def main():
     train, val = load_text()
     held_out = sample_batch(val, 64, args.context, torch.Generator().manual_seed(12345))
     if rank == 0:
-        print(f"world {world} (gloo), {train.numel() + val.numel()} bytes of stdlib source, "
-              f"{args.steps} steps x {args.batch} seq x {args.context} bytes per rank; "
-              f"initial loss ~ ln 256 = {math.log(VOCAB):.2f}", flush=True)
+        print(
+            f"world {world} (gloo), {train.numel() + val.numel()} bytes of stdlib source, "
+            f"{args.steps} steps x {args.batch} seq x {args.context} bytes per rank; "
+            f"initial loss ~ ln 256 = {math.log(VOCAB):.2f}",
+            flush=True,
+        )
 
-    rows = [run_mode(m.strip(), args, train, held_out, rank, world)
-            for m in args.modes.split(",") if m.strip()]
+    rows = [
+        run_mode(m.strip(), args, train, held_out, rank, world)
+        for m in args.modes.split(",")
+        if m.strip()
+    ]
 
     if rank == 0:
         cols = ["mode", "samples/s", "train loss", "held-out loss", "stale layers"]

@@ -4,8 +4,8 @@ Wrap your optimizer; the first ``stale_layers`` layers take one-step-stale gradi
 their all-reduce hides behind the next forward, every other layer stays exactly
 synchronous, and staleness compensation (``dc``, ``wp1``-``wp3``) keeps accuracy.
 """
-from sapipe.kernels import ops
-from sapipe.optim.compensation import MODES as COMPENSATION_MODES
+
+from sapipe.checkpoint import Checkpointer, checkpoint_exists, load_checkpoint, save_checkpoint
 from sapipe.errors import (
     CommunicationError,
     ConfigurationError,
@@ -14,7 +14,8 @@ from sapipe.errors import (
     UnsupportedOptimizerError,
     UsageError,
 )
-from sapipe.checkpoint import Checkpointer, checkpoint_exists, load_checkpoint, save_checkpoint
+from sapipe.kernels import ops
+from sapipe.optim.compensation import MODES as COMPENSATION_MODES
 from sapipe.optimizer import DistributedOptimizer
 
 __version__ = "0.1.0"

@@ -7,11 +7,12 @@ several ranks. Works with ``torchrun --max-restarts``: on restart, construct the
 optimizer as usual, then resume; :class:`Checkpointer` numbers checkpoints by step,
 keeps the last two, and resumes every rank from the same step.
 """
+
 from __future__ import annotations
 
 import os
 import re
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,9 @@ def _path(path: str, optimizer: DistributedOptimizer) -> str:
     return per_rank_path(path, optimizer.rank, optimizer.world_size)
 
 
-def save_checkpoint(path: str, model: nn.Module, optimizer: DistributedOptimizer, **extra: Any) -> str:
+def save_checkpoint(
+    path: str, model: nn.Module, optimizer: DistributedOptimizer, **extra: Any
+) -> str:
     """Write model + optimizer state (and ``extra``, e.g. an LR scheduler's state) atomically.
 
     Call between ``step()`` and the next forward. Returns the file written.
@@ -45,7 +48,7 @@ def checkpoint_exists(path: str, optimizer: DistributedOptimizer) -> bool:
     return os.path.exists(_path(path, optimizer))
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: DistributedOptimizer) -> Dict[str, Any]:
+def load_checkpoint(path: str, model: nn.Module, optimizer: DistributedOptimizer) -> dict[str, Any]:
     """Restore what :func:`save_checkpoint` wrote for this rank; returns its ``extra``."""
     state = torch.load(_path(path, optimizer), map_location="cpu", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
@@ -73,37 +76,49 @@ class Checkpointer:
 
     def __init__(self, path: str, model: nn.Module, optimizer: DistributedOptimizer, keep: int = 2):
         if "{step}" not in path:
-            raise ConfigurationError(f"sapipe: Checkpointer path must contain {{step}}; got {path!r}")
+            raise ConfigurationError(
+                f"sapipe: Checkpointer path must contain {{step}}; got {path!r}"
+            )
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 2:
-            raise ConfigurationError(f"sapipe: Checkpointer keep must be an int >= 2 (see its docstring); got {keep!r}")
+            raise ConfigurationError(
+                f"sapipe: Checkpointer keep must be an int >= 2 (see its docstring); got {keep!r}"
+            )
         self.path, self.model, self.optimizer, self.keep = path, model, optimizer, keep
 
     def file(self, step: int) -> str:
         """This rank's file for ``step``."""
         return _path(self.path.replace("{step}", str(step)), self.optimizer)
 
-    def steps(self) -> List[int]:
+    def steps(self) -> list[int]:
         """Steps this rank has a checkpoint of, oldest first."""
         pattern = _path(self.path, self.optimizer)
         directory = os.path.dirname(os.path.abspath(pattern))
         before, after = os.path.basename(pattern).split("{step}", 1)
         name = re.compile(re.escape(before) + r"(\d+)" + re.escape(after) + r"\Z")
-        found = [int(m.group(1)) for f in (os.listdir(directory) if os.path.isdir(directory) else [])
-                 if (m := name.match(f))]
+        found = [
+            int(m.group(1))
+            for f in (os.listdir(directory) if os.path.isdir(directory) else [])
+            if (m := name.match(f))
+        ]
         return sorted(found)
 
     def save(self, step: int, **extra: Any) -> str:
         """Save ``step`` (call between ``step()`` and the next forward); drop the oldest beyond ``keep``."""
-        written = save_checkpoint(self.path.replace("{step}", str(step)), self.model, self.optimizer,
-                                  sapipe_step=step, **extra)
+        written = save_checkpoint(
+            self.path.replace("{step}", str(step)),
+            self.model,
+            self.optimizer,
+            sapipe_step=step,
+            **extra,
+        )
         for old in self.steps()[: -self.keep]:
             os.remove(self.file(old))
         return written
 
-    def resume(self) -> Tuple[int, Dict[str, Any]]:
+    def resume(self) -> tuple[int, dict[str, Any]]:
         """Load the newest step every rank has; ``(step, extra)``, or ``(0, {})`` if there is none."""
         mine = set(self.steps())
-        everyone: List[Any] = [None] * self.optimizer.world_size
+        everyone: list[Any] = [None] * self.optimizer.world_size
         dist.all_gather_object(everyone, mine, group=self.optimizer.process_group)
         common = set.intersection(*everyone)
         if not common:

@@ -6,6 +6,7 @@ metadata holds the check that validates it, so validation, the defaults and the 
 what ranks must agree on all come from this one declaration. Every invalid value raises
 :class:`ConfigurationError` naming the argument, the value and what is allowed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,12 +15,19 @@ import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from numbers import Real
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable
 
 from sapipe.comm import BACKENDS, compression_refusal
-from sapipe.optim.compensation import MODES
-from sapipe.compression.codec import COMPRESSIONS, Compression, validate as validate_compression, wire_constants
+from sapipe.compression.codec import (
+    COMPRESSIONS,
+    Compression,
+    wire_constants,
+)
+from sapipe.compression.codec import (
+    validate as validate_compression,
+)
 from sapipe.errors import ConfigurationError
+from sapipe.optim.compensation import MODES
 
 DC_FORMS = ("outer", "diagonal")
 #: what a non-finite gradient without a GradScaler does (sapipe.runtime.nonfinite)
@@ -48,6 +56,7 @@ def _int_at_least(low: int) -> Callable[[str, Any], int]:
     def check(name: str, value: Any) -> int:
         _require(_is_int(value) and value >= low, f"{name} must be an int >= {low}; got {value!r}")
         return value
+
     return check
 
 
@@ -55,20 +64,28 @@ MAX_MIB = 2.0**40  # a size in MiB whose bytes (2**60) still fit an int64
 
 
 def _mebibytes(name: str, value: Any) -> float:
-    _require(_is_number(value) and 0 < value <= MAX_MIB,
-             f"{name} must be a number of MiB > 0 and <= 2**40; got {value!r}")
+    _require(
+        _is_number(value) and 0 < value <= MAX_MIB,
+        f"{name} must be a number of MiB > 0 and <= 2**40; got {value!r}",
+    )
     return float(value)
 
 
 def _non_negative_number(name: str, value: Any) -> float:
-    _require(_is_number(value) and value >= 0, f"{name} must be a finite number >= 0; got {value!r}")
+    _require(
+        _is_number(value) and value >= 0, f"{name} must be a finite number >= 0; got {value!r}"
+    )
     return float(value)
 
 
 def _one_of(choices) -> Callable[[str, Any], Any]:
     def check(name: str, value: Any) -> Any:
-        _require(isinstance(value, str) and value in choices, f"{name} must be one of {sorted(choices)}; got {value!r}")
+        _require(
+            isinstance(value, str) and value in choices,
+            f"{name} must be one of {sorted(choices)}; got {value!r}",
+        )
         return value
+
     return check
 
 
@@ -77,47 +94,58 @@ def _boolean(name: str, value: Any) -> bool:
     return value
 
 
-def _optional_boolean(name: str, value: Any) -> Optional[bool]:
-    _require(value is None or isinstance(value, bool), f"{name} must be None, True or False; got {value!r}")
+def _optional_boolean(name: str, value: Any) -> bool | None:
+    _require(
+        value is None or isinstance(value, bool),
+        f"{name} must be None, True or False; got {value!r}",
+    )
     return value
 
 
-def _optional_int_at_least(low: int) -> Callable[[str, Any], Optional[int]]:
+def _optional_int_at_least(low: int) -> Callable[[str, Any], int | None]:
     check_int = _int_at_least(low)
 
-    def check(name: str, value: Any) -> Optional[int]:
-        _require(value is None or _is_int(value), f"{name} must be None or an int >= {low}; got {value!r}")
+    def check(name: str, value: Any) -> int | None:
+        _require(
+            value is None or _is_int(value),
+            f"{name} must be None or an int >= {low}; got {value!r}",
+        )
         return None if value is None else check_int(name, value)
+
     return check
 
 
-def _compression(name: str, value: Any) -> Optional[str]:
+def _compression(name: str, value: Any) -> str | None:
     try:
         return validate_compression(value)
     except ValueError as exc:
         raise ConfigurationError(f"sapipe: {exc}") from None
 
 
-def _stale_layers(name: str, value: Any) -> Union[int, str]:
+def _stale_layers(name: str, value: Any) -> int | str:
     # Its range [0, m] needs the model's m: checked in Settings._check_together.
     return value
 
 
-def parse_timeout(name: str, value: Union[None, Real, timedelta]) -> Optional[timedelta]:
+def parse_timeout(name: str, value: None | Real | timedelta) -> timedelta | None:
     """``None`` (inherit the process group's), seconds > 0, or a positive timedelta."""
     if value is None:
         return None
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     else:
-        _require(isinstance(value, Real) and not isinstance(value, bool),
-                 f"{name} must be None, seconds or a timedelta; got {value!r}")
+        _require(
+            isinstance(value, Real) and not isinstance(value, bool),
+            f"{name} must be None, seconds or a timedelta; got {value!r}",
+        )
         seconds = float(value)
     _require(math.isfinite(seconds) and seconds > 0, f"{name} must be > 0 seconds; got {value!r}")
     return timedelta(seconds=seconds)
 
 
-def _setting(default: Any, check: Callable[[str, Any], Any], help: str, *, resume: bool = True) -> Any:
+def _setting(
+    default: Any, check: Callable[[str, Any], Any], help: str, *, resume: bool = True
+) -> Any:
     """A field of :class:`Settings`: its default, its check, its documentation; ``resume=False``:
     a checkpoint may be resumed with another value."""
     return field(default=default, metadata={"check": check, "help": help, "resume": resume})
@@ -127,105 +155,128 @@ def _setting(default: Any, check: Callable[[str, Any], Any], help: str, *, resum
 class Settings:
     """The validated keyword arguments of :class:`sapipe.DistributedOptimizer` (defaults included)."""
 
-    stale_layers: Union[int, str] = _setting(
-        0, _stale_layers,
+    stale_layers: int | str = _setting(
+        0,
+        _stale_layers,
         'k, the leading layers (forward order) on stale gradients: 0 equals DDP, m is Pipe-SGD; ``"auto"``: the scheduler picks k (:mod:`sapipe.auto`).',
     )
     compensation: str = _setting(
-        "none", _one_of(MODES),
+        "none",
+        _one_of(MODES),
         '``"none"``, ``"dc"``, ``"wp1"``, ``"wp2"`` or ``"wp3"`` for the stale layers (see :mod:`sapipe.optim.compensation`).',
     )
     dc_lambda: float = _setting(
-        0.2, _non_negative_number,
+        0.2,
+        _non_negative_number,
         "λ ≥ 0 of delay compensation (``dc`` and ``wp3``).",
     )
     dc_form: str = _setting(
-        "outer", _one_of(DC_FORMS),
+        "outer",
+        _one_of(DC_FORMS),
         """``"outer"`` (the paper's rank-one form) or ``"diagonal"`` (DC-ASGD).""",
     )
     staleness: int = _setting(
-        1, _int_at_least(1),
+        1,
+        _int_at_least(1),
         "s ≥ 1, iterations of delay of stale gradients (> 1 with none/dc only).",
     )
     warmup_steps: int = _setting(
-        0, _int_at_least(0),
+        0,
+        _int_at_least(0),
         "iterations run fully synchronously before the stale layers switch.",
     )
     bucket_cap_mb: float = _setting(
-        25.0, _mebibytes,
+        25.0,
+        _mebibytes,
         "bucket size cap; a layer larger than the cap gets its own bucket.",
     )
-    timeout: Optional[timedelta] = _setting(
-        None, parse_timeout,
+    timeout: timedelta | None = _setting(
+        None,
+        parse_timeout,
         "seconds (or a ``timedelta``) after which a collective a peer never joins raises :class:`~sapipe.errors.CommunicationError`; default: the group's.",
         resume=False,
     )
     lr_ramp_steps: int = _setting(
-        0, _int_at_least(0),
+        0,
+        _int_at_least(0),
         "PipeMare's T1 for staleness > 1: the stale layers' LR is divided by ``s ** (1 - min(t / K, 1))`` over the first K steps of each start of the pipeline.",
     )
     profile_steps: int = _setting(
-        5, _int_at_least(1),
+        5,
+        _int_at_least(1),
         'with ``"auto"``, warm-up iterations profiled (warm-up then lasts ``max(warmup_steps, profile_steps + 5)``: the first 5 are never profiled).',
     )
     backend: str = _setting(
-        "torch", _one_of(BACKENDS),
+        "torch",
+        _one_of(BACKENDS),
         """how buckets are summed (:mod:`sapipe.comm`): ``"torch"`` (one all-reduce per bucket, NCCL or Gloo), ``"pushpull"`` (BytePS's chunked reduce-scatter/all-gather, most urgent first), ``"horovod"`` (``hvd.init()`` first) or ``"byteps"``.""",
     )
-    compression: Optional[str] = _setting(
-        None, _compression,
+    compression: str | None = _setting(
+        None,
+        _compression,
         """how bucket gradients travel (:mod:`sapipe.compression.codec`): ``None`` (their own dtype), ``"fp16"``, ``"bf16"`` (16-bit), or ``"int8"`` (per-block scaled, with error feedback); every bucket, sync and stale; summed in the gradients' own dtype.""",
     )
-    error_feedback: Optional[bool] = _setting(
-        None, _optional_boolean,
+    error_feedback: bool | None = _setting(
+        None,
+        _optional_boolean,
         """with ``compression``: whether each rank keeps what rounding dropped and adds it to its next gradient (:mod:`sapipe.compression.codec`); ``None``: on for ``"int8"``, off for ``"fp16"``/``"bf16"``.""",
     )
-    hierarchical: Optional[bool] = _setting(
-        None, _optional_boolean,
+    hierarchical: bool | None = _setting(
+        None,
+        _optional_boolean,
         """with ``backend="torch"``: sum each bucket inside each node first, then across nodes, then inside the node again (Horovod's hierarchical all-reduce; :mod:`sapipe.comm.hierarchical`); with ``compression``, only the sum across nodes is compressed; ``None``: wherever the job spans several nodes of the same number (> 1) of ranks (torchrun's ``GROUP_RANK``, else the host name, tells a rank's node); ``True``: required; ``False``: one flat all-reduce.""",
     )
     partition_mb: float = _setting(
-        4.0, _mebibytes,
+        4.0,
+        _mebibytes,
         """chunk size of ``backend="pushpull"`` (BytePS's default: 4 MB).""",
     )
     tune_steps: int = _setting(
-        4, _int_at_least(0),
+        4,
+        _int_at_least(0),
         """with ``"auto"``, iterations measured per trial of the search for k (:mod:`sapipe.auto.controller`), more while too noisy to tell 3% apart; 0 keeps the model's k unmeasured.""",
         resume=False,
     )
-    auto_budget: Optional[int] = _setting(
-        30, _optional_int_at_least(1),
+    auto_budget: int | None = _setting(
+        30,
+        _optional_int_at_least(1),
         """with ``"auto"``, the iteration by which k is final, warm-up included: the search probes where the model, calibrated on its trials, points, and stops with the best k it measured when the next trial would not fit; ``None``: no limit (trials lengthened while noisy, a bisection between the model's k and m).""",
         resume=False,
     )
     broadcast_buffers: bool = _setting(
-        True, _boolean,
+        True,
+        _boolean,
         """as DDP's: rank 0's module buffers (BatchNorm running statistics, ...) are copied to every rank before a forward whose previous forward ran with gradients outside ``no_sync()`` (:mod:`sapipe.runtime.buffers`); ``False``: each rank keeps its own.""",
         resume=False,
     )
 
     expose_gradients: bool = _setting(
-        True, _boolean,
+        True,
+        _boolean,
         """as DDP's contract: once backward ends, ``p.grad`` holds the averaged gradient ``step()`` applies (sync layers' g_t, stale layers' g_{t-s}), so clipping, ``GradScaler.unscale_``, logging and edits of ``p.grad`` act on it (:mod:`sapipe.runtime.exposure`). A sync layer's all-reduce is waited for only when its ``p.grad`` is first read (its update then runs in ``step()``); unread, it keeps overlapping ``step()`` and the next forward. ``False``: ``p.grad`` keeps this rank's own gradient and a change to it raises at ``step()``.""",
         resume=False,
     )
     nonfinite_gradients: str = _setting(
-        "warn", _one_of(NONFINITE_GRADIENTS),
+        "warn",
+        _one_of(NONFINITE_GRADIENTS),
         """what a NaN or inf in a rank's own gradient does without a GradScaler (the average, and the update that applies it, then turn non-finite on every rank, as under DDP; :mod:`sapipe.runtime.nonfinite`): ``"warn"``: every rank emits one ``RuntimeWarning``, the first time only, naming the iteration, the bucket and the rank(s) whose gradient it was; ``"raise"``: :class:`~sapipe.errors.NonFiniteGradientError` instead, on every rank in the same ``step()`` (for a sync layer's gradient the next one; for a stale layer's the one that applies it, or the next with ``expose_gradients=False``; on CUDA one step later); ``"ignore"``: nothing is checked, and nothing more travels. Each rank judges what it sends with one reduction per bucket; the verdict travels behind the gradient in the same collective. Under ``scaler.step(opt)`` the GradScaler skips such steps, and nothing is reported.""",
         resume=False,
     )
 
     @classmethod
-    def names(cls) -> List[str]:
+    def names(cls) -> list[str]:
         """Every setting's name, in declaration order."""
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def validate(cls, num_layers: int, **arguments: Any) -> "Settings":
+    def validate(cls, num_layers: int, **arguments: Any) -> Settings:
         """Check every argument against its declared range; the typed settings."""
         unknown = sorted(set(arguments) - set(cls.names()))
         _require(not unknown, f"unknown settings {unknown}")
-        values = {f.name: f.metadata["check"](f.name, arguments.get(f.name, f.default)) for f in dataclasses.fields(cls)}
+        values = {
+            f.name: f.metadata["check"](f.name, arguments.get(f.name, f.default))
+            for f in dataclasses.fields(cls)
+        }
         settings = cls(**values)
         settings._check_together(num_layers)
         return settings
@@ -233,27 +284,35 @@ class Settings:
     def _check_together(self, num_layers: int) -> None:
         """The checks that involve two settings, or the model."""
         k = self.stale_layers
-        _require(k == AUTO or (_is_int(k) and 0 <= k <= num_layers),
-                 f"stale_layers must be 'auto' or an int in [0, m] where m={num_layers} is the number of "
-                 f"layers (modules that directly own trainable parameters); got {self.stale_layers!r}")
+        _require(
+            k == AUTO or (_is_int(k) and 0 <= k <= num_layers),
+            f"stale_layers must be 'auto' or an int in [0, m] where m={num_layers} is the number of "
+            f"layers (modules that directly own trainable parameters); got {self.stale_layers!r}",
+        )
         refusal = compression_refusal(self.backend, self.compression)
         _require(refusal is None, str(refusal))
-        _require(self.error_feedback is None or self.compression is not None,
-                 f"error_feedback={self.error_feedback!r} needs a compression; got compression=None")
-        _require(self.auto_budget is None or not self.auto or self.auto_budget >= self.effective_warmup,
-                 f"auto_budget={self.auto_budget} ends before the warm-up does ({self.effective_warmup} iterations: "
-                 f"max(warmup_steps, profile_steps + {UNPROFILED_STEPS})); raise it or profile fewer steps")
+        _require(
+            self.error_feedback is None or self.compression is not None,
+            f"error_feedback={self.error_feedback!r} needs a compression; got compression=None",
+        )
+        _require(
+            self.auto_budget is None or not self.auto or self.auto_budget >= self.effective_warmup,
+            f"auto_budget={self.auto_budget} ends before the warm-up does ({self.effective_warmup} iterations: "
+            f"max(warmup_steps, profile_steps + {UNPROFILED_STEPS})); raise it or profile fewer steps",
+        )
         limit = MODES[self.compensation].max_staleness
-        _require(limit is None or self.staleness <= limit,
-                 f"compensation={self.compensation!r} is defined for staleness 1 only (docs/design.md §3); "
-                 f"got staleness={self.staleness}. Use 'none' or 'dc' for staleness > 1")
+        _require(
+            limit is None or self.staleness <= limit,
+            f"compensation={self.compensation!r} is defined for staleness 1 only (docs/design.md §3); "
+            f"got staleness={self.staleness}. Use 'none' or 'dc' for staleness > 1",
+        )
 
     @property
     def auto(self) -> bool:
         return self.stale_layers == AUTO
 
     @property
-    def wire_compression(self) -> Optional[Compression]:
+    def wire_compression(self) -> Compression | None:
         """The compression, with error feedback resolved (None: uncompressed)."""
         return Compression.of(self.compression, self.error_feedback)
 
@@ -273,12 +332,18 @@ class Settings:
         them, and the first :data:`UNPROFILED_STEPS` are never profiled, so warm-up lasts
         at least ``profile_steps + UNPROFILED_STEPS`` iterations.
         """
-        return max(self.warmup_steps, self.profile_steps + UNPROFILED_STEPS) if self.auto else self.warmup_steps
+        return (
+            max(self.warmup_steps, self.profile_steps + UNPROFILED_STEPS)
+            if self.auto
+            else self.warmup_steps
+        )
 
-    def resume_fingerprint(self) -> Dict[str, str]:
+    def resume_fingerprint(self) -> dict[str, str]:
         """What a checkpoint must agree on (not the timeout, nor the search's trial length), the
         wire format's constants included (its residuals are laid out by them)."""
-        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["resume"]}
+        settings = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["resume"]
+        }
         settings["error_feedback"] = effective_error_feedback(self.compression, self.error_feedback)
         return describe(dict(settings, **wire_constants(self.compression)))
 
@@ -301,23 +366,27 @@ def effective_error_feedback(compression: Any, error_feedback: Any) -> Any:
     return error_feedback
 
 
-def describe(args: Dict[str, Any]) -> Dict[str, str]:
+def describe(args: dict[str, Any]) -> dict[str, str]:
     """A rank's configuration as comparable strings (large items hashed)."""
     out = {}
     for key, value in args.items():
         text = repr(value)
-        out[key] = text if len(text) <= 120 else "sha1:" + hashlib.sha1(text.encode()).hexdigest()[:12]
+        out[key] = (
+            text if len(text) <= 120 else "sha1:" + hashlib.sha1(text.encode()).hexdigest()[:12]
+        )
     return out
 
 
-def mismatches(fingerprints: List[Dict[str, str]]) -> List[str]:
+def mismatches(fingerprints: list[dict[str, str]]) -> list[str]:
     """Human-readable differences of every rank's fingerprint from rank 0's."""
     reference = fingerprints[0]
     lines = []
     for rank, fp in enumerate(fingerprints[1:], start=1):
         for key in sorted(set(reference) | set(fp)):
             if reference.get(key) != fp.get(key):
-                lines.append(f"rank {rank} has {key}={fp.get(key)} but rank 0 has {key}={reference.get(key)}")
+                lines.append(
+                    f"rank {rank} has {key}={fp.get(key)} but rank 0 has {key}={reference.get(key)}"
+                )
     return lines
 
 
@@ -329,7 +398,9 @@ def first_difference(key: str, value: Any, reference: Any) -> str:
         for name in sorted(set(value) | set(reference), key=str):
             if repr(value.get(name)) != repr(reference.get(name)):  # repr: tensors compare too
                 return first_difference(f"{key}.{name}", value.get(name), reference.get(name))
-    if isinstance(value, list) and isinstance(reference, list):  # a tuple is one record: shown whole
+    if isinstance(value, list) and isinstance(
+        reference, list
+    ):  # a tuple is one record: shown whole
         for i, (mine, theirs) in enumerate(zip(value, reference)):
             if repr(mine) != repr(theirs):
                 return first_difference(f"{key}[{i}]", mine, theirs)
@@ -338,4 +409,12 @@ def first_difference(key: str, value: Any, reference: Any) -> str:
     return f"{key}={value!r} but rank 0 has {reference!r}"
 
 
-__all__ = ["AUTO", "Settings", "parse_timeout", "settings_help", "describe", "first_difference", "mismatches"]
+__all__ = [
+    "AUTO",
+    "Settings",
+    "parse_timeout",
+    "settings_help",
+    "describe",
+    "first_difference",
+    "mismatches",
+]

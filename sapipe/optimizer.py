@@ -22,30 +22,32 @@ ranks), :mod:`sapipe.runtime.layout` (layers and buckets), :mod:`sapipe.runtime.
 (gradients in, all-reduces out), :mod:`sapipe.runtime.updates` (the update rules) and
 :mod:`sapipe.auto.controller` (``stale_layers="auto"``).
 """
+
 from __future__ import annotations
 
 import atexit
 import contextlib
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from sapipe import config, rendezvous
-from sapipe.comm import failures
-from sapipe.state import torch_state
 from sapipe.auto import AutoController
-from sapipe.layout.buckets import Bucket
+from sapipe.comm import failures
 from sapipe.errors import ConfigurationError, SapipeError, UsageError
+from sapipe.layout.buckets import Bucket
 from sapipe.layout.layers import Layer, LayerRecorder
-from sapipe.state.resume import CHECKPOINT_FORMAT, check_resumable
 from sapipe.runtime import ForwardHooks, Runtime
 from sapipe.runtime.buffers import BufferBroadcast
 from sapipe.runtime.shutdown import close_at_exit
-from sapipe.tracing.timeline import BackwardSpans, TraceFiles, trace_argument
 from sapipe.schedule import solver
+from sapipe.state import torch_state
+from sapipe.state.resume import CHECKPOINT_FORMAT, check_resumable
+from sapipe.tracing.timeline import BackwardSpans, TraceFiles, trace_argument
 from sapipe.tracing.tracer import Tracer
 
 
@@ -77,41 +79,47 @@ class DistributedOptimizer(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         model: nn.Module,
         *,
-        stale_layers: Union[int, str] = 0,
+        stale_layers: int | str = 0,
         compensation: str = "none",
         dc_lambda: float = 0.2,
         dc_form: str = "outer",
         staleness: int = 1,
         warmup_steps: int = 0,
         bucket_cap_mb: float = 25,
-        process_group: Optional[dist.ProcessGroup] = None,
-        timeout: Union[None, float, timedelta] = None,
+        process_group: dist.ProcessGroup | None = None,
+        timeout: None | float | timedelta = None,
         lr_ramp_steps: int = 0,
         profile_steps: int = 5,
         backend: str = "torch",
         partition_mb: float = 4.0,
-        compression: Optional[str] = None,
-        error_feedback: Optional[bool] = None,
-        hierarchical: Optional[bool] = None,
+        compression: str | None = None,
+        error_feedback: bool | None = None,
+        hierarchical: bool | None = None,
         tune_steps: int = 4,
-        auto_budget: Optional[int] = 30,
+        auto_budget: int | None = 30,
         broadcast_buffers: bool = True,
         expose_gradients: bool = True,
         nonfinite_gradients: str = "warn",
-        trace: Union[None, bool, str] = None,
+        trace: None | bool | str = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigurationError(
                 "sapipe: torch.distributed is not initialised; call "
                 "torch.distributed.init_process_group() (e.g. under torchrun) first"
             )
-        arguments = {name: value for name, value in locals().items() if name in config.Settings.names()}
+        arguments = {
+            name: value for name, value in locals().items() if name in config.Settings.names()
+        }
         group = process_group if process_group is not None else dist.group.WORLD
         rule = params = recorder = settings = local_error = None
         try:
-            rule, params, recorder, settings = rendezvous.check_locally(optimizer, model, arguments, DistributedOptimizer)
+            rule, params, recorder, settings = rendezvous.check_locally(
+                optimizer, model, arguments, DistributedOptimizer
+            )
         except SapipeError as exc:
-            local_error = exc  # reported after the ranks compared notes: raising alone would hang them
+            local_error = (
+                exc  # reported after the ranks compared notes: raising alone would hang them
+            )
         topology = rendezvous.agree(group, arguments, optimizer, model, local_error)
 
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -119,31 +127,51 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.model = model
         self.settings: config.Settings = settings
-        self._group, self._rank, self._world_size = group, dist.get_rank(group), dist.get_world_size(group)
+        self._group, self._rank, self._world_size = (
+            group,
+            dist.get_rank(group),
+            dist.get_world_size(group),
+        )
         trace = trace_argument(trace)
         self.tracer = Tracer(enabled=bool(trace))
         self._spans = BackwardSpans(self.tracer) if trace else None
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        self._runtime = Runtime(settings, rule, group, self._world_size, self.tracer, group_of, topology)
+        self._runtime = Runtime(
+            settings, rule, group, self._world_size, self.tracer, group_of, topology
+        )
         self._pipeline, self._updater = self._runtime.pipeline, self._runtime.updater
         self._control = rendezvous.ControlChannel(group, settings.timeout, params[0].device)
-        self.auto: Optional[AutoController] = (
-            AutoController(settings, self._control, self._pipeline, self._runtime, self._rank) if settings.auto else None
+        self.auto: AutoController | None = (
+            AutoController(settings, self._control, self._pipeline, self._runtime, self._rank)
+            if settings.auto
+            else None
         )
-        self._trace_files = TraceFiles(self.tracer, self._rank, self._world_size,
-                                       trace if isinstance(trace, str) else None, self.auto)
+        self._trace_files = TraceFiles(
+            self.tracer,
+            self._rank,
+            self._world_size,
+            trace if isinstance(trace, str) else None,
+            self.auto,
+        )
         if self._trace_files.path:
             atexit.register(self._trace_files.write_files)  # holds the events, not the optimizer
         rendezvous.broadcast_from_first_rank(model, group)
-        self._recorder: Optional[LayerRecorder] = recorder
+        self._recorder: LayerRecorder | None = recorder
         self._iteration = 0  # completed step() calls
         self._accumulating = False  # inside no_sync()
         self._closed = False
-        self._forward = ForwardHooks(self._runtime, self.tracer, self._spans, lambda: self._iteration + 1,
-                                     self.auto.profiles if self.auto is not None else lambda _: False,
-                                     BufferBroadcast.of(settings, model, self._control, lambda: self._accumulating))
-        self._hooks = [model.register_forward_pre_hook(self._forward.before_model),
-                       model.register_forward_hook(self._after_model_forward)]
+        self._forward = ForwardHooks(
+            self._runtime,
+            self.tracer,
+            self._spans,
+            lambda: self._iteration + 1,
+            self.auto.profiles if self.auto is not None else lambda _: False,
+            BufferBroadcast.of(settings, model, self._control, lambda: self._accumulating),
+        )
+        self._hooks = [
+            model.register_forward_pre_hook(self._forward.before_model),
+            model.register_forward_hook(self._after_model_forward),
+        ]
         self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
         recorder.start()
         close_at_exit(self)  # a job that never calls close() still exits cleanly (design §5.4)
@@ -152,7 +180,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ public API
 
     @property
-    def stale_layers(self) -> Union[int, str]:
+    def stale_layers(self) -> int | str:
         """k: the leading layers (forward order) on stale gradients; "auto" until decided."""
         if self.auto is not None and not self.auto.decided:
             return config.AUTO
@@ -161,7 +189,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def _k(self) -> int:
         layout = self._pipeline.layout
-        return layout.k if layout is not None else 0 if self.settings.auto else self.settings.stale_layers
+        return (
+            layout.k
+            if layout is not None
+            else 0
+            if self.settings.auto
+            else self.settings.stale_layers
+        )
 
     @property
     def num_layers(self) -> int:
@@ -172,14 +206,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._recorder.max_layers
 
     @property
-    def layers(self) -> List[Layer]:
+    def layers(self) -> list[Layer]:
         """The layers in forward-execution order (available after the first forward)."""
         if self._pipeline.layout is None:
-            raise UsageError("sapipe: the layer order is known only after the model's first forward")
+            raise UsageError(
+                "sapipe: the layer order is known only after the model's first forward"
+            )
         return list(self._pipeline.layout.layers)
 
     @property
-    def buckets(self) -> List[Bucket]:
+    def buckets(self) -> list[Bucket]:
         """Communication buckets in launch order (reverse forward order)."""
         return list(self._pipeline.buckets)
 
@@ -195,7 +231,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._pipeline.waited_total
 
     @property
-    def decision(self) -> Optional[solver.Decision]:
+    def decision(self) -> solver.Decision | None:
         """With ``"auto"``: the scheduler's decision (its prediction for the chosen k), once made."""
         return self.auto.decision if self.auto is not None else None
 
@@ -203,7 +239,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """With ``stale_layers="auto"``, once k is decided: write what the scheduler measured and chose
         (JSON), for ``python -m sapipe.schedule.predict`` at other scales (:mod:`sapipe.schedule.saved_profile`)."""
         if self.auto is None:
-            raise UsageError("sapipe: save_profile() needs stale_layers='auto': a fixed k profiles nothing")
+            raise UsageError(
+                "sapipe: save_profile() needs stale_layers='auto': a fixed k profiles nothing"
+            )
         self.auto.saved_profile().save(path)
 
     @property
@@ -217,19 +255,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._world_size
 
     @property
-    def process_group(self) -> Optional[dist.ProcessGroup]:
+    def process_group(self) -> dist.ProcessGroup | None:
         """The group this optimizer trains over (None after :meth:`close`)."""
         return self._group
 
     @property
     def update_path(self) -> str:
-        """"fused" (sapipe's kernels) or "generic" (the wrapped optimizer's own step()); design §3.10."""
+        """ "fused" (sapipe's kernels) or "generic" (the wrapped optimizer's own step()); design §3.10."""
         return self._updater.rule.path
 
-    _step_supports_amp_scaling = True  # GradScaler hands itself to step() instead of unscaling p.grad
+    _step_supports_amp_scaling = (
+        True  # GradScaler hands itself to step() instead of unscaling p.grad
+    )
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None, grad_scaler: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None, grad_scaler: Any = None) -> None:  # type: ignore[override]
         """End the iteration: stale layers update now, sync layers before their next forward.
 
         With ``torch.amp.GradScaler``, call ``scaler.step(opt)`` as usual: the scaler passes
@@ -243,9 +283,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         step does (DDP's sends nothing): one rank's extra step leaves every rank's collectives in line.
         """
         if closure is not None:
-            raise UsageError("sapipe: step(closure) is not supported; call loss.backward() before step()")
+            raise UsageError(
+                "sapipe: step(closure) is not supported; call loss.backward() before step()"
+            )
         if self._pipeline.layout is None:
-            raise UsageError("sapipe: step() was called before the model's first forward and backward")
+            raise UsageError(
+                "sapipe: step() was called before the model's first forward and backward"
+            )
         if self._runtime.nothing_to_step():
             return
         iteration = self._iteration + 1
@@ -256,7 +300,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._runtime.take_gradients(iteration, grad_scaler, self, self._control)
         self._runtime.end_step(iteration, hyperparams)
         self._iteration = iteration
-        self.optimizer._opt_called = True  # what an LR scheduler built on it checks: "its step() ran"
+        self.optimizer._opt_called = (
+            True  # what an LR scheduler built on it checks: "its step() ran"
+        )
         if self.auto is not None:
             self.auto.end_step(iteration, hyperparams, self._forward.forward_start)
         self._pipeline.end_iteration()
@@ -347,18 +393,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         construction; done at exit by itself."""
         self._trace_files.write_files()
 
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "_updater"):  # construction done: buckets are laid out
             raise UsageError("sapipe: add param groups to the optimizer before wrapping it")
         super().add_param_group(param_group)
 
     def __repr__(self) -> str:
-        return (f"sapipe.DistributedOptimizer({type(self.optimizer).__name__}, stale_layers={self.stale_layers!r}, "
-                f"compensation={self.settings.compensation!r}, staleness={self.settings.staleness}, world_size={self._world_size})")
+        return (
+            f"sapipe.DistributedOptimizer({type(self.optimizer).__name__}, stale_layers={self.stale_layers!r}, "
+            f"compensation={self.settings.compensation!r}, staleness={self.settings.staleness}, world_size={self._world_size})"
+        )
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Everything needed to continue bit-exactly: in-flight and pending gradients (their
         all-reduces are waited for), optimizer state, real vs predicted weights, Δx history,
         step counters and the scheduler's k. Save it with ``model.state_dict()``, per rank
@@ -367,46 +415,67 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._iteration == 0:
             raise UsageError("sapipe: nothing to checkpoint before the first step()")
         if self._pipeline.in_backward:
-            raise UsageError("sapipe: checkpoint between step() and the next forward, not during backward")
-        auto = self.auto.state_dict() if self.auto is not None else {"decided": False, "search": None}
+            raise UsageError(
+                "sapipe: checkpoint between step() and the next forward, not during backward"
+            )
+        auto = (
+            self.auto.state_dict() if self.auto is not None else {"decided": False, "search": None}
+        )
         return {
-            "format": CHECKPOINT_FORMAT, "rank": self._rank, "world_size": self._world_size,
-            "settings": self._settings_fingerprint(), "iteration": self._iteration, **auto,
+            "format": CHECKPOINT_FORMAT,
+            "rank": self._rank,
+            "world_size": self._world_size,
+            "settings": self._settings_fingerprint(),
+            "iteration": self._iteration,
+            **auto,
             **self._runtime.checkpoint(),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
+            ],
         }
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Restore :meth:`state_dict` (this rank's) into a freshly constructed optimizer.
 
         Refuses, naming the difference, a checkpoint of another world size, rank or
         configuration. Load before the first forward of the resumed job (or any time
         between ``step()`` and the next forward).
         """
-        if "format" not in state_dict and "param_groups" in state_dict:  # a plain torch.optim state dict
-            self._updater.rule = torch_state.load(self.optimizer, state_dict, stepped=self._iteration > 0)
+        if (
+            "format" not in state_dict and "param_groups" in state_dict
+        ):  # a plain torch.optim state dict
+            self._updater.rule = torch_state.load(
+                self.optimizer, state_dict, stepped=self._iteration > 0
+            )
             return
         state = state_dict
         check_resumable(state, self._rank, self._world_size, self._settings_fingerprint())
         if self._pipeline.in_backward:
-            raise UsageError("sapipe: load a checkpoint between step() and the next forward, not during backward")
+            raise UsageError(
+                "sapipe: load a checkpoint between step() and the next forward, not during backward"
+            )
         if self._pipeline.layout is None:
             self._build_layout(state["order"], k=state["k"])
-        self._runtime.restore(state, state_allocated=self._iteration > 0)  # refuses before changing anything
+        self._runtime.restore(
+            state, state_allocated=self._iteration > 0
+        )  # refuses before changing anything
         if self.auto is not None:
             self.auto.load_state_dict({"decided": state["decided"], "search": state["search"]})
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
         self._iteration = state["iteration"]
 
-    def torch_state_dict(self) -> Dict[str, Any]:
+    def torch_state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's plain ``state_dict()`` of the real weights, for it under DDP (pending sync
         updates applied first; stale gradients in flight are not in it). Reverse: :meth:`load_state_dict`."""
         self.synchronize()
         return torch_state.export(self.optimizer, self._updater.rule, self._pipeline.buckets)
 
-    def _settings_fingerprint(self) -> Dict[str, str]:
-        return dict(self.settings.resume_fingerprint(), **config.describe({"optimizer": type(self.optimizer).__name__}))
+    def _settings_fingerprint(self) -> dict[str, str]:
+        return dict(
+            self.settings.resume_fingerprint(),
+            **config.describe({"optimizer": type(self.optimizer).__name__}),
+        )
 
     # ------------------------------------------------------------------ hooks
 
@@ -416,11 +485,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._build_layout()
         self._forward.after_model()
 
-    def _build_layout(self, order: Optional[List[str]] = None, k: Optional[int] = None) -> None:
+    def _build_layout(self, order: list[str] | None = None, k: int | None = None) -> None:
         """After the first forward (rank 0's order, so a layer unused on some rank cannot split the
         layouts) or from a checkpoint's ``order``: fix the layer order, hook the layers, lay out buckets."""
         assert self._recorder is not None
-        layers = self._recorder.finish(order or self._control.from_first_rank(self._recorder.executed(), "layer order"))
+        layers = self._recorder.finish(
+            order or self._control.from_first_rank(self._recorder.executed(), "layer order")
+        )
         k = self._k if k is None else k
         if k > len(layers):
             raise ConfigurationError(

@@ -15,10 +15,12 @@ worker would need the GIL Python no longer hands out, and the process would abor
 the kept tensors cover agreements made right before exit on a group that is not destroyed
 (one over a subset of the world) and bound the allocations of per-step agreements.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Type
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,18 +29,24 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from sapipe import comm, config
 from sapipe.comm import failures
-from sapipe.kernels import ops
 from sapipe.comm.topology import Topology, node_name
 from sapipe.compression.codec import wire_constants
-from sapipe.errors import CommunicationError, ConfigurationError, SapipeError, UnsupportedOptimizerError, UsageError
+from sapipe.errors import (
+    CommunicationError,
+    ConfigurationError,
+    SapipeError,
+    UnsupportedOptimizerError,
+    UsageError,
+)
+from sapipe.kernels import ops
 from sapipe.layout.layers import LayerRecorder, uncompiled
-from sapipe.optim.generic import rule_for
 from sapipe.optim.fused import OptimizerRule
+from sapipe.optim.generic import rule_for
 
 
 def check_locally(
-    optimizer: Any, model: Any, arguments: Dict[str, Any], wrapper: Type
-) -> Tuple[OptimizerRule, List[nn.Parameter], LayerRecorder, config.Settings]:
+    optimizer: Any, model: Any, arguments: dict[str, Any], wrapper: type
+) -> tuple[OptimizerRule, list[nn.Parameter], LayerRecorder, config.Settings]:
     """Everything that can be checked without the other ranks; raises :class:`SapipeError`.
 
     Returns the optimizer's update rule, the trainable parameters (optimizer order, each
@@ -57,7 +65,9 @@ def check_locally(
     if not isinstance(model, nn.Module):
         raise ConfigurationError(f"sapipe: model must be an nn.Module; got {type(model).__name__}")
     if isinstance(uncompiled(model), nn.parallel.DistributedDataParallel):
-        raise ConfigurationError("sapipe: pass the plain model, not a DistributedDataParallel wrapper")
+        raise ConfigurationError(
+            "sapipe: pass the plain model, not a DistributedDataParallel wrapper"
+        )
     rule = rule_for(optimizer)
     params = _trainable_parameters(optimizer, model)
     recorder = LayerRecorder(model, params)
@@ -65,9 +75,9 @@ def check_locally(
     return rule, params, recorder, settings
 
 
-def _trainable_parameters(optimizer: torch.optim.Optimizer, model: nn.Module) -> List[nn.Parameter]:
+def _trainable_parameters(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[nn.Parameter]:
     model_params = {id(p) for p in model.parameters()}
-    params: List[nn.Parameter] = []
+    params: list[nn.Parameter] = []
     seen = set()
     for group_index, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
@@ -89,30 +99,36 @@ def _trainable_parameters(optimizer: torch.optim.Optimizer, model: nn.Module) ->
     return params
 
 
-def describe_job(optimizer: Any, model: Any) -> Dict[str, Any]:
+def describe_job(optimizer: Any, model: Any) -> dict[str, Any]:
     """What must agree across ranks besides the arguments: the optimizer, the model's parameters
     (which train decides the buckets) and buffers (broadcast from rank 0 at construction), and
     the kernels that will update them (the compiled ones and their PyTorch reference round alike
     only to within float rounding)."""
     try:
         groups = [
-            {k: v for k, v in g.items() if k != "params"} | {"shapes": [tuple(p.shape) for p in g["params"]]}
+            {k: v for k, v in g.items() if k != "params"}
+            | {"shapes": [tuple(p.shape) for p in g["params"]]}
             for g in optimizer.param_groups
         ]
     except Exception:  # noqa: BLE001 - a broken optimizer is reported by local validation
         groups = []
-    job: Dict[str, Any] = {"optimizer": type(optimizer).__name__, "param_groups": groups}
+    job: dict[str, Any] = {"optimizer": type(optimizer).__name__, "param_groups": groups}
     if isinstance(model, nn.Module):
         module = uncompiled(model)  # compiling is no configuration difference
         parameters = list(module.named_parameters())
-        job["model_parameters"] = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in parameters]
-        job["model_buffers"] = [(name, tuple(b.shape), str(b.dtype)) for name, b in module.named_buffers()]
+        job["model_parameters"] = [
+            (name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in parameters
+        ]
+        job["model_buffers"] = [
+            (name, tuple(b.shape), str(b.dtype)) for name, b in module.named_buffers()
+        ]
         job["kernels"] = sorted({ops.backend(p.device) for _, p in parameters})
     return job
 
 
-def agree(group, arguments: Dict[str, Any], optimizer: Any, model: Any,
-          local_error: Optional[SapipeError]) -> Topology:
+def agree(
+    group, arguments: dict[str, Any], optimizer: Any, model: Any, local_error: SapipeError | None
+) -> Topology:
     """Compare every rank's configuration (collective); raise on every rank if any differs,
     else raise this rank's ``local_error`` (every rank has one then: they agree). Returns the
     job's topology (which ranks share a node), learnt in the same exchange."""
@@ -120,41 +136,57 @@ def agree(group, arguments: Dict[str, Any], optimizer: Any, model: Any,
     unavailable = comm.availability(backend) if backend in comm.BACKENDS else None
     if local_error is None and unavailable is not None:
         local_error = ConfigurationError(unavailable)
-    job = dict(describe_job(optimizer, model), backend_available=unavailable is None,
-               **wire_constants(arguments.get("compression")))  # e.g. two sapipe versions' int8 blocks
+    job = dict(
+        describe_job(optimizer, model),
+        backend_available=unavailable is None,
+        **wire_constants(arguments.get("compression")),
+    )  # e.g. two sapipe versions' int8 blocks
     settings = {k: _by_value(v) for k, v in arguments.items()}
-    settings["error_feedback"] = config.effective_error_feedback(arguments.get("compression"),
-                                                                 arguments.get("error_feedback"))
+    settings["error_feedback"] = config.effective_error_feedback(
+        arguments.get("compression"), arguments.get("error_feedback")
+    )
     configuration = dict(settings, **job)
-    gathered: List[Any] = [None] * dist.get_world_size(group)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (config.describe(configuration), node_name()), group=group)
     differences = config.mismatches([fp for fp, _ in gathered])
     if differences:
         differences = _spelt_out(group, configuration, [fp for fp, _ in gathered], differences)
-        raise ConfigurationError("sapipe: ranks were configured differently: " + "; ".join(differences[:10]))
+        raise ConfigurationError(
+            "sapipe: ranks were configured differently: " + "; ".join(differences[:10])
+        )
     if local_error is not None:
         raise local_error
     return Topology.from_names([name for _, name in gathered])
 
 
-def _spelt_out(group, configuration: Dict[str, Any], fingerprints: List[Dict[str, str]],
-               differences: List[str]) -> List[str]:
+def _spelt_out(
+    group, configuration: dict[str, Any], fingerprints: list[dict[str, str]], differences: list[str]
+) -> list[str]:
     """``differences`` with those of hashed items (param groups, the model's parameters)
     replaced by where they first differ: every rank sends those items whole, once, on this
     error path only (collective; every rank takes it, as every rank sees the same
     fingerprints)."""
     reference = fingerprints[0]
-    hashed = sorted({key for fp in fingerprints for key, text in fp.items()
-                     if text != reference.get(key) and (text.startswith("sha1:") or
-                                                        str(reference.get(key)).startswith("sha1:"))})
+    hashed = sorted(
+        {
+            key
+            for fp in fingerprints
+            for key, text in fp.items()
+            if text != reference.get(key)
+            and (text.startswith("sha1:") or str(reference.get(key)).startswith("sha1:"))
+        }
+    )
     if not hashed:
         return differences
-    whole: List[Any] = [None] * dist.get_world_size(group)
+    whole: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(whole, {key: configuration.get(key) for key in hashed}, group=group)
     kept = [line for line in differences if not any(f" has {key}=" in line for key in hashed)]
-    spelt = [f"rank {rank} has " + config.first_difference(key, items[key], whole[0][key])
-             for rank, items in enumerate(whole[1:], start=1) for key in hashed
-             if repr(items[key]) != repr(whole[0][key])]
+    spelt = [
+        f"rank {rank} has " + config.first_difference(key, items[key], whole[0][key])
+        for rank, items in enumerate(whole[1:], start=1)
+        for key in hashed
+        if repr(items[key]) != repr(whole[0][key])
+    ]
     return spelt + kept
 
 
@@ -172,20 +204,24 @@ def broadcast_from_first_rank(model: nn.Module, group) -> None:
 
 
 @torch.no_grad()
-def broadcast_coalesced(tensors: List[torch.Tensor], group, scratch: Optional[Dict[tuple, torch.Tensor]] = None) -> None:
+def broadcast_coalesced(
+    tensors: list[torch.Tensor], group, scratch: dict[tuple, torch.Tensor] | None = None
+) -> None:
     """Copy rank 0's ``tensors`` to every rank of ``group``, one broadcast per dtype and device.
 
     With ``scratch``, the flat tensor of each dtype and device is kept there and reused
     (see the module docstring); without, it is allocated for the call."""
     src = dist.get_global_rank(group, 0)
-    by_kind: Dict[tuple, List[torch.Tensor]] = {}
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
     for (dtype, device), same in by_kind.items():
         if scratch is None:
             flat = _flatten_dense_tensors([t.detach() for t in same])
         else:
-            flat = _scratch(scratch, ("broadcast", dtype, device), sum(t.numel() for t in same), dtype, device)
+            flat = _scratch(
+                scratch, ("broadcast", dtype, device), sum(t.numel() for t in same), dtype, device
+            )
             if dist.get_rank() == src:  # the others' flat is overwritten by the broadcast
                 torch.cat([t.detach().reshape(-1) for t in same], out=flat)
         dist.broadcast(flat, src=src, group=group)
@@ -193,8 +229,13 @@ def broadcast_coalesced(tensors: List[torch.Tensor], group, scratch: Optional[Di
             torch._foreach_copy_(same, _unflatten_dense_tensors(flat, same))
 
 
-def _scratch(scratch: Dict[tuple, torch.Tensor], key: tuple, numel: int, dtype: torch.dtype,
-             device: torch.device) -> torch.Tensor:
+def _scratch(
+    scratch: dict[tuple, torch.Tensor],
+    key: tuple,
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
     """``scratch[key]``, a flat tensor of ``numel`` elements, (re)allocated when it has another size."""
     flat = scratch.get(key)
     if flat is None or flat.numel() != numel:
@@ -227,17 +268,21 @@ class ControlChannel:
         self.group = comm.new_group_like(group, timeout)
         self._device = device if device.type == "cuda" else torch.device("cpu")
         # The tensors handed to the group's collectives, reused (see the module docstring).
-        self._scratch: Dict[tuple, torch.Tensor] = {}
+        self._scratch: dict[tuple, torch.Tensor] = {}
 
     def _open_group(self, what: str):
-        if self.group is None:  # given group=None, torch would run the collective on the default group
+        if (
+            self.group is None
+        ):  # given group=None, torch would run the collective on the default group
             raise UsageError(f"sapipe: {what} after close()")
         return self.group
 
-    def agree_on_max(self, values: List[float], what: str) -> List[float]:
+    def agree_on_max(self, values: list[float], what: str) -> list[float]:
         """The maximum over ranks of each of ``values`` (float64); ``what`` names it in errors."""
         group = self._open_group(f"agreeing on {what}")
-        tensor = _scratch(self._scratch, ("max", len(values)), len(values), torch.float64, self._device)
+        tensor = _scratch(
+            self._scratch, ("max", len(values)), len(values), torch.float64, self._device
+        )
         tensor.copy_(torch.tensor(values, dtype=torch.float64))
         with failure_named(f"agreeing on {what}"):
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
@@ -248,10 +293,12 @@ class ControlChannel:
         group = self._open_group(f"taking rank 0's {what}")
         box = [value]
         with failure_named(f"taking rank 0's {what}"):
-            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group, device=self._device)
+            dist.broadcast_object_list(
+                box, src=dist.get_global_rank(group, 0), group=group, device=self._device
+            )
         return box[0]
 
-    def broadcast(self, tensors: List[torch.Tensor], what: str) -> None:
+    def broadcast(self, tensors: list[torch.Tensor], what: str) -> None:
         """Rank 0's ``tensors`` into every rank's, in place (one collective per dtype and device)."""
         group = self._open_group(f"broadcasting {what}")
         with failure_named(f"broadcasting {what}"):
@@ -262,5 +309,12 @@ class ControlChannel:
         comm.release_group(self)
 
 
-__all__ = ["check_locally", "describe_job", "agree", "broadcast_from_first_rank", "broadcast_coalesced", "ControlChannel",
-           "failure_named"]
+__all__ = [
+    "check_locally",
+    "describe_job",
+    "agree",
+    "broadcast_from_first_rank",
+    "broadcast_coalesced",
+    "ControlChannel",
+    "failure_named",
+]

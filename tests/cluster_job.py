@@ -10,6 +10,7 @@ rank, node, address, its buckets' layout and how they were summed (two nodes of 
 hierarchically, by default) to ``OUT_DIR/rank<r>.pt``. With ``--fail-node N``, node N's ranks exit with status 3 before
 training, to show that one failing node ends the whole job.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,14 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model("tied", seed=rank, dtype=torch.float64)
-    opt = sapipe.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), model,
-                                      stale_layers=STALE_LAYERS, compensation=COMPENSATION, timeout=60,
-                                      compression=args.compression)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=LR),
+        model,
+        stale_layers=STALE_LAYERS,
+        compensation=COMPENSATION,
+        timeout=60,
+        compression=args.compression,
+    )
     for step in make_batches("tied", STEPS, world, dtype=torch.float64):
         x, y = step[rank]
         opt.zero_grad()
@@ -55,9 +61,19 @@ def main() -> None:
         real = {n: p.detach().clone() for n, p in model.named_parameters()}
     names = {id(p): n for n, p in model.named_parameters()}
     buckets = [[(names[id(p)], p.numel()) for p in bucket.params] for bucket in opt.buckets]
-    torch.save({"rank": rank, "world": world, "node": node, "real": real, "held": held, "buckets": buckets,
-                "address": os.environ.get("GLOO_SOCKET_IFNAME"), "sum": type(opt._pipeline.sync_comm).__name__},
-               os.path.join(args.out, f"rank{rank}.pt"))
+    torch.save(
+        {
+            "rank": rank,
+            "world": world,
+            "node": node,
+            "real": real,
+            "held": held,
+            "buckets": buckets,
+            "address": os.environ.get("GLOO_SOCKET_IFNAME"),
+            "sum": type(opt._pipeline.sync_comm).__name__,
+        },
+        os.path.join(args.out, f"rank{rank}.pt"),
+    )
     opt.close()
     dist.destroy_process_group()
 

@@ -9,6 +9,7 @@ initialises a real ``torch.distributed`` Gloo group on loopback, and sends back 
 result (tensors are converted to numpy). A rank that raises sends its traceback, and the
 test fails with it; a rank that hangs is killed at the deadline, so no test can hang CI.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ import queue
 import socket
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -45,7 +46,9 @@ def to_numpy(obj: Any) -> Any:
     return obj
 
 
-def _worker(rank: int, world_size: int, port: int, call: bytes, results, backend: str, environ: dict) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, call: bytes, results, backend: str, environ: dict
+) -> None:
     import torch.distributed as dist
 
     os.environ.clear()  # the parent's environment now, not the fork server's from its start
@@ -56,7 +59,9 @@ def _worker(rank: int, world_size: int, port: int, call: bytes, results, backend
         # fn and args unpickled only now: the modules they import (sapipe, the test's) read
         # this environment, as they would in a new interpreter started with it
         fn, args = pickle.loads(call)
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+        )
         out = fn(rank, world_size, *args)
         results.put((rank, to_numpy(out), None))
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -78,9 +83,13 @@ def _context():
 
 
 def run_ranks(
-    fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 180.0,
-    allow_missing: Optional[List[int]] = None, backend: str = "gloo",
-) -> List[Any]:
+    fn: Callable,
+    world_size: int = 2,
+    args: tuple = (),
+    timeout: float = 180.0,
+    allow_missing: list[int] | None = None,
+    backend: str = "gloo",
+) -> list[Any]:
     """``fn(rank, world_size, *args)`` on each rank; the list of their return values.
 
     ``allow_missing``: ranks that are expected to die without returning (failure tests);
@@ -91,12 +100,16 @@ def run_ranks(
     port = free_port()
     call = pickle.dumps((fn, args))
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, call, results, backend, dict(os.environ)), daemon=True)
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, call, results, backend, dict(os.environ)),
+            daemon=True,
+        )
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
-    out: List[Any] = [None] * world_size
+    out: list[Any] = [None] * world_size
     expected = set(range(world_size)) - set(allow_missing or [])
     pending = set(range(world_size))
     errors = []
@@ -135,13 +148,17 @@ def run_ranks(
     return out
 
 
-def assert_close_dicts(actual: dict, expected: dict, rtol: float, atol: float, what: str = "") -> None:
+def assert_close_dicts(
+    actual: dict, expected: dict, rtol: float, atol: float, what: str = ""
+) -> None:
     assert set(actual) == set(expected), f"{what}: names differ: {set(actual) ^ set(expected)}"
     for name in expected:
         a, e = np.asarray(actual[name]), np.asarray(expected[name])
         if not np.allclose(a, e, rtol=rtol, atol=atol):
             err = np.max(np.abs(a - e))
-            raise AssertionError(f"{what}: {name} differs, max abs error {err:.3e} (rtol={rtol}, atol={atol})")
+            raise AssertionError(
+                f"{what}: {name} differs, max abs error {err:.3e} (rtol={rtol}, atol={atol})"
+            )
 
 
 def same_state(a: Any, b: Any) -> bool:
@@ -149,9 +166,15 @@ def same_state(a: Any, b: Any) -> bool:
     if torch.is_tensor(a):
         return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+        )
     if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+        return (
+            isinstance(b, (list, tuple))
+            and len(a) == len(b)
+            and all(same_state(x, y) for x, y in zip(a, b))
+        )
     return a == b
 
 

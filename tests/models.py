@@ -127,9 +127,18 @@ def make_model(model_name: str, seed: int = 0, dtype: torch.dtype = torch.float3
     return model.to(dtype)
 
 
-def make_batches(model_name: str, steps: int, world_size: int, batch: int = 4, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, *, vocab: int = 16, seq_len: int = 5,
-                 sizes=(6, 10, 8, 3)):
+def make_batches(
+    model_name: str,
+    steps: int,
+    world_size: int,
+    batch: int = 4,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    *,
+    vocab: int = 16,
+    seq_len: int = 5,
+    sizes=(6, 10, 8, 3),
+):
     """``batches[t][r] = (inputs, targets)`` for t in range(steps), r in range(world_size).
 
     Deterministic from ``seed`` (a private torch.Generator). ``dtype`` applies to float

@@ -7,6 +7,7 @@ Plain ``torch.optim.Optimizer`` subclasses; nothing here imports sapipe.
   optimizers do: not per parameter, so sapipe must refuse it.
 * ``GENERIC`` — name -> factory of the optimizers the tests drive through the generic path.
 """
+
 from __future__ import annotations
 
 import torch
@@ -58,18 +59,24 @@ class SGDSubclass(torch.optim.SGD):
 
 
 GENERIC = {
-    "rmsprop": lambda params, lr=0.01: torch.optim.RMSprop(params, lr=lr, alpha=0.9, momentum=0.5, centered=True,
-                                                           weight_decay=1e-3),
-    "adagrad": lambda params, lr=0.05: torch.optim.Adagrad(params, lr=lr, lr_decay=1e-3, weight_decay=1e-3,
-                                                           initial_accumulator_value=0.1),
+    "rmsprop": lambda params, lr=0.01: torch.optim.RMSprop(
+        params, lr=lr, alpha=0.9, momentum=0.5, centered=True, weight_decay=1e-3
+    ),
+    "adagrad": lambda params, lr=0.05: torch.optim.Adagrad(
+        params, lr=lr, lr_decay=1e-3, weight_decay=1e-3, initial_accumulator_value=0.1
+    ),
     "nadam": lambda params, lr=0.01: torch.optim.NAdam(params, lr=lr, weight_decay=1e-3),
     "radam": lambda params, lr=0.01: torch.optim.RAdam(params, lr=lr, weight_decay=1e-3),
     "adamax": lambda params, lr=0.01: torch.optim.Adamax(params, lr=lr, weight_decay=1e-3),
-    "adam-amsgrad": lambda params, lr=0.01: torch.optim.Adam(params, lr=lr, amsgrad=True, weight_decay=1e-3),
+    "adam-amsgrad": lambda params, lr=0.01: torch.optim.Adam(
+        params, lr=lr, amsgrad=True, weight_decay=1e-3
+    ),
     "adadelta": lambda params, lr=1.0: torch.optim.Adadelta(params, lr=lr, weight_decay=1e-3),
     "asgd": lambda params, lr=0.05: torch.optim.ASGD(params, lr=lr, t0=3, weight_decay=1e-3),
     "rprop": lambda params, lr=0.01: torch.optim.Rprop(params, lr=lr),
     "adafactor": lambda params, lr=0.01: torch.optim.Adafactor(params, lr=lr, weight_decay=1e-3),
     "lion": lambda params, lr=0.002: Lion(params, lr=lr, weight_decay=0.1),
-    "sgd-subclass": lambda params, lr=0.1: SGDSubclass(params, lr=lr, momentum=0.9, weight_decay=1e-3),
+    "sgd-subclass": lambda params, lr=0.1: SGDSubclass(
+        params, lr=lr, momentum=0.9, weight_decay=1e-3
+    ),
 }

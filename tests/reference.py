@@ -44,32 +44,43 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
-__all__ = ["ReferenceResult", "run_reference", "layer_order", "opt_peek", "dc_correct", "clip_by_norm", "clip_by_value",
-           "compressed_mean", "node_first_mean"]
+__all__ = [
+    "ReferenceResult",
+    "run_reference",
+    "layer_order",
+    "opt_peek",
+    "dc_correct",
+    "clip_by_norm",
+    "clip_by_value",
+    "compressed_mean",
+    "node_first_mean",
+]
 
-Tensors = Dict[str, torch.Tensor]
+Tensors = dict[str, torch.Tensor]
 
 
 @dataclass
 class ReferenceResult:
-    real: List[Tensors]               # real[i]: real weights x after user iteration i+1
-    held: List[List[Tensors]]         # held[i][r]: weights rank r's model holds for iteration i+2
-    order: List[str]                  # layer module names in forward-execution order
-    stale_names: set                  # parameter names in S
-    layer_params: Dict[str, List[str]] = field(default_factory=dict)  # layer -> its param names
-    global_grads: List[Tensors] = field(default_factory=list)  # g for each iteration
-    local_grads: List[List[Tensors]] = field(default_factory=list)  # l per iteration per rank
+    real: list[Tensors]  # real[i]: real weights x after user iteration i+1
+    held: list[list[Tensors]]  # held[i][r]: weights rank r's model holds for iteration i+2
+    order: list[str]  # layer module names in forward-execution order
+    stale_names: set  # parameter names in S
+    layer_params: dict[str, list[str]] = field(default_factory=dict)  # layer -> its param names
+    global_grads: list[Tensors] = field(default_factory=list)  # g for each iteration
+    local_grads: list[list[Tensors]] = field(default_factory=list)  # l per iteration per rank
 
 
 # ----------------------------------------------------------------------------------------
 # Layers in forward-execution order
 # ----------------------------------------------------------------------------------------
+
 
 def layer_order(model: nn.Module, example_input):
     """Return ``(order, layer_params)``.
@@ -83,15 +94,20 @@ def layer_order(model: nn.Module, example_input):
     """
     m = copy.deepcopy(model)
     canon = {id(p): name for name, p in m.named_parameters()}  # tied -> first name
-    owners = [(name, mod) for name, mod in m.named_modules()
-              if len(list(mod.parameters(recurse=False))) > 0]
+    owners = [
+        (name, mod)
+        for name, mod in m.named_modules()
+        if len(list(mod.parameters(recurse=False))) > 0
+    ]
 
-    executed: List[str] = []
+    executed: list[str] = []
     handles = []
     for name, mod in owners:
+
         def hook(_mod, _args, _name=name):
             if _name not in executed:
                 executed.append(_name)
+
         handles.append(mod.register_forward_pre_hook(hook))
     try:
         with torch.no_grad():
@@ -119,6 +135,7 @@ def layer_order(model: nn.Module, example_input):
 # Small math helpers
 # ----------------------------------------------------------------------------------------
 
+
 def dc_correct(g: torch.Tensor, delta: torch.Tensor, lam: float, form: str) -> torch.Tensor:
     """DC_λ(g, Δ) for ONE parameter tensor."""
     if form == "outer":
@@ -128,8 +145,12 @@ def dc_correct(g: torch.Tensor, delta: torch.Tensor, lam: float, form: str) -> t
     raise ValueError(f"dc_form must be 'outer' or 'diagonal', got {form!r}")
 
 
-def opt_peek(optimizer_factory, opt: torch.optim.Optimizer, params: Sequence[torch.Tensor],
-             grads: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+def opt_peek(
+    optimizer_factory,
+    opt: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+) -> list[torch.Tensor]:
     """OPT_peek: weights that ``opt.step()`` would give for ``grads`` at ``params``.
 
     Works on copies: fresh parameter tensors, a fresh optimizer from the factory with a
@@ -144,7 +165,11 @@ def opt_peek(optimizer_factory, opt: torch.optim.Optimizer, params: Sequence[tor
     return [p.detach().clone() for p in tmp]
 
 
-def _step(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]):
+def _step(
+    opt: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+):
     """OPT: one real step of ``opt`` with the given gradients (None: the parameter is skipped)."""
     for p, g in zip(params, grads):
         p.grad = None if g is None else g.detach().clone()
@@ -153,8 +178,11 @@ def _step(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], grads: Seq
         p.grad = None
 
 
-def _clipped(clip: Callable[[Tensors], Tensors], sync: Dict[str, Optional[torch.Tensor]],
-             stale: Dict[str, Optional[torch.Tensor]]) -> Dict[str, Optional[torch.Tensor]]:
+def _clipped(
+    clip: Callable[[Tensors], Tensors],
+    sync: dict[str, torch.Tensor | None],
+    stale: dict[str, torch.Tensor | None],
+) -> dict[str, torch.Tensor | None]:
     """``clip`` applied to the gradients of one step as a whole (None entries: not applied, not
     clipped); returns new tensors, the inputs are left as they are."""
     both = {**sync, **stale}
@@ -165,11 +193,13 @@ def _clipped(clip: Callable[[Tensors], Tensors], sync: Dict[str, Optional[torch.
 
 def clip_by_norm(max_norm: float, norm_type: float = 2.0) -> Callable[[Tensors], Tensors]:
     """torch.nn.utils.clip_grad_norm_'s rule, written out: g * min(1, c / (||g|| + 1e-6))."""
+
     def clip(grads: Tensors) -> Tensors:
         norms = torch.stack([v.norm(norm_type) for v in grads.values()])
         total = norms.max() if norm_type == float("inf") else norms.norm(norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return {nm: v * coef for nm, v in grads.items()}
+
     return clip
 
 
@@ -178,10 +208,14 @@ def clip_by_value(limit: float) -> Callable[[Tensors], Tensors]:
     return lambda grads: {nm: v.clamp(-limit, limit) for nm, v in grads.items()}
 
 
-def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, int]]]] = None,
-                    block: int = 64, error_feedback: Optional[bool] = None,
-                    chunks: Optional[Sequence[Sequence[Tuple[int, int]]]] = None,
-                    ranks_per_message: int = 1) -> Callable[[List[Tensors]], Tensors]:
+def compressed_mean(
+    kind: str,
+    buckets: Sequence[Sequence[tuple[str, int]]] | None = None,
+    block: int = 64,
+    error_feedback: bool | None = None,
+    chunks: Sequence[Sequence[tuple[int, int]]] | None = None,
+    ranks_per_message: int = 1,
+) -> Callable[[list[Tensors]], Tensors]:
     """The mean of the ranks' gradients as sapipe's compressed sum delivers it (docs/design.md
     §5.9), as a function of the ranks' gradients, one call per iteration (error feedback keeps
     its residuals between calls).
@@ -206,9 +240,11 @@ def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, in
     """
     half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(kind)
     feedback = kind == "int8" if error_feedback is None else error_feedback
-    residual: Dict[Tuple, torch.Tensor] = {}
+    residual: dict[tuple, torch.Tensor] = {}
 
-    def fed(values: torch.Tensor, key: Tuple, rounded: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def fed(
+        values: torch.Tensor, key: tuple, rounded: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
         """``rounded(values + residual)``, the residual becoming what that rounding dropped."""
         v = values + residual.get(key, torch.zeros_like(values)) if feedback else values
         out = rounded(v)
@@ -216,33 +252,43 @@ def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, in
             residual[key] = v - out
         return out
 
-    def int8(v: torch.Tensor, quantised: Optional[list] = None) -> torch.Tensor:
+    def int8(v: torch.Tensor, quantised: list | None = None) -> torch.Tensor:
         """``v`` rounded as int8 blocks (what it decodes to); ``quantised`` receives (q, s)."""
         blocks = v.reshape(-1, block)
         scale = (blocks.abs().max(dim=1).values / 127).to(torch.float32).to(torch.float64)
-        scale = torch.where(scale < torch.finfo(torch.float32).tiny, torch.zeros_like(scale), scale)  # sent as zeros
-        q = torch.round(blocks * (1 / torch.where(scale > 0, scale, torch.ones_like(scale)))[:, None]).clamp(-127, 127)
+        scale = torch.where(
+            scale < torch.finfo(torch.float32).tiny, torch.zeros_like(scale), scale
+        )  # sent as zeros
+        q = torch.round(
+            blocks * (1 / torch.where(scale > 0, scale, torch.ones_like(scale)))[:, None]
+        ).clamp(-127, 127)
         if quantised is not None:
             quantised[:] = [q, scale]
         return (q * scale[:, None]).reshape(-1)
 
-    def reduce_16_bit(local: List[Tensors]) -> Tensors:
+    def reduce_16_bit(local: list[Tensors]) -> Tensors:
         world = len(local)
-        sixteen = lambda divide: lambda v: (v / divide).to(torch.float32).to(half).to(torch.float64) * divide  # noqa: E731
+        sixteen = lambda divide: (
+            lambda v: (v / divide).to(torch.float32).to(half).to(torch.float64) * divide
+        )  # noqa: E731
         mean: Tensors = {}
         for nm in local[0]:
-            total = sum(fed(l[nm], ("rank", r, nm), sixteen(ranks_per_message)) / ranks_per_message
-                        for r, l in enumerate(local))
+            total = sum(
+                fed(l[nm], ("rank", r, nm), sixteen(ranks_per_message)) / ranks_per_message
+                for r, l in enumerate(local)
+            )
             mean[nm] = fed(total, ("sum", nm), sixteen(world)) / world
         return mean
 
-    def reduce_int8(flat: List[torch.Tensor], unit: Tuple) -> torch.Tensor:
+    def reduce_int8(flat: list[torch.Tensor], unit: tuple) -> torch.Tensor:
         """The mean of the ranks' ``flat`` values (one partition) as int8's two roundings deliver it."""
         world, numel = len(flat), flat[0].numel()
         shard = math.ceil(math.ceil(numel / world) / block) * block
         padded = [torch.nn.functional.pad(f, (0, world * shard - numel)) for f in flat]
-        sent = [[fed(f[j * shard:(j + 1) * shard], ("rank", r, unit, j), int8) for j in range(world)]
-                for r, f in enumerate(padded)]
+        sent = [
+            [fed(f[j * shard : (j + 1) * shard], ("rank", r, unit, j), int8) for j in range(world)]
+            for r, f in enumerate(padded)
+        ]
         total = []
         for j in range(world):
             acc = sent[0][j].clone()
@@ -255,7 +301,7 @@ def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, in
             total.append((q * arrived[:, None]).reshape(-1))
         return torch.cat(total)[:numel]
 
-    def reduce(local: List[Tensors]) -> Tensors:
+    def reduce(local: list[Tensors]) -> Tensors:
         if half is not None:
             return reduce_16_bit(local)
         assert buckets is not None, "int8 needs the bucket layout"
@@ -264,21 +310,31 @@ def compressed_mean(kind: str, buckets: Optional[Sequence[Sequence[Tuple[str, in
             numel = sum(n for _, n in layout)
             bounds = chunks[b] if chunks is not None else [(0, numel)]
             end = max(hi for _, hi in bounds)
-            flat = [torch.nn.functional.pad(torch.cat([l[nm].reshape(-1) for nm, _ in layout]), (0, end - numel))
-                    for l in local]
-            values = torch.cat([reduce_int8([f[lo:hi] for f in flat], (b, c)) for c, (lo, hi) in enumerate(bounds)])
+            flat = [
+                torch.nn.functional.pad(
+                    torch.cat([l[nm].reshape(-1) for nm, _ in layout]), (0, end - numel)
+                )
+                for l in local
+            ]
+            values = torch.cat(
+                [reduce_int8([f[lo:hi] for f in flat], (b, c)) for c, (lo, hi) in enumerate(bounds)]
+            )
             values = values[:numel]
             offset = 0
             for nm, n in layout:
-                mean[nm] = values[offset:offset + n].view_as(local[0][nm])
+                mean[nm] = values[offset : offset + n].view_as(local[0][nm])
                 offset += n
         return mean
 
     return reduce
 
 
-def node_first_mean(kind: str, buckets: Sequence[Sequence[Tuple[str, int]]], nodes: Sequence[Sequence[int]],
-                    error_feedback: Optional[bool] = None) -> Callable[[List[Tensors]], Tensors]:
+def node_first_mean(
+    kind: str,
+    buckets: Sequence[Sequence[tuple[str, int]]],
+    nodes: Sequence[Sequence[int]],
+    error_feedback: bool | None = None,
+) -> Callable[[list[Tensors]], Tensors]:
     """The mean as sapipe's compressed sum node first delivers it (sapipe.comm.hierarchical):
     each node's gradients summed exactly (in rank order), and those N sums summed compressed
     as messages of L ranks each (:func:`compressed_mean`), each bucket cut into L shards of
@@ -289,9 +345,11 @@ def node_first_mean(kind: str, buckets: Sequence[Sequence[Tuple[str, int]]], nod
     for layout in buckets:
         shard = math.ceil(sum(n for _, n in layout) / size)
         chunks.append([(j * shard, (j + 1) * shard) for j in range(size)])
-    across = compressed_mean(kind, buckets, chunks=chunks, error_feedback=error_feedback, ranks_per_message=size)
+    across = compressed_mean(
+        kind, buckets, chunks=chunks, error_feedback=error_feedback, ranks_per_message=size
+    )
 
-    def reduce(local: List[Tensors]) -> Tensors:
+    def reduce(local: list[Tensors]) -> Tensors:
         return across([{nm: sum(local[r][nm] for r in node) for nm in local[0]} for node in nodes])
 
     return reduce
@@ -314,14 +372,24 @@ def _to64(obj):
 _MODES = ("none", "dc", "wp1", "wp2", "wp3")
 
 
-def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_fn, *,
-                  stale_layers: int, compensation: str = "none", dc_lambda: float = 0.2,
-                  dc_form: str = "outer", staleness: int = 1, warmup_steps: int = 0,
-                  lr_at: Optional[Callable[[int], float]] = None, lr_ramp_steps: int = 0,
-                  restarts: Sequence[Tuple[int, int]] = (),
-                  clip: Optional[Callable[[Tensors], Tensors]] = None,
-                  reduce: Optional[Callable[[List[Tensors]], Tensors]] = None,
-                  ) -> ReferenceResult:
+def run_reference(
+    model: nn.Module,
+    optimizer_factory: Callable,
+    batches,
+    loss_fn,
+    *,
+    stale_layers: int,
+    compensation: str = "none",
+    dc_lambda: float = 0.2,
+    dc_form: str = "outer",
+    staleness: int = 1,
+    warmup_steps: int = 0,
+    lr_at: Callable[[int], float] | None = None,
+    lr_ramp_steps: int = 0,
+    restarts: Sequence[tuple[int, int]] = (),
+    clip: Callable[[Tensors], Tensors] | None = None,
+    reduce: Callable[[list[Tensors]], Tensors] | None = None,
+) -> ReferenceResult:
     if compensation not in _MODES:
         raise ValueError(f"compensation must be one of {_MODES}, got {compensation!r}")
     if dc_form not in ("outer", "diagonal"):
@@ -336,7 +404,7 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
     # ---- float64 model copy; canonical parameter names -------------------------------
     net = copy.deepcopy(model).to(torch.float64)
     net.train()
-    model_params: Dict[str, nn.Parameter] = dict(net.named_parameters())  # tied: once
+    model_params: dict[str, nn.Parameter] = dict(net.named_parameters())  # tied: once
     names = list(model_params)
     batches = [[_to64(b) for b in step] for step in batches]
     n = len(batches[0])
@@ -349,15 +417,19 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
     restart_at = dict(restarts)
 
     # ---- real weights x (leaf tensors) and the two optimizers ---------------------------
-    x: Dict[str, nn.Parameter] = {nm: nn.Parameter(model_params[nm].detach().clone()) for nm in names}
-    base_lr: Dict[int, List[float]] = {}
+    x: dict[str, nn.Parameter] = {
+        nm: nn.Parameter(model_params[nm].detach().clone()) for nm in names
+    }
+    base_lr: dict[int, list[float]] = {}
 
     def split(k, old_opts=()):
         """(stale names, S, N, opt_S, opt_N) for k; optimizer state moves from ``old_opts``."""
         stale = {p for layer in order[:k] for p in layer_params[layer]}
         s_names = [nm for nm in names if nm in stale]
         n_names = [nm for nm in names if nm not in stale]
-        opts = [optimizer_factory([x[nm] for nm in nms]) if nms else None for nms in (s_names, n_names)]
+        opts = [
+            optimizer_factory([x[nm] for nm in nms]) if nms else None for nms in (s_names, n_names)
+        ]
         for o in opts:
             if o is None:
                 continue
@@ -382,18 +454,19 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
         return {nm: x[nm].detach().clone() for nm in nms}
 
     # ---- pipeline history (pipeline step index t) --------------------------------------
-    X: List[Tensors] = []           # X[t]: real S weights after pipeline step t (X[0] = start)
-    G: Dict[int, Tensors] = {}      # G[t]: g_t of S params
-    L: Dict[int, List[Tensors]] = {}  # L[t][r]: l_t^r of S params
-    pred: Optional[List[Tensors]] = None  # x̃ for S, per rank (None = hold real weights)
+    X: list[Tensors] = []  # X[t]: real S weights after pipeline step t (X[0] = start)
+    G: dict[int, Tensors] = {}  # G[t]: g_t of S params
+    L: dict[int, list[Tensors]] = {}  # L[t][r]: l_t^r of S params
+    pred: list[Tensors] | None = None  # x̃ for S, per rank (None = hold real weights)
 
-    res = ReferenceResult(real=[], held=[], order=order, stale_names=all_stale,
-                          layer_params=layer_params)
+    res = ReferenceResult(
+        real=[], held=[], order=order, stale_names=all_stale, layer_params=layer_params
+    )
 
     for it in range(1, len(batches) + 1):
         # -- 1. every rank: forward/backward at the weights its model holds ---------------
-        local: List[Tensors] = []
-        used: List[Dict[str, bool]] = []
+        local: list[Tensors] = []
+        used: list[dict[str, bool]] = []
         for r in range(n):
             with torch.no_grad():
                 for nm in names:
@@ -403,9 +476,21 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
             inputs, targets = batches[it - 1][r]
             loss_fn(net(inputs), targets).backward()
             used.append({nm: model_params[nm].grad is not None for nm in names})
-            local.append({nm: (model_params[nm].grad.detach().clone() if model_params[nm].grad is not None
-                               else torch.zeros_like(model_params[nm])) for nm in names})
-        g = reduce(local) if reduce is not None else {nm: sum(l[nm] for l in local) / n for nm in names}
+            local.append(
+                {
+                    nm: (
+                        model_params[nm].grad.detach().clone()
+                        if model_params[nm].grad is not None
+                        else torch.zeros_like(model_params[nm])
+                    )
+                    for nm in names
+                }
+            )
+        g = (
+            reduce(local)
+            if reduce is not None
+            else {nm: sum(l[nm] for l in local) / n for nm in names}
+        )
         for nm in names:  # no rank used it: the optimizer skips it wherever g is applied
             if not any(used[r][nm] for r in range(n)):
                 g[nm] = None
@@ -449,8 +534,12 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
                 if compensation == "dc":
                     x_prev = X[t - 1]
                     x_back = X[max(t - 1 - s, 0)]
-                    g_hat = {nm: None if g_old[nm] is None else
-                             dc_correct(g_old[nm], x_prev[nm] - x_back[nm], dc_lambda, dc_form) for nm in S}
+                    g_hat = {
+                        nm: None
+                        if g_old[nm] is None
+                        else dc_correct(g_old[nm], x_prev[nm] - x_back[nm], dc_lambda, dc_form)
+                        for nm in S
+                    }
                 else:  # none, wp1, wp2, wp3: the real update uses g_{t-1}
                     g_hat = g_old
                 _step(opt_S, [x[nm] for nm in S], [g_hat[nm] for nm in S])
@@ -467,16 +556,29 @@ def run_reference(model: nn.Module, optimizer_factory: Callable, batches, loss_f
                     elif compensation == "wp2":
                         g_tilde = G[t - 1]
                     else:  # wp3
-                        g_tilde = {nm: None if G[t - 1][nm] is None else  # skipped: no prediction
-                                   dc_correct(G[t - 1][nm] - L[t - 1][r][nm] / n,
-                                              X[t][nm] - X[t - 1][nm], dc_lambda, dc_form)
-                                   + L[t][r][nm] / n for nm in S}
+                        g_tilde = {
+                            nm: None
+                            if G[t - 1][nm] is None
+                            # skipped: no prediction
+                            else dc_correct(
+                                G[t - 1][nm] - L[t - 1][r][nm] / n,
+                                X[t][nm] - X[t - 1][nm],
+                                dc_lambda,
+                                dc_form,
+                            )
+                            + L[t][r][nm] / n
+                            for nm in S
+                        }
                     if g_tilde is None:
                         pred.append(cur(S))
                     else:
                         skipped = {nm for nm in S if t > s and G[t - s][nm] is None}
-                        peeked = opt_peek(optimizer_factory, opt_S, [x[nm] for nm in S],
-                                          [None if nm in skipped else g_tilde[nm] for nm in S])
+                        peeked = opt_peek(
+                            optimizer_factory,
+                            opt_S,
+                            [x[nm] for nm in S],
+                            [None if nm in skipped else g_tilde[nm] for nm in S],
+                        )
                         pred.append(dict(zip(S, peeked)))
 
         # -- restart: drain the stale gradients in flight, then a new pipeline ------------

@@ -24,6 +24,7 @@ and fail to connect (pytorch/pytorch#135712); ``sapipe-launch --max-restarts=N``
 Each rank appends one line per attempt to ``<ckpt dir>/events.log``: the attempt, the
 step it resumed from, and how it ended (``done`` / ``killed`` / ``CommunicationError``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,12 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="rank 0 writes the final weights here")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--every", type=int, default=3, help="checkpoint every N steps")
-    ap.add_argument("--kill-step", type=int, default=0, help="rank 1 dies in this step (1-based) "
-                    "on the first attempt; 0: never")
+    ap.add_argument(
+        "--kill-step",
+        type=int,
+        default=0,
+        help="rank 1 dies in this step (1-based) on the first attempt; 0: never",
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -62,9 +67,10 @@ def main() -> int:
 
     model = make_model("tied", seed=0)
     base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
-    opt = sapipe.DistributedOptimizer(base, model, stale_layers=3, compensation="dc",
-                                      bucket_cap_mb=0.001, timeout=10)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.95 ** e)
+    opt = sapipe.DistributedOptimizer(
+        base, model, stale_layers=3, compensation="dc", bucket_cap_mb=0.001, timeout=10
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.95**e)
 
     checkpoints = sapipe.Checkpointer(args.ckpt, model, opt, keep=2)
     start, extra = checkpoints.resume()

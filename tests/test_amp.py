@@ -1,15 +1,15 @@
 """torch.amp.GradScaler in every mode: unscaling, skipped steps, agreement across ranks."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-
-import sapipe
 from dist_utils import assert_close_dicts, run_ranks
 from models import loss_fn_for, make_batches, make_model
 from reference import run_reference
+
+import sapipe
 
 STEPS = 8
 POISONED = 4  # rank 1's loss is inf in this iteration: GradScaler must skip it everywhere
@@ -31,7 +31,9 @@ def _with_ddp(rank, world_size):
     ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.05, momentum=0.9)
     ddp_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
     model = make_model("tied")
-    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model
+    )
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
     scales = []
     for t in range(1, STEPS + 1):
@@ -43,7 +45,9 @@ def _with_ddp(rank, world_size):
             s.update()
         scales.append((ddp_scaler.get_scale(), scaler.get_scale()))
     opt.synchronize()
-    diff = max((a - b).abs().max().item() for a, b in zip(ddp_model.parameters(), model.parameters()))
+    diff = max(
+        (a - b).abs().max().item() for a, b in zip(ddp_model.parameters(), model.parameters())
+    )
     return {"diff": diff, "scales": scales}
 
 
@@ -53,7 +57,9 @@ def test_sync_with_grad_scaler_equals_ddp_including_skipped_steps():
         assert r["diff"] <= 1e-6, f"rank {rank}: |sapipe - DDP| = {r['diff']:.3e}"
         assert all(a == b for a, b in r["scales"]), r["scales"]
     ddp_scales = [a for a, _ in out[0]["scales"]]
-    assert ddp_scales[POISONED - 1] < ddp_scales[POISONED - 2], "the poisoned step must have been skipped"
+    assert ddp_scales[POISONED - 1] < ddp_scales[POISONED - 2], (
+        "the poisoned step must have been skipped"
+    )
 
 
 MODES = [(3, "none"), (7, "dc"), (3, "wp1"), (3, "wp2"), (4, "wp3"), (7, "wp1"), (7, "wp3")]
@@ -75,11 +81,19 @@ def _scaled(rank, world_size, poison, expose=True, growth_interval=10**6):
     batches = make_batches("tied", STEPS, world_size, dtype=torch.float64)
     for k, mode in MODES:
         model = make_model("tied", seed=rank, dtype=torch.float64)
-        opt = sapipe.DistributedOptimizer(_optimizer(model.parameters()), model, stale_layers=k, compensation=mode,
-                                          expose_gradients=expose)
+        opt = sapipe.DistributedOptimizer(
+            _optimizer(model.parameters()),
+            model,
+            stale_layers=k,
+            compensation=mode,
+            expose_gradients=expose,
+        )
         # Power-of-two scales unscale exactly, also where they change (growth_interval=2).
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=growth_interval)
-        finite_after, around_poison = [], {}  # the weights the next forward runs on (predicted ones included)
+        finite_after, around_poison = (
+            [],
+            {},
+        )  # the weights the next forward runs on (predicted ones included)
         for t in range(1, STEPS + 1):
             x, y = batches[t - 1][rank]
             opt.zero_grad()
@@ -91,8 +105,15 @@ def _scaled(rank, world_size, poison, expose=True, growth_interval=10**6):
                 around_poison[t] = _weights(model, opt)
         opt.synchronize()
         held, real = _weights(model, opt)
-        results.append({"real": real, "held": held, "scale": scaler.get_scale(), "finite_after": finite_after,
-                        "around_poison": around_poison})
+        results.append(
+            {
+                "real": real,
+                "held": held,
+                "scale": scaler.get_scale(),
+                "finite_after": finite_after,
+                "around_poison": around_poison,
+            }
+        )
     return results
 
 
@@ -104,14 +125,21 @@ def scaled_runs():
 def _assert_reference(runs, index):
     k, mode = MODES[index]
     ref = run_reference(
-        make_model("tied", seed=0, dtype=torch.float64), _optimizer,
-        make_batches("tied", STEPS, 2, dtype=torch.float64), loss_fn_for("tied"),
-        stale_layers=k, compensation=mode,
+        make_model("tied", seed=0, dtype=torch.float64),
+        _optimizer,
+        make_batches("tied", STEPS, 2, dtype=torch.float64),
+        loss_fn_for("tied"),
+        stale_layers=k,
+        compensation=mode,
     )
     for rank in range(2):
         got = runs[rank][index]
-        assert_close_dicts(got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real")
-        assert_close_dicts(got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
+        assert_close_dicts(
+            got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real"
+        )
+        assert_close_dicts(
+            got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held"
+        )
 
 
 @pytest.mark.parametrize("index", range(len(MODES)), ids=[f"k{k}-{m}" for k, m in MODES])
@@ -134,16 +162,33 @@ def test_skipped_step_keeps_ranks_in_agreement():
     for index, (k, mode) in enumerate(MODES):
         a, b = out[0][index], out[1][index]
         assert a["scale"] == b["scale"] == 2.0**9, f"{mode}: both ranks back off once"
-        assert all(a["finite_after"]) and all(b["finite_after"]), f"k={k} {mode}: a forward ran on non-finite weights"
+        assert all(a["finite_after"]) and all(b["finite_after"]), (
+            f"k={k} {mode}: a forward ran on non-finite weights"
+        )
         for name, value in a["real"].items():
             assert np.isfinite(value).all(), f"{mode}: {name} not finite"
             assert np.array_equal(value, b["real"][name]), f"{mode}: ranks disagree on real {name}"
-        if k < 7:  # sync layers see the overflow at once: nothing of the step is applied or predicted
+        if (
+            k < 7
+        ):  # sync layers see the overflow at once: nothing of the step is applied or predicted
             for rank, run in enumerate((a, b)):
-                (_, real_before), (held, real) = run["around_poison"][POISONED - 1], run["around_poison"][POISONED]
+                (_, real_before), (held, real) = (
+                    run["around_poison"][POISONED - 1],
+                    run["around_poison"][POISONED],
+                )
                 for name in real:
-                    assert np.array_equal(real[name], real_before[name]), (mode, rank, name, "x_t = x_{t-1}")
-                    assert np.array_equal(held[name], real[name]), (mode, rank, name, "no prediction: x_t held")
+                    assert np.array_equal(real[name], real_before[name]), (
+                        mode,
+                        rank,
+                        name,
+                        "x_t = x_{t-1}",
+                    )
+                    assert np.array_equal(held[name], real[name]), (
+                        mode,
+                        rank,
+                        name,
+                        "no prediction: x_t held",
+                    )
 
 
 def _scaler_without_itself(rank, world_size):

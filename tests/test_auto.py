@@ -11,6 +11,7 @@
    namespace whose loopback is rate-limited with ``tc`` (docs/design.md §6) — it stales layers.
    Skipped, with the reason, where namespaces or ``tc`` are unavailable.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,12 +24,12 @@ import sys
 
 import pytest
 import torch
-
-from sapipe.auto.controller import FIRST_TRIAL_HEAD
-from sapipe.config import UNPROFILED_STEPS
 from dist_utils import assert_close_dicts, k_once_decided, run_ranks
 from models import loss_fn_for, make_batches, make_model
 from reference import run_reference
+
+from sapipe.auto.controller import FIRST_TRIAL_HEAD
+from sapipe.config import UNPROFILED_STEPS
 
 STEPS = 13
 PROFILE_STEPS = 2  # warm-up lasts PROFILE_STEPS + UNPROFILED_STEPS = 7 iterations
@@ -83,23 +84,45 @@ class _ScriptedTuner:
         return tuner
 
 
-def _pinned(rank, world_size, kind, mode, k, staleness=1, path=(), tune_steps=0, steps=STEPS, budget=30,
-            comm_bound=False):
+def _pinned(
+    rank,
+    world_size,
+    kind,
+    mode,
+    k,
+    staleness=1,
+    path=(),
+    tune_steps=0,
+    steps=STEPS,
+    budget=30,
+    comm_bound=False,
+):
     import sapipe
     from sapipe.auto import search as tuner
     from sapipe.schedule import solver
 
     real_choose = solver.choose_k
     solver.choose_k = lambda *a, **kw: dataclasses.replace(
-        real_choose(*a, **kw), k=kw["only_k"] if kw.get("only_k") is not None else k, comm_bound=comm_bound
+        real_choose(*a, **kw),
+        k=kw["only_k"] if kw.get("only_k") is not None else k,
+        comm_bound=comm_bound,
     )
     _ScriptedTuner.path = path
     tuner.Tuner = _ScriptedTuner
-    sapipe.auto.controller.TRIAL_MAX_ROUNDS = 1  # trials of exactly tune_steps: restarts at known iterations
+    sapipe.auto.controller.TRIAL_MAX_ROUNDS = (
+        1  # trials of exactly tune_steps: restarts at known iterations
+    )
     model = make_model("tied", seed=rank, dtype=torch.float64)
     opt = sapipe.DistributedOptimizer(
-        make_optimizer(kind, model.parameters()), model, stale_layers="auto", compensation=mode,
-        profile_steps=PROFILE_STEPS, bucket_cap_mb=0.0008, timeout=60, staleness=staleness, tune_steps=tune_steps,
+        make_optimizer(kind, model.parameters()),
+        model,
+        stale_layers="auto",
+        compensation=mode,
+        profile_steps=PROFILE_STEPS,
+        bucket_cap_mb=0.0008,
+        timeout=60,
+        staleness=staleness,
+        tune_steps=tune_steps,
         auto_budget=budget,
     )
     batches = make_batches("tied", steps, world_size, dtype=torch.float64)
@@ -114,7 +137,13 @@ def _pinned(rank, world_size, kind, mode, k, staleness=1, path=(), tune_steps=0,
     held = {n: p.detach().clone() for n, p in model.named_parameters()}
     with opt.real_weights():
         real = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"seen": seen, "held": held, "real": real, "k": opt.decision.k, "decided_at": opt.auto.decided_at}
+    return {
+        "seen": seen,
+        "held": held,
+        "real": real,
+        "k": opt.decision.k,
+        "decided_at": opt.auto.decided_at,
+    }
 
 
 @pytest.mark.parametrize("kind,mode,k", [("sgd", "dc", 3), ("adam", "wp3", 5), ("sgd", "none", 7)])
@@ -123,16 +152,26 @@ def test_switch_after_profiling_is_exact(kind, mode, k):
     warmup = PROFILE_STEPS + UNPROFILED_STEPS
     assert out[0]["seen"] == ["auto"] * (warmup - 1) + [k] * (STEPS - warmup + 1)
     ref = run_reference(
-        make_model("tied", seed=0, dtype=torch.float64), functools.partial(make_optimizer, kind),
-        make_batches("tied", STEPS, 2, dtype=torch.float64), loss_fn_for("tied"),
-        stale_layers=k, compensation=mode, warmup_steps=warmup,
+        make_model("tied", seed=0, dtype=torch.float64),
+        functools.partial(make_optimizer, kind),
+        make_batches("tied", STEPS, 2, dtype=torch.float64),
+        loss_fn_for("tied"),
+        stale_layers=k,
+        compensation=mode,
+        warmup_steps=warmup,
     )
     for rank in range(2):
-        assert_close_dicts(out[rank]["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real")
-        assert_close_dicts(out[rank]["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
+        assert_close_dicts(
+            out[rank]["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real"
+        )
+        assert_close_dicts(
+            out[rank]["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held"
+        )
 
 
-@pytest.mark.parametrize("kind,mode,staleness", [("sgd", "dc", 2), ("adam", "wp3", 1), ("sgd", "wp1", 1)])
+@pytest.mark.parametrize(
+    "kind,mode,staleness", [("sgd", "dc", 2), ("adam", "wp3", 1), ("sgd", "wp1", 1)]
+)
 def test_measured_search_restarts_the_pipeline_exactly(kind, mode, staleness):
     """Trials of tune_steps=2 (after s unmeasured, and the first after FIRST_TRIAL_HEAD more)
     iterations at k = 3 (the model's) and 7; then 5, final."""
@@ -144,14 +183,23 @@ def test_measured_search_restarts_the_pipeline_exactly(kind, mode, staleness):
     assert out[0]["seen"] == ["auto"] * (second - 1) + [5] * (steps - second + 1)
     assert out[0]["k"] == 5
     ref = run_reference(
-        make_model("tied", seed=0, dtype=torch.float64), functools.partial(make_optimizer, kind),
-        make_batches("tied", steps, 2, dtype=torch.float64), loss_fn_for("tied"),
-        stale_layers=3, compensation=mode, warmup_steps=warmup, staleness=staleness,
+        make_model("tied", seed=0, dtype=torch.float64),
+        functools.partial(make_optimizer, kind),
+        make_batches("tied", steps, 2, dtype=torch.float64),
+        loss_fn_for("tied"),
+        stale_layers=3,
+        compensation=mode,
+        warmup_steps=warmup,
+        staleness=staleness,
         restarts=[(first, 7), (second, 5)],
     )
     for rank in range(2):
-        assert_close_dicts(out[rank]["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real")
-        assert_close_dicts(out[rank]["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
+        assert_close_dicts(
+            out[rank]["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real"
+        )
+        assert_close_dicts(
+            out[rank]["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held"
+        )
 
 
 def test_the_search_stops_within_its_budget_with_the_last_good_k():
@@ -159,18 +207,28 @@ def test_the_search_stops_within_its_budget_with_the_last_good_k():
     and 5 end at 12, 15 and 18; a fourth would end at 21, so the search stops at 18 and keeps
     5, exactly as a drain-and-restart at each trial."""
     steps, tune, budget = 20, 2, 18
-    out = run_ranks(_pinned, world_size=2, args=("adam", "wp1", 3, 1, (7, 5, 6, 4), tune, steps, budget))
+    out = run_ranks(
+        _pinned, world_size=2, args=("adam", "wp1", 3, 1, (7, 5, 6, 4), tune, steps, budget)
+    )
     warmup = PROFILE_STEPS + UNPROFILED_STEPS
     assert out[0]["decided_at"] == budget == warmup + FIRST_TRIAL_HEAD + 3 * (1 + tune)
-    assert out[0]["seen"] == ["auto"] * (budget - 1) + [5] * (steps - budget + 1) and out[0]["k"] == 5
+    assert (
+        out[0]["seen"] == ["auto"] * (budget - 1) + [5] * (steps - budget + 1) and out[0]["k"] == 5
+    )
     ref = run_reference(
-        make_model("tied", seed=0, dtype=torch.float64), functools.partial(make_optimizer, "adam"),
-        make_batches("tied", steps, 2, dtype=torch.float64), loss_fn_for("tied"),
-        stale_layers=3, compensation="wp1", warmup_steps=warmup,
+        make_model("tied", seed=0, dtype=torch.float64),
+        functools.partial(make_optimizer, "adam"),
+        make_batches("tied", steps, 2, dtype=torch.float64),
+        loss_fn_for("tied"),
+        stale_layers=3,
+        compensation="wp1",
+        warmup_steps=warmup,
         restarts=[(warmup + FIRST_TRIAL_HEAD + 3, 7), (warmup + FIRST_TRIAL_HEAD + 6, 5)],
     )
     for rank in range(2):
-        assert_close_dicts(out[rank]["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real")
+        assert_close_dicts(
+            out[rank]["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real"
+        )
 
 
 @pytest.mark.parametrize("budget", [30, None])
@@ -194,7 +252,9 @@ def _search_resumed(rank, world_size, path, split, steps=18):
 
     real_choose = solver.choose_k
     solver.choose_k = lambda *a, **kw: dataclasses.replace(
-        real_choose(*a, **kw), k=kw["only_k"] if kw.get("only_k") is not None else 3, comm_bound=False
+        real_choose(*a, **kw),
+        k=kw["only_k"] if kw.get("only_k") is not None else 3,
+        comm_bound=False,
     )
     _ScriptedTuner.path = (7, 5)
     tuner.Tuner = _ScriptedTuner
@@ -204,8 +264,14 @@ def _search_resumed(rank, world_size, path, split, steps=18):
     def new(seed):
         model = make_model("tied", seed=seed, dtype=torch.float64)
         opt = sapipe.DistributedOptimizer(
-            make_optimizer("adam", model.parameters()), model, stale_layers="auto", compensation="wp3",
-            profile_steps=PROFILE_STEPS, bucket_cap_mb=0.0008, timeout=60, tune_steps=2,
+            make_optimizer("adam", model.parameters()),
+            model,
+            stale_layers="auto",
+            compensation="wp3",
+            profile_steps=PROFILE_STEPS,
+            bucket_cap_mb=0.0008,
+            timeout=60,
+            tune_steps=2,
         )
         return model, opt
 
@@ -214,7 +280,9 @@ def _search_resumed(rank, world_size, path, split, steps=18):
             x, y = batches[t][rank]
             opt.zero_grad()
             loss_fn_for("tied")(model(x), y).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)  # reads p.grad: the model's sync_at_step
+            torch.nn.utils.clip_grad_norm_(
+                model.parameters(), 1e6
+            )  # reads p.grad: the model's sync_at_step
             opt.step()
 
     results = []
@@ -230,9 +298,16 @@ def _search_resumed(rank, world_size, path, split, steps=18):
             train(model, opt, range(stop, steps))
         with opt.real_weights():
             results.append({n: p.detach().clone() for n, p in model.named_parameters()})
-        opt.save_profile(path.format(rank=rank) + ".profile.json")  # what the warm-up measured, resumed too
-        results.append((opt.stale_layers, opt.auto.sync_at_step,
-                        json.loads(open(path.format(rank=rank) + ".profile.json").read())["sync_at_step"]))
+        opt.save_profile(
+            path.format(rank=rank) + ".profile.json"
+        )  # what the warm-up measured, resumed too
+        results.append(
+            (
+                opt.stale_layers,
+                opt.auto.sync_at_step,
+                json.loads(open(path.format(rank=rank) + ".profile.json").read())["sync_at_step"],
+            )
+        )
         opt.close()
     return results
 
@@ -240,7 +315,14 @@ def _search_resumed(rank, world_size, path, split, steps=18):
 def test_a_checkpoint_during_the_search_resumes_it(tmp_path):
     """Saved in the middle of the second trial: the resumed job finishes the same trial and
     search, knows the script reads p.grad (the model's sync_at_step) and saves its profile."""
-    out = run_ranks(_search_resumed, world_size=2, args=(str(tmp_path / "ck-{rank}.pt"), PROFILE_STEPS + UNPROFILED_STEPS + FIRST_TRIAL_HEAD + 4))
+    out = run_ranks(
+        _search_resumed,
+        world_size=2,
+        args=(
+            str(tmp_path / "ck-{rank}.pt"),
+            PROFILE_STEPS + UNPROFILED_STEPS + FIRST_TRIAL_HEAD + 4,
+        ),
+    )
     for rank in range(2):
         uninterrupted, decided_a, resumed, decided_b = out[rank]
         assert decided_a == decided_b == (5, True, True), (decided_a, decided_b)
@@ -253,8 +335,13 @@ def _warmup_checkpoint_into_a_decided_job(rank, world_size, path):
 
     batches = make_batches("tied", 40, world_size)
     model = make_model("tied", seed=0)
-    opt = sapipe.DistributedOptimizer(make_optimizer("sgd", model.parameters()), model, stale_layers="auto",
-                                      profile_steps=PROFILE_STEPS, tune_steps=2)
+    opt = sapipe.DistributedOptimizer(
+        make_optimizer("sgd", model.parameters()),
+        model,
+        stale_layers="auto",
+        profile_steps=PROFILE_STEPS,
+        tune_steps=2,
+    )
 
     def train(its):
         for t in its:
@@ -278,10 +365,14 @@ def _warmup_checkpoint_into_a_decided_job(rank, world_size, path):
 def test_a_warmup_checkpoint_loaded_into_a_decided_job_decides_again(tmp_path):
     """The job is back in its warm-up: it profiles the warm-up's last iterations again and
     decides k anew (it stayed undecided at k = 0 while profiling was never restarted)."""
-    out = run_ranks(_warmup_checkpoint_into_a_decided_job, world_size=2, args=(str(tmp_path / "ck-{rank}.pt"),))
+    out = run_ranks(
+        _warmup_checkpoint_into_a_decided_job, world_size=2, args=(str(tmp_path / "ck-{rank}.pt"),)
+    )
     for first, undecided, second, decided_at in out:
         assert isinstance(first, int) and undecided == "auto", (first, undecided)
-        assert isinstance(second, int), f"undecided after the load and 37 more iterations: {second!r}"
+        assert isinstance(second, int), (
+            f"undecided after the load and 37 more iterations: {second!r}"
+        )
         assert decided_at is not None and decided_at <= 30
 
 
@@ -290,8 +381,12 @@ def _traced(rank, world_size, path):
 
     model = make_model("tied", seed=0)
     opt = sapipe.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05), model, stale_layers="auto", profile_steps=2,
-        bucket_cap_mb=0.001, trace=path,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model,
+        stale_layers="auto",
+        profile_steps=2,
+        bucket_cap_mb=0.001,
+        trace=path,
     )
     steps = 2 + UNPROFILED_STEPS + 1  # past the decision
     batches = make_batches("tied", steps, world_size)
@@ -309,7 +404,10 @@ def test_trace_files_hold_measured_and_predicted_timelines(tmp_path):
     for rank in range(2):
         measured = json.loads((tmp_path / f"job-{rank}.json").read_text())["traceEvents"]
         predicted = json.loads((tmp_path / f"job-{rank}.predicted.json").read_text())["traceEvents"]
-        for events, kinds in ((measured, {"forward", "backward", "comm", "wait", "step"}), (predicted, {"forward", "backward", "comm"})):
+        for events, kinds in (
+            (measured, {"forward", "backward", "comm", "wait", "step"}),
+            (predicted, {"forward", "backward", "comm"}),
+        ):
             spans = [e for e in events if e.get("ph") == "X"]
             assert kinds <= {e["cat"] for e in spans}
             assert all(e["dur"] >= 0 for e in spans)
@@ -322,9 +420,13 @@ def _attention(rank, world_size):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), torch.nn.Linear(16, 1)
+        torch.nn.Linear(8, 16),
+        torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True),
+        torch.nn.Linear(16, 1),
     )
-    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stale_layers="auto", profile_steps=3)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, stale_layers="auto", profile_steps=3
+    )
     for _ in range(400):  # warm-up, then the measured search, if any (at most ~5 trials of 41)
         opt.zero_grad()
         model(torch.randn(4, 5, 8)).sum().backward()
@@ -357,11 +459,20 @@ def _decide(rank, world_size):
     # the 5 ms it was once fitted at (host hiccups inflate the link's fit) stays ~2%, under
     # the 3% tolerance; on the 40 Mbit link it is tens of percent.
     model = torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 128), torch.nn.Tanh(),
-        torch.nn.Linear(128, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8),
+        torch.nn.Linear(64, 128),
+        torch.nn.Tanh(),
+        torch.nn.Linear(128, 128),
+        torch.nn.Tanh(),
+        torch.nn.Linear(128, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 8),
     )
     opt = sapipe.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01), model, stale_layers="auto", profile_steps=4, timeout=120,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        model,
+        stale_layers="auto",
+        profile_steps=4,
+        timeout=120,
         tune_steps=4,
     )
     x, y = torch.randn(65536, 64), torch.randn(65536, 8)
@@ -373,7 +484,12 @@ def _decide(rank, world_size):
             break
     d = opt.decision
     summary = d.summary() + (f"; {opt.auto.tuner.summary()}" if opt.auto.tuner else "")
-    return {"k": opt.stale_layers, "m": opt.num_layers, "summary": summary, "comm_bound": d.comm_bound}
+    return {
+        "k": opt.stale_layers,
+        "m": opt.num_layers,
+        "summary": summary,
+        "comm_bound": d.comm_bound,
+    }
 
 
 def _run_job(prefix):
@@ -393,12 +509,16 @@ def _slow_network_prefix():
     if not (shutil.which("unshare") and shutil.which("tc") and shutil.which("ip")):
         pytest.skip("needs unshare, ip and tc (iproute2) to emulate a slow network")
     # MTU 1500: tbf drops any packet larger than its burst, and loopback segments are 64 KB.
-    shape = "ip link set lo mtu 1500 up && tc qdisc add dev lo root tbf rate 40mbit burst 64kbit latency 400ms && exec \"$@\""
+    shape = 'ip link set lo mtu 1500 up && tc qdisc add dev lo root tbf rate 40mbit burst 64kbit latency 400ms && exec "$@"'
     for flags in (["-n"], ["-rn"]):  # as root, else as an unprivileged user namespace
-        probe = subprocess.run(["unshare", *flags, "bash", "-c", shape, "_", "true"], capture_output=True)
+        probe = subprocess.run(
+            ["unshare", *flags, "bash", "-c", shape, "_", "true"], capture_output=True
+        )
         if probe.returncode == 0:
             return ["unshare", *flags, "bash", "-c", shape, "_"]
-    pytest.skip("network namespaces with tc are not permitted here: " + probe.stderr.decode()[-200:])
+    pytest.skip(
+        "network namespaces with tc are not permitted here: " + probe.stderr.decode()[-200:]
+    )
 
 
 def test_auto_stales_layers_on_a_slow_link():
@@ -410,8 +530,17 @@ if __name__ == "__main__":
     _network_job()
 
 
-@pytest.mark.parametrize("value, expected", [("", False), ("0", False), ("off", False), ("1", True),
-                                             ("TRUE", True), ("/tmp/job-{rank}.json", "/tmp/job-{rank}.json")])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("", False),
+        ("0", False),
+        ("off", False),
+        ("1", True),
+        ("TRUE", True),
+        ("/tmp/job-{rank}.json", "/tmp/job-{rank}.json"),
+    ],
+)
 def test_sapipe_trace_from_the_environment(monkeypatch, value, expected):
     """$SAPIPE_TRACE=1 records without a file called "1"; a path records and writes there."""
     from sapipe.tracing.timeline import trace_argument
@@ -424,7 +553,11 @@ def test_sapipe_trace_from_the_environment(monkeypatch, value, expected):
 class _WithAnExpert(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.a, self.expert, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+        self.a, self.expert, self.b = (
+            torch.nn.Linear(8, 8),
+            torch.nn.Linear(8, 8),
+            torch.nn.Linear(8, 1),
+        )
 
     def forward(self, x, use_expert=True):
         h = torch.relu(self.a(x))
@@ -436,12 +569,19 @@ def _an_expert_one_rank_stops_reaching(rank, world_size):
 
     torch.manual_seed(0)
     model = _WithAnExpert()
-    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, stale_layers="auto",
-                                      profile_steps=3, timeout=20)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        model,
+        stale_layers="auto",
+        profile_steps=3,
+        timeout=20,
+    )
 
     def one_step(iteration):
         opt.zero_grad()
-        model(torch.randn(4, 8), use_expert=not (rank == 1 and iteration > 1)).pow(2).mean().backward()
+        model(torch.randn(4, 8), use_expert=not (rank == 1 and iteration > 1)).pow(
+            2
+        ).mean().backward()
         opt.step()
 
     return k_once_decided(opt, one_step)

@@ -8,6 +8,7 @@
   remaining chunks of an earlier one.
 * Dead peers and bad arguments are covered in ``test_errors``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,7 +18,6 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from dist_utils import k_once_decided, run_ranks
 from test_modes import CONFIGS, _train, check_against_reference, config_id
 
@@ -26,18 +26,23 @@ BACKEND_CONFIGS = [CONFIGS[0], CONFIGS[9], CONFIGS[16]]
 PARTITION_MB = 13 * 8 / 2**20  # 13 float64 elements per chunk: odd, so tails get padded
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pushpull(kind: str):
-    return run_ranks(_train, world_size=2, args=(kind, BACKEND_CONFIGS,
-                                                 {"backend": "pushpull", "partition_mb": PARTITION_MB}),
-                     timeout=300)
+    return run_ranks(
+        _train,
+        world_size=2,
+        args=(kind, BACKEND_CONFIGS, {"backend": "pushpull", "partition_mb": PARTITION_MB}),
+        timeout=300,
+    )
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 @pytest.mark.parametrize("config", BACKEND_CONFIGS, ids=config_id)
 def test_pushpull_matches_reference(kind, config):
     per_rank = _pushpull(kind)
-    check_against_reference(kind, config, [per_rank[r][BACKEND_CONFIGS.index(config)] for r in range(2)])
+    check_against_reference(
+        kind, config, [per_rank[r][BACKEND_CONFIGS.index(config)] for r in range(2)]
+    )
 
 
 # --------------------------------------------------------------------------- ordering
@@ -45,11 +50,11 @@ def test_pushpull_matches_reference(kind, config):
 
 def _chunk_order(rank, world_size, seed):
     """Start buckets with rank-dependent timing; log the chunk sequence the worker issues."""
+    import torch.distributed as dist
+
     from sapipe.comm import create
     from sapipe.comm.pushpull import PushPull
     from sapipe.tracing.tracer import Tracer
-
-    import torch.distributed as dist
 
     backend = create("pushpull", dist.group.WORLD, "sync", None, Tracer(False), partition_bytes=64)
     assert isinstance(backend, PushPull)
@@ -85,7 +90,9 @@ def _chunk_order(rank, world_size, seed):
     handles = []
     for i, t in enumerate(tensors):
         time.sleep(rng.random() * 0.004)
-        handles.append(backend.start(t, f"random bucket {i}", priority=random.Random(seed - i).randrange(4)))
+        handles.append(
+            backend.start(t, f"random bucket {i}", priority=random.Random(seed - i).randrange(4))
+        )
     results["random"] = [h.wait().clone() for h in handles]
     results["random order"] = list(issued)
     backend.close()
@@ -97,21 +104,33 @@ def test_pushpull_issues_chunks_in_agreed_priority_order():
     expected_big = torch.arange(3200, dtype=torch.float32) * 3
     for rank in range(2):
         torch.testing.assert_close(torch.as_tensor(out[rank]["big"]), expected_big, rtol=0, atol=0)
-        torch.testing.assert_close(torch.as_tensor(out[rank]["small"]), torch.full((40,), 3.0), rtol=0, atol=0)
+        torch.testing.assert_close(
+            torch.as_tensor(out[rank]["small"]), torch.full((40,), 3.0), rtol=0, atol=0
+        )
     order = [tuple(x) for x in out[0]["order"]]
     assert order == [tuple(x) for x in out[1]["order"]], "ranks issued different chunk sequences"
     assert sorted(order) == [(0, i) for i in range(200)] + [(1, i) for i in range(3)]
     small_at = [n for n, (job, _) in enumerate(order) if job == 1]
-    assert small_at == list(range(small_at[0], small_at[0] + 3)), f"bucket 1's chunks interleaved: {order}"
-    assert 2 <= small_at[0] < 190, f"bucket 1 did not overtake bucket 0: its chunks were at {small_at}"
-    assert [i for job, i in order if job == 0] == list(range(200)), "a bucket's chunks went out of order"
+    assert small_at == list(range(small_at[0], small_at[0] + 3)), (
+        f"bucket 1's chunks interleaved: {order}"
+    )
+    assert 2 <= small_at[0] < 190, (
+        f"bucket 1 did not overtake bucket 0: its chunks were at {small_at}"
+    )
+    assert [i for job, i in order if job == 0] == list(range(200)), (
+        "a bucket's chunks went out of order"
+    )
 
-    assert out[0]["random order"] == out[1]["random order"], "ranks issued different chunk sequences"
+    assert out[0]["random order"] == out[1]["random order"], (
+        "ranks issued different chunk sequences"
+    )
     sizes = [len(t) for t in out[0]["random"]]
     for i, n in enumerate(sizes):
         want = 2 * torch.arange(n, dtype=torch.float32) + 1000 + 2 * i
         for rank in range(2):
-            torch.testing.assert_close(torch.as_tensor(out[rank]["random"][i]), want, rtol=0, atol=0)
+            torch.testing.assert_close(
+                torch.as_tensor(out[rank]["random"][i]), want, rtol=0, atol=0
+            )
 
 
 # --------------------------------------------------------------------------- horovod
@@ -167,14 +186,22 @@ def _auto_on_horovod(rank, world_size):
     """Horovod matches operations by name. auto's restarts lay the buckets out anew and free
     the old ones; rank 0 keeps allocations of a bucket's size between steps, so the two
     ranks' new buffers land at different addresses."""
-    import sapipe
     from models import loss_fn_for, make_batches, make_model
+
+    import sapipe
     from sapipe.comm.horovod_backend import init_horovod_for_torch_job
 
     hvd = init_horovod_for_torch_job()
     model = make_model("tied", seed=0)
-    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, stale_layers="auto",
-                                      profile_steps=2, backend="horovod", bucket_cap_mb=0.0008, timeout=20)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model,
+        stale_layers="auto",
+        profile_steps=2,
+        backend="horovod",
+        bucket_cap_mb=0.0008,
+        timeout=20,
+    )
     batches, kept = make_batches("tied", 8, world_size), []
     try:
         for step in range(300):
@@ -205,15 +232,25 @@ def test_auto_on_horovod_names_buckets_alike_on_every_rank_after_its_restarts():
 
 def _auto_on_pushpull(rank, world_size):
     """The scheduler's link probes run on the main thread while push-pull's worker is busy."""
-    import sapipe
     from models import loss_fn_for, make_batches, make_model
 
+    import sapipe
+
     model = make_model("tied", seed=0)
-    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, stale_layers="auto",
-                                      profile_steps=2, backend="pushpull", partition_mb=0.001, timeout=30)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model,
+        stale_layers="auto",
+        profile_steps=2,
+        backend="pushpull",
+        partition_mb=0.001,
+        timeout=30,
+    )
     batches = make_batches("tied", 8, world_size)
 
-    def one_step(iteration):  # warm-up, then the measured search (pipeline restarts drain push-pull's handles)
+    def one_step(
+        iteration,
+    ):  # warm-up, then the measured search (pipeline restarts drain push-pull's handles)
         x, y = batches[iteration % len(batches)][rank]
         opt.zero_grad()
         loss_fn_for("tied")(model(x), y).backward()

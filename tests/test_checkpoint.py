@@ -1,14 +1,15 @@
 """Checkpoint mid-training, resume in fresh processes: bit-identical to never stopping."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-
-import sapipe
 from dist_utils import run_ranks, same_state
 from models import loss_fn_for, make_batches, make_model
 from optimizers import GENERIC
+
+import sapipe
 
 STEPS, SPLIT = 10, 6
 # (optimizer, stale_layers, compensation, staleness, warmup)
@@ -23,7 +24,14 @@ CASES = [
     ("adam", 3, "dc", 1, 0, "int8"),  # the error-feedback residuals in the checkpoint
     ("sgd", 7, "none", 2, 1, "int8"),
     ("adam", 0, "none", 1, 0, "bf16"),
-    ("sgd", 4, "wp2", 1, 0, "fp16"),  # stale buckets whose gradients backward casts into the messages
+    (
+        "sgd",
+        4,
+        "wp2",
+        1,
+        0,
+        "fp16",
+    ),  # stale buckets whose gradients backward casts into the messages
 ]
 INT8_CASE = 7
 
@@ -35,13 +43,23 @@ def _case_id(case) -> str:
 def _setup(kind, k, mode, s, warmup, compression=None, *, seed, error_feedback=None):
     model = make_model("tied", seed=seed)
     base = {
-        "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+        "sgd": lambda p: torch.optim.SGD(
+            p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3
+        ),
         "adam": lambda p: torch.optim.Adam(p, lr=0.01),
         "rmsprop": GENERIC["rmsprop"],
     }[kind](model.parameters())
     opt = sapipe.DistributedOptimizer(
-        base, model, stale_layers=k, compensation=mode, staleness=s, warmup_steps=warmup,
-        bucket_cap_mb=0.001, timeout=60, compression=compression, error_feedback=error_feedback,
+        base,
+        model,
+        stale_layers=k,
+        compensation=mode,
+        staleness=s,
+        warmup_steps=warmup,
+        bucket_cap_mb=0.001,
+        timeout=60,
+        compression=compression,
+        error_feedback=error_feedback,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.9**e)
     return model, opt, sched
@@ -153,11 +171,16 @@ def test_checkpoint_of_another_int8_block_is_refused(resumed_runs, tmp_path):
         state["optimizer"]["settings"]["int8_block"] = "256"
         torch.save(state, tmp_path / f"older-{rank}.pt")
     messages = run_ranks(_older_int8, world_size=2, args=(str(tmp_path / "older-{rank}.pt"),))
-    assert all("this job has int8_block=64 but the checkpoint has int8_block=256" in m for m in messages), messages
+    assert all(
+        "this job has int8_block=64 but the checkpoint has int8_block=256" in m for m in messages
+    ), messages
 
 
 BF16_CASE = 9
-SPELLED_OUT = [(INT8_CASE, True), (BF16_CASE, False)]  # each format's default error feedback, written out
+SPELLED_OUT = [
+    (INT8_CASE, True),
+    (BF16_CASE, False),
+]  # each format's default error feedback, written out
 
 
 def _second_half_spelled_out(rank, world_size, paths):
@@ -188,17 +211,34 @@ def test_the_default_error_feedback_written_out_resumes_the_same(resumed_runs, t
     for rank in range(2):
         for run, (index, _) in enumerate(SPELLED_OUT * 2):
             for name, value in expected[rank][index]["real"].items():
-                assert np.array_equal(resumed[rank][run]["real"][name], value), (rank, CASES[index], run, name)
+                assert np.array_equal(resumed[rank][run]["real"][name], value), (
+                    rank,
+                    CASES[index],
+                    run,
+                    name,
+                )
 
 
 def _other_groups(rank, world_size, path):
     """CASES[0]'s checkpoint (one param group) into the same job whose SGD has two groups."""
     model = make_model("tied", seed=0)
     params = list(model.parameters())
-    base = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:], "lr": 0.01}], lr=0.05, momentum=0.9,
-                           nesterov=True, weight_decay=1e-3)
+    base = torch.optim.SGD(
+        [{"params": params[:2]}, {"params": params[2:], "lr": 0.01}],
+        lr=0.05,
+        momentum=0.9,
+        nesterov=True,
+        weight_decay=1e-3,
+    )
     opt = sapipe.DistributedOptimizer(base, model, stale_layers=3, bucket_cap_mb=0.001, timeout=60)
-    _train(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0), rank, world_size, range(1))
+    _train(
+        model,
+        opt,
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0),
+        rank,
+        world_size,
+        range(1),
+    )
     before = opt.state_dict()
     try:
         opt.load_state_dict(torch.load(path.format(rank=rank), weights_only=False)["optimizer"])
@@ -267,8 +307,14 @@ AMP_POISONED = SPLIT  # rank 1's loss is inf in the last iteration before the ch
 
 def _amp_setup(seed, k, mode, expose):
     model = make_model("tied", seed=seed, dtype=torch.float64)
-    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
-                                      stale_layers=k, compensation=mode, expose_gradients=expose, timeout=60)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        model,
+        stale_layers=k,
+        compensation=mode,
+        expose_gradients=expose,
+        timeout=60,
+    )
     return model, opt, torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
 
 
@@ -278,7 +324,9 @@ def _amp_train(model, opt, scaler, rank, world_size, steps):
         x, y = batches[t][rank]
         opt.zero_grad()
         loss = loss_fn_for("tied")(model(x), y)
-        scaler.scale(loss * float("inf") if rank == 1 and t + 1 == AMP_POISONED else loss).backward()
+        scaler.scale(
+            loss * float("inf") if rank == 1 and t + 1 == AMP_POISONED else loss
+        ).backward()
         scaler.step(opt)
         scaler.update()
 
@@ -309,4 +357,6 @@ def test_a_checkpoint_under_a_grad_scaler_resumes_bit_identically(tmp_path):
         for case, (expected, resumed) in zip(AMP_CASES, runs):
             for view, weights in expected.items():
                 for name, value in weights.items():
-                    assert np.isfinite(value).all() and np.array_equal(resumed[view][name], value), (rank, case, view, name)
+                    assert np.isfinite(value).all() and np.array_equal(
+                        resumed[view][name], value
+                    ), (rank, case, view, name)

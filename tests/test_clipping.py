@@ -10,6 +10,7 @@
 * Edits other than clipping (a new tensor, ``None``) reach the update as under DDP; one
   sapipe cannot honour warns once; misuse raises.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,11 +20,11 @@ import warnings
 import numpy as np
 import pytest
 import torch
-
-import sapipe
 from dist_utils import assert_close_dicts, run_ranks
 from models import loss_fn_for, make_batches, make_model
 from reference import clip_by_norm, clip_by_value, run_reference
+
+import sapipe
 
 STEPS = 6
 MAX_NORM = 0.05  # below the models' gradient norms: clipping is active at every step
@@ -49,11 +50,17 @@ def _clip(how, model, opt):
 
 
 def _grad_norm(model):
-    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
+    return torch.nn.utils.get_total_norm(
+        [p.grad for p in model.parameters() if p.grad is not None]
+    ).item()
 
 
-K0_CASES = [(opt, scaler, how) for opt in ("sgd", "adamw") for scaler in (False, True)
-            for how in ("norm", "value", "opt.norm")]
+K0_CASES = [
+    (opt, scaler, how)
+    for opt in ("sgd", "adamw")
+    for scaler in (False, True)
+    for how in ("norm", "value", "opt.norm")
+]
 
 
 def _k0_against_ddp(rank, world_size):
@@ -67,13 +74,18 @@ def _k0_against_ddp(rank, world_size):
         ddp = DDP(ddp_model)
         ddp_opt = _optimizer(kind, ddp_model.parameters())
         opt = sapipe.DistributedOptimizer(_optimizer(kind, model.parameters()), model)
-        scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, enabled=use_scaler)
-                   for _ in range(2)]
+        scalers = [
+            torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, enabled=use_scaler)
+            for _ in range(2)
+        ]
         logged = []
         for t in range(STEPS):
             x, y = batches[t][rank]
             row = []
-            for m, net, o, s in ((ddp_model, ddp, ddp_opt, scalers[0]), (model, model, opt, scalers[1])):
+            for m, net, o, s in (
+                (ddp_model, ddp, ddp_opt, scalers[0]),
+                (model, model, opt, scalers[1]),
+            ):
                 o.zero_grad()
                 s.scale(loss_fn(net(x), y)).backward()
                 s.unscale_(o)
@@ -83,7 +95,9 @@ def _k0_against_ddp(rank, world_size):
                 s.step(o)
                 s.update()
             logged.append(row)
-        diff = max((a - b).abs().max().item() for a, b in zip(ddp_model.parameters(), model.parameters()))
+        diff = max(
+            (a - b).abs().max().item() for a, b in zip(ddp_model.parameters(), model.parameters())
+        )
         results.append({"diff": diff, "logged": logged})
         opt.close()
     return results
@@ -94,8 +108,11 @@ def k0_runs():
     return run_ranks(_k0_against_ddp, world_size=2)
 
 
-@pytest.mark.parametrize("index", range(len(K0_CASES)),
-                         ids=[f"{o}-{'scaler' if s else 'plain'}-{h}" for o, s, h in K0_CASES])
+@pytest.mark.parametrize(
+    "index",
+    range(len(K0_CASES)),
+    ids=[f"{o}-{'scaler' if s else 'plain'}-{h}" for o, s, h in K0_CASES],
+)
 def test_clipping_at_k0_equals_ddp(k0_runs, index):
     for rank in range(2):
         result = k0_runs[rank][index]
@@ -103,7 +120,9 @@ def test_clipping_at_k0_equals_ddp(k0_runs, index):
         for ddp_norm, ddp_reported, norm, reported in result["logged"]:
             assert norm == pytest.approx(ddp_norm, rel=1e-6), "p.grad's norm is DDP's"
             if ddp_reported is not None:
-                assert ddp_reported > MAX_NORM, "the clip must be active for the test to mean anything"
+                assert ddp_reported > MAX_NORM, (
+                    "the clip must be active for the test to mean anything"
+                )
                 assert reported == pytest.approx(ddp_reported, rel=1e-6)
 
 
@@ -116,8 +135,11 @@ def _nanogpt_optimizer(model):
     """nanoGPT's configure_optimizers: weight decay on matrices only, two param groups."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=6e-3, betas=(0.9, 0.95))
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=6e-3,
+        betas=(0.9, 0.95),
+    )
 
 
 def _cosine_lr(it, warmup=2, total=STEPS, top=6e-3, bottom=6e-4):
@@ -158,16 +180,23 @@ def _nanogpt_loop(rank, world_size, use_sapipe):
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-    return {"weights": {n: p.detach().clone() for n, p in raw_model.named_parameters()}, "norms": norms}
+    return {
+        "weights": {n: p.detach().clone() for n, p in raw_model.named_parameters()},
+        "norms": norms,
+    }
 
 
 def test_nanogpt_style_loop_equals_ddp():
     ddp = run_ranks(_nanogpt_loop, world_size=2, args=(False,))
     ours = run_ranks(_nanogpt_loop, world_size=2, args=(True,))
     for rank in range(2):
-        assert_close_dicts(ours[rank]["weights"], ddp[rank]["weights"], rtol=0, atol=1e-6, what=f"rank {rank}")
+        assert_close_dicts(
+            ours[rank]["weights"], ddp[rank]["weights"], rtol=0, atol=1e-6, what=f"rank {rank}"
+        )
         np.testing.assert_allclose(ours[rank]["norms"], ddp[rank]["norms"], rtol=1e-6)
-        assert min(ddp[rank]["norms"]) > 0.3, "the clip must be active for the test to mean anything"
+        assert min(ddp[rank]["norms"]) > 0.3, (
+            "the clip must be active for the test to mean anything"
+        )
 
 
 # ---------------------------------------------------------------- k > 0: the float64 reference
@@ -190,10 +219,17 @@ def _stale(rank, world_size):
     results = []
     for k, mode, staleness, kind, how, use_scaler in STALE_CASES:
         model = make_model("tied", seed=rank, dtype=torch.float64)  # rank 0's weights are broadcast
-        opt = sapipe.DistributedOptimizer(_optimizer(kind, model.parameters()), model, stale_layers=k,
-                                          compensation=mode, staleness=staleness)
+        opt = sapipe.DistributedOptimizer(
+            _optimizer(kind, model.parameters()),
+            model,
+            stale_layers=k,
+            compensation=mode,
+            staleness=staleness,
+        )
         # a power-of-two scale that never changes unscales exactly
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6, enabled=use_scaler)
+        scaler = torch.amp.GradScaler(
+            "cpu", init_scale=2.0**10, growth_interval=10**6, enabled=use_scaler
+        )
         for t in range(STEPS):
             x, y = batches[t][rank]
             opt.zero_grad()
@@ -215,30 +251,46 @@ def stale_runs():
     return run_ranks(_stale, world_size=2)
 
 
-@pytest.mark.parametrize("index", range(len(STALE_CASES)),
-                         ids=[f"k{k}-{m}-s{s}-{o}-{h}{'-scaler' if sc else ''}" for k, m, s, o, h, sc in STALE_CASES])
+@pytest.mark.parametrize(
+    "index",
+    range(len(STALE_CASES)),
+    ids=[f"k{k}-{m}-s{s}-{o}-{h}{'-scaler' if sc else ''}" for k, m, s, o, h, sc in STALE_CASES],
+)
 def test_clipping_at_k_above_0_follows_the_reference(stale_runs, index):
     k, mode, staleness, kind, how, _ = STALE_CASES[index]
     ref = run_reference(
-        make_model("tied", seed=0, dtype=torch.float64), lambda params: _optimizer(kind, params),
-        make_batches("tied", STEPS, 2, dtype=torch.float64), loss_fn_for("tied"),
-        stale_layers=k, compensation=mode, staleness=staleness,
+        make_model("tied", seed=0, dtype=torch.float64),
+        lambda params: _optimizer(kind, params),
+        make_batches("tied", STEPS, 2, dtype=torch.float64),
+        loss_fn_for("tied"),
+        stale_layers=k,
+        compensation=mode,
+        staleness=staleness,
         clip=clip_by_norm(MAX_NORM) if how == "norm" else clip_by_value(MAX_VALUE),
     )
     unclipped = run_reference(
-        make_model("tied", seed=0, dtype=torch.float64), lambda params: _optimizer(kind, params),
-        make_batches("tied", STEPS, 2, dtype=torch.float64), loss_fn_for("tied"),
-        stale_layers=k, compensation=mode, staleness=staleness,
+        make_model("tied", seed=0, dtype=torch.float64),
+        lambda params: _optimizer(kind, params),
+        make_batches("tied", STEPS, 2, dtype=torch.float64),
+        loss_fn_for("tied"),
+        stale_layers=k,
+        compensation=mode,
+        staleness=staleness,
     )
     gap = max((ref.real[-1][n] - unclipped.real[-1][n]).abs().max().item() for n in ref.real[-1])
     assert gap > 1e-4, "clipping must change the result for the test to mean anything"
     for rank in range(2):
         got = stale_runs[rank][index]
-        assert_close_dicts(got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real")
-        assert_close_dicts(got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
+        assert_close_dicts(
+            got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real"
+        )
+        assert_close_dicts(
+            got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held"
+        )
 
 
 # ---------------------------------------------------------------- other edits, and misuse
+
 
 def _edits(rank, world_size):
     """A new tensor and None assigned to p.grad at k = 0, as under DDP; then the one edit
@@ -260,11 +312,15 @@ def _edits(rank, world_size):
             if t == 2:
                 m[-1].bias.grad = None  # this parameter sits this step out
             o.step()
-    diff = max((a - b).abs().max().item() for a, b in zip(ddp_model.parameters(), model.parameters()))
+    diff = max(
+        (a - b).abs().max().item() for a, b in zip(ddp_model.parameters(), model.parameters())
+    )
     opt.close()
 
     stale = make_model("mlp")
-    opt = sapipe.DistributedOptimizer(torch.optim.SGD(stale.parameters(), lr=0.1), stale, stale_layers=1)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(stale.parameters(), lr=0.1), stale, stale_layers=1
+    )
     errors = []
     try:
         opt.clip_grad_norm_(1.0)
@@ -280,21 +336,29 @@ def _edits(rank, world_size):
         opt.step()
     opt.close()
     closed = make_model("mlp")
-    opt = sapipe.DistributedOptimizer(torch.optim.SGD(closed.parameters(), lr=0.1), closed, expose_gradients=False)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(closed.parameters(), lr=0.1), closed, expose_gradients=False
+    )
     loss_fn(closed(x), y).backward()
     try:
         opt.clip_grad_norm_(1.0)
     except sapipe.UsageError as exc:
         errors.append(str(exc))
     opt.close()
-    return {"diff": diff, "stale_grad_was_none": grad_after_backward is None,
-            "warnings": [str(w.message) for w in caught], "errors": errors}
+    return {
+        "diff": diff,
+        "stale_grad_was_none": grad_after_backward is None,
+        "warnings": [str(w.message) for w in caught],
+        "errors": errors,
+    }
 
 
 def test_edits_of_p_grad_reach_the_update_or_warn_once():
     for rank, result in enumerate(run_ranks(_edits, world_size=2)):
         assert result["diff"] <= 1e-6, f"rank {rank}: |sapipe - DDP| = {result['diff']:.3e}"
-        assert result["stale_grad_was_none"], "a stale layer has no gradient to apply at the first step"
+        assert result["stale_grad_was_none"], (
+            "a stale layer has no gradient to apply at the first step"
+        )
         ignored = [w for w in result["warnings"] if "the gradient is ignored" in w]
         assert len(ignored) == 1, result["warnings"]
         before_backward, not_exposed = result["errors"]
@@ -309,7 +373,9 @@ def _rewind(rank, world_size):
     batches = make_batches("mlp", 4, world_size)
     loss_fn = loss_fn_for("mlp")
     model = make_model("mlp")
-    opt = sapipe.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, stale_layers=1)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.01), model, stale_layers=1
+    )
     saved = None
     finals = []
     for attempt in range(2):
@@ -333,4 +399,7 @@ def _rewind(rank, world_size):
 def test_loading_an_earlier_checkpoint_exposes_afresh():
     for rank, (first, replayed) in enumerate(run_ranks(_rewind, world_size=2)):
         for name in first:
-            assert torch.equal(torch.as_tensor(first[name]), torch.as_tensor(replayed[name])), (rank, name)
+            assert torch.equal(torch.as_tensor(first[name]), torch.as_tensor(replayed[name])), (
+                rank,
+                name,
+            )

@@ -1,7 +1,7 @@
 """The code keeps its shape: no import runs up sapipe's layers, no module defines a name twice
 (the later definition would silently replace the first), and the kernels' argument checks
 build their messages themselves (csrc/check.h)."""
-import importlib.util
+
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -9,8 +9,25 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 #: sapipe's layers, bottom first: a module may import, at its top level, only from its own
 #: layer and those before it (docs/design.md §1.2). An import inside a function may reach up.
-LAYERS = ["errors", "kernels", "optim", "compression", "layout", "tracing", "schedule", "comm", "config",
-          "state", "runtime", "rendezvous", "auto", "optimizer", "checkpoint", "launch", "__init__"]
+LAYERS = [
+    "errors",
+    "kernels",
+    "optim",
+    "compression",
+    "layout",
+    "tracing",
+    "schedule",
+    "comm",
+    "config",
+    "state",
+    "runtime",
+    "rendezvous",
+    "auto",
+    "optimizer",
+    "checkpoint",
+    "launch",
+    "__init__",
+]
 
 
 def _layer(module: str) -> str:
@@ -23,12 +40,22 @@ def _imports_running_up(package: pathlib.Path):
 
     up = []
     for path in package.rglob("*.py"):
-        module = ".".join(path.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__")
+        module = ".".join(path.relative_to(package.parent).with_suffix("").parts).removesuffix(
+            ".__init__"
+        )
         mine = LAYERS.index(_layer(module))
         for node in ast.parse(path.read_text()).body:
-            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == package.name):
+            if not (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.split(".")[0] == package.name
+            ):
                 continue
-            targets = [node.module] if node.module != package.name else [f"{node.module}.{a.name}" for a in node.names]
+            targets = (
+                [node.module]
+                if node.module != package.name
+                else [f"{node.module}.{a.name}" for a in node.names]
+            )
             for target in targets:
                 if LAYERS.index(_layer(target)) > mine:
                     up.append(f"{path.relative_to(package.parent)}:{node.lineno} imports {target}")
@@ -61,9 +88,14 @@ def _redefined(path: pathlib.Path, root: pathlib.Path = ROOT):
 
 
 def test_no_module_defines_a_name_twice():
-    files = [p for d in ("sapipe", "tests", "benchmarks", "tools", "examples") for p in (ROOT / d).rglob("*.py")]
+    files = [
+        p
+        for d in ("sapipe", "tests", "benchmarks", "tools", "examples")
+        for p in (ROOT / d).rglob("*.py")
+    ]
     assert len(files) > 50
     assert [line for path in files for line in _redefined(path)] == []
+
 
 def test_a_name_defined_twice_is_found(tmp_path):
     (tmp_path / "twice.py").write_text("def f():\n    pass\n\n\ndef f():\n    pass\n")
@@ -75,7 +107,11 @@ def test_the_extension_checks_arguments_with_its_own_messages():
     raising (csrc/check.h): every check in csrc is SAPIPE_CHECK, which formats its own."""
     sources = [p for p in (ROOT / "csrc").rglob("*") if p.suffix in {".h", ".cuh", ".cpp", ".cu"}]
     assert len(sources) > 10
-    uses = [f"{p.name}:{n}" for p in sources if p.name != "check.h"
-            for n, line in enumerate(p.read_text().splitlines(), 1) if "TORCH_CHECK" in line]
+    uses = [
+        f"{p.name}:{n}"
+        for p in sources
+        if p.name != "check.h"
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if "TORCH_CHECK" in line
+    ]
     assert uses == []
-

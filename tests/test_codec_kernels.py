@@ -11,6 +11,7 @@ conversions.
 * Non-finite values: an int8 block holding one decodes to NaN everywhere, and residuals keep
   their value wherever the decoded value is not finite.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,10 +21,14 @@ import sys
 import pytest
 import torch
 
-from sapipe.kernels import _ext, codec as ck
+from sapipe.kernels import _ext
+from sapipe.kernels import codec as ck
 
 CUDA_OK = torch.cuda.is_available() and _ext.cuda is not None and hasattr(_ext.cuda, "codec_encode")
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA_OK, reason="no CUDA device"))]
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not CUDA_OK, reason="no CUDA device")),
+]
 KINDS = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
 
 
@@ -51,7 +56,7 @@ def _messages(kind: str, rows: int, width: int, device, pad_bytes: int = 12):
     buffer = torch.full((rows * row_bytes,), 0xAB, dtype=torch.uint8, device=device)
     grid = buffer.view(rows, row_bytes)
     scales = grid[:, pad_bytes:header].view(torch.float32) if kind == "int8" else None
-    values = grid[:, header:header + value_bytes * width].view(KINDS[kind])
+    values = grid[:, header : header + value_bytes * width].view(KINDS[kind])
     return buffer, values, scales
 
 
@@ -60,8 +65,10 @@ def _data(n: int, dtype, device, seed: int, nonfinite: bool = False) -> torch.Te
     x = torch.randn(n, generator=gen, dtype=torch.float64)
     x *= torch.exp(torch.randn(n, generator=gen, dtype=torch.float64) * 3)  # many magnitudes
     x[::97] = 0.0
-    if n >= 2 * ck.BLOCK:  # a block below float32's normal range (what error feedback leaves of zeros)
-        x[ck.BLOCK:2 * ck.BLOCK] *= 1e-40
+    if (
+        n >= 2 * ck.BLOCK
+    ):  # a block below float32's normal range (what error feedback leaves of zeros)
+        x[ck.BLOCK : 2 * ck.BLOCK] *= 1e-40
     if nonfinite and n > 600:
         x[5], x[300], x[n - 2] = float("nan"), float("inf"), float("-inf")
     return x.to(dtype).to(device)
@@ -87,18 +94,46 @@ def test_encoding_rounds_as_torchs_conversion(kind):
     """Every float32 exponent, random mantissas, exact ties and their neighbours, specials."""
     gen = torch.Generator().manual_seed(1)
     exponents = torch.arange(-149, 128, dtype=torch.float64)
-    x = (torch.rand(277, 400, generator=gen, dtype=torch.float64) + 1) * torch.pow(2.0, exponents)[:, None]
+    x = (torch.rand(277, 400, generator=gen, dtype=torch.float64) + 1) * torch.pow(2.0, exponents)[
+        :, None
+    ]
     x = x.to(torch.float32).reshape(-1)
     x = torch.cat([x, -x])
     mantissa_bits = 10 if kind == "fp16" else 7
-    ties = torch.randint(-(2**15), 2**15, (20000,), generator=gen, dtype=torch.int32).to(torch.int16)
+    ties = torch.randint(-(2**15), 2**15, (20000,), generator=gen, dtype=torch.int32).to(
+        torch.int16
+    )
     ties = ties.view(KINDS[kind]).to(torch.float32)
     ties = ties[torch.isfinite(ties)].double()
-    ulp = torch.where(ties == 0, torch.ones_like(ties),
-                      torch.pow(2.0, torch.floor(torch.log2(ties.abs().clamp_min(1e-40))) - mantissa_bits))
-    near = [ties + ulp / 2, ties - ulp / 2, ties + ulp / 2 * (1 + 2**-20), ties + ulp / 2 * (1 - 2**-20)]
-    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 65504, 65519.99, 65520,
-                             2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-14, 2.0**-14 - 2.0**-25, 3.4e38])
+    ulp = torch.where(
+        ties == 0,
+        torch.ones_like(ties),
+        torch.pow(2.0, torch.floor(torch.log2(ties.abs().clamp_min(1e-40))) - mantissa_bits),
+    )
+    near = [
+        ties + ulp / 2,
+        ties - ulp / 2,
+        ties + ulp / 2 * (1 + 2**-20),
+        ties + ulp / 2 * (1 - 2**-20),
+    ]
+    specials = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            65504,
+            65519.99,
+            65520,
+            2.0**-24,
+            2.0**-25,
+            3 * 2.0**-26,
+            2.0**-14,
+            2.0**-14 - 2.0**-25,
+            3.4e38,
+        ]
+    )
     src = torch.cat([x, *(t.to(torch.float32) for t in near), specials.float()])
     for fn in (ck.encode, ck.reference_encode):
         _, values, _ = _messages(kind, 1, src.numel(), "cpu")
@@ -111,8 +146,15 @@ def test_encoding_rounds_as_torchs_conversion(kind):
 
 CASES = [  # (rows, width, n): n < rows * width leaves padding; widths off the block size, and
     # int8 rows of whole blocks that end inside the CPU kernels' 256-value tiles
-    (1, 256, 256), (2, 512, 1000), (3, 768, 2304), (4, 300, 1111), (8, 1024, 8000), (2, 256, 17),
-    (3, 192, 500), (2, 320, 639), (5, 64, 200),
+    (1, 256, 256),
+    (2, 512, 1000),
+    (3, 768, 2304),
+    (4, 300, 1111),
+    (8, 1024, 8000),
+    (2, 256, 17),
+    (3, 192, 500),
+    (2, 320, 639),
+    (5, 64, 200),
 ]
 
 
@@ -137,7 +179,11 @@ def isa(request):
 def _both(device, run):
     """``run(fn_table)`` with the kernels and with the reference; both results."""
     kernels = {"encode": ck.encode, "sum_encode": ck.sum_encode, "decode": ck.decode}
-    reference = {"encode": ck.reference_encode, "sum_encode": ck.reference_sum_encode, "decode": ck.reference_decode}
+    reference = {
+        "encode": ck.reference_encode,
+        "sum_encode": ck.reference_sum_encode,
+        "decode": ck.reference_decode,
+    }
     return run(kernels), run(reference)
 
 
@@ -198,7 +244,9 @@ def test_sum_encode_and_decode_match_the_reference(device, dtype, kind, feedback
             return buffer, values, scales, residual, out
 
         got, want = _both(device, run)
-        _assert_same_messages(got, want, (rows, width, n, "the sum"), kind, every_byte=not nonfinite)
+        _assert_same_messages(
+            got, want, (rows, width, n, "the sum"), kind, every_byte=not nonfinite
+        )
         assert _same(got[4], want[4]), (rows, width, n, "decoded")
 
 
@@ -213,12 +261,15 @@ def test_an_int8_block_below_float32s_normal_range_travels_as_zeros(fn, dtype):
     src = torch.zeros(2 * ck.BLOCK, dtype=dtype)
     src[: ck.BLOCK] = torch.linspace(-1, 1, ck.BLOCK, dtype=dtype) * 1e-39
     residual = torch.zeros_like(src)
-    residual[ck.BLOCK:] = 3e-41
+    residual[ck.BLOCK :] = 3e-41
     _, values, scales = _messages("int8", 1, src.numel(), "cpu")
     fn(src, residual, values, scales, 1.0)
-    assert torch.equal(scales, torch.zeros_like(scales)) and torch.equal(values, torch.zeros_like(values))
-    assert torch.equal(residual[: ck.BLOCK], src[: ck.BLOCK]) and torch.equal(residual[ck.BLOCK:],
-                                                                              torch.full((ck.BLOCK,), 3e-41, dtype=dtype))
+    assert torch.equal(scales, torch.zeros_like(scales)) and torch.equal(
+        values, torch.zeros_like(values)
+    )
+    assert torch.equal(residual[: ck.BLOCK], src[: ck.BLOCK]) and torch.equal(
+        residual[ck.BLOCK :], torch.full((ck.BLOCK,), 3e-41, dtype=dtype)
+    )
     out = torch.full_like(src, 7.0)
     ck.decode(values, scales, out, 1.0)
     assert torch.equal(out, torch.zeros_like(out))
@@ -247,8 +298,14 @@ def test_a_nonfinite_int8_block_decodes_to_nan_and_keeps_its_residual(fn):
     out = torch.empty_like(src)
     ck.decode(values, scales, out, 1.0)
     middle = slice(ck.BLOCK, 2 * ck.BLOCK)
-    assert torch.isnan(out[middle]).all() and torch.isfinite(out[: ck.BLOCK]).all() and torch.isfinite(out[2 * ck.BLOCK:]).all()
-    assert torch.equal(residual[middle], torch.full((ck.BLOCK,), 0.25)), "a skipped block keeps its residual"
+    assert (
+        torch.isnan(out[middle]).all()
+        and torch.isfinite(out[: ck.BLOCK]).all()
+        and torch.isfinite(out[2 * ck.BLOCK :]).all()
+    )
+    assert torch.equal(residual[middle], torch.full((ck.BLOCK,), 0.25)), (
+        "a skipped block keeps its residual"
+    )
     assert torch.allclose(out[: ck.BLOCK], torch.full((ck.BLOCK,), 1.25)), "v = src + residual"
     assert residual[: ck.BLOCK].abs().max() < 1.25 / 127
 
@@ -261,7 +318,9 @@ def test_a_16_bit_overflow_travels_as_inf_and_keeps_its_residual(fn):
     fn(src, residual, values, None, 1.0)
     decoded = values.reshape(-1).float()
     assert decoded[1] == float("inf") and decoded[2] == float("-inf") and torch.isnan(decoded[3])
-    assert torch.equal(residual[1:4], torch.full((3,), 1e-4)), "non-finite values keep their residual"
+    assert torch.equal(residual[1:4], torch.full((3,), 1e-4)), (
+        "non-finite values keep their residual"
+    )
     assert residual[0] != 1e-4 and residual[4] != 1e-4
 
 
@@ -296,8 +355,12 @@ def test_bad_arguments_raise_clearly():
     interpreter (SIGSEGV) while the extension's checks streamed numbers into a stream of
     their own (csrc/check.h says more); a crash must fail this test, not end the run."""
     code = BAD_CALLS.format(tests=os.path.dirname(os.path.abspath(__file__)))
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert child.returncode == 0, f"the child interpreter died (rc {child.returncode}): {child.stderr[-2000:]}"
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0, (
+        f"the child interpreter died (rc {child.returncode}): {child.stderr[-2000:]}"
+    )
     assert child.stdout.split("\n")[:-1] == ["raised"] * 5, child.stdout
 
 
@@ -308,16 +371,27 @@ def test_the_environment_caps_the_instruction_set(cap):
         pytest.skip(f"this CPU has no {cap}")
     code = "from sapipe.kernels import _ext; print(_ext.cpu.cpu_isa())"
     env = dict(os.environ, SAPIPE_CPU_ISA=cap)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.stdout.strip() == cap, out.stderr[-2000:]
-    best = subprocess.run([sys.executable, "-c", code], env={k: v for k, v in os.environ.items()
-                                                             if k != "SAPIPE_CPU_ISA"},
-                          capture_output=True, text=True, timeout=120)
+    best = subprocess.run(
+        [sys.executable, "-c", code],
+        env={k: v for k, v in os.environ.items() if k != "SAPIPE_CPU_ISA"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert best.stdout.strip() == _isas()[-1], best.stderr[-2000:]
 
 
 def test_an_unknown_instruction_set_cap_warns():
     code = "import warnings; warnings.simplefilter('error'); from sapipe.kernels import _ext"
     env = dict(os.environ, SAPIPE_CPU_ISA="AVX2")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "SAPIPE_CPU_ISA='AVX2' is not one of base, avx2, avx512" in out.stderr, out.stderr
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert (
+        out.returncode != 0
+        and "SAPIPE_CPU_ISA='AVX2' is not one of base, avx2, avx512" in out.stderr
+    ), out.stderr

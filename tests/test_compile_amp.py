@@ -31,6 +31,7 @@ no code generation: fast, and it is what decides how hooks and gradients behave)
 uses inductor and skips where inductor cannot compile. ``tests/test_amp.py`` covers the
 GradScaler's rules (skipped steps, agreement over ranks) without autocast.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,15 +40,26 @@ import functools
 import numpy as np
 import pytest
 import torch
-
 from dist_utils import assert_close_dicts, run_ranks
 from models import loss_fn_for, make_batches, make_model
 from reference import layer_order, run_reference
 
 STEPS = 6
-ORDER = ["embed", "block_a.norm", "block_a.fc1", "block_a.fc2", "block_b.fc1", "block_b.fc2", "head"]
+ORDER = [
+    "embed",
+    "block_a.norm",
+    "block_a.fc1",
+    "block_a.fc2",
+    "block_b.fc1",
+    "block_b.fc2",
+    "head",
+]
 LR = 0.01
-AUTOCAST = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}  # fp16 comes with a GradScaler
+AUTOCAST = {
+    None: None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}  # fp16 comes with a GradScaler
 loss_fn = loss_fn_for("tied")
 
 
@@ -65,7 +77,9 @@ def _autocast(amp):
 
 def _scaler(amp, growth_interval):
     """fp16's GradScaler: a power-of-two scale (exact unscaling), doubled every ``growth_interval`` steps."""
-    return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=growth_interval, enabled=amp == "fp16")
+    return torch.amp.GradScaler(
+        "cpu", init_scale=2.0**10, growth_interval=growth_interval, enabled=amp == "fp16"
+    )
 
 
 def _graphs() -> int:
@@ -88,17 +102,27 @@ def _prepare(model, how: str, backend: str):
     return model, model
 
 
-def _train_sapipe(rank, how, backend, k, mode, dtype, batches, *, amp=None, growth_interval=2, trace=False):
-    import sapipe
+def _train_sapipe(
+    rank, how, backend, k, mode, dtype, batches, *, amp=None, growth_interval=2, trace=False
+):
     import torch._dynamo
     from torch._dynamo.utils import counters
+
+    import sapipe
 
     torch._dynamo.reset()
     counters.clear()
     model = make_model("tied", seed=rank, dtype=dtype)  # construction broadcasts rank 0's
     call, given = _prepare(model, how, backend)
-    opt = sapipe.DistributedOptimizer(_optimizer(model.parameters()), given, stale_layers=k, compensation=mode,
-                                      bucket_cap_mb=0.0008, trace=trace, timeout=60)
+    opt = sapipe.DistributedOptimizer(
+        _optimizer(model.parameters()),
+        given,
+        stale_layers=k,
+        compensation=mode,
+        bucket_cap_mb=0.0008,
+        trace=trace,
+        timeout=60,
+    )
     if how in ("compile-after", "compile-later"):
         call = torch.compile(model, backend=backend)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor)
@@ -119,8 +143,13 @@ def _train_sapipe(rank, how, backend, k, mode, dtype, batches, *, amp=None, grow
     held = {n: p.detach().clone() for n, p in model.named_parameters()}
     with opt.real_weights():
         real = {n: p.detach().clone() for n, p in model.named_parameters()}
-    result = {"real": real, "held": held, "graphs": graphs, "layers": [layer.name for layer in opt.layers],
-              "buckets": [b.describe() for b in opt.buckets]}
+    result = {
+        "real": real,
+        "held": held,
+        "graphs": graphs,
+        "layers": [layer.name for layer in opt.layers],
+        "buckets": [b.describe() for b in opt.buckets],
+    }
     if trace:
         result["events"] = [(ts, kind, dict(fields)) for ts, kind, fields in opt.tracer.events()]
     opt.close()
@@ -234,26 +263,36 @@ def _float32(rank, world_size, backend):
     out = {}
     for how, amp in VERSUS_DDP:
         got = _train_sapipe(rank, how, backend, 0, "none", torch.float32, batches, amp=amp)
-        out[(how, amp)] = {"sapipe": got["real"], "ddp": _train_ddp(rank, how, amp, batches, backend)}
+        out[(how, amp)] = {
+            "sapipe": got["real"],
+            "ddp": _train_ddp(rank, how, amp, batches, backend),
+        }
     out["float32 ddp"] = _train_ddp(rank, "eager", None, batches, backend)
     for how, amp, k in VERSUS_SIMULATION:
-        got = _train_sapipe(rank, how, backend, k, "none", torch.float32, batches, amp=amp, growth_interval=10**6)
+        got = _train_sapipe(
+            rank, how, backend, k, "none", torch.float32, batches, amp=amp, growth_interval=10**6
+        )
         out[(how, amp, k)] = {"sapipe": got["real"], "simulated": _simulate_stale(k, amp, batches)}
     return out
 
 
 def _overlap(rank, world_size, backend):
     batches = make_batches("tied", STEPS, world_size)
-    return _train_sapipe(rank, "compile-first", backend, 3, "none", torch.float32, batches, trace=True)
+    return _train_sapipe(
+        rank, "compile-first", backend, 3, "none", torch.float32, batches, trace=True
+    )
 
 
 def _aot_eager(rank, world_size):
     """Every aot_eager case in one job (starting a job costs more than most cases)."""
-    return {"float64": _float64(rank, world_size, "aot_eager"), "float32": _float32(rank, world_size, "aot_eager"),
-            "overlap": _overlap(rank, world_size, "aot_eager")}
+    return {
+        "float64": _float64(rank, world_size, "aot_eager"),
+        "float32": _float32(rank, world_size, "aot_eager"),
+        "overlap": _overlap(rank, world_size, "aot_eager"),
+    }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _runs():
     return run_ranks(_aot_eager, world_size=2, timeout=300)
 
@@ -264,22 +303,33 @@ def _config_id(config) -> str:
 
 # ---------------------------------------------------------------- tests
 
+
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 def test_compiled_model_matches_reference(config):
     """A compiled model trains by docs/design.md §3 exactly: real and held weights as the
     float64 reference's to rtol 1e-9; layers named as in the plain model."""
     how, k, mode = config
-    ref = run_reference(make_model("tied", dtype=torch.float64), _optimizer,
-                        make_batches("tied", STEPS, 2, dtype=torch.float64), loss_fn, stale_layers=k,
-                        compensation=mode, lr_at=lambda it: LR * _lr_factor(it - 1))
+    ref = run_reference(
+        make_model("tied", dtype=torch.float64),
+        _optimizer,
+        make_batches("tied", STEPS, 2, dtype=torch.float64),
+        loss_fn,
+        stale_layers=k,
+        compensation=mode,
+        lr_at=lambda it: LR * _lr_factor(it - 1),
+    )
     initial = {n: p.detach() for n, p in make_model("tied", dtype=torch.float64).named_parameters()}
     assert _max_diff(ref.real[-1], initial) > 1e-2, "training must move the weights"
     for rank, run in enumerate(_runs()):
         got = _float64_result(run, config)
         assert got["layers"] == ORDER, got["layers"]
         assert len(got["buckets"]) >= 2, "the test should span several buckets"
-        assert_close_dicts(got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real x")
-        assert_close_dicts(got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
+        assert_close_dicts(
+            got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real x"
+        )
+        assert_close_dicts(
+            got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held"
+        )
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
@@ -288,7 +338,9 @@ def test_compiled_forward_is_not_recompiled_every_step(config):
     compile; later steps reuse the second's graphs."""
     for rank, run in enumerate(_runs()):
         graphs = _float64_result(run, config)["graphs"]
-        assert graphs[1] >= 1 and graphs[-1] == graphs[1], f"rank {rank}: graphs compiled by each step: {graphs}"
+        assert graphs[1] >= 1 and graphs[-1] == graphs[1], (
+            f"rank {rank}: graphs compiled by each step: {graphs}"
+        )
 
 
 @pytest.mark.parametrize("how,amp", VERSUS_DDP, ids=[_config_id(c) for c in VERSUS_DDP])
@@ -300,10 +352,14 @@ def test_synchronous_equals_ddp_doing_the_same(how, amp):
         diff = _max_diff(r["sapipe"], r["ddp"])
         assert diff <= 1e-6, f"rank {rank}: max |sapipe - DDP| = {diff:.3e}"
         if amp:
-            assert _max_diff(r["ddp"], run["float32"]["float32 ddp"]) > 1e-5, "autocast must compute in low precision"
+            assert _max_diff(r["ddp"], run["float32"]["float32 ddp"]) > 1e-5, (
+                "autocast must compute in low precision"
+            )
 
 
-@pytest.mark.parametrize("how,amp,k", VERSUS_SIMULATION, ids=[_config_id(c) for c in VERSUS_SIMULATION])
+@pytest.mark.parametrize(
+    "how,amp,k", VERSUS_SIMULATION, ids=[_config_id(c) for c in VERSUS_SIMULATION]
+)
 def test_autocast_stale_layers_match_simulation(how, amp, k):
     """Autocast at k > 0, eager and compiled: the float32 simulation's weights to 1e-5."""
     for rank, run in enumerate(_runs()):
@@ -322,7 +378,11 @@ def test_stale_allreduce_overlaps_next_forward_when_compiled():
         r = run["overlap"]
 
         def when(kind, **match):
-            hits = [ts for ts, k, f in r["events"] if k == kind and all(f.get(a) == b for a, b in match.items())]
+            hits = [
+                ts
+                for ts, k, f in r["events"]
+                if k == kind and all(f.get(a) == b for a, b in match.items())
+            ]
             assert len(hits) == 1, f"rank {rank}: expected one {kind} {match}, found {len(hits)}"
             return hits[0]
 
@@ -333,11 +393,19 @@ def test_stale_allreduce_overlaps_next_forward_when_compiled():
             for layer in ORDER:
                 assert when("layer_backward_end", layer=layer, iteration=t) < step, (rank, t, layer)
             for bucket in r["buckets"]:
-                assert when("comm_start", what=f"{bucket} of iteration {t}") < step, (rank, t, bucket)
+                assert when("comm_start", what=f"{bucket} of iteration {t}") < step, (
+                    rank,
+                    t,
+                    bucket,
+                )
             if t < STEPS:
                 next_forward = when("forward_start", iteration=t + 1)
                 for bucket in stale:
-                    assert step < next_forward < when("comm_wait_start", what=f"{bucket} of iteration {t}"), (rank, t)
+                    assert (
+                        step
+                        < next_forward
+                        < when("comm_wait_start", what=f"{bucket} of iteration {t}")
+                    ), (rank, t)
 
 
 def _inductor(rank, world_size):
@@ -346,7 +414,9 @@ def _inductor(rank, world_size):
     forward and one backward graph: compiling C++ dominates this test."""
     import torch._inductor.config
 
-    torch._inductor.config.compile_threads = 1  # no pool of compile workers per rank on a small host
+    torch._inductor.config.compile_threads = (
+        1  # no pool of compile workers per rank on a small host
+    )
     try:
         torch.compile(lambda x: torch.tanh(x) * 2, backend="inductor")(torch.ones(3))
     except Exception as exc:  # noqa: BLE001 - no C++ compiler, ...: the test skips
@@ -373,8 +443,9 @@ def _compiled_mid_training(rank, world_size):
     import sapipe
 
     model = make_model("tied", seed=rank, dtype=torch.float32)
-    opt = sapipe.DistributedOptimizer(_optimizer(model.parameters()), model, stale_layers=0,
-                                      bucket_cap_mb=0.0008, timeout=60)
+    opt = sapipe.DistributedOptimizer(
+        _optimizer(model.parameters()), model, stale_layers=0, bucket_cap_mb=0.0008, timeout=60
+    )
     compiled = torch.compile(model, backend="eager")
     batches = make_batches("tied", 2, world_size)
     try:
@@ -393,22 +464,31 @@ def test_compiling_after_the_first_step_without_synchronize_raises():
     """A forward compiled after the first step() would run without the sync updates deferred
     to it (a compiled region runs no per-layer hook): every rank raises, naming the remedy."""
     for rank, message in enumerate(run_ranks(_compiled_mid_training, world_size=2, timeout=120)):
-        assert message is not None and "torch.compile" in message and "opt.synchronize()" in message, (rank, message)
+        assert (
+            message is not None and "torch.compile" in message and "opt.synchronize()" in message
+        ), (rank, message)
 
 
 def _compiled_resume(rank, world_size):
     """A compiled model (aot_eager) trained STEPS steps, and the same checkpointed after 3 and
     resumed in a fresh model and optimizer compiled before loading (as a restarted job is)."""
-    import sapipe
     import torch._dynamo
+
+    import sapipe
 
     batches = make_batches("tied", STEPS, world_size)
 
     def new(seed):
         torch._dynamo.reset()
         model = make_model("tied", seed=seed)
-        opt = sapipe.DistributedOptimizer(_optimizer(model.parameters()), torch.compile(model, backend="aot_eager"),
-                                          stale_layers=3, compensation="dc", bucket_cap_mb=0.0008, timeout=60)
+        opt = sapipe.DistributedOptimizer(
+            _optimizer(model.parameters()),
+            torch.compile(model, backend="aot_eager"),
+            stale_layers=3,
+            compensation="dc",
+            bucket_cap_mb=0.0008,
+            timeout=60,
+        )
         return model, opt
 
     def train(model, opt, steps):
@@ -426,7 +506,10 @@ def _compiled_resume(rank, world_size):
     opt.close()
     model, opt = new(seed=0)
     train(model, opt, range(3))
-    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optimizer": opt.state_dict()}
+    saved = {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optimizer": opt.state_dict(),
+    }
     opt.close()
     model, opt = new(seed=rank + 7)
     model.load_state_dict(saved["model"])
@@ -442,6 +525,8 @@ def test_a_compiled_model_resumes_a_checkpoint_bit_identically():
     """The restarted process has seen no compiled forward yet when it loads: the checkpoint's
     pending sync updates are applied at the load (a compiled forward runs no per-layer hook
     that could), with the arithmetic the uninterrupted run applies at the next forward."""
-    for rank, (expected, resumed) in enumerate(run_ranks(_compiled_resume, world_size=2, timeout=300)):
+    for rank, (expected, resumed) in enumerate(
+        run_ranks(_compiled_resume, world_size=2, timeout=300)
+    ):
         for name, value in expected.items():
             assert np.array_equal(resumed[name], value), (rank, name)

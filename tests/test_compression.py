@@ -11,6 +11,7 @@
 * A checkpoint carries the int8 residuals: the resumed run is bit-identical.
 * Bad input: an unknown format, or one the back-end cannot carry, is refused on every rank.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,7 +19,6 @@ import functools
 import numpy as np
 import pytest
 import torch
-
 from dist_utils import assert_close_dicts, run_ranks
 from models import loss_fn_for, make_batches, make_model
 from reference import compressed_mean, run_reference
@@ -26,12 +26,23 @@ from test_modes import BASE_LR, DC_LAMBDA, M, lr_factor, make_optimizer, train_a
 
 STEPS = 6
 CONFIGS = [  # (compression, stale_layers, compensation, staleness, error_feedback)
-    ("fp16", 0, "none", 1, None), ("fp16", 3, "dc", 1, None), ("fp16", 3, "wp1", 1, None),
-    ("fp16", M, "none", 1, None), ("bf16", 0, "none", 1, None), ("bf16", 3, "wp2", 1, None),
-    ("bf16", 3, "wp3", 1, None), ("bf16", 3, "dc", 1, True), ("fp16", M, "none", 2, True),
-    ("int8", 0, "none", 1, None), ("int8", 3, "none", 1, None), ("int8", 3, "dc", 1, None),
-    ("int8", 3, "wp1", 1, None), ("int8", 3, "wp3", 1, None), ("int8", M, "none", 2, None),
-    ("int8", 3, "wp1", 1, False), ("bf16", M, "none", 2, None),  # three slots of messages cast into on intake
+    ("fp16", 0, "none", 1, None),
+    ("fp16", 3, "dc", 1, None),
+    ("fp16", 3, "wp1", 1, None),
+    ("fp16", M, "none", 1, None),
+    ("bf16", 0, "none", 1, None),
+    ("bf16", 3, "wp2", 1, None),
+    ("bf16", 3, "wp3", 1, None),
+    ("bf16", 3, "dc", 1, True),
+    ("fp16", M, "none", 2, True),
+    ("int8", 0, "none", 1, None),
+    ("int8", 3, "none", 1, None),
+    ("int8", 3, "dc", 1, None),
+    ("int8", 3, "wp1", 1, None),
+    ("int8", 3, "wp3", 1, None),
+    ("int8", M, "none", 2, None),
+    ("int8", 3, "wp1", 1, False),
+    ("bf16", M, "none", 2, None),  # three slots of messages cast into on intake
 ]
 
 
@@ -47,16 +58,25 @@ def _train(rank, world_size, configs, device="cpu"):
     batches = make_batches("tied", STEPS, world_size, dtype=torch.float64)
     for compression, k, mode, s, feedback in configs:
         model = make_model("tied", seed=rank, dtype=torch.float64).to(device)
-        opt = sapipe.DistributedOptimizer(make_optimizer("adamw", model.parameters()), model, stale_layers=k,
-                                          compensation=mode, dc_lambda=DC_LAMBDA, staleness=s, bucket_cap_mb=0.0008,
-                                          compression=compression, error_feedback=feedback, timeout=60)
+        opt = sapipe.DistributedOptimizer(
+            make_optimizer("adamw", model.parameters()),
+            model,
+            stale_layers=k,
+            compensation=mode,
+            dc_lambda=DC_LAMBDA,
+            staleness=s,
+            bucket_cap_mb=0.0008,
+            compression=compression,
+            error_feedback=feedback,
+            timeout=60,
+        )
         real, held = train_and_read(model, opt, batches, rank, device)
         results.append({"real": real, "held": held, "buckets": _bucket_layouts(opt, model)})
         opt.close()
     return results
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _runs():
     return run_ranks(_train, world_size=2, args=(CONFIGS,), timeout=300)
 
@@ -64,11 +84,18 @@ def _runs():
 def _reference(config, buckets, compressed=True, world=2):
     compression, k, mode, s, feedback = config
     return run_reference(
-        make_model("tied", seed=0, dtype=torch.float64), functools.partial(make_optimizer, "adamw"),
-        make_batches("tied", STEPS, world, dtype=torch.float64), loss_fn_for("tied"), stale_layers=k,
-        compensation=mode, dc_lambda=DC_LAMBDA, staleness=s,
+        make_model("tied", seed=0, dtype=torch.float64),
+        functools.partial(make_optimizer, "adamw"),
+        make_batches("tied", STEPS, world, dtype=torch.float64),
+        loss_fn_for("tied"),
+        stale_layers=k,
+        compensation=mode,
+        dc_lambda=DC_LAMBDA,
+        staleness=s,
         lr_at=lambda it: BASE_LR["adamw"] * lr_factor(it - 1),
-        reduce=compressed_mean(compression, buckets, error_feedback=feedback) if compressed else None,
+        reduce=compressed_mean(compression, buckets, error_feedback=feedback)
+        if compressed
+        else None,
     )
 
 
@@ -88,8 +115,12 @@ def check_against_reference(config, per_rank) -> None:
     world = len(per_rank)
     ref = _reference(config, per_rank[0]["buckets"], world=world)
     for rank, got in enumerate(per_rank):
-        assert_close_dicts(got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real x")
-        assert_close_dicts(got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
+        assert_close_dicts(
+            got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real x"
+        )
+        assert_close_dicts(
+            got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held"
+        )
     # the quantizer matters: the uncompressed rule is measurably elsewhere
     plain = _reference(config, per_rank[0]["buckets"], compressed=False, world=world).real[-1]
     moved = max((plain[n] - ref.real[-1][n]).abs().max().item() for n in plain)
@@ -99,37 +130,58 @@ def check_against_reference(config, per_rank) -> None:
 def _versus_ddp_hooks(rank, world_size):
     """Per step, the averaged gradient of sapipe (k = 0) and of DDP with torch's compress hook
     and without one, each on its own copy of the model (all start alike, take the same steps)."""
-    import sapipe
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import sapipe
+
     batches = make_batches("tied", STEPS, world_size)
     out = {}
+
     def bf16_hook(process_group, bucket):
         # torch's own hook; DDP refuses it by name unless NCCL runs it, though Gloo sums bf16
         return default_hooks.bf16_compress_hook(process_group, bucket)
 
     for kind, hook in (("fp16", default_hooks.fp16_compress_hook), ("bf16", bf16_hook)):
-        hooked_model, exact_model, model = make_model("tied"), make_model("tied"), make_model("tied")
+        hooked_model, exact_model, model = (
+            make_model("tied"),
+            make_model("tied"),
+            make_model("tied"),
+        )
         hooked, exact = DDP(hooked_model), DDP(exact_model)
         hooked.register_comm_hook(None, hook)
         opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (hooked_model, exact_model)]
-        opt = sapipe.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, compression=kind,
-                                          bucket_cap_mb=0.001)
+        opt = sapipe.DistributedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=0.01),
+            model,
+            compression=kind,
+            bucket_cap_mb=0.001,
+        )
         errors = []
         for t in range(STEPS):
             x, y = batches[t][rank]
             grads = []
-            for net, params, o in ((hooked, hooked_model, opts[0]), (exact, exact_model, opts[1]), (model, model, opt)):
+            for net, params, o in (
+                (hooked, hooked_model, opts[0]),
+                (exact, exact_model, opts[1]),
+                (model, model, opt),
+            ):
                 o.zero_grad()
                 loss_fn_for("tied")(net(x), y).backward()
                 grads.append(torch.cat([p.grad.reshape(-1) for p in params.parameters()]))
                 o.step()
             scale = grads[1].abs().max().item()
-            errors.append({"sapipe vs hook": (grads[2] - grads[0]).abs().max().item() / scale,
-                           "hook vs exact": (grads[0] - grads[1]).abs().max().item() / scale,
-                           "sapipe vs exact": (grads[2] - grads[1]).abs().max().item() / scale})
-        weights = max((a - b).abs().max().item() for a, b in zip(hooked_model.parameters(), model.parameters()))
+            errors.append(
+                {
+                    "sapipe vs hook": (grads[2] - grads[0]).abs().max().item() / scale,
+                    "hook vs exact": (grads[0] - grads[1]).abs().max().item() / scale,
+                    "sapipe vs exact": (grads[2] - grads[1]).abs().max().item() / scale,
+                }
+            )
+        weights = max(
+            (a - b).abs().max().item()
+            for a, b in zip(hooked_model.parameters(), model.parameters())
+        )
         out[kind] = {"errors": errors, "weights vs hook": weights}
         opt.close()
     return out
@@ -144,8 +196,15 @@ def test_16_bit_at_k0_equals_ddp_with_torchs_compress_hook(kind):
     for rank, result in enumerate(run_ranks(_versus_ddp_hooks, world_size=2)):
         for step, errors in enumerate(result[kind]["errors"]):
             assert errors["sapipe vs hook"] <= 2 * unit, (rank, step, errors)
-            assert errors["hook vs exact"] > unit / 10 and errors["sapipe vs exact"] > unit / 10, (rank, step, errors)
-        assert result[kind]["weights vs hook"] <= 50 * unit * 0.01, (rank, result[kind]["weights vs hook"])
+            assert errors["hook vs exact"] > unit / 10 and errors["sapipe vs exact"] > unit / 10, (
+                rank,
+                step,
+                errors,
+            )
+        assert result[kind]["weights vs hook"] <= 50 * unit * 0.01, (
+            rank,
+            result[kind]["weights vs hook"],
+        )
 
 
 def test_the_link_model_for_compressed_sums():
@@ -153,13 +212,27 @@ def test_the_link_model_for_compressed_sums():
     what the compressed iterations were seen to take."""
     from sapipe.schedule.profiler import Profile, compressed
 
-    profile = Profile(forward=[1.0], backward=[1.0], step_time=0.0, alpha=1e-4, beta=4e-9,
-                      beta_isolated=4e-9, beta_observed=1e-9)
+    profile = Profile(
+        forward=[1.0],
+        backward=[1.0],
+        step_time=0.0,
+        alpha=1e-4,
+        beta=4e-9,
+        beta_isolated=4e-9,
+        beta_observed=1e-9,
+    )
     model = compressed(profile, wire_ratio=0.26, codec_per_byte=1e-10)
     assert model.alpha == 2e-4 and model.beta == pytest.approx(4e-9 * 0.26 + 1e-10)
     assert compressed(profile, 0.26, 1e-10).beta_isolated == 4e-9
-    slow_seen = Profile(forward=[1.0], backward=[1.0], step_time=0.0, alpha=1e-4, beta=4e-9,
-                        beta_isolated=4e-9, beta_observed=3e-9)
+    slow_seen = Profile(
+        forward=[1.0],
+        backward=[1.0],
+        step_time=0.0,
+        alpha=1e-4,
+        beta=4e-9,
+        beta_isolated=4e-9,
+        beta_observed=3e-9,
+    )
     assert compressed(slow_seen, 0.26, 1e-10).beta == 3e-9
     # node first over 4 ranks per node: a rank compresses a quarter of each bucket, and the
     # profile keeps the codec's cost per byte compressed (a whole bucket's, for predictions)
@@ -172,9 +245,16 @@ def _auto_compressed(rank, world_size, backend):
     import sapipe
 
     model = make_model("tied", seed=rank)
-    opt = sapipe.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, stale_layers="auto",
-                                      compression="int8", profile_steps=3, tune_steps=0, backend=backend,
-                                      partition_mb=0.01)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.01),
+        model,
+        stale_layers="auto",
+        compression="int8",
+        profile_steps=3,
+        tune_steps=0,
+        backend=backend,
+        partition_mb=0.01,
+    )
     batches = make_batches("tied", 12, world_size)
     for x, y in (step[rank] for step in batches):
         opt.zero_grad()
@@ -191,7 +271,9 @@ def test_auto_models_the_compressed_link_alike_on_every_rank(backend):
     results = run_ranks(_auto_compressed, world_size=2, args=(backend,))
     assert results[0] == results[1]
     decided, wire_ratio, codec_per_byte, _ = results[0]
-    assert decided and 0.25 < wire_ratio < 0.5 and codec_per_byte > 0  # a quarter, plus scales and (small model) padding
+    assert (
+        decided and 0.25 < wire_ratio < 0.5 and codec_per_byte > 0
+    )  # a quarter, plus scales and (small model) padding
 
 
 def _encodes_per_step(rank, world_size, configs):
@@ -212,9 +294,15 @@ def _encodes_per_step(rank, world_size, configs):
     batches = make_batches("tied", STEPS, world_size)
     for compression, mode, feedback in configs:
         model = make_model("tied", seed=rank)
-        opt = sapipe.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, stale_layers=3,
-                                          compensation=mode, compression=compression, error_feedback=feedback,
-                                          bucket_cap_mb=0.001)
+        opt = sapipe.DistributedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=0.01),
+            model,
+            stale_layers=3,
+            compensation=mode,
+            compression=compression,
+            error_feedback=feedback,
+            bucket_cap_mb=0.001,
+        )
         for x, y in (step[rank] for step in batches):
             opt.zero_grad()
             loss_fn_for("tied")(model(x), y).backward()
@@ -231,8 +319,13 @@ def test_16_bit_without_error_feedback_encodes_on_intake():
     backward cast them into the messages (docs/design.md §5.9), except the stale buckets whose
     mode keeps this rank's l_t at full precision (wp1); int8 and error feedback encode every
     bucket."""
-    configs = [("bf16", "none", None), ("fp16", "wp2", None), ("bf16", "wp1", None), ("bf16", "none", True),
-               ("int8", "none", None)]
+    configs = [
+        ("bf16", "none", None),
+        ("fp16", "wp2", None),
+        ("bf16", "wp1", None),
+        ("bf16", "none", True),
+        ("int8", "none", None),
+    ]
     for rank_counts in run_ranks(_encodes_per_step, world_size=2, args=(configs,)):
         (bf16, buckets), (fp16, _), (wp1, _), (feedback, _), (int8, _) = rank_counts
         assert bf16 == 0 and fp16 == 0, rank_counts
@@ -264,9 +357,16 @@ def _with_a_poisoned_step(rank, world_size, node_first):
     out = []
     for compression, k, mode in (("int8", 0, "none"), ("int8", 3, "wp1"), ("fp16", 3, "dc")):
         model = make_model("tied", seed=rank, dtype=torch.float64)
-        opt = sapipe.DistributedOptimizer(make_optimizer("adamw", model.parameters()), model, stale_layers=k,
-                                          compensation=mode, bucket_cap_mb=0.0008, compression=compression,
-                                          error_feedback=True, timeout=60)
+        opt = sapipe.DistributedOptimizer(
+            make_optimizer("adamw", model.parameters()),
+            model,
+            stale_layers=k,
+            compensation=mode,
+            bucket_cap_mb=0.0008,
+            compression=compression,
+            error_feedback=True,
+            timeout=60,
+        )
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6)
         for t, step in enumerate(batches, start=1):
             x, y = step[rank]
@@ -282,13 +382,21 @@ def _with_a_poisoned_step(rank, world_size, node_first):
         finite = all(torch.isfinite(r).all().item() for c in codecs for r in _residuals(c))
         with opt.real_weights():
             real = {n: p.detach().clone() for n, p in model.named_parameters()}
-        out.append({"scale": scaler.get_scale(), "residuals finite": finite, "real": real,
-                    "sum": type(opt._pipeline.sync_comm).__name__})
+        out.append(
+            {
+                "scale": scaler.get_scale(),
+                "residuals finite": finite,
+                "real": real,
+                "sum": type(opt._pipeline.sync_comm).__name__,
+            }
+        )
         opt.close()
     return out
 
 
-@pytest.mark.parametrize("world_size,node_first", [(2, False), (4, True)], ids=["flat", "node-first"])
+@pytest.mark.parametrize(
+    "world_size,node_first", [(2, False), (4, True)], ids=["flat", "node-first"]
+)
 def test_a_step_gradscaler_skips_leaves_every_residual_finite(world_size, node_first):
     """The poisoned iteration travels as inf/NaN (an int8 block holding one as NaN), so
     GradScaler skips it on every rank and backs off once; no residual keeps a non-finite
@@ -309,16 +417,25 @@ def test_a_step_gradscaler_skips_leaves_every_residual_finite(world_size, node_f
 def _residuals_by_parameter(opt, model):
     """Each parameter's slice of its bucket's int8 worker residual, by name."""
     names = {id(p): n for n, p in model.named_parameters()}
-    return {names[id(p)]: bucket.grads.codec.residual[offset: offset + p.numel()].clone()
-            for bucket in opt.buckets for p, offset in zip(bucket.params, bucket.offsets)}
+    return {
+        names[id(p)]: bucket.grads.codec.residual[offset : offset + p.numel()].clone()
+        for bucket in opt.buckets
+        for p, offset in zip(bucket.params, bucket.offsets)
+    }
 
 
 def _relaid_out(rank, world_size):
     import sapipe
 
     model = make_model("tied", seed=0, dtype=torch.float64)
-    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
-                                      stale_layers=3, compression="int8", bucket_cap_mb=0.0008, timeout=60)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        model,
+        stale_layers=3,
+        compression="int8",
+        bucket_cap_mb=0.0008,
+        timeout=60,
+    )
     batches = make_batches("tied", 4, world_size, dtype=torch.float64)
     for x, y in (batch[rank] for batch in batches):
         opt.zero_grad()

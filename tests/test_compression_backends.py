@@ -12,6 +12,7 @@
 * horovod: the same sums as ``backend="torch"`` bit for bit, for each format (skipped where
   ``horovod.torch`` does not import).
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,7 +20,6 @@ import functools
 import numpy as np
 import pytest
 import torch
-
 from dist_utils import assert_close_dicts, run_ranks
 from models import loss_fn_for, make_batches, make_model
 from reference import compressed_mean, run_reference
@@ -27,11 +27,17 @@ from test_backends import _horovod_available
 from test_modes import BASE_LR, DC_LAMBDA, M, lr_factor, make_optimizer, train_and_read
 
 STEPS = 6
-PARTITION_MB = 0.0003  # 314 bytes: 39 float64 values per partition, so the larger buckets are cut into several
+PARTITION_MB = (
+    0.0003  # 314 bytes: 39 float64 values per partition, so the larger buckets are cut into several
+)
 PER_PARTITION = int(PARTITION_MB * 1024 * 1024) // 8
 PUSHPULL = {"backend": "pushpull", "partition_mb": PARTITION_MB}
 # (compression, stale_layers, compensation, staleness, error_feedback)
-SIXTEEN_BIT = [("fp16", 3, "wp1", 1, None), ("bf16", 3, "dc", 1, True), ("fp16", M, "none", 2, True)]
+SIXTEEN_BIT = [
+    ("fp16", 3, "wp1", 1, None),
+    ("bf16", 3, "dc", 1, True),
+    ("fp16", M, "none", 2, True),
+]
 INT8 = [("int8", 0, "none", 1, None), ("int8", 3, "dc", 1, None), ("int8", 3, "wp1", 1, False)]
 
 
@@ -51,12 +57,28 @@ def _train_one(rank, world_size, config, options):
 
     compression, k, mode, s, feedback = config
     model = make_model("tied", seed=rank, dtype=torch.float64)
-    opt = sapipe.DistributedOptimizer(make_optimizer("adamw", model.parameters()), model, stale_layers=k,
-                                      compensation=mode, dc_lambda=DC_LAMBDA, staleness=s, bucket_cap_mb=0.0008,
-                                      compression=compression, error_feedback=feedback, timeout=60, **options)
-    real, held = train_and_read(model, opt, make_batches("tied", STEPS, world_size, dtype=torch.float64), rank)
-    out = {"real": real, "held": held, "buckets": _bucket_layouts(opt, model),
-           "partitions": [len(getattr(b.grads.codec, "parts", [None])) for b in opt.buckets]}
+    opt = sapipe.DistributedOptimizer(
+        make_optimizer("adamw", model.parameters()),
+        model,
+        stale_layers=k,
+        compensation=mode,
+        dc_lambda=DC_LAMBDA,
+        staleness=s,
+        bucket_cap_mb=0.0008,
+        compression=compression,
+        error_feedback=feedback,
+        timeout=60,
+        **options,
+    )
+    real, held = train_and_read(
+        model, opt, make_batches("tied", STEPS, world_size, dtype=torch.float64), rank
+    )
+    out = {
+        "real": real,
+        "held": held,
+        "buckets": _bucket_layouts(opt, model),
+        "partitions": [len(getattr(b.grads.codec, "parts", [None])) for b in opt.buckets],
+    }
     opt.close()
     return out
 
@@ -65,10 +87,14 @@ def _train(rank, world_size, runs):
     return [_train_one(rank, world_size, config, options) for config, options in runs]
 
 
-RUNS = [(c, PUSHPULL) for c in SIXTEEN_BIT] + [(c, {}) for c in SIXTEEN_BIT] + [(c, PUSHPULL) for c in INT8]
+RUNS = (
+    [(c, PUSHPULL) for c in SIXTEEN_BIT]
+    + [(c, {}) for c in SIXTEEN_BIT]
+    + [(c, PUSHPULL) for c in INT8]
+)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _runs():
     return run_ranks(_train, world_size=2, args=(RUNS,), timeout=300)
 
@@ -89,23 +115,35 @@ def test_pushpull_16_bit_equals_torch_bit_for_bit(config):
     assert len(pushpull[0]["partitions"]) >= 2, "the test should span several buckets"
     for rank in range(2):
         for view in ("real", "held"):
-            _assert_identical(pushpull[rank][view], torch_backend[rank][view], f"rank {rank} {view}")
+            _assert_identical(
+                pushpull[rank][view], torch_backend[rank][view], f"rank {rank} {view}"
+            )
 
 
 def _chunks(buckets):
     """Each bucket's partitions as push-pull cuts it: PER_PARTITION values each, the last shorter."""
     sizes = [sum(n for _, n in layout) for layout in buckets]
-    return [[(lo, min(lo + PER_PARTITION, size)) for lo in range(0, size, PER_PARTITION)] for size in sizes]
+    return [
+        [(lo, min(lo + PER_PARTITION, size)) for lo in range(0, size, PER_PARTITION)]
+        for size in sizes
+    ]
 
 
 def _reference(config, buckets, chunks, compressed=True):
     compression, k, mode, s, feedback = config
     return run_reference(
-        make_model("tied", seed=0, dtype=torch.float64), functools.partial(make_optimizer, "adamw"),
-        make_batches("tied", STEPS, 2, dtype=torch.float64), loss_fn_for("tied"), stale_layers=k,
-        compensation=mode, dc_lambda=DC_LAMBDA, staleness=s,
+        make_model("tied", seed=0, dtype=torch.float64),
+        functools.partial(make_optimizer, "adamw"),
+        make_batches("tied", STEPS, 2, dtype=torch.float64),
+        loss_fn_for("tied"),
+        stale_layers=k,
+        compensation=mode,
+        dc_lambda=DC_LAMBDA,
+        staleness=s,
         lr_at=lambda it: BASE_LR["adamw"] * lr_factor(it - 1),
-        reduce=compressed_mean(compression, buckets, error_feedback=feedback, chunks=chunks) if compressed else None,
+        reduce=compressed_mean(compression, buckets, error_feedback=feedback, chunks=chunks)
+        if compressed
+        else None,
     )
 
 
@@ -121,12 +159,20 @@ def test_pushpull_int8_matches_the_reference_per_partition(config):
     assert per_rank[0]["partitions"] == [len(c) for c in chunks]
     ref = _reference(config, buckets, chunks)
     for rank, got in enumerate(per_rank):
-        assert_close_dicts(got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real x")
-        assert_close_dicts(got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
+        assert_close_dicts(
+            got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real x"
+        )
+        assert_close_dicts(
+            got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held"
+        )
     # both the partitions and the quantizer matter: the other rules are measurably elsewhere
     whole_buckets = _largest_difference(_reference(config, buckets, None).real[-1], ref.real[-1])
-    uncompressed = _largest_difference(_reference(config, buckets, None, compressed=False).real[-1], ref.real[-1])
-    assert whole_buckets > 1e-7, f"compressing per partition moved the weights by only {whole_buckets:.1e}"
+    uncompressed = _largest_difference(
+        _reference(config, buckets, None, compressed=False).real[-1], ref.real[-1]
+    )
+    assert whole_buckets > 1e-7, (
+        f"compressing per partition moved the weights by only {whole_buckets:.1e}"
+    )
     assert uncompressed > 1e-7, f"compression changed the weights by only {uncompressed:.1e}"
 
 
@@ -139,9 +185,16 @@ def _checkpoint_setup(seed):
     import sapipe
 
     model = make_model("tied", seed=seed, dtype=torch.float64)
-    opt = sapipe.DistributedOptimizer(make_optimizer("adam", model.parameters()), model, stale_layers=3,
-                                      compensation="dc", bucket_cap_mb=0.0008, timeout=60, compression="int8",
-                                      **PUSHPULL)
+    opt = sapipe.DistributedOptimizer(
+        make_optimizer("adam", model.parameters()),
+        model,
+        stale_layers=3,
+        compensation="dc",
+        bucket_cap_mb=0.0008,
+        timeout=60,
+        compression="int8",
+        **PUSHPULL,
+    )
     return model, opt
 
 
@@ -177,18 +230,25 @@ def _resume(rank, world_size, path):
 
     model, opt = _checkpoint_setup(seed=rank + 7)
     sapipe.load_checkpoint(path, model, opt)
-    codecs = [bucket["codec"] for bucket in torch.load(path.format(rank=rank), weights_only=False)["optimizer"]["buckets"]]
+    codecs = [
+        bucket["codec"]
+        for bucket in torch.load(path.format(rank=rank), weights_only=False)["optimizer"]["buckets"]
+    ]
     _checkpoint_train(model, opt, rank, world_size, range(SPLIT, CHECKPOINT_STEPS))
     resumed = _real(model, opt)
     opt.close()
-    held = {"partitions": [len(c["server_residuals"]) for c in codecs],
-            "server residual": max(r.abs().max().item() for c in codecs for r in c["server_residuals"]),
-            "residual": max(c["residual"].abs().max().item() for c in codecs)}
+    held = {
+        "partitions": [len(c["server_residuals"]) for c in codecs],
+        "server residual": max(r.abs().max().item() for c in codecs for r in c["server_residuals"]),
+        "residual": max(c["residual"].abs().max().item() for c in codecs),
+    }
     return {"expected": expected, "resumed": resumed, "checkpoint": held}
 
 
 def test_pushpull_int8_resumes_bit_identically(tmp_path):
-    per_rank = run_ranks(_resume, world_size=2, args=(str(tmp_path / "ckpt-{rank}.pt"),), timeout=180)
+    per_rank = run_ranks(
+        _resume, world_size=2, args=(str(tmp_path / "ckpt-{rank}.pt"),), timeout=180
+    )
     for rank, out in enumerate(per_rank):
         held = out["checkpoint"]
         assert max(held["partitions"]) >= 3 and held["residual"] > 0, held
@@ -207,8 +267,13 @@ def _on_horovod(rank, world_size):
 
     hvd = init_horovod_for_torch_job()
     try:
-        return [[_train_one(rank, world_size, config, options) for options in ({"backend": "horovod"}, {})]
-                for config in HOROVOD]
+        return [
+            [
+                _train_one(rank, world_size, config, options)
+                for options in ({"backend": "horovod"}, {})
+            ]
+            for config in HOROVOD
+        ]
     finally:
         hvd.shutdown()
 
@@ -218,4 +283,6 @@ def test_horovod_sums_equal_torch_bit_for_bit():
     for rank, runs in enumerate(run_ranks(_on_horovod, world_size=2, timeout=300)):
         for config, (horovod, torch_backend) in zip(HOROVOD, runs):
             for view in ("real", "held"):
-                _assert_identical(horovod[view], torch_backend[view], f"{_config_id(config)} rank {rank} {view}")
+                _assert_identical(
+                    horovod[view], torch_backend[view], f"{_config_id(config)} rank {rank} {view}"
+                )

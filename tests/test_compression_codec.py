@@ -6,6 +6,7 @@ to the exact one for each format, that every rank decodes the same bits, that fl
 summed exactly, and that error feedback keeps the running sum of int8 results from
 drifting (without it, the error grows with every step).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,10 @@ BOUND = {"fp16": 2.0**-10, "bf16": 2.0**-7, "int8": 2.0 / 127}
 
 def _codecs(kind, numel, nflags, world, dtype=torch.float32, error_feedback=None):
     compression = Compression.of(kind, error_feedback)
-    return [BucketCodec(compression, numel, nflags, world, dtype, torch.device("cpu")) for _ in range(world)]
+    return [
+        BucketCodec(compression, numel, nflags, world, dtype, torch.device("cpu"))
+        for _ in range(world)
+    ]
 
 
 def _sum(codecs, wires):
@@ -52,7 +56,9 @@ def test_the_mean_is_within_two_roundings_and_identical_on_every_rank(kind, worl
         exact = torch.stack(grads).sum(0) / world
         for result in results:
             assert torch.equal(result, results[0]), "ranks decoded different means"
-        assert torch.equal(results[0][numel:], torch.stack(flags).sum(0)), "flags must be summed exactly"
+        assert torch.equal(results[0][numel:], torch.stack(flags).sum(0)), (
+            "flags must be summed exactly"
+        )
         error = ((results[0][:numel] - exact).abs().max() / exact.abs().max()).item()
         assert 0 < error <= BOUND[kind], f"{kind}, W={world}: relative error {error:.2e}"
 
@@ -62,7 +68,9 @@ def test_the_16_bit_formats_survive_sums_beyond_fp16s_range():
     world, numel = 8, 600
     grads = [torch.full((numel,), 30000.0) for _ in range(world)]
     result = _sum(_codecs("fp16", numel, 0, world), grads)[0]
-    assert torch.isfinite(result).all() and torch.allclose(result, torch.full((numel,), 30000.0), rtol=2.0**-10)
+    assert torch.isfinite(result).all() and torch.allclose(
+        result, torch.full((numel,), 30000.0), rtol=2.0**-10
+    )
 
 
 def _drift(feedback: bool, steps: int = 60):
@@ -84,7 +92,9 @@ def _drift(feedback: bool, steps: int = 60):
 def test_error_feedback_keeps_the_running_int8_sum_on_track():
     with_feedback, without = _drift(True), _drift(False)
     step_error = with_feedback[0]
-    assert max(with_feedback) <= 4 * step_error, "with error feedback the running error stays at one step's"
+    assert max(with_feedback) <= 4 * step_error, (
+        "with error feedback the running error stays at one step's"
+    )
     assert without[-1] >= 20 * step_error, "without it the same rounding repeats every step"
     assert without[-1] > 10 * max(with_feedback)
 
@@ -108,7 +118,9 @@ def test_float64_gradients_stay_float64():
     world, numel = 2, 500
     grads = [torch.full((numel,), 1.0 + 2.0**-40, dtype=torch.float64) for _ in range(world)]
     result = _sum(_codecs("int8", numel, 0, world, torch.float64), grads)[0]
-    assert result.dtype == torch.float64 and torch.allclose(result, torch.full((numel,), 1.0, dtype=torch.float64))
+    assert result.dtype == torch.float64 and torch.allclose(
+        result, torch.full((numel,), 1.0, dtype=torch.float64)
+    )
 
 
 def test_wire_bytes():
@@ -116,8 +128,12 @@ def test_wire_bytes():
     as a ring all-reduce does."""
     numel, world = 1 << 20, 4
     ring_fp32 = 2 * (world - 1) / world * numel * 4
-    assert WireFormat("fp16", numel, 0, world).wire_bytes() / ring_fp32 == pytest.approx(0.5, rel=1e-3)
-    assert WireFormat("int8", numel, 0, world).wire_bytes() / ring_fp32 == pytest.approx(0.25 + 1 / 64, rel=1e-3)
+    assert WireFormat("fp16", numel, 0, world).wire_bytes() / ring_fp32 == pytest.approx(
+        0.5, rel=1e-3
+    )
+    assert WireFormat("int8", numel, 0, world).wire_bytes() / ring_fp32 == pytest.approx(
+        0.25 + 1 / 64, rel=1e-3
+    )
 
 
 def test_unknown_compression_is_refused_by_name():
@@ -126,7 +142,9 @@ def test_unknown_compression_is_refused_by_name():
     assert validate(None) is None and validate("bf16") == "bf16"
 
 
-@pytest.mark.parametrize("node_size,numel", [(3, 1), (4, 1), (4, 2), (4, 5), (8, 10), (3, 7), (4, 9)])
+@pytest.mark.parametrize(
+    "node_size,numel", [(3, 1), (4, 1), (4, 2), (4, 5), (8, 10), (3, 7), (4, 9)]
+)
 def test_node_first_shards_cover_small_buckets(node_size, numel):
     """A bucket cut into L node-first shards of ceil(numel / L) values: row j holds values
     [j·size, (j+1)·size) clipped to the bucket (shards past its end are empty), zeros
@@ -134,14 +152,18 @@ def test_node_first_shards_cover_small_buckets(node_size, numel):
     from sapipe.compression.codec import NodeFirstCodec
 
     nflags = 3
-    codec = NodeFirstCodec(Compression.of("int8"), numel, nflags, 2, node_size, torch.float64, torch.device("cpu"))
+    codec = NodeFirstCodec(
+        Compression.of("int8"), numel, nflags, 2, node_size, torch.float64, torch.device("cpu")
+    )
     wire = torch.arange(1.0, numel + nflags + 1, dtype=torch.float64)
     rows = torch.full((node_size * codec.row_numel,), float("nan"), dtype=torch.float64)
     codec.pack(wire, rows)
     size = -(-numel // node_size)
     for j, row in enumerate(rows.view(node_size, -1)):
-        values = wire[min(j * size, numel):min((j + 1) * size, numel)]
-        expected = torch.cat([values, torch.zeros(size - len(values), dtype=torch.float64), wire[numel:]])
+        values = wire[min(j * size, numel) : min((j + 1) * size, numel)]
+        expected = torch.cat(
+            [values, torch.zeros(size - len(values), dtype=torch.float64), wire[numel:]]
+        )
         assert torch.equal(row, expected), (j, row)
     back = torch.zeros_like(wire)
     codec.unpack(rows, back)
@@ -173,7 +195,9 @@ def test_gradients_written_on_intake_make_the_bytes_the_encode_makes(kind, dtype
     def codec(compression=Compression.of(kind)):
         if partition is None:
             return BucketCodec(compression, numel, nflags, world, dtype, cpu, slots=2)
-        return PartitionedCodec(compression, numel, nflags, world, dtype, cpu, slots=2, per_partition=partition)
+        return PartitionedCodec(
+            compression, numel, nflags, world, dtype, cpu, slots=2, per_partition=partition
+        )
 
     encoded, on_intake = codec(), codec()
     assert on_intake.encodes_on_intake
@@ -181,7 +205,15 @@ def test_gradients_written_on_intake_make_the_bytes_the_encode_makes(kind, dtype
     assert any(isinstance(v, SpanningGradient) for v in views), "no parameter spans two messages"
     for view, grad in zip(views, grads):
         view.copy_(grad)
-    for (lo, hi, want), (_, _, got) in zip(encoded.at(1).partitions(), on_intake.at(1, encoded=True).partitions()):
-        assert torch.equal(got.scatter_messages(wire[lo:hi]), want.scatter_messages(wire[lo:hi])), (lo, hi)
-    for other in (Compression.of(kind, error_feedback=True), Compression.of("int8")):  # these must encode
+    for (lo, hi, want), (_, _, got) in zip(
+        encoded.at(1).partitions(), on_intake.at(1, encoded=True).partitions()
+    ):
+        assert torch.equal(got.scatter_messages(wire[lo:hi]), want.scatter_messages(wire[lo:hi])), (
+            lo,
+            hi,
+        )
+    for other in (
+        Compression.of(kind, error_feedback=True),
+        Compression.of("int8"),
+    ):  # these must encode
         assert not codec(other).encodes_on_intake

@@ -15,6 +15,7 @@ with the model on the GPU:
 
 Every test skips without a GPU (CI has none); the kernels' own tests are in test_kernels.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,7 +23,6 @@ import time
 
 import pytest
 import torch
-
 from dist_utils import run_ranks
 from test_compression import CONFIGS as COMPRESSION_CONFIGS
 from test_compression import _train as train_compressed
@@ -46,11 +46,12 @@ def _on_cuda(rank: int, world_size: int, kind: str, configs, options=None):
     return _train(rank, world_size, kind, configs, options, device="cuda")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _results(kind: str, ranks: int, backend: str, options_key: str):
     options = PUSHPULL if options_key == "pushpull" else None
-    return run_ranks(_on_cuda, world_size=ranks, args=(kind, CUDA_CONFIGS, options),
-                     timeout=300, backend=backend)
+    return run_ranks(
+        _on_cuda, world_size=ranks, args=(kind, CUDA_CONFIGS, options), timeout=300, backend=backend
+    )
 
 
 def _check(kind, config, ranks, backend, options_key):
@@ -79,19 +80,26 @@ def test_nccl_rank_matches_reference(kind, config):
 
 # ------------------------------------------------------------------ compression on CUDA
 
-COMPRESSED = [c for c in COMPRESSION_CONFIGS if c[1] != 0 or c[0] == "int8"]  # the codec's CUDA kernels
+COMPRESSED = [
+    c for c in COMPRESSION_CONFIGS if c[1] != 0 or c[0] == "int8"
+]  # the codec's CUDA kernels
 
 
 def _compressed_on_cuda(rank: int, world_size: int, configs):
-    from sapipe.kernels import _ext, codec as codec_kernels
+    from sapipe.kernels import _ext
+    from sapipe.kernels import codec as codec_kernels
 
-    assert codec_kernels._module(torch.device("cuda"), torch.float64) is not None, _ext.errors.get("_C_cuda")
+    assert codec_kernels._module(torch.device("cuda"), torch.float64) is not None, _ext.errors.get(
+        "_C_cuda"
+    )
     return train_compressed(rank, world_size, configs, device="cuda")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compressed_results(ranks: int, backend: str):
-    return run_ranks(_compressed_on_cuda, world_size=ranks, args=(COMPRESSED,), timeout=300, backend=backend)
+    return run_ranks(
+        _compressed_on_cuda, world_size=ranks, args=(COMPRESSED,), timeout=300, backend=backend
+    )
 
 
 @pytest.mark.parametrize("ranks,backend", [(2, "gloo"), (1, "nccl")], ids=["2-gloo", "1-nccl"])
@@ -141,7 +149,9 @@ def _profile_on_gpu(rank: int, world_size: int):
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         model.zero_grad()
-    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6), model, stale_layers="auto")
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1e-6), model, stale_layers="auto"
+    )
     for _ in range(40):
         opt.zero_grad()
         iteration()
@@ -163,7 +173,9 @@ def test_profile_times_layers_as_the_gpu_runs_them():
     Not a share near 1: a profiled iteration waits for the GPU at every layer boundary, so a
     layer's kernels are queued only once the layer before it has run, and an outer layer
     costs its own queueing (2 ms each on an H200, against 11 ms of the middle layer)."""
-    (forward, backward, alone), = run_ranks(_profile_on_gpu, world_size=1, timeout=300, backend="nccl")
+    ((forward, backward, alone),) = run_ranks(
+        _profile_on_gpu, world_size=1, timeout=300, backend="nccl"
+    )
     for phase in (forward, backward):
         assert phase[1] >= 3 * max(phase[0], phase[2]), (forward, backward)
     assert sum(forward) + sum(backward) == pytest.approx(alone, rel=0.2), (forward, backward, alone)

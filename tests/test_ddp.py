@@ -6,6 +6,7 @@ residual blocks, registration order != forward order) in float32: one under
 The LR changes every step (LambdaLR), so a deferred update that used the wrong step's LR
 would show.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +14,6 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-
 from dist_utils import run_ranks
 from models import loss_fn_for, make_batches, make_model
 from optimizers import GENERIC
@@ -32,8 +32,9 @@ def _optimizer(kind, params):
 
 
 def _train(rank, world_size, kind, bucket_cap_mb, micro_batches=1):
-    import sapipe
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import sapipe
 
     batches = make_batches("tied", STEPS * micro_batches, world_size)
     loss_fn = loss_fn_for("tied")
@@ -43,7 +44,9 @@ def _train(rank, world_size, kind, bucket_cap_mb, micro_batches=1):
     ddp_sched = torch.optim.lr_scheduler.LambdaLR(ddp_opt, lambda e: 0.97**e)
 
     model = make_model("tied", seed=rank)  # construction broadcasts rank 0's weights
-    opt = sapipe.DistributedOptimizer(_optimizer(kind, model.parameters()), model, bucket_cap_mb=bucket_cap_mb)
+    opt = sapipe.DistributedOptimizer(
+        _optimizer(kind, model.parameters()), model, bucket_cap_mb=bucket_cap_mb
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.97**e)
     assert opt.stale_layers == 0
     losses = []
@@ -65,9 +68,20 @@ def _train(rank, world_size, kind, bucket_cap_mb, micro_batches=1):
         sched.step()
         losses.append(loss.item())
     opt.synchronize()
-    diff = max((a - b).abs().max().item() for a, b in zip(ddp_model.parameters(), model.parameters()))
-    moved = max((a - b).abs().max().item() for a, b in zip(make_model("tied").parameters(), model.parameters()))
-    return {"diff": diff, "moved": moved, "losses": losses, "buckets": len(opt.buckets), "path": opt.update_path}
+    diff = max(
+        (a - b).abs().max().item() for a, b in zip(ddp_model.parameters(), model.parameters())
+    )
+    moved = max(
+        (a - b).abs().max().item()
+        for a, b in zip(make_model("tied").parameters(), model.parameters())
+    )
+    return {
+        "diff": diff,
+        "moved": moved,
+        "losses": losses,
+        "buckets": len(opt.buckets),
+        "path": opt.update_path,
+    }
 
 
 @pytest.mark.parametrize("kind", ["sgd", "sgd-nesterov", "adam"])

@@ -1,6 +1,7 @@
 """sapipe-launch --emulate-cluster: the plan (pure), the namespaces and shaping it builds, and
 real 2-node jobs on one host: a sapipe job against the float64 reference, a node that fails,
 and clean-up on every way out. The real runs need root and iproute2; they skip otherwise."""
+
 from __future__ import annotations
 
 import os
@@ -11,19 +12,22 @@ import time
 
 import pytest
 import torch
-
-from sapipe.launch import LaunchError, cluster, netns, plan
-
 from dist_utils import assert_close_dicts
 from models import loss_fn_for, make_batches, make_model
 from reference import node_first_mean, run_reference
+
+from sapipe.launch import LaunchError, cluster, netns, plan
 
 PY = sys.executable
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     return {k: v for k, v in env.items() if not k.startswith(("DMLC_", "BYTEPS_", "PET_"))}
 
 
@@ -31,30 +35,76 @@ def _env():
 
 
 def test_one_torchrun_per_node_with_the_topology():
-    p = plan(["--emulate-cluster", "3x2", "--inter-node", "1gbit,50us", "--max-restarts=0", "train.py", "--lr", "1"],
-             {}, python="py")
+    p = plan(
+        [
+            "--emulate-cluster",
+            "3x2",
+            "--inter-node",
+            "1gbit,50us",
+            "--max-restarts=0",
+            "train.py",
+            "--lr",
+            "1",
+        ],
+        {},
+        python="py",
+    )
     assert p.argv == [] and p.cluster == cluster.ClusterSpec(3, 2, netns.parse_spec("1gbit,50us"))
     assert [a[:9] for a in p.node_argv] == [
-        ["py", "-m", "torch.distributed.run", "--nnodes=3", f"--node-rank={i}", "--nproc-per-node=2",
-         "--master-addr=10.77.0.1", "--master-port=29500", "--max-restarts=0"] for i in range(3)]
+        [
+            "py",
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=3",
+            f"--node-rank={i}",
+            "--nproc-per-node=2",
+            "--master-addr=10.77.0.1",
+            "--master-port=29500",
+            "--max-restarts=0",
+        ]
+        for i in range(3)
+    ]
     assert all(a[9:] == ["train.py", "--lr", "1"] for a in p.node_argv)
-    assert p.env == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "1"}
-    shaped = plan(["--emulate-cluster", "2x4", "--inter-node", "1gbit", "--intra-node", "20gbit", "t.py"], {})
+    assert p.env == {
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "NCCL_IB_DISABLE": "1",
+    }
+    shaped = plan(
+        ["--emulate-cluster", "2x4", "--inter-node", "1gbit", "--intra-node", "20gbit", "t.py"], {}
+    )
     assert shaped.env["NCCL_P2P_DISABLE"] == shaped.env["NCCL_SHM_DISABLE"] == "1"
-    assert plan(["--emulate-cluster", "2x1", "--inter-node", "1gbit", "t.py"], {"GLOO_SOCKET_IFNAME": "x"}).env.get(
-        "GLOO_SOCKET_IFNAME") is None, "the user's environment wins"
+    assert (
+        plan(
+            ["--emulate-cluster", "2x1", "--inter-node", "1gbit", "t.py"],
+            {"GLOO_SOCKET_IFNAME": "x"},
+        ).env.get("GLOO_SOCKET_IFNAME")
+        is None
+    ), "the user's environment wins"
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--emulate-cluster", "2x2", "t.py"], "needs --inter-node"),
-    (["--inter-node", "1gbit", "t.py"], "go with --emulate-cluster"),
-    (["--emulate-cluster", "2", "--inter-node", "1gbit", "t.py"], "expected NODESxRANKS"),
-    (["--emulate-cluster", "0x2", "--inter-node", "1gbit", "t.py"], "expected NODESxRANKS"),
-    (["--emulate-cluster", "2x2", "--inter-node", "fast", "t.py"], "cannot parse rate"),
-    (["--emulate-cluster", "2x2", "--inter-node", "1gbit", "--nnodes=2", "t.py"], "sets --nnodes"),
-    (["--emulate-cluster", "2x2", "--inter-node", "1gbit", "--standalone", "t.py"], "sets --standalone"),
-    (["--emulate-cluster", "2x2", "--inter-node", "1gbit", "--emulate-net", "1gbit", "t.py"], "--intra-node"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--emulate-cluster", "2x2", "t.py"], "needs --inter-node"),
+        (["--inter-node", "1gbit", "t.py"], "go with --emulate-cluster"),
+        (["--emulate-cluster", "2", "--inter-node", "1gbit", "t.py"], "expected NODESxRANKS"),
+        (["--emulate-cluster", "0x2", "--inter-node", "1gbit", "t.py"], "expected NODESxRANKS"),
+        (["--emulate-cluster", "2x2", "--inter-node", "fast", "t.py"], "cannot parse rate"),
+        (
+            ["--emulate-cluster", "2x2", "--inter-node", "1gbit", "--nnodes=2", "t.py"],
+            "sets --nnodes",
+        ),
+        (
+            ["--emulate-cluster", "2x2", "--inter-node", "1gbit", "--standalone", "t.py"],
+            "sets --standalone",
+        ),
+        (
+            ["--emulate-cluster", "2x2", "--inter-node", "1gbit", "--emulate-net", "1gbit", "t.py"],
+            "--intra-node",
+        ),
+    ],
+)
 def test_contradictions_are_refused_by_name(argv, message):
     with pytest.raises(LaunchError, match=message):
         plan(argv, {})
@@ -65,10 +115,21 @@ def test_the_nics_are_shaped_both_ways_and_delayed_once():
     cmds = [" ".join(c) for c in cluster.EmulatedCluster(spec, tag="t").setup_commands()]
     for node, port in (("tn0", "v0"), ("tn1", "v1")):
         sent = [c for c in cmds if c.startswith(f"ip netns exec {node} tc") and "dev eth0" in c]
-        received = [c for c in cmds if c.startswith("ip netns exec thub tc") and f"dev {port} " in c]
-        assert any("netem delay 100us" in c for c in sent) and any("tbf rate 1000000kbit" in c for c in sent)
-        assert len(received) == 1 and "tbf rate 1000000kbit" in received[0] and "netem" not in received[0]
-        assert any(c.startswith(f"ip netns exec {node} tc") and "dev lo" in c and "5000000kbit" in c for c in cmds)
+        received = [
+            c for c in cmds if c.startswith("ip netns exec thub tc") and f"dev {port} " in c
+        ]
+        assert any("netem delay 100us" in c for c in sent) and any(
+            "tbf rate 1000000kbit" in c for c in sent
+        )
+        assert (
+            len(received) == 1
+            and "tbf rate 1000000kbit" in received[0]
+            and "netem" not in received[0]
+        )
+        assert any(
+            c.startswith(f"ip netns exec {node} tc") and "dev lo" in c and "5000000kbit" in c
+            for c in cmds
+        )
     assert "ip -n tn1 addr add 10.77.0.2/24 dev eth0" in cmds
 
 
@@ -84,7 +145,9 @@ def _requires_cluster():
 def _run(argv, timeout):
     """``argv`` to its end; past ``timeout`` it is interrupted (SIGTERM: the launcher removes its
     namespaces), then the test fails."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -95,8 +158,19 @@ def _run(argv, timeout):
 
 
 def _launch(tmp_path, *extra, inter="200mbit"):
-    return [PY, "-m", "sapipe.launch", "--emulate-cluster", "2x2", "--inter-node", inter, "--monitor-interval=0.5",
-            os.path.join(HERE, "cluster_job.py"), str(tmp_path), *extra]
+    return [
+        PY,
+        "-m",
+        "sapipe.launch",
+        "--emulate-cluster",
+        "2x2",
+        "--inter-node",
+        inter,
+        "--monitor-interval=0.5",
+        os.path.join(HERE, "cluster_job.py"),
+        str(tmp_path),
+        *extra,
+    ]
 
 
 def _leftover_namespaces():
@@ -110,7 +184,9 @@ def test_a_2x2_job_trains_as_the_float64_reference(tmp_path, compression):
     node first (int8: compressed across nodes only): every rank's real and held weights are
     the reference's (rtol 1e-9), and the namespaces are gone."""
     _requires_cluster()
-    out = _run(_launch(tmp_path, *(["--compression", compression] if compression else [])), timeout=300)
+    out = _run(
+        _launch(tmp_path, *(["--compression", compression] if compression else [])), timeout=300
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     assert [(r["world"], r["node"]) for r in ranks] == [(4, 0), (4, 0), (4, 1), (4, 1)]
@@ -118,14 +194,27 @@ def test_a_2x2_job_trains_as_the_float64_reference(tmp_path, compression):
     assert {r["sum"] for r in ranks} == {node_first}, "two nodes of two ranks sum node first"
     import cluster_job
 
-    reduce = None if compression is None else node_first_mean(compression, ranks[0]["buckets"], ((0, 1), (2, 3)))
-    ref = run_reference(make_model("tied", seed=0, dtype=torch.float64),
-                        lambda params: torch.optim.AdamW(params, lr=cluster_job.LR),
-                        make_batches("tied", cluster_job.STEPS, 4, dtype=torch.float64), loss_fn_for("tied"),
-                        stale_layers=cluster_job.STALE_LAYERS, compensation=cluster_job.COMPENSATION, reduce=reduce)
+    reduce = (
+        None
+        if compression is None
+        else node_first_mean(compression, ranks[0]["buckets"], ((0, 1), (2, 3)))
+    )
+    ref = run_reference(
+        make_model("tied", seed=0, dtype=torch.float64),
+        lambda params: torch.optim.AdamW(params, lr=cluster_job.LR),
+        make_batches("tied", cluster_job.STEPS, 4, dtype=torch.float64),
+        loss_fn_for("tied"),
+        stale_layers=cluster_job.STALE_LAYERS,
+        compensation=cluster_job.COMPENSATION,
+        reduce=reduce,
+    )
     for r in ranks:
-        assert_close_dicts(r["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {r['rank']} real")
-        assert_close_dicts(r["held"], ref.held[-1][r["rank"]], rtol=1e-9, atol=1e-11, what=f"rank {r['rank']} held")
+        assert_close_dicts(
+            r["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {r['rank']} real"
+        )
+        assert_close_dicts(
+            r["held"], ref.held[-1][r["rank"]], rtol=1e-9, atol=1e-11, what=f"rank {r['rank']} held"
+        )
     assert not _leftover_namespaces()
 
 
@@ -143,8 +232,13 @@ def test_an_interrupted_launch_removes_its_namespaces(tmp_path):
     sockets linger), so the wait for the cluster is generous; the launcher is stopped
     whatever happens, so that a failure here leaves nothing to the next test."""
     _requires_cluster()
-    proc = subprocess.Popen(_launch(tmp_path, inter="1mbit"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=_env())
+    proc = subprocess.Popen(
+        _launch(tmp_path, inter="1mbit"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     try:
         deadline = time.monotonic() + 180
         while not _leftover_namespaces() and time.monotonic() < deadline and proc.poll() is None:

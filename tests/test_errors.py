@@ -1,4 +1,5 @@
 """Bad input raises a clear error naming its cause, on every rank, never a hang."""
+
 from __future__ import annotations
 
 import os
@@ -6,11 +7,11 @@ import time
 
 import pytest
 import torch
+from dist_utils import run_ranks
+from models import loss_fn_for, make_batches, make_model
 
 import sapipe
 from sapipe.comm import BACKENDS, compression_refusal
-from dist_utils import run_ranks
-from models import loss_fn_for, make_batches, make_model
 
 # name -> (kwargs for DistributedOptimizer, expected exception class name, text in message)
 BAD_ARGUMENTS = {
@@ -21,30 +22,73 @@ BAD_ARGUMENTS = {
     "k > m": ({"stale_layers": 4}, "ConfigurationError", "m=3"),
     "k not int": ({"stale_layers": 1.5}, "ConfigurationError", "stale_layers"),
     "staleness 0": ({"staleness": 0}, "ConfigurationError", "staleness must be an int >= 1"),
-    "wp with s > 1": ({"compensation": "wp2", "staleness": 2, "stale_layers": 1}, "ConfigurationError", "staleness 1 only"),
+    "wp with s > 1": (
+        {"compensation": "wp2", "staleness": 2, "stale_layers": 1},
+        "ConfigurationError",
+        "staleness 1 only",
+    ),
     "bad dc form": ({"dc_form": "full"}, "ConfigurationError", "dc_form"),
     "negative warmup": ({"warmup_steps": -1}, "ConfigurationError", "warmup_steps"),
     "zero bucket": ({"bucket_cap_mb": 0}, "ConfigurationError", "bucket_cap_mb"),
     "negative timeout": ({"timeout": -5}, "ConfigurationError", "timeout"),
     "unknown backend": ({"backend": "mpi"}, "ConfigurationError", "backend must be one of"),
-    "zero partition": ({"backend": "pushpull", "partition_mb": 0}, "ConfigurationError", "partition_mb"),
-    "a bucket beyond int64 bytes": ({"bucket_cap_mb": 1e308}, "ConfigurationError", "bucket_cap_mb must be a number of MiB"),
-    "a partition beyond int64 bytes": ({"backend": "pushpull", "partition_mb": 2.0**41}, "ConfigurationError",
-                                       "partition_mb must be a number of MiB > 0 and <= 2**40"),
+    "zero partition": (
+        {"backend": "pushpull", "partition_mb": 0},
+        "ConfigurationError",
+        "partition_mb",
+    ),
+    "a bucket beyond int64 bytes": (
+        {"bucket_cap_mb": 1e308},
+        "ConfigurationError",
+        "bucket_cap_mb must be a number of MiB",
+    ),
+    "a partition beyond int64 bytes": (
+        {"backend": "pushpull", "partition_mb": 2.0**41},
+        "ConfigurationError",
+        "partition_mb must be a number of MiB > 0 and <= 2**40",
+    ),
     "byteps missing": ({"backend": "byteps"}, "ConfigurationError", "byteps.torch"),
-    "negative tune steps": ({"stale_layers": "auto", "tune_steps": -1}, "ConfigurationError", "tune_steps must be an int >= 0"),
-    "budget not an int": ({"stale_layers": "auto", "auto_budget": 2.5}, "ConfigurationError", "auto_budget must be None or an int >= 1"),
-    "budget inside the warm-up": ({"stale_layers": "auto", "auto_budget": 12, "profile_steps": 8}, "ConfigurationError",
-                                  "auto_budget=12 ends before the warm-up does (13 iterations"),
-    "zero profile steps": ({"stale_layers": "auto", "profile_steps": 0}, "ConfigurationError", "profile_steps"),
-    "unknown compression": ({"compression": "fp8"}, "ConfigurationError", "compression must be None or one of"),
-    "error feedback without a compression": ({"error_feedback": True}, "ConfigurationError",
-                                             "error_feedback=True needs a compression"),
-    "error feedback not a bool": ({"compression": "int8", "error_feedback": "yes"}, "ConfigurationError",
-                                  "error_feedback must be None, True or False; got 'yes'"),
+    "negative tune steps": (
+        {"stale_layers": "auto", "tune_steps": -1},
+        "ConfigurationError",
+        "tune_steps must be an int >= 0",
+    ),
+    "budget not an int": (
+        {"stale_layers": "auto", "auto_budget": 2.5},
+        "ConfigurationError",
+        "auto_budget must be None or an int >= 1",
+    ),
+    "budget inside the warm-up": (
+        {"stale_layers": "auto", "auto_budget": 12, "profile_steps": 8},
+        "ConfigurationError",
+        "auto_budget=12 ends before the warm-up does (13 iterations",
+    ),
+    "zero profile steps": (
+        {"stale_layers": "auto", "profile_steps": 0},
+        "ConfigurationError",
+        "profile_steps",
+    ),
+    "unknown compression": (
+        {"compression": "fp8"},
+        "ConfigurationError",
+        "compression must be None or one of",
+    ),
+    "error feedback without a compression": (
+        {"error_feedback": True},
+        "ConfigurationError",
+        "error_feedback=True needs a compression",
+    ),
+    "error feedback not a bool": (
+        {"compression": "int8", "error_feedback": "yes"},
+        "ConfigurationError",
+        "error_feedback must be None, True or False; got 'yes'",
+    ),
     # byteps is refused by name before its missing library is reported (the settings' check comes first)
-    "compression the back-end cannot carry": ({"backend": "byteps", "compression": "int8"}, "ConfigurationError",
-                                              "backend='byteps' cannot carry compression='int8'"),
+    "compression the back-end cannot carry": (
+        {"backend": "byteps", "compression": "int8"},
+        "ConfigurationError",
+        "backend='byteps' cannot carry compression='int8'",
+    ),
 }
 
 
@@ -52,7 +96,9 @@ def _optimizer(case, model, rank):
     if case == "ranks disagree on the learning rate":
         return torch.optim.SGD(model.parameters(), lr=0.1 * (rank + 1))
     if case == "foreign parameter":
-        return torch.optim.SGD(list(model.parameters()) + [torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+        return torch.optim.SGD(
+            list(model.parameters()) + [torch.nn.Parameter(torch.zeros(3))], lr=0.1
+        )
     if case == "unsupported optimizer":
         return torch.optim.LBFGS(model.parameters(), lr=0.1)
     if case == "sparse optimizer":
@@ -78,7 +124,9 @@ def _construct(rank, world_size, cases):
         model = _model(case, rank)
         start = time.monotonic()
         try:
-            sapipe.DistributedOptimizer(_optimizer(case, model, rank), model, **({"timeout": 20} | kwargs[rank]))
+            sapipe.DistributedOptimizer(
+                _optimizer(case, model, rank), model, **({"timeout": 20} | kwargs[rank])
+            )
             results[case] = ("no error", "", 0.0)
         except sapipe.SapipeError as exc:
             results[case] = (type(exc).__name__, str(exc), time.monotonic() - start)
@@ -93,13 +141,21 @@ def _cases():
     cases["sparse optimizer"] = [{}, {}]
     cases["differentiable"] = [{}, {}]
     cases["ranks disagree on k"] = [{"stale_layers": 0}, {"stale_layers": 1}]
-    cases["ranks disagree on mode"] = [{"stale_layers": 1, "compensation": c} for c in ("dc", "wp1")]
+    cases["ranks disagree on mode"] = [
+        {"stale_layers": 1, "compensation": c} for c in ("dc", "wp1")
+    ]
     cases["ranks disagree on compression"] = [{"compression": "bf16"}, {}]
     cases["ranks disagree on a buffer"] = [{}, {}]
     cases["ranks disagree on the learning rate"] = [{}, {}]
     cases["ranks disagree on which parameters train"] = [{}, {}]
-    cases["one number written two ways"] = [{"bucket_cap_mb": 25, "timeout": 20}, {"bucket_cap_mb": 25.0, "timeout": 20.0}]
-    cases["the default written out"] = [{"compression": "int8"}, {"compression": "int8", "error_feedback": True}]
+    cases["one number written two ways"] = [
+        {"bucket_cap_mb": 25, "timeout": 20},
+        {"bucket_cap_mb": 25.0, "timeout": 20.0},
+    ]
+    cases["the default written out"] = [
+        {"compression": "int8"},
+        {"compression": "int8", "error_feedback": True},
+    ]
     return cases
 
 
@@ -108,13 +164,25 @@ EXPECTED = {name: (cls, text) for name, (_, cls, text) in BAD_ARGUMENTS.items()}
     "unsupported optimizer": ("UnsupportedOptimizerError", "LBFGS: its step() needs a closure"),
     "sparse optimizer": ("UnsupportedOptimizerError", "SparseAdam: it takes sparse gradients"),
     "differentiable": ("UnsupportedOptimizerError", "differentiable=True"),
-    "ranks disagree on k": ("ConfigurationError", "rank 1 has stale_layers=1 but rank 0 has stale_layers=0"),
+    "ranks disagree on k": (
+        "ConfigurationError",
+        "rank 1 has stale_layers=1 but rank 0 has stale_layers=0",
+    ),
     "ranks disagree on mode": ("ConfigurationError", "compensation="),
-    "ranks disagree on compression": ("ConfigurationError", "rank 1 has compression=None but rank 0 has compression='bf16'"),
+    "ranks disagree on compression": (
+        "ConfigurationError",
+        "rank 1 has compression=None but rank 0 has compression='bf16'",
+    ),
     # rank 0's buffers are broadcast at construction, and the layout follows the trainable parameters
     "ranks disagree on a buffer": ("ConfigurationError", "model_buffers"),
-    "ranks disagree on which parameters train": ("ConfigurationError", "rank 1 has model_parameters[0]=('0.weight', (10, 6), 'torch.float32', False) but rank 0 has ('0.weight', (10, 6), 'torch.float32', True)"),
-    "ranks disagree on the learning rate": ("ConfigurationError", "rank 1 has param_groups[0].lr=0.2 but rank 0 has 0.1"),
+    "ranks disagree on which parameters train": (
+        "ConfigurationError",
+        "rank 1 has model_parameters[0]=('0.weight', (10, 6), 'torch.float32', False) but rank 0 has ('0.weight', (10, 6), 'torch.float32', True)",
+    ),
+    "ranks disagree on the learning rate": (
+        "ConfigurationError",
+        "rank 1 has param_groups[0].lr=0.2 but rank 0 has 0.1",
+    ),
 }
 
 
@@ -148,7 +216,10 @@ def test_compression_is_refused_by_name_where_the_back_end_cannot_carry_it(backe
     for compression in ("fp16", "bf16", "int8"):
         refusal = compression_refusal(backend, compression)
         if backend == "byteps":
-            assert refusal is not None and f"backend='byteps' cannot carry compression={compression!r}" in refusal
+            assert (
+                refusal is not None
+                and f"backend='byteps' cannot carry compression={compression!r}" in refusal
+            )
         else:
             assert refusal is None, refusal
     assert compression_refusal(backend, None) is None
@@ -162,7 +233,9 @@ def _construct_int8_with_block(rank, world_size, block_of_rank_1):
         sapipe.compression.codec.INT8_BLOCK = block_of_rank_1
     model = make_model("mlp")
     try:
-        sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, compression="int8", timeout=20)
+        sapipe.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, compression="int8", timeout=20
+        )
     except sapipe.ConfigurationError as exc:
         return str(exc)
     return "no error"
@@ -174,6 +247,7 @@ def test_ranks_whose_int8_blocks_differ_are_refused():
     for message in messages:
         assert "rank 1 has int8_block=256 but rank 0 has int8_block=64" in message, message
 
+
 def test_requires_initialised_process_group():
     model = make_model("mlp")
     with pytest.raises(sapipe.ConfigurationError, match="init_process_group"):
@@ -183,7 +257,9 @@ def test_requires_initialised_process_group():
 def _misuse(rank, world_size):
     found = {}
     model = make_model("mlp")
-    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, timeout=20)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, timeout=20
+    )
     try:
         opt.step()
     except sapipe.UsageError as exc:
@@ -207,7 +283,11 @@ def test_misuse_is_explained():
 def _peer_failure(rank, world_size, how, backend):
     model = make_model("mlp")
     opt = sapipe.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), model, stale_layers=1, timeout=4, backend=backend
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        stale_layers=1,
+        timeout=4,
+        backend=backend,
     )
     batches = make_batches("mlp", 10, world_size)
     for t in range(10):
@@ -242,13 +322,20 @@ def _local_failure(rank, world_size):
     """Rank 0's compressed sum raises an ordinary Python error at iteration 3 (a bug on that
     rank, not a lost peer); both ranks must raise CommunicationError, each naming its cause."""
     model = make_model("mlp")
-    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                      stale_layers=1, timeout=4, compression="int8")
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        stale_layers=1,
+        timeout=4,
+        compression="int8",
+    )
     batches = make_batches("mlp", 6, world_size)
     for t in range(6):
         if rank == 0 and t == 3:
+
             def broken(*args, **kwargs):
                 raise ValueError("the codec broke")
+
             sapipe.comm.compressed.sum_compressed = broken
         try:
             x, y = batches[t][rank]
@@ -263,7 +350,9 @@ def _local_failure(rank, world_size):
 
 def test_an_error_on_this_rank_is_not_blamed_on_a_peer():
     here, peer = run_ranks(_local_failure, world_size=2, timeout=90)
-    assert here["step"] == 3 and "raised on this rank: ValueError: the codec broke" in here["error"], here
+    assert (
+        here["step"] == 3 and "raised on this rank: ValueError: the codec broke" in here["error"]
+    ), here
     assert "peer rank" not in here["error"]
     assert peer["step"] is not None and "peer rank" in peer["error"], peer
 
@@ -272,7 +361,9 @@ GRADIENT_CHANGES = {
     "clip_grad_norm_": lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3),
     "clip_grad_value_": lambda model: torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4),
     "assignment": lambda model: setattr(model[0].weight, "grad", torch.zeros_like(model[0].weight)),
-    "read only (norm logging)": lambda model: torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]),
+    "read only (norm logging)": lambda model: torch.nn.utils.get_total_norm(
+        [p.grad for p in model.parameters()]
+    ),
 }
 
 
@@ -283,8 +374,13 @@ def _change_gradients(rank, world_size):
     for k in (0, 1):
         for case, change in GRADIENT_CHANGES.items():
             model = make_model("mlp")
-            opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                              stale_layers=k, timeout=20, expose_gradients=False)
+            opt = sapipe.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                model,
+                stale_layers=k,
+                timeout=20,
+                expose_gradients=False,
+            )
             x, y = make_batches("mlp", 1, world_size)[0][rank]
             loss_fn_for("mlp")(model(x), y).backward()
             change(model)

@@ -17,6 +17,7 @@ the demo's shape, DDP and a ceiling kept in globals) and endings (nothing, ``clo
 ``destroy_process_group()`` with and without it in either order, the script's own
 collective after ``close()``) are listed in benchmarks/exit_stress.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,15 +30,22 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 STRESS = os.path.join(os.path.dirname(HERE), "benchmarks", "exit_stress.py")
 
-pytestmark = pytest.mark.skipif(not (hasattr(os, "fork") and os.path.isdir("/proc/self/task")),
-                                reason="the jobs are forked and count their threads in /proc")
+pytestmark = pytest.mark.skipif(
+    not (hasattr(os, "fork") and os.path.isdir("/proc/self/task")),
+    reason="the jobs are forked and count their threads in /proc",
+)
 
 
 def _run(*args, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
-        proc = subprocess.run([sys.executable, STRESS, "--json", "-", "--no-backtraces", *args],
-                              capture_output=True, text=True, env=env, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, STRESS, "--json", "-", "--no-backtraces", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the jobs did not finish within {timeout} s:\n{exc.stderr}")
     assert proc.returncode == 0, proc.stderr
@@ -56,13 +64,17 @@ def _report(jobs, failed):
     lines = [f"{len(failed)} of {len(jobs)} jobs did not exit cleanly"]
     for job in failed[:3]:
         for r, rank in enumerate(job["ranks"]):
-            lines.append(f"job {job['run']} ({job['setup']}, {job['ending']}) rank {r}: exit {rank['exit']}\n"
-                         f"{rank['output'][-800:]}")
+            lines.append(
+                f"job {job['run']} ({job['setup']}, {job['ending']}) rank {r}: exit {rank['exit']}\n"
+                f"{rank['output'][-800:]}"
+            )
     return "\n".join(lines)
 
 
 ALL_SETUPS = "plain,trace,pushpull,int8,pushpull-bf16,hierarchical,auto,auto-searching,auto-int8,control,demo,baselines"
-ALL_ENDINGS = "neither,destroy,destroy-close,close,close-destroy,close-collective-destroy,collective-destroy"
+ALL_ENDINGS = (
+    "neither,destroy,destroy-close,close,close-destroy,close-collective-destroy,collective-destroy"
+)
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +114,17 @@ def test_no_sapipe_thread_is_left_for_finalisation(loaded_jobs):
             where = f"job {job['run']} ({job['ending']}, {job['setup']}) rank {r}"
             assert rank["gloo_workers_at_exit"] == expected, (
                 f"{where}: {rank['gloo_workers_at_exit']} Gloo workers at exit, expected {expected}\n"
-                f"{rank['output'][-800:]}")
-            others = [t for t in rank["threads_at_exit"]
-                      if t not in ("python", "pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv")]
+                f"{rank['output'][-800:]}"
+            )
+            others = [
+                t
+                for t in rank["threads_at_exit"]
+                if t not in ("python", "pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv")
+            ]
             assert not others, f"{where}: threads left at exit: {others}"
-            assert rank["python_threads_at_exit"] == ["MainThread"], f"{where}: {rank['python_threads_at_exit']}"
+            assert rank["python_threads_at_exit"] == ["MainThread"], (
+                f"{where}: {rank['python_threads_at_exit']}"
+            )
 
 
 def test_a_starved_worker_never_aborts_the_exit():
@@ -117,8 +135,15 @@ def test_a_starved_worker_never_aborts_the_exit():
     aborted in 1-8 of 10 runs (benchmarks/RESULTS.md, `--no-exit-guard`) until sapipe's exit
     handler let the workers settle first (sapipe/runtime/shutdown.py); the other set-ups end
     on sapipe's control group (``control``) or the script's own scalars (``demo``)."""
-    jobs = _run("--setups", "baselines,control,demo,plain", "--starve", "--runs", "32",
-                "--endings", "collective-destroy,close-collective-destroy,close,neither")
+    jobs = _run(
+        "--setups",
+        "baselines,control,demo,plain",
+        "--starve",
+        "--runs",
+        "32",
+        "--endings",
+        "collective-destroy,close-collective-destroy,close,neither",
+    )
     failed = _failed(jobs)
     assert not failed, _report(jobs, failed)
 
@@ -129,7 +154,9 @@ def test_a_dead_or_hung_peer_delays_the_exit_by_at_most_the_timeout(peer):
     nothing in its last backward waits) finishes training with all-reduces no peer will
     complete. Its exit waits for them at most ``timeout`` (2 s), abandons them with a warning,
     and exits 0."""
-    jobs = _run("--runs", "4", "--setups", "plain,int8", "--endings", "destroy,neither", "--peer", peer)
+    jobs = _run(
+        "--runs", "4", "--setups", "plain,int8", "--endings", "destroy,neither", "--peer", peer
+    )
     for job in jobs:
         rank0 = job["ranks"][0]
         assert not _crashed(rank0), _report(jobs, [job])

@@ -34,6 +34,7 @@ each rank's exception leaves through ``sys.excepthook``, ``atexit`` and finalisa
 script's does. Every job is killed at a deadline, so a hang fails the test instead of
 hanging it.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,10 +47,10 @@ import time
 
 import pytest
 import torch
+from dist_utils import run_ranks
 
 import sapipe
 from sapipe.comm import failures
-from dist_utils import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -63,7 +64,11 @@ DEADLINE = 45.0  # seconds into a job, every rank still alive is killed (a hang 
 
 
 def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
 
 
 EXCEPTIONS = [("forward", 2, 1), ("forward", 3, 0), ("backward", 2, 0), ("backward", 3, 2)]
@@ -79,7 +84,10 @@ KILLS = [  # case, world, killed rank, what the survivors' error names, the iter
 ]
 
 
-RANK0_STORE = ["decide:2:0::rank0-store", "forward:2:0:4:rank0-store"]  # rank 0 hosts the store and fails
+RANK0_STORE = [
+    "decide:2:0::rank0-store",
+    "forward:2:0:4:rank0-store",
+]  # rank 0 hosts the store and fails
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +97,22 @@ def jobs():
     specs += [f"{case}:{world}:{failing}" for case, world, failing, _, _ in KILLS] + RANK0_STORE
     limit = len(specs) * (DEADLINE + 30)
     try:
-        proc = subprocess.run([sys.executable, JOB, "--jobs", ",".join(specs), "--timeout", str(TIMEOUT),
-                               "--deadline", str(DEADLINE)], capture_output=True, text=True, env=_env(), timeout=limit)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                JOB,
+                "--jobs",
+                ",".join(specs),
+                "--timeout",
+                str(TIMEOUT),
+                "--deadline",
+                str(DEADLINE),
+            ],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=limit,
+        )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the jobs' launcher did not finish within {limit:.0f}s: {exc.stderr}")
     assert proc.returncode == 0, proc.stderr
@@ -107,8 +129,12 @@ def _exited_cleanly(rank, failed_at, name):
     """Exit status 1 (the uncaught exception), within the bound, no abort, not killed."""
     assert not rank["killed"], f"{name} hung: killed at the deadline\n{rank['output']}"
     assert rank["exit"] == 1, f"{name} exited with {rank['exit']}\n{rank['output']}"
-    assert rank["exited"] - failed_at < TIMEOUT + EXIT_MARGIN, f"{name} exited {rank['exited'] - failed_at:.1f}s later"
-    assert "terminate called" not in rank["output"] and "Fatal Python error" not in rank["output"], rank["output"]
+    assert rank["exited"] - failed_at < TIMEOUT + EXIT_MARGIN, (
+        f"{name} exited {rank['exited'] - failed_at:.1f}s later"
+    )
+    assert (
+        "terminate called" not in rank["output"] and "Fatal Python error" not in rank["output"]
+    ), rank["output"]
 
 
 def _survivors_raised(ranks, failed, failed_at, must_contain, step):
@@ -123,7 +149,9 @@ def _survivors_raised(ranks, failed, failed_at, must_contain, step):
             assert text in raised["message"], (r, text, raised["message"])
         assert raised["message"].startswith("sapipe: "), raised["message"]
         assert raised["step"] in step, (r, raised["step"], step)
-        assert raised["time"] - failed_at < TIMEOUT + RAISE_MARGIN, f"rank {r} raised {raised['time'] - failed_at:.1f}s later"
+        assert raised["time"] - failed_at < TIMEOUT + RAISE_MARGIN, (
+            f"rank {r} raised {raised['time'] - failed_at:.1f}s later"
+        )
         _exited_cleanly(rank, failed_at, f"rank {r}")
         yield raised
 
@@ -141,7 +169,9 @@ def test_an_exception_on_one_rank_is_named_by_every_other(jobs, case, world, fai
     assert own["type"] == "ValueError" and own["step"] == 4, own
     _exited_cleanly(ranks[failing], failed_at, "the failing rank")
     cause = f"rank {failing} failed first: ValueError: boom in {case} at iteration 4 on rank {failing}. "
-    seen = list(_survivors_raised(ranks, failing, failed_at, ["all-reduce of sync bucket", cause], {4, 5}))
+    seen = list(
+        _survivors_raised(ranks, failing, failed_at, ["all-reduce of sync bucket", cause], {4, 5})
+    )
     assert len(seen) == world - 1
 
 
@@ -149,18 +179,37 @@ def test_under_torchrun_the_agents_store_names_the_failing_rank():
     """The same under torchrun, whose agent hosts the store (the default store's server): the
     survivor's error names rank 1's exception. (torchrun then stops the survivor with SIGTERM
     a monitor interval after rank 1 exits: its own policy, not sapipe's.)"""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
     try:
-        proc = subprocess.run(torchrun + [JOB, "--worker", "--case", "forward", "--timeout", str(TIMEOUT)],
-                              capture_output=True, text=True, env=_env(), timeout=DEADLINE + 60)
+        proc = subprocess.run(
+            torchrun + [JOB, "--worker", "--case", "forward", "--timeout", str(TIMEOUT)],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=DEADLINE + 60,
+        )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"torchrun did not finish: {exc.stdout}\n{exc.stderr}")
-    events = [json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("EVENT ")]
+    events = [
+        json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("EVENT ")
+    ]
     failing = [e for e in events if e["kind"] == "failing" and e["rank"] == 1]
     raised = [e for e in events if e["kind"] == "raised" and e["rank"] == 0]
-    assert proc.returncode == 1 and len(failing) == 1 and len(raised) == 1, proc.stdout + proc.stderr
+    assert proc.returncode == 1 and len(failing) == 1 and len(raised) == 1, (
+        proc.stdout + proc.stderr
+    )
     assert raised[0]["type"] == "CommunicationError", raised
-    assert "rank 1 failed first: ValueError: boom in forward at iteration 4 on rank 1. " in raised[0]["message"]
+    assert (
+        "rank 1 failed first: ValueError: boom in forward at iteration 4 on rank 1. "
+        in raised[0]["message"]
+    )
     assert raised[0]["time"] - failing[0]["time"] < TIMEOUT + RAISE_MARGIN
 
 
@@ -168,7 +217,9 @@ def test_under_torchrun_the_agents_store_names_the_failing_rank():
 
 
 @pytest.mark.parametrize("case,world,failing,text,step", KILLS)
-def test_a_rank_killed_mid_operation_fails_the_others_cleanly(jobs, case, world, failing, text, step):
+def test_a_rank_killed_mid_operation_fails_the_others_cleanly(
+    jobs, case, world, failing, text, step
+):
     """Rank ``failing`` SIGKILLs itself before the step that decides ``"auto"``'s k, inside the
     relayout at the end of warm-up, inside the measured search's pipeline restart, or on the
     worker thread in the middle of an int8 compressed sum (tests/jobs/fault_job.py). Nothing
@@ -189,14 +240,20 @@ def test_a_store_gone_with_the_failing_rank_never_holds_the_others_up(jobs):
     exit, after the survivor raised: the cause is named then (or, on a slow host, not)."""
     ranks = jobs["decide:2:0::rank0-store"]
     failed_at = _the("failing", ranks[0])["time"]
-    for raised in _survivors_raised(ranks, 0, failed_at, ["sapipe: profiling the warm-up", "Connection"], {7}):
+    for raised in _survivors_raised(
+        ranks, 0, failed_at, ["sapipe: profiling the warm-up", "Connection"], {7}
+    ):
         assert "failed first" not in raised["message"], raised["message"]
     ranks = jobs["forward:2:0:4:rank0-store"]
     failed_at = _the("failing", ranks[0])["time"]
     _exited_cleanly(ranks[0], failed_at, "the failing rank")
     for raised in _survivors_raised(ranks, 0, failed_at, ["all-reduce of sync bucket"], {4, 5}):
         named = re.search(r"; (rank \d+ failed first: [^.]*)\.", raised["message"])
-        assert named is None or named.group(1) == "rank 0 failed first: ValueError: boom in forward at iteration 4 on rank 0", raised
+        assert (
+            named is None
+            or named.group(1)
+            == "rank 0 failed first: ValueError: boom in forward at iteration 4 on rank 0"
+        ), raised
 
 
 # ------------------------------------------------------------------ a straggler
@@ -219,8 +276,14 @@ def _train(rank, timeout, sleep):
     final weights, rank 1's step times, the communication wait after each step, the start of
     each step and the traced waits (perf_counter_ns)."""
     model = _wide_mlp()
-    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), model,
-                                      stale_layers=2, timeout=timeout, bucket_cap_mb=0.6, trace=True)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        model,
+        stale_layers=2,
+        timeout=timeout,
+        bucket_cap_mb=0.6,
+        trace=True,
+    )
     data = torch.Generator().manual_seed(rank)
     steps, waits, starts = [], [], []
     for t in range(STEPS):
@@ -235,8 +298,11 @@ def _train(rank, timeout, sleep):
         waits.append(opt.communication_wait)
     opt.synchronize()
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
-    events = [(at, kind, fields["what"]) for at, kind, fields in opt.tracer.events()
-              if kind in ("comm_wait_start", "comm_wait")]
+    events = [
+        (at, kind, fields["what"])
+        for at, kind, fields in opt.tracer.events()
+        if kind in ("comm_wait_start", "comm_wait")
+    ]
     opt.close()
     return {"weights": weights, "steps": steps, "waits": waits, "starts": starts, "events": events}
 
@@ -253,7 +319,9 @@ def _straggler(rank, world_size):
     box = [max(2 * statistics.median(clean["steps"][2:]), MIN_SLEEP)]
     dist.broadcast_object_list(box, src=1)
     sleep = box[0]
-    timeout = len(STRAGGLE) * sleep / 2.5  # the straggle adds len(STRAGGLE) * sleep: 2.5x timeout, 8 sleeps
+    timeout = (
+        len(STRAGGLE) * sleep / 2.5
+    )  # the straggle adds len(STRAGGLE) * sleep: 2.5x timeout, 8 sleeps
     slow = _train(rank, timeout, sleep)
     return {"clean": clean, "slow": slow, "sleep": sleep, "timeout": timeout}
 
@@ -267,7 +335,11 @@ def _traced_wait_per_step(run):
             open_waits[what] = at
         elif what in open_waits:
             start = open_waits.pop(what)
-            step = max(i for i, s in enumerate(run["starts"]) if s <= start) if start >= run["starts"][0] else 0
+            step = (
+                max(i for i, s in enumerate(run["starts"]) if s <= start)
+                if start >= run["starts"][0]
+                else 0
+            )
             per_step[step] += (at - start) / 1e9
     return per_step
 
@@ -276,20 +348,30 @@ def test_a_straggler_slows_the_job_without_a_timeout_or_a_change_of_numbers():
     out = run_ranks(_straggler, world_size=2, timeout=240)
     sleep, timeout = out[0]["sleep"], out[0]["timeout"]
     assert len(STRAGGLE) * sleep > 2 * timeout > 8 * sleep, (sleep, timeout)
-    for rank in out:  # no timeout (run_ranks would have raised), and the numbers are the clean run's
+    for (
+        rank
+    ) in out:  # no timeout (run_ranks would have raised), and the numbers are the clean run's
         for name, value in rank["clean"]["weights"].items():
-            assert value.tobytes() == rank["slow"]["weights"][name].tobytes(), f"{name} differs with the straggler"
+            assert value.tobytes() == rank["slow"]["weights"][name].tobytes(), (
+                f"{name} differs with the straggler"
+            )
     fast = out[0]["slow"]
     waits = fast["waits"]
     per_step = [waits[0]] + [b - a for a, b in zip(waits, waits[1:])]
     first, last = STRAGGLE.start, STRAGGLE.stop
-    usual = statistics.median(per_step[2:first] + per_step[last + 2:])  # the wait of a step without the straggler
-    grew = sum(per_step[first:last + 1]) - usual * (last + 1 - first)  # (the wait may come a step late)
+    usual = statistics.median(
+        per_step[2:first] + per_step[last + 2 :]
+    )  # the wait of a step without the straggler
+    grew = sum(per_step[first : last + 1]) - usual * (
+        last + 1 - first
+    )  # (the wait may come a step late)
     extra = len(STRAGGLE) * sleep
-    assert abs(grew - extra) < 0.25 * extra, f"the fast rank's wait grew by {grew:.2f}s, the straggler added {extra:.2f}s"
+    assert abs(grew - extra) < 0.25 * extra, (
+        f"the fast rank's wait grew by {grew:.2f}s, the straggler added {extra:.2f}s"
+    )
     traced = _traced_wait_per_step(fast)
-    inside = statistics.median(traced[first + 1:last])
-    outside = statistics.median(traced[2:first] + traced[last + 2:])
+    inside = statistics.median(traced[first + 1 : last])
+    outside = statistics.median(traced[2:first] + traced[last + 2 :])
     assert inside > 0.6 * sleep and outside < 0.2 * sleep, (sleep, inside, outside, traced)
 
 
@@ -301,11 +383,18 @@ def test_a_lossy_link_changes_only_time():
     Needs root, network namespaces and nft or iptables; skips with the reason otherwise."""
     if not os.path.exists(LOSSY):
         pytest.skip("benchmarks/lossy_link.py is missing")
-    check = subprocess.run([sys.executable, LOSSY, "--check"], capture_output=True, text=True, env=_env(), timeout=120)
+    check = subprocess.run(
+        [sys.executable, LOSSY, "--check"], capture_output=True, text=True, env=_env(), timeout=120
+    )
     if check.returncode != 0:
         pytest.skip(check.stdout.strip() or check.stderr.strip())
-    proc = subprocess.run([sys.executable, LOSSY, "--steps", "6", "--drops", "0,0.05", "--json"],
-                          capture_output=True, text=True, env=_env(), timeout=400)
+    proc = subprocess.run(
+        [sys.executable, LOSSY, "--steps", "6", "--drops", "0,0.05", "--json"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     runs = json.loads(proc.stdout.splitlines()[-1])
     assert [r["drop"] for r in runs] == [0.0, 0.05]
@@ -354,7 +443,9 @@ def test_the_first_published_failure_wins_and_symptoms_are_not_published(state):
     assert failures.first_failure() is None
     lost = failures.symptom(sapipe.CommunicationError("sapipe: sync all-reduce of bucket 0 failed"))
     assert not failures.publish(lost)
-    assert not failures.publish(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error"))
+    assert not failures.publish(
+        RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error")
+    )
     try:
         try:
             raise torch.distributed.DistBackendError("NCCL error: remote process exited")
@@ -362,11 +453,16 @@ def test_the_first_published_failure_wins_and_symptoms_are_not_published(state):
             raise ValueError("training failed") from exc
     except ValueError as consequence:
         assert not failures.publish(consequence)  # raised because of a lost peer
-    assert failures.publish(OSError("a bad batch\nsecond line"))  # not a transport's (no gloo/transport)
+    assert failures.publish(
+        OSError("a bad batch\nsecond line")
+    )  # not a transport's (no gloo/transport)
     state.rank = 5
     assert not failures.publish(ValueError("later"))
     assert failures.first_failure() == "rank 3 failed first: OSError: a bad batch"
-    assert failures.with_first_failure("sapipe: x failed") == "sapipe: x failed; rank 3 failed first: OSError: a bad batch"
+    assert (
+        failures.with_first_failure("sapipe: x failed")
+        == "sapipe: x failed; rank 3 failed first: OSError: a bad batch"
+    )
     assert len(failures.describe(ValueError("x" * 1000))) == failures.MAX_CHARS
 
 
@@ -391,7 +487,10 @@ def test_the_hook_chains_and_never_raises(state, monkeypatch):
     failures._excepthook(ValueError, error, None)
     state.store = _Store()
     failures._excepthook(ValueError, error, None)
-    assert seen == [error, error] and failures.first_failure() == "rank 3 failed first: ValueError: boom"
+    assert (
+        seen == [error, error]
+        and failures.first_failure() == "rank 3 failed first: ValueError: boom"
+    )
 
 
 def test_a_forked_child_never_uses_its_parents_connection(state):

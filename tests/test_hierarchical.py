@@ -2,6 +2,7 @@
 4 Gloo ranks told they sit on 2 nodes (torchrun's GROUP_RANK), which must train as the float64
 reference does, flat or hierarchical. tests/test_emulated_cluster.py runs them across real
 (emulated) nodes."""
+
 from __future__ import annotations
 
 import os
@@ -9,10 +10,10 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from dist_utils import assert_close_dicts, run_ranks, same_state
 from models import loss_fn_for, make_batches, make_model
 from reference import compressed_mean, node_first_mean, run_reference
+
 from sapipe.comm.hierarchical import resolve
 from sapipe.comm.topology import Topology
 from sapipe.errors import ConfigurationError
@@ -21,7 +22,9 @@ TWO_BY_TWO = Topology.from_names(["a", "a", "b", "b"])
 
 
 def test_the_topology_of_node_names():
-    assert TWO_BY_TWO.nodes == ((0, 1), (2, 3)) and TWO_BY_TWO.two_level and TWO_BY_TWO.local_size == 2
+    assert (
+        TWO_BY_TWO.nodes == ((0, 1), (2, 3)) and TWO_BY_TWO.two_level and TWO_BY_TWO.local_size == 2
+    )
     assert TWO_BY_TWO.peers_across(3) == (1, 3) and TWO_BY_TWO.local_index(2) == 0
     interleaved = Topology.from_names(["a", "b", "a", "b"])
     assert interleaved.nodes == ((0, 2), (1, 3)) and interleaved.peers_across(1) == (0, 1)
@@ -42,9 +45,16 @@ def test_when_sums_go_node_first():
 
 
 # (k, compensation, hierarchical=, compression=)
-CASES = [(0, "none", None, None), (3, "wp1", None, None), (3, "dc", False, None),
-         (0, "none", None, "int8"), (3, "wp1", None, "int8"), (3, "dc", None, "bf16"), (3, "none", None, "fp16"),
-         (3, "wp1", False, "int8")]
+CASES = [
+    (0, "none", None, None),
+    (3, "wp1", None, None),
+    (3, "dc", False, None),
+    (0, "none", None, "int8"),
+    (3, "wp1", None, "int8"),
+    (3, "dc", None, "bf16"),
+    (3, "none", None, "fp16"),
+    (3, "wp1", False, "int8"),
+]
 NODES = ((0, 1), (2, 3))
 STEPS = 5
 
@@ -56,13 +66,24 @@ def _train(rank, world_size, cases):
     out = []
     for k, mode, hierarchical, compression in cases:
         model = make_model("tied", seed=rank, dtype=torch.float64)
-        opt = sapipe.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, stale_layers=k,
-                                          compensation=mode, hierarchical=hierarchical, compression=compression,
-                                          bucket_cap_mb=0.0007, timeout=60)
-        real = _run_steps(model, opt, rank, make_batches("tied", STEPS, world_size, dtype=torch.float64))
+        opt = sapipe.DistributedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=0.01),
+            model,
+            stale_layers=k,
+            compensation=mode,
+            hierarchical=hierarchical,
+            compression=compression,
+            bucket_cap_mb=0.0007,
+            timeout=60,
+        )
+        real = _run_steps(
+            model, opt, rank, make_batches("tied", STEPS, world_size, dtype=torch.float64)
+        )
         names = {id(p): n for n, p in model.named_parameters()}
         layouts = [[(names[id(p)], p.numel()) for p in bucket.params] for bucket in opt.buckets]
-        out.append({"real": real, "sum": type(opt._pipeline.sync_comm).__name__, "buckets": layouts})
+        out.append(
+            {"real": real, "sum": type(opt._pipeline.sync_comm).__name__, "buckets": layouts}
+        )
         opt.close()
     return out
 
@@ -85,10 +106,15 @@ def two_nodes():
 
 
 def _reference(k, mode, reduce):
-    return run_reference(make_model("tied", seed=0, dtype=torch.float64),
-                         lambda params: torch.optim.AdamW(params, lr=0.01),
-                         make_batches("tied", STEPS, 4, dtype=torch.float64), loss_fn_for("tied"),
-                         stale_layers=k, compensation=mode, reduce=reduce).real[-1]
+    return run_reference(
+        make_model("tied", seed=0, dtype=torch.float64),
+        lambda params: torch.optim.AdamW(params, lr=0.01),
+        make_batches("tied", STEPS, 4, dtype=torch.float64),
+        loss_fn_for("tied"),
+        stale_layers=k,
+        compensation=mode,
+        reduce=reduce,
+    ).real[-1]
 
 
 def _expected_sum(hierarchical, compression) -> str:
@@ -97,7 +123,9 @@ def _expected_sum(hierarchical, compression) -> str:
     return "HierarchicalAllReduce" if compression is None else "HierarchicalCompressedSum"
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"k{k}-{m}-h{h}-{c}" for k, m, h, c in CASES])
+@pytest.mark.parametrize(
+    "index", range(len(CASES)), ids=[f"k{k}-{m}-h{h}-{c}" for k, m, h, c in CASES]
+)
 def test_two_nodes_of_two_train_as_the_reference(two_nodes, index):
     """Node first (the default on two nodes) or flat, every rank's weights are the float64
     reference's; uneven buckets go through the padded shards. Compressed node first, the
@@ -108,15 +136,20 @@ def test_two_nodes_of_two_train_as_the_reference(two_nodes, index):
     node_first = hierarchical is not False
     reduce = None
     if compression is not None:
-        reduce = (node_first_mean(compression, buckets, NODES) if node_first
-                  else compressed_mean(compression, buckets))
+        reduce = (
+            node_first_mean(compression, buckets, NODES)
+            if node_first
+            else compressed_mean(compression, buckets)
+        )
     ref = _reference(k, mode, reduce)
     for rank, results in enumerate(two_nodes):
         got = results[index]
         assert got["sum"] == _expected_sum(hierarchical, compression)
         assert len(got["buckets"]) >= 2
         assert_close_dicts(got["real"], ref, rtol=1e-9, atol=1e-11, what=f"rank {rank}")
-    if compression == "int8" and node_first:  # not the flat compressed sum's weights, nor the uncompressed ones
+    if (
+        compression == "int8" and node_first
+    ):  # not the flat compressed sum's weights, nor the uncompressed ones
         for other in (compressed_mean(compression, buckets), None):
             elsewhere = _reference(k, mode, other)
             moved = max((elsewhere[n] - ref[n]).abs().max().item() for n in ref)
@@ -128,7 +161,9 @@ def _required_on_one_node(rank, world_size):
 
     model = make_model("tied")
     try:
-        sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, hierarchical=True)
+        sapipe.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, hierarchical=True
+        )
     except ConfigurationError as exc:
         return str(exc)
     return None
@@ -144,8 +179,14 @@ def _auto_on_two_nodes(rank, world_size, compression):
 
     os.environ["GROUP_RANK"] = str(rank // 2)
     model = make_model("tied", seed=rank)
-    opt = sapipe.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, stale_layers="auto",
-                                      profile_steps=3, tune_steps=0, compression=compression)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.01),
+        model,
+        stale_layers="auto",
+        profile_steps=3,
+        tune_steps=0,
+        compression=compression,
+    )
     sync, probed = opt._pipeline.sync_comm, []
     own_sum = sync.sum_now
     sync.sum_now = lambda tensor: (probed.append(tensor.numel()), own_sum(tensor))
@@ -155,8 +196,14 @@ def _auto_on_two_nodes(rank, world_size, compression):
         loss_fn_for("tied")(model(x), y).backward()
         opt.step()
     raw = opt.auto.profile.raw
-    result = (opt.auto.decided, opt.stale_layers, raw["probe_times"], len(probed), raw.get("wire_ratio"),
-              raw.get("codec_share"))
+    result = (
+        opt.auto.decided,
+        opt.stale_layers,
+        raw["probe_times"],
+        len(probed),
+        raw.get("wire_ratio"),
+        raw.get("codec_share"),
+    )
     opt.close()
     return result
 
@@ -190,7 +237,9 @@ def _sums(rank, world_size, numel):
     from sapipe.tracing.tracer import Tracer
 
     topology = Topology.from_names([f"node {r // 2}" for r in range(world_size)])
-    backend = HierarchicalAllReduce.create(dist.group.WORLD, topology, "sync", timedelta(seconds=60), Tracer(False))
+    backend = HierarchicalAllReduce.create(
+        dist.group.WORLD, topology, "sync", timedelta(seconds=60), Tracer(False)
+    )
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(numel, generator=gen, dtype=torch.float64)
     flat = x.clone()
@@ -200,13 +249,17 @@ def _sums(rank, world_size, numel):
     return {"hierarchical": x, "flat": flat}
 
 
-@pytest.mark.parametrize("numel", [3 * (1 << 17) + 5, 1001])  # 3 MiB of float64 in 3 pieces, uneven; one small piece
+@pytest.mark.parametrize(
+    "numel", [3 * (1 << 17) + 5, 1001]
+)  # 3 MiB of float64 in 3 pieces, uneven; one small piece
 def test_a_pipelined_bucket_sums_as_a_flat_all_reduce(numel):
     """Cut into pieces whose steps overlap (each padded to the node's shards), a bucket comes
     out as the flat all-reduce's sum on every rank, identical across ranks."""
     results = run_ranks(_sums, world_size=4, args=(numel,), timeout=300)
     for r in results:
-        assert torch.allclose(torch.as_tensor(r["hierarchical"]), torch.as_tensor(r["flat"]), rtol=1e-13, atol=1e-13)
+        assert torch.allclose(
+            torch.as_tensor(r["hierarchical"]), torch.as_tensor(r["flat"]), rtol=1e-13, atol=1e-13
+        )
         assert (r["hierarchical"] == results[0]["hierarchical"]).all()
 
 
@@ -217,8 +270,15 @@ def _node_first_int8(seed):
     import sapipe
 
     model = make_model("tied", seed=seed, dtype=torch.float64)
-    opt = sapipe.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, stale_layers=3,
-                                      compensation="wp1", compression="int8", bucket_cap_mb=0.0007, timeout=60)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.01),
+        model,
+        stale_layers=3,
+        compensation="wp1",
+        compression="int8",
+        bucket_cap_mb=0.0007,
+        timeout=60,
+    )
     return model, opt
 
 
@@ -232,7 +292,10 @@ def _resume_node_first(rank, world_size):
     opt.close()
     model, opt = _node_first_int8(seed=0)
     _run_steps(model, opt, rank, batches[:SPLIT])
-    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optimizer": opt.state_dict()}
+    saved = {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optimizer": opt.state_dict(),
+    }
     residual = max(b["codec"]["residual"].abs().max().item() for b in saved["optimizer"]["buckets"])
     opt.close()
     model, opt = _node_first_int8(seed=rank + 7)
@@ -251,8 +314,13 @@ def _resume_node_first(rank, world_size):
         refusal = str(exc)
     untouched = same_state(opt.state_dict(), before)
     opt.close()
-    return {"expected": expected, "resumed": resumed, "residual": residual, "refusal": refusal,
-            "untouched": untouched}
+    return {
+        "expected": expected,
+        "resumed": resumed,
+        "residual": residual,
+        "refusal": refusal,
+        "untouched": untouched,
+    }
 
 
 def test_a_node_first_int8_checkpoint_resumes_bit_identically_on_the_same_nodes_only():
@@ -263,7 +331,9 @@ def test_a_node_first_int8_checkpoint_resumes_bit_identically_on_the_same_nodes_
         assert out["residual"] > 0
         for name, value in out["expected"].items():
             assert np.array_equal(out["resumed"][name], value), (rank, name)
-        assert out["refusal"] is not None and "went node first over 2 ranks per node" in out["refusal"], out["refusal"]
+        assert (
+            out["refusal"] is not None and "went node first over 2 ranks per node" in out["refusal"]
+        ), out["refusal"]
         assert out["untouched"], f"rank {rank}: the refused load changed the optimizer's state"
 
 
@@ -277,12 +347,23 @@ def _compressed_sums(rank, world_size, kind, numel, nflags):
     from sapipe.tracing.tracer import Tracer
 
     topology = Topology.from_names([f"node {r // 2}" for r in range(world_size)])
-    backend = HierarchicalCompressedSum.create(dist.group.WORLD, topology, "sync", timedelta(seconds=60), Tracer(False))
-    codec = make_codec(Compression.of(kind), numel, nflags, world_size, torch.float64, torch.device("cpu"),
-                       node_size=topology.local_size)
+    backend = HierarchicalCompressedSum.create(
+        dist.group.WORLD, topology, "sync", timedelta(seconds=60), Tracer(False)
+    )
+    codec = make_codec(
+        Compression.of(kind),
+        numel,
+        nflags,
+        world_size,
+        torch.float64,
+        torch.device("cpu"),
+        node_size=topology.local_size,
+    )
     gen = torch.Generator().manual_seed(rank)
     values = torch.randn(numel, generator=gen, dtype=torch.float64)
-    flags = (torch.arange(nflags) % (rank + 2) == 0).to(torch.float64)  # which parameters this rank used
+    flags = (torch.arange(nflags) % (rank + 2) == 0).to(
+        torch.float64
+    )  # which parameters this rank used
     wire = torch.cat([values, flags])
     exact = wire.clone()
     dist.all_reduce(exact)
@@ -298,7 +379,9 @@ def test_a_node_first_compressed_sum_delivers_the_mean_and_the_exact_flag_counts
     roundings, and every parameter's count of ranks that used it, exactly."""
     numel, nflags = 1001, 7
     results = run_ranks(_compressed_sums, world_size=4, args=(kind, numel, nflags), timeout=120)
-    tolerance = {"int8": 2 * 4 / 127, "bf16": 2 * 2 ** -8}[kind]  # two roundings, relative to the largest value
+    tolerance = {"int8": 2 * 4 / 127, "bf16": 2 * 2**-8}[
+        kind
+    ]  # two roundings, relative to the largest value
     for r in results:
         got, mean = torch.as_tensor(r["got"]), torch.as_tensor(r["mean"])
         assert torch.equal(got, torch.as_tensor(results[0]["got"]))
@@ -312,16 +395,24 @@ def _reduce_scatters(rank, world_size):
 
     from sapipe.comm.worker import Scratch, reduce_scatter_sum
 
-    inputs = [torch.randn(4 * 1001, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
-              for r in range(world_size)]
+    inputs = [
+        torch.randn(4 * 1001, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+        for r in range(world_size)
+    ]
     mine = slice(rank * 1001, (rank + 1) * 1001)
     expected = inputs[0][mine].clone()
     for x in inputs[1:]:
         expected += x[mine]  # rank order
-    ours, theirs, scratch = torch.empty(1001, dtype=torch.float64), torch.empty(1001, dtype=torch.float64), Scratch()
+    ours, theirs, scratch = (
+        torch.empty(1001, dtype=torch.float64),
+        torch.empty(1001, dtype=torch.float64),
+        Scratch(),
+    )
     reduce_scatter_sum(ours, inputs[rank].clone(), dist.group.WORLD, scratch, "received")
     waited = torch.empty(1001, dtype=torch.float64)
-    work = reduce_scatter_sum(waited, inputs[rank].clone(), dist.group.WORLD, scratch, "other", async_op=True)
+    work = reduce_scatter_sum(
+        waited, inputs[rank].clone(), dist.group.WORLD, scratch, "other", async_op=True
+    )
     work.wait()
     dist.reduce_scatter_tensor(theirs, inputs[rank].clone())
     return {"ours": ours, "waited": waited, "theirs": theirs, "expected": expected}
@@ -332,7 +423,9 @@ def test_the_cpu_reduce_scatter_sums_each_shard_in_rank_order():
     each rank's shard is the sum of every rank's, added in rank order, bit for bit, and
     torch's reduce-scatter's within rounding."""
     for r in run_ranks(_reduce_scatters, world_size=4, timeout=120):
-        assert np.array_equal(r["ours"], r["expected"]) and np.array_equal(r["waited"], r["expected"])
+        assert np.array_equal(r["ours"], r["expected"]) and np.array_equal(
+            r["waited"], r["expected"]
+        )
         assert np.allclose(r["ours"], r["theirs"], rtol=1e-13, atol=1e-13)
 
 
@@ -345,7 +438,9 @@ SIX_RANK_CASES = [(None, "int8"), (None, "bf16"), (False, "int8")]
 
 def _prelu_model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.PReLU(), torch.nn.Linear(10, 3)).to(torch.float64)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.PReLU(), torch.nn.Linear(10, 3)).to(
+        torch.float64
+    )
 
 
 def _train_three_per_node(rank, world_size, cases, batches):
@@ -355,13 +450,27 @@ def _train_three_per_node(rank, world_size, cases, batches):
     out = []
     for hierarchical, compression in cases:
         model = _prelu_model()
-        opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
-                                          stale_layers=1, compensation="dc", hierarchical=hierarchical,
-                                          compression=compression, bucket_cap_mb=1e-6, timeout=60)
+        opt = sapipe.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            model,
+            stale_layers=1,
+            compensation="dc",
+            hierarchical=hierarchical,
+            compression=compression,
+            bucket_cap_mb=1e-6,
+            timeout=60,
+        )
         real = _run_steps(model, opt, rank, batches, task="mlp")
         names = {id(p): n for n, p in model.named_parameters()}
-        out.append({"real": real, "sum": type(opt._pipeline.sync_comm).__name__,
-                    "buckets": [[(names[id(p)], p.numel()) for p in bucket.params] for bucket in opt.buckets]})
+        out.append(
+            {
+                "real": real,
+                "sum": type(opt._pipeline.sync_comm).__name__,
+                "buckets": [
+                    [(names[id(p)], p.numel()) for p in bucket.params] for bucket in opt.buckets
+                ],
+            }
+        )
         opt.close()
     return out
 
@@ -372,14 +481,28 @@ def test_two_nodes_of_three_with_a_one_value_bucket_train_as_the_reference():
     reference's, whose int8 divides the arriving scales by N·L (or W) in float32 as sapipe
     does."""
     batches = make_batches("mlp", STEPS, 6, dtype=torch.float64, sizes=(6, 3))
-    results = run_ranks(_train_three_per_node, world_size=6, args=(SIX_RANK_CASES, batches), timeout=300)
+    results = run_ranks(
+        _train_three_per_node, world_size=6, args=(SIX_RANK_CASES, batches), timeout=300
+    )
     for index, (hierarchical, compression) in enumerate(SIX_RANK_CASES):
         buckets = results[0][index]["buckets"]
         assert [1] in [[n for _, n in b] for b in buckets], buckets
-        reduce = (compressed_mean(compression, buckets) if hierarchical is False
-                  else node_first_mean(compression, buckets, THREE_PER_NODE))
-        ref = run_reference(_prelu_model(), lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), batches,
-                            loss_fn_for("mlp"), stale_layers=1, compensation="dc", reduce=reduce).real[-1]
+        reduce = (
+            compressed_mean(compression, buckets)
+            if hierarchical is False
+            else node_first_mean(compression, buckets, THREE_PER_NODE)
+        )
+        ref = run_reference(
+            _prelu_model(),
+            lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+            batches,
+            loss_fn_for("mlp"),
+            stale_layers=1,
+            compensation="dc",
+            reduce=reduce,
+        ).real[-1]
         for rank, got in enumerate(r[index] for r in results):
             assert got["sum"] == _expected_sum(hierarchical, compression)
-            assert_close_dicts(got["real"], ref, rtol=1e-9, atol=1e-11, what=f"rank {rank}, {compression}")
+            assert_close_dicts(
+                got["real"], ref, rtol=1e-9, atol=1e-11, what=f"rank {rank}, {compression}"
+            )

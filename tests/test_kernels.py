@@ -12,6 +12,7 @@ CPU tests need the C++ extension (``pip install --no-build-isolation -e .``); CU
 a GPU and the CUDA extension and skip cleanly otherwise. The nvcc test compiles the CUDA
 sources wherever nvcc exists, GPU or not. No timings here (see benchmarks/kernels.py).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -35,8 +36,13 @@ F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float6
 REF = {
     name: getattr(ops, name)
     for name in (
-        "reference_delay_compensate", "reference_dc_dots", "reference_compose_gradient",
-        "reference_sgd", "reference_adam", "reference_sgd_fused", "reference_adam_fused",
+        "reference_delay_compensate",
+        "reference_dc_dots",
+        "reference_compose_gradient",
+        "reference_sgd",
+        "reference_adam",
+        "reference_sgd_fused",
+        "reference_adam_fused",
     )
 }
 
@@ -176,8 +182,15 @@ def test_one_warning_when_extension_missing(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     p, g, b = (rand(33, "cpu", F32, gen) for _ in range(3))
     p2, b2 = p.clone(), b.clone()
-    kw = dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=1e-2,
-              maximize=False, first=False)
+    kw = dict(
+        lr=0.1,
+        momentum=0.9,
+        dampening=0.0,
+        nesterov=True,
+        weight_decay=1e-2,
+        maximize=False,
+        first=False,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -202,7 +215,9 @@ def test_unsupported_inputs_fall_back_to_reference():
     assert torch.equal(strided, expected)
     gh, dh = g.half(), d.half()
     outh = ops.delay_compensate(gh, dh, 0.5, "outer", [60, 4], out=torch.empty(64, dtype=F16))
-    refh = REF["reference_delay_compensate"](gh, dh, 0.5, "outer", [60, 4], out=torch.empty(64, dtype=F16))
+    refh = REF["reference_delay_compensate"](
+        gh, dh, 0.5, "outer", [60, 4], out=torch.empty(64, dtype=F16)
+    )
     assert torch.equal(outh, refh)
 
 
@@ -246,7 +261,8 @@ def test_delay_compensate_outer(device, dtype, n, no_fallback):
         # exact comparison: the reference given the (float64) per-tensor dots
         dots = REF["reference_dc_dots"](GradientSpec(up(g), delta=up(d), lengths=lengths))
         expected = REF["reference_compose_gradient"](
-            GradientSpec(up(g), delta=up(d), lam=lam, form="outer", lengths=lengths, dots=dots), up(g)
+            GradientSpec(up(g), delta=up(d), lam=lam, form="outer", lengths=lengths, dots=dots),
+            up(g),
         )
         out = poisoned(n, device, dtype)
         ops.delay_compensate(g, d, lam, "outer", lengths, out=out)
@@ -273,7 +289,9 @@ def test_dc_dots(device, dtype, n, no_fallback):
     for lengths, (use_ref, use_prev) in itertools.product(
         partitions(n), itertools.product((False, True), repeat=2)
     ):
-        kw = dict(delta_ref=r if use_ref else None, prev_local=p if use_prev else None, world_size=3)
+        kw = dict(
+            delta_ref=r if use_ref else None, prev_local=p if use_prev else None, world_size=3
+        )
         got = ops.dc_dots(GradientSpec(g, delta=d, lengths=lengths, **kw))
         assert got.dtype == F64 and got.shape == (len(lengths),)
         # reference on the same h = g - p/n and D = d - r, rounded as the kernel rounds them
@@ -368,7 +386,9 @@ def test_compose_gradient(device, dtype, n, no_fallback):
     for spec, lengths in itertools.product(SPECS, partitions(n)[-2:]):
         kw = _spec_inputs(spec, n, device, dtype, gen, lengths)
         r = _ref_kw(g, kw)
-        expected = REF["reference_compose_gradient"](GradientSpec(up(g), **r), poisoned(n, device, ref_dtype(dtype)))
+        expected = REF["reference_compose_gradient"](
+            GradientSpec(up(g), **r), poisoned(n, device, ref_dtype(dtype))
+        )
         out = poisoned(n, device, dtype)
         assert ops.compose_gradient(GradientSpec(g, **kw), out) is out
         close(out, expected, dtype, f"compose {spec[0]} lengths {lengths}")
@@ -411,7 +431,9 @@ def _check_sgd(device, dtype, n, hp, spec_kw, gen, peek, fused):
     rout = poisoned(n, device, ref_dtype(dtype)) if peek else None
     if fused:
         r = _ref_kw(g, spec_kw)
-        REF["reference_sgd_fused"](rp, rb, ops.SGDHyperParams(lr=0.1, **hp), GradientSpec(rg, **r), out=rout)
+        REF["reference_sgd_fused"](
+            rp, rb, ops.SGDHyperParams(lr=0.1, **hp), GradientSpec(rg, **r), out=rout
+        )
         ops.sgd_fused(p, b, ops.SGDHyperParams(lr=0.1, **hp), GradientSpec(g, **spec_kw), out=out)
     else:
         REF["reference_sgd"](rp, rg, rb, lr=0.1, out=rout, **hp)
@@ -509,17 +531,34 @@ def test_fused_dc_update_with_delta_aliasing_param(device, dtype, rule, no_fallb
     s2 = rand(n, device, dtype, gen, positive=True)
     rp, rs1, rs2 = up(p), up(s1), up(s2)
     dc = dict(lam=0.5, form="outer", lengths=lengths)
-    dots = REF["reference_dc_dots"](GradientSpec(up(g), delta=rp, delta_ref=up(x_old), lengths=lengths))
+    dots = REF["reference_dc_dots"](
+        GradientSpec(up(g), delta=rp, delta_ref=up(x_old), lengths=lengths)
+    )
     rspec = GradientSpec(up(g), delta=rp, delta_ref=up(x_old), dots=dots, **dc)
     spec = GradientSpec(g, delta=p, delta_ref=x_old, **dc)
     if rule == "sgd":
-        hp = dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=1e-2,
-                  maximize=False, first=False)
+        hp = dict(
+            lr=0.1,
+            momentum=0.9,
+            dampening=0.0,
+            nesterov=True,
+            weight_decay=1e-2,
+            maximize=False,
+            first=False,
+        )
         REF["reference_sgd_fused"](rp, rs1, ops.SGDHyperParams(**hp), rspec)
         ops.sgd_fused(p, s1, ops.SGDHyperParams(**hp), spec)
     else:
-        hp = dict(step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
-                  decoupled=True, maximize=False)
+        hp = dict(
+            step=3,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=1e-2,
+            decoupled=True,
+            maximize=False,
+        )
         REF["reference_adam_fused"](rp, rs1, rs2, ops.AdamHyperParams(**hp), rspec)
         ops.adam_fused(p, s1, s2, ops.AdamHyperParams(**hp), spec)
         close(s2, rs2, dtype, "exp_avg_sq")
@@ -532,8 +571,15 @@ def test_fused_dc_update_with_delta_aliasing_param(device, dtype, rule, no_fallb
 # Expected values come from the plain references run one after the other: the update, then
 # hist = x_t, dots = reference_dc_dots(g~, x_t, x_{t-1}), then OPT_peek(x_t, g~) with
 # Δ = x_t − x_{t-1} given explicitly — not from the references' own extras code.
-EXTRA_CASES = ["hist", "hist_aliasing_delta_ref", "peek_wp1", "peek_wp2", "peek_wp3_diagonal",
-               "dots_wp3_outer", "all"]
+EXTRA_CASES = [
+    "hist",
+    "hist_aliasing_delta_ref",
+    "peek_wp1",
+    "peek_wp2",
+    "peek_wp3_diagonal",
+    "dots_wp3_outer",
+    "all",
+]
 
 
 def _extras_case(case, t, world_size, lengths):
@@ -551,17 +597,41 @@ def _extras_case(case, t, world_size, lengths):
     elif case == "peek_wp2":
         peek, out = GradientSpec(t["g"], world_size=n), t["out"]
     elif case == "peek_wp3_diagonal":
-        peek = GradientSpec(t["g"], prev_local=t["prev"], local=t["local"], form="diagonal", lam=0.7,
-                            world_size=n, delta_is_step=True, lengths=lengths)
+        peek = GradientSpec(
+            t["g"],
+            prev_local=t["prev"],
+            local=t["local"],
+            form="diagonal",
+            lam=0.7,
+            world_size=n,
+            delta_is_step=True,
+            lengths=lengths,
+        )
         out = t["out"]
     elif case == "dots_wp3_outer":
-        peek = GradientSpec(t["g"], prev_local=t["prev"], local=t["local"], form="outer", lam=0.7,
-                            world_size=n, delta_is_step=True, lengths=lengths)
+        peek = GradientSpec(
+            t["g"],
+            prev_local=t["prev"],
+            local=t["local"],
+            form="outer",
+            lam=0.7,
+            world_size=n,
+            delta_is_step=True,
+            lengths=lengths,
+        )
         dots = True
     elif case == "all":
         hist = t["hist"]
-        peek = GradientSpec(t["g"], prev_local=t["prev"], local=t["local"], form="diagonal", lam=0.3,
-                            world_size=n, delta_is_step=True, lengths=lengths)
+        peek = GradientSpec(
+            t["g"],
+            prev_local=t["prev"],
+            local=t["local"],
+            form="diagonal",
+            lam=0.3,
+            world_size=n,
+            delta_is_step=True,
+            lengths=lengths,
+        )
         out = t["out"]
         dots = True
     return upd, hist, peek, out, dots
@@ -576,33 +646,86 @@ def test_update_extras(device, dtype, n, rule, no_fallback):
     lengths = partitions(n)[-1]
     world_size = 3
     if rule == "sgd":
-        hps = [dict(lr=0.1, momentum=0.9, dampening=0.25, nesterov=False, weight_decay=1e-2,
-                    maximize=False, first=True),
-               dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=0.0,
-                    maximize=True, first=False),
-               dict(lr=0.1, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=1e-2,
-                    maximize=False, first=False)]
+        hps = [
+            dict(
+                lr=0.1,
+                momentum=0.9,
+                dampening=0.25,
+                nesterov=False,
+                weight_decay=1e-2,
+                maximize=False,
+                first=True,
+            ),
+            dict(
+                lr=0.1,
+                momentum=0.9,
+                dampening=0.0,
+                nesterov=True,
+                weight_decay=0.0,
+                maximize=True,
+                first=False,
+            ),
+            dict(
+                lr=0.1,
+                momentum=0.0,
+                dampening=0.0,
+                nesterov=False,
+                weight_decay=1e-2,
+                maximize=False,
+                first=False,
+            ),
+        ]
     else:
-        hps = [dict(step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
-                    decoupled=True, maximize=False),
-               dict(step=6, lr=1e-2, beta1=0.3, beta2=0.99, eps=1e-8, weight_decay=1e-2,
-                    decoupled=False, maximize=True)]
+        hps = [
+            dict(
+                step=1,
+                lr=1e-2,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=1e-2,
+                decoupled=True,
+                maximize=False,
+            ),
+            dict(
+                step=6,
+                lr=1e-2,
+                beta1=0.3,
+                beta2=0.99,
+                eps=1e-8,
+                weight_decay=1e-2,
+                decoupled=False,
+                maximize=True,
+            ),
+        ]
     for case, hp in itertools.product(EXTRA_CASES, hps):
         what = f"{rule} {case} {hp}"
-        k = {name: rand(n, device, dtype, gen) for name in ("p", "g", "s1", "x_old", "prev", "local")}
+        k = {
+            name: rand(n, device, dtype, gen) for name in ("p", "g", "s1", "x_old", "prev", "local")
+        }
         k["s2"] = rand(n, device, dtype, gen, positive=True)
         k["hist"], k["out"] = poisoned(n, device, dtype), poisoned(n, device, dtype)
         r = {name: up(v) for name, v in k.items()}
         upd, hist, peek, pout, want_dots = _extras_case(case, k, world_size, lengths)
-        step_dots = torch.full((len(lengths),), float("nan"), dtype=F64, device=device) if want_dots else None
+        step_dots = (
+            torch.full((len(lengths),), float("nan"), dtype=F64, device=device)
+            if want_dots
+            else None
+        )
         if want_dots:
             peek = peek.with_dots(step_dots)
         # kernel
         state = (k["s1"],) if rule == "sgd" else (k["s1"], k["s2"])
         fused = ops.sgd_fused if rule == "sgd" else ops.adam_fused
         Hyper = ops.SGDHyperParams if rule == "sgd" else ops.AdamHyperParams
-        fused(k["p"], *state, Hyper(**hp), GradientSpec(k["g"], lengths=lengths, hist=hist, **upd),
-              peek=peek, out=pout)
+        fused(
+            k["p"],
+            *state,
+            Hyper(**hp),
+            GradientSpec(k["g"], lengths=lengths, hist=hist, **upd),
+            peek=peek,
+            out=pout,
+        )
         # plain references, one after the other
         rupd, _, rpeek, _, _ = _extras_case(case, r, world_size, lengths)
         rstate = (r["s1"],) if rule == "sgd" else (r["s1"], r["s2"])
@@ -618,22 +741,51 @@ def test_update_extras(device, dtype, n, rule, no_fallback):
         if want_dots:
             # over the step the kernel took and stored, x_t - x_{t-1}: for 16-bit weights the
             # reference's float32 x_t is not that (the step is far below one 16-bit ulp of x)
-            expected = REF["reference_dc_dots"](GradientSpec(
-                rpeek.grad, delta=up(k["p"]), delta_ref=before, prev_local=rpeek.prev_local,
-                world_size=world_size, lengths=lengths))
+            expected = REF["reference_dc_dots"](
+                GradientSpec(
+                    rpeek.grad,
+                    delta=up(k["p"]),
+                    delta_ref=before,
+                    prev_local=rpeek.prev_local,
+                    world_size=world_size,
+                    lengths=lengths,
+                )
+            )
             close(step_dots, expected, F64 if dtype == F64 else F32, what + " step_dots")
             if device == "cpu":  # bit for bit the separate dots pass
-                separate = ops.dc_dots(GradientSpec(
-                    peek.grad, delta=k["p"], delta_ref=before.to(dtype), prev_local=peek.prev_local,
-                    world_size=world_size, lengths=lengths))
+                separate = ops.dc_dots(
+                    GradientSpec(
+                        peek.grad,
+                        delta=k["p"],
+                        delta_ref=before.to(dtype),
+                        prev_local=peek.prev_local,
+                        world_size=world_size,
+                        lengths=lengths,
+                    )
+                )
                 assert torch.equal(step_dots, separate), what + " step_dots vs dc_dots"
         if pout is not None:
-            dc = dict(delta=r["p"], delta_ref=before, lam=rpeek.lam, form="diagonal") if rpeek.delta_is_step else {}
+            dc = (
+                dict(delta=r["p"], delta_ref=before, lam=rpeek.lam, form="diagonal")
+                if rpeek.delta_is_step
+                else {}
+            )
             rout = poisoned(n, device, ref_dtype(dtype))
             peek_hp = dict(hp, first=False) if rule == "sgd" else dict(hp, step=hp["step"] + 1)
-            rfused(r["p"], *rstate, Hyper(**peek_hp), GradientSpec(
-                rpeek.grad, prev_local=rpeek.prev_local, local=rpeek.local, world_size=world_size,
-                lengths=lengths, **dc), out=rout)
+            rfused(
+                r["p"],
+                *rstate,
+                Hyper(**peek_hp),
+                GradientSpec(
+                    rpeek.grad,
+                    prev_local=rpeek.prev_local,
+                    local=rpeek.local,
+                    world_size=world_size,
+                    lengths=lengths,
+                    **dc,
+                ),
+                out=rout,
+            )
             close(pout, rout, dtype, what + " peek out")
 
 
@@ -649,22 +801,51 @@ def test_update_extras_reference_path_matches_kernel(no_fallback):
         k["s2"] = rand(n, "cpu", F64, gen, positive=True)
         k["hist"], k["out"] = poisoned(n, "cpu", F64), poisoned(n, "cpu", F64)
         r = {name: v.clone() for name, v in k.items()}
-        hp = (dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=1e-2, maximize=False,
-                   first=name == "sgd first") if rule == "sgd" else
-              dict(step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2, decoupled=True,
-                   maximize=False))
+        hp = (
+            dict(
+                lr=0.1,
+                momentum=0.9,
+                dampening=0.0,
+                nesterov=True,
+                weight_decay=1e-2,
+                maximize=False,
+                first=name == "sgd first",
+            )
+            if rule == "sgd"
+            else dict(
+                step=3,
+                lr=1e-2,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=1e-2,
+                decoupled=True,
+                maximize=False,
+            )
+        )
         results = []
-        for t, fn in ((k, ops.sgd_fused if rule == "sgd" else ops.adam_fused),
-                      (r, REF["reference_sgd_fused"] if rule == "sgd" else REF["reference_adam_fused"])):
+        for t, fn in (
+            (k, ops.sgd_fused if rule == "sgd" else ops.adam_fused),
+            (r, REF["reference_sgd_fused"] if rule == "sgd" else REF["reference_adam_fused"]),
+        ):
             upd, hist, peek, pout, want = _extras_case(case, t, 2, lengths)
             dots = torch.full((len(lengths),), float("nan"), dtype=F64) if want else None
             state = (t["s1"],) if rule == "sgd" else (t["s1"], t["s2"])
             Hyper = ops.SGDHyperParams if rule == "sgd" else ops.AdamHyperParams
-            fn(t["p"], *state, Hyper(**hp), GradientSpec(t["g"], lengths=lengths, hist=hist, **upd),
-               peek=peek.with_dots(dots) if want else peek, out=pout)
-            results.append([t["p"], *state] + ([hist] if hist is not None else [])
-                           + ([pout] if pout is not None else [])
-                           + ([dots] if dots is not None else []))
+            fn(
+                t["p"],
+                *state,
+                Hyper(**hp),
+                GradientSpec(t["g"], lengths=lengths, hist=hist, **upd),
+                peek=peek.with_dots(dots) if want else peek,
+                out=pout,
+            )
+            results.append(
+                [t["p"], *state]
+                + ([hist] if hist is not None else [])
+                + ([pout] if pout is not None else [])
+                + ([dots] if dots is not None else [])
+            )
         for a, b in zip(*results, strict=True):
             close(a, b, F64, f"{name} {case}")
 
@@ -672,8 +853,15 @@ def test_update_extras_reference_path_matches_kernel(no_fallback):
 def test_update_extras_bad_arguments(no_fallback):
     _require("cpu")
     p, g, b, out, x_old = (torch.rand(10) for _ in range(5))
-    hp = ops.SGDHyperParams(lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0,
-                            maximize=False, first=False)
+    hp = ops.SGDHyperParams(
+        lr=0.1,
+        momentum=0.9,
+        dampening=0.0,
+        nesterov=False,
+        weight_decay=0.0,
+        maximize=False,
+        first=False,
+    )
     dots = torch.zeros(1, dtype=F64)
     step = dict(delta_is_step=True, lengths=[10])
     bad = [  # (update spec, peek, out)
@@ -683,8 +871,11 @@ def test_update_extras_bad_arguments(no_fallback):
         (GradientSpec(g), GradientSpec(g, form="outer", **step), out),  # fused outer peek
         (GradientSpec(g), GradientSpec(g, delta=p, lam=0.1), out),  # a peek's explicit delta
         (GradientSpec(g, **step), None, None),  # the update's own step as its Δ
-        (GradientSpec(g, delta=p, delta_ref=x_old, lengths=[10]),  # step dots, outer update
-         GradientSpec(g, dots=dots, **step), None),
+        (
+            GradientSpec(g, delta=p, delta_ref=x_old, lengths=[10]),  # step dots, outer update
+            GradientSpec(g, dots=dots, **step),
+            None,
+        ),
     ]
     for spec, peek, o in bad:
         with pytest.raises((ValueError, RuntimeError)):
@@ -718,10 +909,16 @@ def test_local_gradient_copy_paths_agree(mode, compression, monkeypatch):
         for threshold in (0, 10**9):  # always mirror / never mirror
             monkeypatch.setattr(engine, "MIRROR_LOCAL_MIN_MEAN_NUMEL", threshold)
             torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.Tanh(), torch.nn.Linear(33, 3))
+            model = torch.nn.Sequential(
+                torch.nn.Linear(7, 33), torch.nn.Tanh(), torch.nn.Linear(33, 3)
+            )
             opt = sapipe.DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, stale_layers=2,
-                compensation=mode, dc_form="outer", compression=compression,
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                model,
+                stale_layers=2,
+                compensation=mode,
+                dc_form="outer",
+                compression=compression,
             )
             gen = torch.Generator().manual_seed(1)
             for _ in range(5):
@@ -729,8 +926,10 @@ def test_local_gradient_copy_paths_agree(mode, compression, monkeypatch):
                 model(torch.randn(4, 7, generator=gen)).square().sum().backward()
                 opt.step()
             with opt.real_weights():
-                results.append([p.detach().clone() for p in model.parameters()]
-                               + [b.local.clone() for b in opt.buckets if b.local is not None])
+                results.append(
+                    [p.detach().clone() for p in model.parameters()]
+                    + [b.local.clone() for b in opt.buckets if b.local is not None]
+                )
             opt.close()
         assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
     finally:
@@ -749,9 +948,18 @@ def test_step_dots_do_not_depend_on_thread_count(no_fallback):
             gen.manual_seed(881)
             p, g, b, prev = (rand(n, "cpu", F32, gen) for _ in range(4))
             dots = torch.empty(len(lengths), dtype=F64)
-            hp = ops.SGDHyperParams(lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0,
-                                    maximize=False, first=False)
-            peek = GradientSpec(g, prev_local=prev, world_size=2, delta_is_step=True, lengths=lengths, dots=dots)
+            hp = ops.SGDHyperParams(
+                lr=0.1,
+                momentum=0.9,
+                dampening=0.0,
+                nesterov=False,
+                weight_decay=0.0,
+                maximize=False,
+                first=False,
+            )
+            peek = GradientSpec(
+                g, prev_local=prev, world_size=2, delta_is_step=True, lengths=lengths, dots=dots
+            )
             ops.sgd_fused(p, b, hp, GradientSpec(g, lengths=lengths), peek=peek)
             results.append(dots)
     finally:
@@ -760,7 +968,8 @@ def test_step_dots_do_not_depend_on_thread_count(no_fallback):
 
 
 @pytest.mark.parametrize(
-    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA_OK, reason="no CUDA device"))]
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA_OK, reason="no CUDA device"))],
 )
 @pytest.mark.parametrize("name", ["sgd", "nesterov", "adam", "adamw"])
 def test_kernels_follow_torch_optim(device, name, no_fallback):
@@ -771,8 +980,14 @@ def test_kernels_follow_torch_optim(device, name, no_fallback):
     x = torch.nn.Parameter(rand(n, device, F32, gen))
     flat = x.detach().clone()
     if name in ("sgd", "nesterov"):
-        hp = dict(lr=0.05, momentum=0.9, dampening=0.0 if name == "nesterov" else 0.1,
-                  nesterov=name == "nesterov", weight_decay=1e-3, maximize=False)
+        hp = dict(
+            lr=0.05,
+            momentum=0.9,
+            dampening=0.0 if name == "nesterov" else 0.1,
+            nesterov=name == "nesterov",
+            weight_decay=1e-3,
+            maximize=False,
+        )
         opt = torch.optim.SGD([x], **hp)
         buf = torch.zeros_like(flat)
     else:
@@ -786,8 +1001,20 @@ def test_kernels_follow_torch_optim(device, name, no_fallback):
         if name in ("sgd", "nesterov"):
             ops.sgd(flat, grad, buf, first=step == 1, **hp)
         else:
-            ops.adam(flat, grad, m, v, step=step, lr=hp["lr"], beta1=0.9, beta2=0.99, eps=1e-8,
-                     weight_decay=hp["weight_decay"], decoupled=name == "adamw", maximize=False)
+            ops.adam(
+                flat,
+                grad,
+                m,
+                v,
+                step=step,
+                lr=hp["lr"],
+                beta1=0.9,
+                beta2=0.99,
+                eps=1e-8,
+                weight_decay=hp["weight_decay"],
+                decoupled=name == "adamw",
+                maximize=False,
+            )
         torch.testing.assert_close(flat, x.detach(), rtol=1e-6, atol=1e-6)
 
 
@@ -807,29 +1034,93 @@ def test_cpu_isa_variants_agree_bitwise(no_fallback):
             for dtype in (F32, F64):
                 p, g, b, m, x_old, prev, local = (rand(n, "cpu", dtype, gen) for _ in range(7))
                 v = rand(n, "cpu", dtype, gen, positive=True)
-                wp3 = dict(delta=p, delta_ref=x_old, lam=0.3, lengths=lengths, prev_local=prev,
-                           local=local, world_size=3)
-                outs = [ops.dc_dots(GradientSpec(g, delta=p, delta_ref=x_old, prev_local=prev, world_size=3,
-                                                 lengths=lengths)),
-                        ops.dc_dots(GradientSpec(g, delta=p, lengths=lengths))]
+                wp3 = dict(
+                    delta=p,
+                    delta_ref=x_old,
+                    lam=0.3,
+                    lengths=lengths,
+                    prev_local=prev,
+                    local=local,
+                    world_size=3,
+                )
+                outs = [
+                    ops.dc_dots(
+                        GradientSpec(
+                            g,
+                            delta=p,
+                            delta_ref=x_old,
+                            prev_local=prev,
+                            world_size=3,
+                            lengths=lengths,
+                        )
+                    ),
+                    ops.dc_dots(GradientSpec(g, delta=p, lengths=lengths)),
+                ]
                 for form in ("outer", "diagonal"):
                     spec = GradientSpec(g, form=form, **wp3)
                     outs.append(ops.compose_gradient(spec, torch.empty(n, dtype=dtype)))
                     out = torch.empty(n, dtype=dtype)
-                    ops.sgd_fused(p, b, ops.SGDHyperParams(lr=0.1, momentum=0.9, dampening=0.1, nesterov=False,
-                                                           weight_decay=1e-2, maximize=False, first=False),
-                                  spec, out=out)
+                    ops.sgd_fused(
+                        p,
+                        b,
+                        ops.SGDHyperParams(
+                            lr=0.1,
+                            momentum=0.9,
+                            dampening=0.1,
+                            nesterov=False,
+                            weight_decay=1e-2,
+                            maximize=False,
+                            first=False,
+                        ),
+                        spec,
+                        out=out,
+                    )
                     outs.append(out)
                     out = torch.empty(n, dtype=dtype)
-                    ops.adam_fused(p, m, v, ops.AdamHyperParams(step=3, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8,
-                                                                weight_decay=1e-2, decoupled=form == "outer",
-                                                                maximize=False),
-                                   spec, out=out)
+                    ops.adam_fused(
+                        p,
+                        m,
+                        v,
+                        ops.AdamHyperParams(
+                            step=3,
+                            lr=1e-2,
+                            beta1=0.9,
+                            beta2=0.99,
+                            eps=1e-8,
+                            weight_decay=1e-2,
+                            decoupled=form == "outer",
+                            maximize=False,
+                        ),
+                        spec,
+                        out=out,
+                    )
                     outs.append(out)
-                ops.sgd(p, g, b, lr=0.1, momentum=0.9, dampening=0.0, nesterov=True,
-                        weight_decay=1e-2, maximize=True, first=False)
-                ops.adam(p, g, m, v, step=2, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8,
-                         weight_decay=1e-2, decoupled=False, maximize=False)
+                ops.sgd(
+                    p,
+                    g,
+                    b,
+                    lr=0.1,
+                    momentum=0.9,
+                    dampening=0.0,
+                    nesterov=True,
+                    weight_decay=1e-2,
+                    maximize=True,
+                    first=False,
+                )
+                ops.adam(
+                    p,
+                    g,
+                    m,
+                    v,
+                    step=2,
+                    lr=1e-2,
+                    beta1=0.9,
+                    beta2=0.99,
+                    eps=1e-8,
+                    weight_decay=1e-2,
+                    decoupled=False,
+                    maximize=False,
+                )
                 results[(isa, dtype)] = outs + [p, b, m, v]
     finally:
         _ext.cpu.set_cpu_isa(previous)
@@ -842,12 +1133,34 @@ def test_in_place_kernels_bump_version_counters(no_fallback):
     _require("cpu")
     p, g, b, m, v = (torch.rand(100) for _ in range(5))
     before = (p._version, b._version)
-    ops.sgd(p, g, b, lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0,
-            maximize=False, first=False)
+    ops.sgd(
+        p,
+        g,
+        b,
+        lr=0.1,
+        momentum=0.9,
+        dampening=0.0,
+        nesterov=False,
+        weight_decay=0.0,
+        maximize=False,
+        first=False,
+    )
     assert p._version > before[0] and b._version > before[1]
     before = (p._version, m._version, v._version)
-    ops.adam(p, g, m, v, step=1, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0,
-             decoupled=False, maximize=False)
+    ops.adam(
+        p,
+        g,
+        m,
+        v,
+        step=1,
+        lr=0.1,
+        beta1=0.9,
+        beta2=0.99,
+        eps=1e-8,
+        weight_decay=0.0,
+        decoupled=False,
+        maximize=False,
+    )
     assert p._version > before[0] and m._version > before[1] and v._version > before[2]
 
 
@@ -856,7 +1169,9 @@ def test_in_place_kernels_bump_version_counters(no_fallback):
 # ---------------------------------------------------------------------------------------
 
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
-CSRC_INCLUDES = [f"-I{os.path.join(CSRC, d)}" for d in ("", "cpu", "codec", "cuda")]  # as setup.py's
+CSRC_INCLUDES = [
+    f"-I{os.path.join(CSRC, d)}" for d in ("", "cpu", "codec", "cuda")
+]  # as setup.py's
 
 STANDALONE = r"""
 #include "codec.cuh"
@@ -913,26 +1228,64 @@ def test_nvcc_compiles_cuda_sources(tmp_path):
         (stub / "c10" / "cuda" / "impl").mkdir(parents=True)
         (stub / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text("#pragma once\n")
     incs = [f"-I{p}" for p in torch_inc] + [f"-I{stub}", *CSRC_INCLUDES]
-    torch_defs = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
-                  "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
-                  "--expt-relaxed-constexpr"]
+    torch_defs = [
+        "-D__CUDA_NO_HALF_OPERATORS__",
+        "-D__CUDA_NO_HALF_CONVERSIONS__",
+        "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+        "-D__CUDA_NO_HALF2_OPERATORS__",
+        "--expt-relaxed-constexpr",
+    ]
     cxx = os.environ.get("CXX", "c++")
     jobs = {
-        "kernels.cuh standalone": [nvcc, "-c", "-std=c++17", "-O3", *arch, *CSRC_INCLUDES,
-                                   str(tmp_path / "standalone.cu"), "-o", str(tmp_path / "k.o")],
-        "cuda_ops.cu with torch headers": [nvcc, "-c", "-std=c++20", "-O3", *arch, *torch_defs,
-                                           *incs, os.path.join(CSRC, "cuda", "cuda_ops.cu"), "-o",
-                                           str(tmp_path / "cuda_ops.o")],
-        "cuda_codec.cu with torch headers": [nvcc, "-c", "-std=c++20", "-O3", *arch, *torch_defs,
-                                             *incs, os.path.join(CSRC, "codec", "cuda_codec.cu"), "-o",
-                                             str(tmp_path / "cuda_codec.o")],
-        "cuda_bindings.cpp (host)": [cxx, "-fsyntax-only", "-std=c++20", *incs,
-                                     f"-I{sysconfig.get_paths()['include']}",
-                                     "-DTORCH_EXTENSION_NAME=_C_cuda",
-                                     os.path.join(CSRC, "cuda", "cuda_bindings.cpp")],
+        "kernels.cuh standalone": [
+            nvcc,
+            "-c",
+            "-std=c++17",
+            "-O3",
+            *arch,
+            *CSRC_INCLUDES,
+            str(tmp_path / "standalone.cu"),
+            "-o",
+            str(tmp_path / "k.o"),
+        ],
+        "cuda_ops.cu with torch headers": [
+            nvcc,
+            "-c",
+            "-std=c++20",
+            "-O3",
+            *arch,
+            *torch_defs,
+            *incs,
+            os.path.join(CSRC, "cuda", "cuda_ops.cu"),
+            "-o",
+            str(tmp_path / "cuda_ops.o"),
+        ],
+        "cuda_codec.cu with torch headers": [
+            nvcc,
+            "-c",
+            "-std=c++20",
+            "-O3",
+            *arch,
+            *torch_defs,
+            *incs,
+            os.path.join(CSRC, "codec", "cuda_codec.cu"),
+            "-o",
+            str(tmp_path / "cuda_codec.o"),
+        ],
+        "cuda_bindings.cpp (host)": [
+            cxx,
+            "-fsyntax-only",
+            "-std=c++20",
+            *incs,
+            f"-I{sysconfig.get_paths()['include']}",
+            "-DTORCH_EXTENSION_NAME=_C_cuda",
+            os.path.join(CSRC, "cuda", "cuda_bindings.cpp"),
+        ],
     }
-    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name, cmd in jobs.items()}
+    procs = {
+        name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for name, cmd in jobs.items()
+    }
     failures = {}
     for name, proc in procs.items():
         out, _ = proc.communicate(timeout=600)

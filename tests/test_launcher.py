@@ -1,5 +1,6 @@
 """sapipe-launch: argument / environment mapping (pure), the CLI's dry run, and a real
 2-rank Gloo job over an emulated (rate-limited) loopback."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,12 @@ from sapipe.launch import LaunchError, byteps_flags, netns, plan
 
 PY = sys.executable
 TORCHRUN = [PY, "-m", "torch.distributed.run"]
-BPS = {"DMLC_NUM_WORKER": "4", "DMLC_WORKER_ID": "2", "DMLC_PS_ROOT_URI": "10.0.0.1",
-       "DMLC_PS_ROOT_PORT": "1234"}
+BPS = {
+    "DMLC_NUM_WORKER": "4",
+    "DMLC_WORKER_ID": "2",
+    "DMLC_PS_ROOT_URI": "10.0.0.1",
+    "DMLC_PS_ROOT_PORT": "1234",
+}
 
 
 def _cli_env(**extra):
@@ -29,16 +34,28 @@ def _cli_env(**extra):
 
 # --- pass-through -------------------------------------------------------------------------
 
+
 def test_everything_passes_through_to_torchrun():
-    p = plan(["--nproc_per_node", "2", "--max-restarts=1", "train.py", "--lr", "0.1", "--dry-run"], {})
-    assert p.argv == TORCHRUN + ["--nproc_per_node", "2", "--max-restarts=1",
-                                 "train.py", "--lr", "0.1", "--dry-run"]
+    p = plan(
+        ["--nproc_per_node", "2", "--max-restarts=1", "train.py", "--lr", "0.1", "--dry-run"], {}
+    )
+    assert p.argv == TORCHRUN + [
+        "--nproc_per_node",
+        "2",
+        "--max-restarts=1",
+        "train.py",
+        "--lr",
+        "0.1",
+        "--dry-run",
+    ]
     assert not p.dry_run, "an option after the script belongs to the script"
     assert p.env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} and p.exit_now is None
 
 
 def test_sapipe_options_are_removed():
-    p = plan(["--dry-run", "--standalone", "--quiet", "--no-byteps-env", "-m", "pkg.train", "x"], {})
+    p = plan(
+        ["--dry-run", "--standalone", "--quiet", "--no-byteps-env", "-m", "pkg.train", "x"], {}
+    )
     assert p.argv == TORCHRUN + ["--standalone", "-m", "pkg.train", "x"]
     assert p.dry_run and p.quiet
 
@@ -50,15 +67,28 @@ def test_bad_torchrun_option_is_refused():
 
 # --- BytePS-style environment ---------------------------------------------------------------
 
+
 def test_byteps_env_maps_to_torchrun_flags():
-    p = plan(["train.py", "--epochs", "3"], dict(BPS, BYTEPS_LOCAL_SIZE="8", NVIDIA_VISIBLE_DEVICES="0,1"))
-    assert p.argv == TORCHRUN + ["--nnodes=4", "--node-rank=2", "--master-addr=10.0.0.1",
-                                 "--master-port=1234", "--nproc-per-node=8",
-                                 "train.py", "--epochs", "3"]
+    p = plan(
+        ["train.py", "--epochs", "3"],
+        dict(BPS, BYTEPS_LOCAL_SIZE="8", NVIDIA_VISIBLE_DEVICES="0,1"),
+    )
+    assert p.argv == TORCHRUN + [
+        "--nnodes=4",
+        "--node-rank=2",
+        "--master-addr=10.0.0.1",
+        "--master-port=1234",
+        "--nproc-per-node=8",
+        "train.py",
+        "--epochs",
+        "3",
+    ]
 
 
-@pytest.mark.parametrize("visible,expected", [("0,1,2", "3"), ("GPU-a1,GPU-b2", "2"),
-                                              ("all", "gpu"), ("", "1"), ("none", "1")])
+@pytest.mark.parametrize(
+    "visible,expected",
+    [("0,1,2", "3"), ("GPU-a1,GPU-b2", "2"), ("all", "gpu"), ("", "1"), ("none", "1")],
+)
 def test_nproc_from_visible_devices(visible, expected):
     env = dict(BPS, NVIDIA_VISIBLE_DEVICES=visible) if visible else dict(BPS)
     flags, _ = byteps_flags(env, set())
@@ -68,8 +98,13 @@ def test_nproc_from_visible_devices(visible, expected):
 @pytest.mark.parametrize("given", [["--master_port", "99"], ["--master-port=99"]])
 def test_explicit_flags_win_over_byteps_env(given):
     p = plan(given + ["--nnodes=2", "train.py"], BPS)
-    assert p.argv == TORCHRUN + given + ["--nnodes=2", "--node-rank=2", "--master-addr=10.0.0.1",
-                                         "--nproc-per-node=1", "train.py"]
+    assert p.argv == TORCHRUN + given + [
+        "--nnodes=2",
+        "--node-rank=2",
+        "--master-addr=10.0.0.1",
+        "--nproc-per-node=1",
+        "train.py",
+    ]
     assert any("DMLC_PS_ROOT_PORT ignored" in n for n in p.notes)
 
 
@@ -96,6 +131,7 @@ def test_byteps_server_and_scheduler_roles_exit_cleanly(role):
 
 
 # --- --emulate-net (command construction) ----------------------------------------------------
+
 
 def _tc_script(argv):
     assert argv[0] == "unshare" and argv[1] == ("-n" if os.geteuid() == 0 else "-rn")
@@ -128,19 +164,24 @@ def test_emulate_net_latency_uses_netem_with_tbf_child():
     assert "netem delay 500us" in script and " tbf " not in script
 
 
-@pytest.mark.parametrize("argv,env", [
-    (["--emulate-net", "1gbit", "--nnodes=2", "t.py"], {}),
-    (["--emulate-net", "1gbit", "--nnodes", "1:4", "t.py"], {}),
-    (["--emulate-net", "1gbit", "t.py"], {"DMLC_NUM_WORKER": "2"}),
-])
+@pytest.mark.parametrize(
+    "argv,env",
+    [
+        (["--emulate-net", "1gbit", "--nnodes=2", "t.py"], {}),
+        (["--emulate-net", "1gbit", "--nnodes", "1:4", "t.py"], {}),
+        (["--emulate-net", "1gbit", "t.py"], {"DMLC_NUM_WORKER": "2"}),
+    ],
+)
 def test_emulate_net_refuses_multi_node(argv, env):
     with pytest.raises(LaunchError, match="multi-node"):
         plan(argv, env)
 
 
 def test_emulate_net_single_worker_byteps_spec_maps_only_local_size():
-    p = plan(["--emulate-net", "1gbit", "t.py"], dict(BPS, DMLC_NUM_WORKER="1", DMLC_WORKER_ID="0",
-                                                       BYTEPS_LOCAL_SIZE="4"))
+    p = plan(
+        ["--emulate-net", "1gbit", "t.py"],
+        dict(BPS, DMLC_NUM_WORKER="1", DMLC_WORKER_ID="0", BYTEPS_LOCAL_SIZE="4"),
+    )
     _, inner = _tc_script(p.argv)
     assert inner == TORCHRUN + ["--nproc-per-node=4", "--standalone", "t.py"]
 
@@ -163,9 +204,15 @@ def test_rate_and_latency_units():
 
 # --- the CLI ------------------------------------------------------------------------------
 
+
 def test_cli_help():
-    out = subprocess.run([PY, "-m", "sapipe.launch", "--help"], capture_output=True, text=True,
-                         env=_cli_env(), timeout=120)
+    out = subprocess.run(
+        [PY, "-m", "sapipe.launch", "--help"],
+        capture_output=True,
+        text=True,
+        env=_cli_env(),
+        timeout=120,
+    )
     assert out.returncode == 0
     for word in ("--emulate-net", "DMLC_NUM_WORKER", "multi-node", "examples:", "--nproc-per-node"):
         assert word in out.stdout
@@ -177,13 +224,16 @@ def test_cli_dry_run_and_errors(monkeypatch, capsys):
     for k in list(os.environ):
         if k.startswith(("DMLC_", "BYTEPS_", "PET_")):
             monkeypatch.delenv(k)
-    for k, v in dict(DMLC_NUM_WORKER="2", DMLC_WORKER_ID="1", DMLC_PS_ROOT_URI="h0",
-                     DMLC_PS_ROOT_PORT="9000").items():
+    for k, v in dict(
+        DMLC_NUM_WORKER="2", DMLC_WORKER_ID="1", DMLC_PS_ROOT_URI="h0", DMLC_PS_ROOT_PORT="9000"
+    ).items():
         monkeypatch.setenv(k, v)
     assert main(["--dry-run", "/nonexistent/train.py", "--x"]) == 0  # runs nothing
     err = capsys.readouterr().err
-    assert ("would run: " + " ".join(TORCHRUN) + " --nnodes=2 --node-rank=1 --master-addr=h0 "
-            "--master-port=9000 --nproc-per-node=1 /nonexistent/train.py --x") in err
+    assert (
+        "would run: " + " ".join(TORCHRUN) + " --nnodes=2 --node-rank=1 --master-addr=h0 "
+        "--master-port=9000 --nproc-per-node=1 /nonexistent/train.py --x"
+    ) in err
     assert "--nnodes=2 from DMLC_NUM_WORKER" in err
     assert main(["--emulate-net", "1gbit", "t.py"]) == 2  # DMLC_NUM_WORKER=2: multi-node
     assert "multi-node" in capsys.readouterr().err
@@ -196,8 +246,9 @@ def test_console_script_if_installed():
     exe = os.path.join(os.path.dirname(PY), "sapipe-launch")
     if not os.path.exists(exe):
         pytest.skip("sapipe-launch console script not installed yet (re-run `make venv`)")
-    out = subprocess.run([exe, "--dry-run", "t.py"], capture_output=True, text=True,
-                         env=_cli_env(), timeout=120)
+    out = subprocess.run(
+        [exe, "--dry-run", "t.py"], capture_output=True, text=True, env=_cli_env(), timeout=120
+    )
     assert out.returncode == 0 and "torch.distributed.run" in out.stderr
 
 
@@ -231,9 +282,23 @@ def test_emulate_net_runs_a_job_on_a_shaped_loopback(tmp_path):
         pytest.skip(f"cannot emulate a network here: {why}")
     script, result = tmp_path / "job.py", tmp_path / "result.json"
     script.write_text(JOB)
-    out = subprocess.run([PY, "-m", "sapipe.launch", "--emulate-net", "50mbit", "--nproc-per-node=2",
-                          "--monitor-interval=0.5", str(script), str(result)],
-                         capture_output=True, text=True, env=_cli_env(), timeout=240)
+    out = subprocess.run(
+        [
+            PY,
+            "-m",
+            "sapipe.launch",
+            "--emulate-net",
+            "50mbit",
+            "--nproc-per-node=2",
+            "--monitor-interval=0.5",
+            str(script),
+            str(result),
+        ],
+        capture_output=True,
+        text=True,
+        env=_cli_env(),
+        timeout=240,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     got = json.loads(result.read_text())
     assert got["world"] == 2
@@ -247,9 +312,26 @@ def test_emulate_net_latency_for_real(tmp_path):
     ok, why = netns.check(spec)
     if not ok:
         pytest.skip(f"cannot add a netem delay here: {why}")
-    out = subprocess.run([PY, "-m", "sapipe.launch", "--emulate-net", "unlimited,5ms", "--no-python",
-                          "--monitor-interval=0.5", "tc", "qdisc", "show", "dev", "lo"],
-                         capture_output=True, text=True, env=_cli_env(), timeout=240)
+    out = subprocess.run(
+        [
+            PY,
+            "-m",
+            "sapipe.launch",
+            "--emulate-net",
+            "unlimited,5ms",
+            "--no-python",
+            "--monitor-interval=0.5",
+            "tc",
+            "qdisc",
+            "show",
+            "dev",
+            "lo",
+        ],
+        capture_output=True,
+        text=True,
+        env=_cli_env(),
+        timeout=240,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "netem" in out.stdout and "delay 5ms" in out.stdout, out.stdout
 
@@ -257,7 +339,9 @@ def test_emulate_net_latency_for_real(tmp_path):
 def test_restarts_get_a_fresh_rendezvous_store_per_attempt():
     p = plan(["--max-restarts=2", "t.py"], {})
     assert p.env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    assert plan(["--max_restarts", "1", "t.py"], {}).env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert plan(["--max_restarts", "1", "t.py"], {}).env == {
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"
+    }
     assert plan(["--max-restarts=1", "t.py"], {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}).env == {}
     assert plan(["--max-restarts=0", "t.py"], {}).env == {}
     assert plan(["t.py"], {}).env == {}

@@ -11,14 +11,15 @@ A synchronous layer's exposed gradient is waited for only when something reads `
   ``zero_grad(set_to_none=False)`` while the update is still deferred, shows and applies
   DDP's averaged gradient: the read applies the deferred update first.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-
-import sapipe
 from dist_utils import run_ranks
 from models import loss_fn_for, make_batches, make_model
+
+import sapipe
 
 STEPS = 4
 SCRIPTS = ("untouched", "read-before-step", "read-after-step", "zero-in-place")
@@ -41,8 +42,9 @@ def _script(rank, world_size):
     for script in SCRIPTS:
         ddp_model, model = make_model("mlp"), make_model("mlp")
         ddp, ddp_opt = DDP(ddp_model), torch.optim.AdamW(ddp_model.parameters(), lr=0.01)
-        opt = sapipe.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model,
-                                          bucket_cap_mb=0.0001)  # a bucket per layer
+        opt = sapipe.DistributedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=0.01), model, bucket_cap_mb=0.0001
+        )  # a bucket per layer
         after_step, logged = [], []
         for t in range(STEPS):
             x, y = batches[t][rank]
@@ -56,7 +58,11 @@ def _script(rank, world_size):
                     logged.append(_grad_norms(net.module if net is ddp else net))
             after_step.append(_max_diff(ddp_model, model))
         opt.synchronize()
-        out[script] = {"after_step": after_step, "final": _max_diff(ddp_model, model), "logged": logged}
+        out[script] = {
+            "after_step": after_step,
+            "final": _max_diff(ddp_model, model),
+            "logged": logged,
+        }
         opt.close()
     return out
 
@@ -69,18 +75,26 @@ def runs():
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_each_script_ends_where_ddp_does(runs, script):
     for rank, result in enumerate(runs):
-        assert result[script]["final"] <= 1e-6, f"rank {rank}: |sapipe - DDP| = {result[script]['final']:.3e}"
+        assert result[script]["final"] <= 1e-6, (
+            f"rank {rank}: |sapipe - DDP| = {result[script]['final']:.3e}"
+        )
 
 
 def test_unread_gradients_leave_the_sync_updates_to_the_next_forward(runs):
     """Right after step(), the weights lack the deferred updates (they differ from DDP's)."""
     for rank, result in enumerate(runs):
-        assert min(result["untouched"]["after_step"]) > 1e-4, (rank, result["untouched"]["after_step"])
+        assert min(result["untouched"]["after_step"]) > 1e-4, (
+            rank,
+            result["untouched"]["after_step"],
+        )
 
 
 def test_read_gradients_are_applied_in_step(runs):
     for rank, result in enumerate(runs):
-        assert max(result["read-before-step"]["after_step"]) <= 1e-6, (rank, result["read-before-step"])
+        assert max(result["read-before-step"]["after_step"]) <= 1e-6, (
+            rank,
+            result["read-before-step"],
+        )
 
 
 def test_gradients_read_after_step_are_ddps(runs):
@@ -98,8 +112,13 @@ def _auto_timeline(rank, world_size):
     modelled = {}
     for reader in ("rank 0", "none"):
         model = make_model("mlp")
-        opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, stale_layers="auto",
-                                          profile_steps=3, tune_steps=0)
+        opt = sapipe.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            model,
+            stale_layers="auto",
+            profile_steps=3,
+            tune_steps=0,
+        )
         for x, y in (step[rank] for step in batches):
             opt.zero_grad()
             loss_fn(model(x), y).backward()

@@ -8,6 +8,7 @@ one slot per bucket, k = m with ``none`` two; with ``p.grad`` exposed it lives i
 beside ``p.grad`` (+G), or ``p.grad`` in them (+0); wp3 adds l_t, l_{t-1} and the real
 weights. Nothing may be left unclassified, and every mode must match the benchmark's model.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,10 @@ MODES = "ddp,ddp-view,k0,k0-noexpose,km-none,km-none-noexpose,km-wp3"
 
 
 def _extra(counts, grad_bytes):
-    return sum(v for k, v in counts.items() if k not in ("params", "optimizer state", "other paths")) - grad_bytes
+    return (
+        sum(v for k, v in counts.items() if k not in ("params", "optimizer state", "other paths"))
+        - grad_bytes
+    )
 
 
 HEADER = 64  # bytes a slot may hold beyond its gradient and flags (a verdict, its own bookkeeping)
@@ -29,7 +33,10 @@ HEADER = 64  # bytes a slot may hold beyond its gradient and flags (a verdict, i
 def _check_slots(row, n, p, depth, when="between"):
     """A slot per bucket and staleness step, each the bucket's gradient and one flag per parameter."""
     assert all(len(b["wire"]) == depth for b in row["buckets"]), row["buckets"]
-    assert sum(b["numel"] for b in row["buckets"]) == n and sum(b["params"] for b in row["buckets"]) == p
+    assert (
+        sum(b["numel"] for b in row["buckets"]) == n
+        and sum(b["params"] for b in row["buckets"]) == p
+    )
     body, count, slots = depth * 4 * (n + p), depth * len(row["buckets"]), row[when]["slots"]
     assert body <= slots <= body + HEADER * count, (row["mode"], when, slots, body)
     return slots
@@ -37,9 +44,28 @@ def _check_slots(row, n, p, depth, when="between"):
 
 def test_the_accounting_matches_its_formula():
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "memory.py"), "--models", "gpt2", "--size", "tiny",
-         "--modes", MODES, "--steps", "3", "--device", "cpu", "--timeout", "170", "--json"],
-        check=False, capture_output=True, text=True, timeout=200, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "memory.py"),
+            "--models",
+            "gpt2",
+            "--size",
+            "tiny",
+            "--modes",
+            MODES,
+            "--steps",
+            "3",
+            "--device",
+            "cpu",
+            "--timeout",
+            "170",
+            "--json",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (result,) = json.loads(proc.stdout)["results"]
@@ -49,22 +75,32 @@ def test_the_accounting_matches_its_formula():
     assert g == 4 * n and n > 100_000 and p > 10
     for name, row in rows.items():
         between = row["between"]
-        assert between["params"] == g, name  # the weights (sapipe: flat buffers, the parameters views of them)
+        assert between["params"] == g, (
+            name
+        )  # the weights (sapipe: flat buffers, the parameters views of them)
         for counts in (between, row["backward"]):  # nothing of the model's size unclassified
             assert counts.get("other", 0) <= 1024, (name, counts["other paths"])
         assert abs(_extra(between, g) / g - row["model"]) <= 0.02, (name, between, row["model"])
-        assert abs(between["optimizer state"] - rows["ddp"]["between"]["optimizer state"]) <= 0.01 * g, name
+        assert (
+            abs(between["optimizer state"] - rows["ddp"]["between"]["optimizer state"]) <= 0.01 * g
+        ), name
 
     # k = 0: one slot per bucket, every bucket sync; exposed p.grad is a view of it
     assert not any(b["stale"] for b in rows["k0"]["buckets"])
     slots = _check_slots(rows["k0"], n, p, depth=1)
-    assert set(rows["k0"]["between"]) - {"other", "other paths"} == {"params", "optimizer state", "slots"}
+    assert set(rows["k0"]["between"]) - {"other", "other paths"} == {
+        "params",
+        "optimizer state",
+        "slots",
+    }
 
     def extra(name, when="between"):  # less what is unclassified (small, checked above)
         return _extra(rows[name][when], g) - rows[name][when].get("other", 0)
 
     assert extra("k0") == slots - g
-    assert extra("k0", "backward") == _check_slots(rows["k0"], n, p, 1, "backward")  # autograd's gradients beside
+    assert extra("k0", "backward") == _check_slots(
+        rows["k0"], n, p, 1, "backward"
+    )  # autograd's gradients beside
     assert rows["k0-noexpose"]["between"]["own p.grad"] == g
     assert extra("k0-noexpose") == slots
 
@@ -79,9 +115,16 @@ def test_the_accounting_matches_its_formula():
     # DDP: its buckets beside p.grad, or p.grad in them
     assert rows["ddp"]["between"]["DDP buckets"] == g and rows["ddp"]["between"]["own p.grad"] == g
     assert extra("ddp") == g
-    assert rows["ddp-view"]["between"]["DDP buckets"] == g and "own p.grad" not in rows["ddp-view"]["between"]
+    assert (
+        rows["ddp-view"]["between"]["DDP buckets"] == g
+        and "own p.grad" not in rows["ddp-view"]["between"]
+    )
     assert extra("ddp-view") == 0
 
     # wp3 at k = m: two slots, l_t and l_{t-1}, the real weights
     wp3 = rows["km-wp3"]["between"]
-    assert _check_slots(rows["km-wp3"], n, p, depth=2) and wp3["local"] == 2 * g and wp3["real weights"] == g
+    assert (
+        _check_slots(rows["km-wp3"], n, p, depth=2)
+        and wp3["local"] == 2 * g
+        and wp3["real weights"] == g
+    )

@@ -11,6 +11,7 @@ The LR changes every step (LambdaLR on the sapipe optimizer), parameters are spl
 two param groups interleaved across layers (weight decay on matrices only), and buckets
 are tiny so each model spans several buckets.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,7 +19,6 @@ import os
 
 import pytest
 import torch
-
 from dist_utils import assert_close_dicts, run_ranks
 from models import loss_fn_for, make_batches, make_model
 from optimizers import GENERIC
@@ -82,13 +82,28 @@ def _train(rank: int, world_size: int, kind: str, configs, options=None, device:
         # Rank 1 starts from different weights: construction must broadcast rank 0's.
         model = make_model("tied", seed=rank, dtype=torch.float64).to(device)
         opt = sapipe.DistributedOptimizer(
-            make_optimizer(kind, model.parameters()), model, stale_layers=k, compensation=mode,
-            dc_lambda=DC_LAMBDA, dc_form=form, staleness=s, warmup_steps=warmup,
-            lr_ramp_steps=ramp, bucket_cap_mb=0.0008, timeout=60, **(options or {}),
+            make_optimizer(kind, model.parameters()),
+            model,
+            stale_layers=k,
+            compensation=mode,
+            dc_lambda=DC_LAMBDA,
+            dc_form=form,
+            staleness=s,
+            warmup_steps=warmup,
+            lr_ramp_steps=ramp,
+            bucket_cap_mb=0.0008,
+            timeout=60,
+            **(options or {}),
         )
         real, held = train_and_read(model, opt, batches, rank, device)
-        results.append({"real": real, "held": held, "buckets": len(opt.buckets),
-                        "compiled_kernels": sapipe.kernels._ext.cpu is not None})
+        results.append(
+            {
+                "real": real,
+                "held": held,
+                "buckets": len(opt.buckets),
+                "compiled_kernels": sapipe.kernels._ext.cpu is not None,
+            }
+        )
         opt.close()
     return results
 
@@ -109,7 +124,7 @@ def train_and_read(model, opt, batches, rank: int, device: str = "cpu"):
     return real, held
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _distributed(kind: str):
     return run_ranks(_train, world_size=2, args=(kind, CONFIGS), timeout=300)
 
@@ -125,7 +140,7 @@ def test_mode_matches_reference(kind, config):
     check_against_reference(kind, config, [per_rank[r][CONFIGS.index(config)] for r in range(2)])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _without_kernels(kind: str):
     """The ranks with ``SAPIPE_DISABLE_EXT=1``: the pure-PyTorch kernels (``ops.reference_*``),
     which also run wherever the compiled ones take no tensor (16-bit weights on the CPU)."""
@@ -140,7 +155,9 @@ def _without_kernels(kind: str):
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_the_pytorch_kernels_match_the_reference_too(kind, config):
     per_rank = _without_kernels(kind)
-    assert not any(per_rank[r][0]["compiled_kernels"] for r in range(2)), "the ranks did not see SAPIPE_DISABLE_EXT"
+    assert not any(per_rank[r][0]["compiled_kernels"] for r in range(2)), (
+        "the ranks did not see SAPIPE_DISABLE_EXT"
+    )
     check_against_reference(kind, config, [per_rank[r][CONFIGS.index(config)] for r in range(2)])
 
 
@@ -149,12 +166,24 @@ def check_against_reference(kind: str, config, per_rank) -> None:
     k, mode, form, s, warmup, ramp = config
     batches = make_batches("tied", STEPS, len(per_rank), dtype=torch.float64)
     ref = run_reference(
-        make_model("tied", seed=0, dtype=torch.float64), functools.partial(make_optimizer, kind),
-        batches, loss_fn_for("tied"), stale_layers=k, compensation=mode, dc_lambda=DC_LAMBDA,
-        dc_form=form, staleness=s, warmup_steps=warmup, lr_ramp_steps=ramp,
+        make_model("tied", seed=0, dtype=torch.float64),
+        functools.partial(make_optimizer, kind),
+        batches,
+        loss_fn_for("tied"),
+        stale_layers=k,
+        compensation=mode,
+        dc_lambda=DC_LAMBDA,
+        dc_form=form,
+        staleness=s,
+        warmup_steps=warmup,
+        lr_ramp_steps=ramp,
         lr_at=lambda it: BASE_LR[kind] * lr_factor(it - 1),
     )
     assert per_rank[0]["buckets"] >= 2, "the test should span several buckets"
     for rank, got in enumerate(per_rank):
-        assert_close_dicts(got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real x")
-        assert_close_dicts(got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
+        assert_close_dicts(
+            got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real x"
+        )
+        assert_close_dicts(
+            got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held"
+        )

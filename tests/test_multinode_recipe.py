@@ -2,6 +2,7 @@
 without GPUs. Each ``sapipe-launch`` line (and the ``sapipe-launch`` arguments of each
 ``docker run`` line) is planned with ``--dry-run``: it must parse and give one torchrun
 command per node; the script snippet must compile."""
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,9 @@ import sys
 
 import pytest
 
-DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "multinode.md")
+DOC = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "multinode.md"
+)
 
 
 def _blocks(language: str):
@@ -33,7 +36,9 @@ def _launch_lines():
             if words[:1] == ["sapipe-launch"]:
                 out.append((env, words[1:]))
             elif words[:2] == ["docker", "run"]:
-                out.append((env, words[words.index("sapipe") + 1:]))  # the image's entry point is sapipe-launch
+                out.append(
+                    (env, words[words.index("sapipe") + 1 :])
+                )  # the image's entry point is sapipe-launch
     return out
 
 
@@ -42,11 +47,18 @@ def test_the_recipe_has_its_commands():
     assert len(lines) >= 6 and any("--emulate-cluster" in args for _, args in lines)
 
 
-@pytest.mark.parametrize("env,args", _launch_lines(), ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+@pytest.mark.parametrize(
+    "env,args", _launch_lines(), ids=lambda v: " ".join(v) if isinstance(v, list) else None
+)
 def test_every_launch_line_plans(env, args):
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_", "PET_"))}
-    out = subprocess.run([sys.executable, "-m", "sapipe.launch", "--dry-run", *args], capture_output=True,
-                         text=True, env={**clean, **env}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "sapipe.launch", "--dry-run", *args],
+        capture_output=True,
+        text=True,
+        env={**clean, **env},
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "torch.distributed.run" in out.stderr, out.stderr
     if "--emulate-cluster" in args:

@@ -19,6 +19,7 @@ carry compressed sums, and ``expose_gradients`` True and False. Checked:
 * under a GradScaler: nothing reported (the scaler skips the step); a clean run: nothing;
 * bad values, and ranks that disagree, are refused with ``ConfigurationError``.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -26,7 +27,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-
 from dist_utils import run_ranks
 from models import loss_fn_for, make_batches, make_model
 
@@ -74,6 +74,7 @@ def reported_at(k: int, staleness: int, expose: bool, late: bool = False) -> int
 
 def _poison_hook(rank, kind, clock, poisoned=1):
     """Rank ``poisoned``'s gradient of the hooked parameter in iteration INJECTED: all NaN, or one inf."""
+
     def hook(grad):
         if rank != poisoned or clock["t"] != INJECTED:
             return grad
@@ -82,6 +83,7 @@ def _poison_hook(rank, kind, clock, poisoned=1):
         grad = grad.clone()
         grad[0, 0] = float("inf")
         return grad
+
     return hook
 
 
@@ -89,9 +91,18 @@ def _sapipe(model, k, mode, staleness, compression, backend, expose, nonfinite):
     import sapipe
 
     return sapipe.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, stale_layers=k, compensation=mode,
-        staleness=staleness, compression=compression, backend=backend, expose_gradients=expose,
-        nonfinite_gradients=nonfinite, bucket_cap_mb=0.0001, timeout=60)
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        model,
+        stale_layers=k,
+        compensation=mode,
+        staleness=staleness,
+        compression=compression,
+        backend=backend,
+        expose_gradients=expose,
+        nonfinite_gradients=nonfinite,
+        bucket_cap_mb=0.0001,
+        timeout=60,
+    )
 
 
 def _read_late():
@@ -103,10 +114,13 @@ def _read_late():
     def late(self, device, next_check=None):
         start(self, device, next_check)
         self.deferred = True
+
     NonFiniteGradients.start = late
 
 
-def _train(rank, world_size, case, nonfinite, poison=True, scaler=False, snapshots=False, device="cpu"):
+def _train(
+    rank, world_size, case, nonfinite, poison=True, scaler=False, snapshots=False, device="cpu"
+):
     """One job of ``case`` (the last rank's gradient poisoned): (per step, the reports it
     emitted), the final real weights, the poisoned layer's bucket as described, the wire's
     length of every bucket, with ``snapshots`` the weights after every step (sync updates
@@ -147,7 +161,11 @@ def _train(rank, world_size, case, nonfinite, poison=True, scaler=False, snapsho
                 if watch:
                     torch.cuda.set_sync_debug_mode("default")
                     torch.cuda.synchronize()
-        reports += [(t, str(w.message), w.category.__name__) for w in caught if str(w.message).startswith(REPORT)]
+        reports += [
+            (t, str(w.message), w.category.__name__)
+            for w in caught
+            if str(w.message).startswith(REPORT)
+        ]
         if watch:
             syncs.append((t, sum("synchroniz" in str(w.message) for w in caught)))
         if snapshots:
@@ -157,11 +175,20 @@ def _train(rank, world_size, case, nonfinite, poison=True, scaler=False, snapsho
     opt.synchronize()
     with opt.real_weights():
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    described = next(b.describe() for b in opt.buckets if any(l.name == ("0" if k else "4") for l in b.layers))
+    described = next(
+        b.describe() for b in opt.buckets if any(l.name == ("0" if k else "4") for l in b.layers)
+    )
     wires = [b.grads.wire[0].numel() - b.numel - len(b.params) for b in opt.buckets]
     opt.close()
-    return {"reports": reports, "raised": raised, "weights": weights, "bucket": described, "wires": wires,
-            "after": after, "syncs": syncs}
+    return {
+        "reports": reports,
+        "raised": raised,
+        "weights": weights,
+        "bucket": described,
+        "wires": wires,
+        "after": after,
+        "syncs": syncs,
+    }
 
 
 def _ddp(rank, world_size, kind):
@@ -187,8 +214,13 @@ def _ddp(rank, world_size, kind):
 def _cases(rank, world_size, names, device="cpu", late=False):
     if late:
         _read_late()
-    return {name: {setting: _train(rank, world_size, name, setting, device=device) for setting in ("warn", "ignore")}
-            for name in names}
+    return {
+        name: {
+            setting: _train(rank, world_size, name, setting, device=device)
+            for setting in ("warn", "ignore")
+        }
+        for name in names
+    }
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -203,22 +235,37 @@ def _check_case(name, per_rank, late=False):
     messages = set()
     for rank, runs in enumerate(per_rank):
         warned, ignored = runs["warn"], runs["ignore"]
-        assert _same(warned["weights"], ignored["weights"]), f"{name}, rank {rank}: the check changed the training"
+        assert _same(warned["weights"], ignored["weights"]), (
+            f"{name}, rank {rank}: the check changed the training"
+        )
         poisoned = warned["weights"]["0.weight" if k else "4.weight"]
-        assert not np.isfinite(poisoned).all(), f"{name}, rank {rank}: the non-finite average was not applied"
-        assert ignored["reports"] == [], f"{name}, rank {rank}: 'ignore' reported {ignored['reports']}"
-        assert ignored["wires"] == [0, 0, 0] and warned["wires"] == [1, 1, 1], (warned["wires"], ignored["wires"])
+        assert not np.isfinite(poisoned).all(), (
+            f"{name}, rank {rank}: the non-finite average was not applied"
+        )
+        assert ignored["reports"] == [], (
+            f"{name}, rank {rank}: 'ignore' reported {ignored['reports']}"
+        )
+        assert ignored["wires"] == [0, 0, 0] and warned["wires"] == [1, 1, 1], (
+            warned["wires"],
+            ignored["wires"],
+        )
         reports = warned["reports"]
         assert len(reports) == 1, f"{name}, rank {rank}: {len(reports)} reports, not one: {reports}"
         at, message, category = reports[0]
-        assert (at, category) == (step, "RuntimeWarning"), f"{name}, rank {rank}: reported in step {at}, not {step}"
-        expected = (f"{REPORT}{warned['bucket']} in iteration {INJECTED} holds NaN or inf: the local gradient of "
-                    f"rank {world - 1} (1 of {world} ranks) did.")
+        assert (at, category) == (step, "RuntimeWarning"), (
+            f"{name}, rank {rank}: reported in step {at}, not {step}"
+        )
+        expected = (
+            f"{REPORT}{warned['bucket']} in iteration {INJECTED} holds NaN or inf: the local gradient of "
+            f"rank {world - 1} (1 of {world} ranks) did."
+        )
         assert message.startswith(expected), f"{name}, rank {rank}: {message}"
         # until it reports (which reads this rank's verdicts on the host, once), the check never
         # makes a step wait for the device
         before = [sum(n for t, n in run["syncs"] if t < step) for run in (warned, ignored)]
-        assert before[0] == before[1], f"{name}, rank {rank}: the check synchronised with the device: {before}"
+        assert before[0] == before[1], (
+            f"{name}, rank {rank}: the check synchronised with the device: {before}"
+        )
         messages.add(message)
     assert len(messages) == 1, f"{name}: the ranks' reports differ: {messages}"
 
@@ -234,8 +281,16 @@ def test_one_report_per_rank_naming_the_rank_and_the_bucket_training_unchanged(n
         _check_case(name, [out[0][name], out[1][name]])
 
 
-LATE = ["sync", "sync read on rank 0", "sync fp16 unexposed", "sync int8 pushpull", "stale none unexposed",
-        "stale dc s=2", "stale wp1 fp16", "stale wp2 read on rank 0"]
+LATE = [
+    "sync",
+    "sync read on rank 0",
+    "sync fp16 unexposed",
+    "sync int8 pushpull",
+    "stale none unexposed",
+    "stale dc s=2",
+    "stale wp1 fp16",
+    "stale wp2 read on rank 0",
+]
 
 
 def test_a_check_late_as_on_cuda():
@@ -246,8 +301,10 @@ def test_a_check_late_as_on_cuda():
 
 
 def _with_ddp(rank, world_size, name):
-    return {"sapipe": _train(rank, world_size, name, "warn", snapshots=True),
-            "ddp": _ddp(rank, world_size, CASES[name][-1])}
+    return {
+        "sapipe": _train(rank, world_size, name, "warn", snapshots=True),
+        "ddp": _ddp(rank, world_size, CASES[name][-1]),
+    }
 
 
 @pytest.mark.parametrize("name", ["sync", "sync inf", "sync unexposed"])
@@ -256,10 +313,21 @@ def test_non_finite_on_every_rank_as_ddp(name):
         assert len(out["sapipe"]["reports"]) == 1, out["sapipe"]["reports"]
         for t, (mine, ddp) in enumerate(zip(out["sapipe"]["after"], out["ddp"]), start=1):
             for n in ddp:
-                np.testing.assert_allclose(mine[n], ddp[n], rtol=0, atol=1e-6, equal_nan=True,
-                                           err_msg=f"rank {rank}, step {t}, {n}")
-        poisoned = out["ddp"][INJECTED - 1]["4.weight"]  # after the step that applied the poisoned average
-        assert not np.isfinite(poisoned).all() and np.isfinite(out["ddp"][INJECTED - 2]["4.weight"]).all()
+                np.testing.assert_allclose(
+                    mine[n],
+                    ddp[n],
+                    rtol=0,
+                    atol=1e-6,
+                    equal_nan=True,
+                    err_msg=f"rank {rank}, step {t}, {n}",
+                )
+        poisoned = out["ddp"][INJECTED - 1][
+            "4.weight"
+        ]  # after the step that applied the poisoned average
+        assert (
+            not np.isfinite(poisoned).all()
+            and np.isfinite(out["ddp"][INJECTED - 2]["4.weight"]).all()
+        )
 
 
 def _raising(rank, world_size, names):
@@ -275,29 +343,55 @@ def test_raise_raises_on_every_rank_in_the_same_step():
         for rank, got in enumerate(raised):
             assert len(got) == 1, f"{name}, rank {rank}: {got}"
             step, kind, message = got[0]
-            assert (step, kind) == (reported_at(k, staleness, expose), "NonFiniteGradientError"), got
-            assert message.startswith(f"{REPORT}{out[rank][name]['bucket']} in iteration {INJECTED}"), message
+            assert (step, kind) == (reported_at(k, staleness, expose), "NonFiniteGradientError"), (
+                got
+            )
+            assert message.startswith(
+                f"{REPORT}{out[rank][name]['bucket']} in iteration {INJECTED}"
+            ), message
             assert "rank 1 (1 of 2 ranks)" in message and out[rank][name]["reports"] == []
         assert raised[0] == raised[1], f"{name}: the ranks raised differently: {raised}"
 
 
 def _quiet(rank, world_size, names):
     """Each case clean (no poison), and poisoned under a GradScaler."""
-    return {name: {"clean": _train(rank, world_size, name, "warn", poison=False),
-                   "scaled": _train(rank, world_size, name, "warn", scaler=True)} for name in names}
+    return {
+        name: {
+            "clean": _train(rank, world_size, name, "warn", poison=False),
+            "scaled": _train(rank, world_size, name, "warn", scaler=True),
+        }
+        for name in names
+    }
 
 
 def test_nothing_reported_on_a_clean_run_or_under_a_grad_scaler():
-    names = ["sync", "sync unexposed", "stale none", "stale dc unexposed", "stale wp1 fp16", "sync int8"]
+    names = [
+        "sync",
+        "sync unexposed",
+        "stale none",
+        "stale dc unexposed",
+        "stale wp1 fp16",
+        "sync int8",
+    ]
     out = run_ranks(_quiet, world_size=2, args=(names,), timeout=400)
     for rank in range(2):
         for name in names:
             clean, scaled = out[rank][name]["clean"], out[rank][name]["scaled"]
-            assert clean["reports"] == [] and clean["raised"] == [], (name, clean["reports"], clean["raised"])
+            assert clean["reports"] == [] and clean["raised"] == [], (
+                name,
+                clean["reports"],
+                clean["raised"],
+            )
             assert all(np.isfinite(w).all() for w in clean["weights"].values()), name
-            assert scaled["reports"] == [] and scaled["raised"] == [], (name, scaled["reports"], scaled["raised"])
+            assert scaled["reports"] == [] and scaled["raised"] == [], (
+                name,
+                scaled["reports"],
+                scaled["raised"],
+            )
             # the GradScaler skipped the poisoned step on every rank: nothing non-finite was applied
-            assert all(np.isfinite(w).all() for w in scaled["weights"].values()), f"{name}: rank {rank}"
+            assert all(np.isfinite(w).all() for w in scaled["weights"].values()), (
+                f"{name}: rank {rank}"
+            )
 
 
 def _construct(rank, world_size, values):
@@ -308,8 +402,12 @@ def _construct(rank, world_size, values):
         model = make_model("mlp", seed=0)
         mine = value[rank] if isinstance(value, tuple) else value
         try:
-            sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                        nonfinite_gradients=mine, timeout=20).close()
+            sapipe.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                model,
+                nonfinite_gradients=mine,
+                timeout=20,
+            ).close()
             got[label] = ("no error", "")
         except sapipe.SapipeError as exc:
             got[label] = (type(exc).__name__, str(exc))
@@ -317,24 +415,36 @@ def _construct(rank, world_size, values):
 
 
 def test_bad_values_and_disagreeing_ranks_are_refused():
-    values = {"loud": "loud", "upper case": "WARN", "bool": True, "None": None, "ranks differ": ("warn", "raise"),
-              "raise": "raise", "ignore": "ignore"}
+    values = {
+        "loud": "loud",
+        "upper case": "WARN",
+        "bool": True,
+        "None": None,
+        "ranks differ": ("warn", "raise"),
+        "raise": "raise",
+        "ignore": "ignore",
+    }
     for rank, got in enumerate(run_ranks(_construct, world_size=2, args=(values,))):
         for label in ("loud", "upper case", "bool", "None"):
             kind, message = got[label]
             assert kind == "ConfigurationError", (label, got[label])
-            assert message.startswith("sapipe: nonfinite_gradients must be one of ['ignore', 'raise', 'warn']"), \
-                message
+            assert message.startswith(
+                "sapipe: nonfinite_gradients must be one of ['ignore', 'raise', 'warn']"
+            ), message
         kind, message = got["ranks differ"]
-        assert kind == "ConfigurationError" and "nonfinite_gradients='raise' but rank 0 has nonfinite_gradients='warn'" \
-            in message, (rank, got["ranks differ"])
+        assert (
+            kind == "ConfigurationError"
+            and "nonfinite_gradients='raise' but rank 0 has nonfinite_gradients='warn'" in message
+        ), (rank, got["ranks differ"])
         assert got["raise"] == ("no error", "") and got["ignore"] == ("no error", "")
 
 
 # ------------------------------------------------------------------ the verdict itself
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str
+)
 def test_the_verdict_sees_every_nan_and_inf_and_never_overflows(dtype):
     from sapipe.runtime.nonfinite import is_bad, judge
 
@@ -345,8 +455,12 @@ def test_the_verdict_sees_every_nan_and_inf_and_never_overflows(dtype):
         return out.item()
 
     big = torch.finfo(dtype).max
-    finite = [torch.tensor([big, big, -big, 0.0], dtype=dtype), torch.full((1000,), big, dtype=dtype),
-              torch.zeros(0, dtype=dtype), torch.tensor([-big, -big / 4], dtype=dtype)]
+    finite = [
+        torch.tensor([big, big, -big, 0.0], dtype=dtype),
+        torch.full((1000,), big, dtype=dtype),
+        torch.zeros(0, dtype=dtype),
+        torch.tensor([-big, -big / 4], dtype=dtype),
+    ]
     assert verdict(finite) == 0.0, "finite values (whose sum overflows) judged non-finite"
     assert verdict([torch.zeros(0, dtype=dtype)]) == 0.0 and verdict([]) == 0.0
     for bad in (float("nan"), float("inf"), -float("inf")):
@@ -354,13 +468,22 @@ def test_the_verdict_sees_every_nan_and_inf_and_never_overflows(dtype):
             values = torch.zeros(1000, dtype=dtype)
             values[at] = bad
             assert verdict([values]) == 1.0, (bad, at)
-            assert verdict(finite + [values]) == 1.0 and verdict([values] + finite) == 1.0, (bad, at)
+            assert verdict(finite + [values]) == 1.0 and verdict([values] + finite) == 1.0, (
+                bad,
+                at,
+            )
 
 
 # ------------------------------------------------------------------ CUDA (skipped without a GPU)
 
-CUDA_CASES = ["sync", "sync read on rank 0", "sync int8 pushpull", "stale none", "stale dc unexposed",
-              "stale wp1 fp16"]
+CUDA_CASES = [
+    "sync",
+    "sync read on rank 0",
+    "sync int8 pushpull",
+    "stale none",
+    "stale dc unexposed",
+    "stale wp1 fp16",
+]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 

@@ -13,6 +13,7 @@
 Everything runs on a copy of the source tree, so nothing is written into the checkout.
 The install test compiles the CPU kernels once (about 45 s on 2 cores).
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -31,23 +32,50 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 # build outputs and caches: never part of the sources
-BUILD_OUTPUTS = (".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc",
-                 "*.so", "*.o", ".pytest_cache", ".gl", ".whl", "gpu-results")
+BUILD_OUTPUTS = (
+    ".git",
+    ".venv",
+    "venv",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    "*.pyc",
+    "*.so",
+    "*.o",
+    ".pytest_cache",
+    ".gl",
+    ".whl",
+    "gpu-results",
+)
 HOOK = "import sys; sys.path.insert(0, 'build_backend'); import sapipe_build as b; print(b.{})"
-INSTRUCTIONS = ("pip install torch", "pip install --no-build-isolation .",
-                "SAPIPE_NO_EXT=1 pip install .")
+INSTRUCTIONS = (
+    "pip install torch",
+    "pip install --no-build-isolation .",
+    "SAPIPE_NO_EXT=1 pip install .",
+)
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX venv layout")
 
 
 def _run(cmd, cwd, env=None, timeout=120):
-    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTHON", "SAPIPE_", "PIP_NO_BUILD_ISOLATION"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTHON", "SAPIPE_", "PIP_NO_BUILD_ISOLATION"))
+    }
     env.update(extra)
     return env
 
@@ -97,8 +125,15 @@ def _assert_sdist_complete(path):
     csrc = _csrc_files()
     assert csrc and any(f.endswith(".h") for f in csrc) and any(f.endswith(".cu") for f in csrc)
     assert not csrc - members, f"sdist misses csrc files: {sorted(csrc - members)}"
-    for f in ("setup.py", "pyproject.toml", "MANIFEST.in", "build_backend/sapipe_build.py",
-              "sapipe/__init__.py", "sapipe/launch/__main__.py", "sapipe/launch/main.py"):
+    for f in (
+        "setup.py",
+        "pyproject.toml",
+        "MANIFEST.in",
+        "build_backend/sapipe_build.py",
+        "sapipe/__init__.py",
+        "sapipe/launch/__main__.py",
+        "sapipe/launch/main.py",
+    ):
         assert f in members, f"sdist misses {f}"
     assert top_level == ["sapipe"], top_level
     assert not [m for m in members if m.split("/")[0] in ("launcher", "launcher.py")]
@@ -110,6 +145,7 @@ def test_sdist_carries_every_csrc_file_and_no_launcher(sdist):
 
 
 # --- no torch at build time ---------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def build_env(tmp_path_factory):
@@ -134,8 +170,15 @@ def torchless_python(tmp_path_factory, build_env):
     # HOME: no user site-packages that might hold a torch
     env = _env(PYTHONPATH=str(build_env), PYTHONNOUSERSITE="1", HOME=str(venv))
     python = venv / "bin" / "python"
-    r = _run([python, "-c", "import setuptools, importlib.util as u; "
-                            "assert u.find_spec('torch') is None"], ROOT, env)
+    r = _run(
+        [
+            python,
+            "-c",
+            "import setuptools, importlib.util as u; assert u.find_spec('torch') is None",
+        ],
+        ROOT,
+        env,
+    )
     assert r.returncode == 0, r.stdout
     return python, env
 
@@ -150,8 +193,11 @@ def _assert_instructions(r):
 def test_wheel_build_without_torch_fails_with_instructions(tree, torchless_python):
     python, env = torchless_python
     # the PEP 517 hooks pip calls first: they fail before pip would resolve torch
-    for hook in ("get_requires_for_build_wheel()", "get_requires_for_build_editable()",
-                 "build_wheel('dist')"):
+    for hook in (
+        "get_requires_for_build_wheel()",
+        "get_requires_for_build_editable()",
+        "build_wheel('dist')",
+    ):
         _assert_instructions(_run([python, "-c", HOOK.format(hook)], tree, env))
     # setup.py run directly (e.g. `python setup.py build_ext --inplace`)
     _assert_instructions(_run([python, "setup.py", "-q", "build_ext", "--inplace"], tree, env))
@@ -162,26 +208,33 @@ def test_a_compiler_that_does_not_run_is_explained(tree):
     """torch checks $CXX before any extension builds; that failure says what sapipe needs too."""
     env = _env(CC="/bin/false", CXX="/bin/false", SAPIPE_CUDA_EXT="0")
     r = _run([PY, "setup.py", "-q", "build_ext", "--inplace"], tree, env)
-    assert r.returncode != 0 and "C++20 compiler" in r.stdout and "SAPIPE_NO_EXT=1" in r.stdout, r.stdout[-3000:]
+    assert r.returncode != 0 and "C++20 compiler" in r.stdout and "SAPIPE_NO_EXT=1" in r.stdout, (
+        r.stdout[-3000:]
+    )
     assert not list(tree.glob("sapipe/_C*.so"))
 
 
 def test_opting_out_and_sdist_need_no_torch(tree, torchless_python, tmp_path):
     python, env = torchless_python
-    r = _run([python, "-c", HOOK.format("get_requires_for_build_wheel()")], tree,
-             dict(env, SAPIPE_NO_EXT="1"))
+    r = _run(
+        [python, "-c", HOOK.format("get_requires_for_build_wheel()")],
+        tree,
+        dict(env, SAPIPE_NO_EXT="1"),
+    )
     assert r.returncode == 0 and "torch" not in r.stdout.strip().splitlines()[-1], r.stdout
     _assert_sdist_complete(_build_sdist(python, tree, tmp_path, env))
 
 
 # --- pip's build isolation ----------------------------------------------------------------
 
+
 def test_isolated_build_sees_installed_torch(tree, build_env, tmp_path):
     """pip's isolation as pip does it (sitecustomize on PYTHONPATH hiding site-packages):
     the backend makes the installed torch importable, after the build env's setuptools."""
     site_dir = tmp_path / "pip-site"
     site_dir.mkdir()
-    (site_dir / "sitecustomize.py").write_text(textwrap.dedent(f"""\
+    (site_dir / "sitecustomize.py").write_text(
+        textwrap.dedent(f"""\
         import os, site, sys
         original = sys.path[:]
         known = set()
@@ -190,7 +243,8 @@ def test_isolated_build_sees_installed_torch(tree, build_env, tmp_path):
         hidden = {{os.path.normcase(p) for p in sys.path[len(original):]}}
         sys.path[:] = [p for p in original if os.path.normcase(p) not in hidden]
         site.addsitedir({str(build_env)!r})
-        """))
+        """)
+    )
     import torch
 
     script = textwrap.dedent("""\
@@ -213,18 +267,37 @@ def test_isolated_build_sees_installed_torch(tree, build_env, tmp_path):
 
 # --- a real install -----------------------------------------------------------------------
 
+
 def test_pip_install_of_sdist_builds_kernels_and_launcher(sdist, tmp_path):
     """`pip install sapipe-*.tar.gz` with pip's defaults, non-editable, into --target."""
     target = tmp_path / "site"
     env = _env(SAPIPE_CUDA_EXT="0")  # the CPU kernels are what this test needs: keep it fast
-    pip = [PY, "-m", "pip", "install", "--no-deps", "--no-cache-dir", "--disable-pip-version-check",
-           "--retries", "0", "--timeout", "20", "--target", target]
+    pip = [
+        PY,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-cache-dir",
+        "--disable-pip-version-check",
+        "--retries",
+        "0",
+        "--timeout",
+        "20",
+        "--target",
+        target,
+    ]
     r = _run(pip + [sdist], tmp_path, env, timeout=600)
-    if r.returncode != 0 and "Installing build dependencies: finished with status 'error'" in r.stdout:
+    if (
+        r.returncode != 0
+        and "Installing build dependencies: finished with status 'error'" in r.stdout
+    ):
         # offline: pip could not install setuptools/wheel into the isolated build env
         shutil.rmtree(target, ignore_errors=True)
-        print("pip's isolated build env could not be set up (offline?); "
-              "retrying with --no-build-isolation")
+        print(
+            "pip's isolated build env could not be set up (offline?); "
+            "retrying with --no-build-isolation"
+        )
         r = _run(pip + ["--no-build-isolation", sdist], tmp_path, env, timeout=600)
     assert r.returncode == 0, r.stdout[-5000:]
 
@@ -240,9 +313,11 @@ def test_pip_install_of_sdist_builds_kernels_and_launcher(sdist, tmp_path):
 
     # from outside the source tree, the installed package (not the checkout's editable one)
     run_env = _env(PYTHONPATH=str(target), OMP_NUM_THREADS="1")
-    check = ("import importlib.util, json, sapipe, sapipe.kernels.ops as o; "
-             "print(json.dumps([sapipe.__file__, o.backend('cpu'), "
-             "importlib.util.find_spec('launcher') is None]))")
+    check = (
+        "import importlib.util, json, sapipe, sapipe.kernels.ops as o; "
+        "print(json.dumps([sapipe.__file__, o.backend('cpu'), "
+        "importlib.util.find_spec('launcher') is None]))"
+    )
     r = _run([PY, "-c", check], tmp_path, run_env)
     assert r.returncode == 0, r.stdout
     sapipe_file, backend, no_launcher = json.loads(r.stdout.strip().splitlines()[-1])
@@ -250,6 +325,9 @@ def test_pip_install_of_sdist_builds_kernels_and_launcher(sdist, tmp_path):
     assert backend == "cpu-ext", r.stdout
     assert no_launcher
 
-    for cmd in ([PY, "-m", "sapipe.launch", "--help"], [target / "bin" / "sapipe-launch", "--help"]):
+    for cmd in (
+        [PY, "-m", "sapipe.launch", "--help"],
+        [target / "bin" / "sapipe-launch", "--help"],
+    ):
         r = _run(cmd, tmp_path, run_env)
         assert r.returncode == 0 and "usage: sapipe-launch" in r.stdout, (cmd, r.stdout[-2000:])

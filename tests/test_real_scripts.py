@@ -22,6 +22,7 @@
   float64, evaluation losses included.
 * **a subgroup**: 3 ranks, training over ``dist.new_group([0, 1])``; rank 2 takes no part.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
 from dist_utils import assert_close_dicts, run_ranks
 from models import loss_fn_for, make_batches, make_model
 from reference import run_reference
@@ -86,13 +86,22 @@ criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
 def cnn_optimizer(params):
     """train.py's SGD; no weight decay on 1-D parameters (norm weights and biases)."""
     params = list(params)
-    return torch.optim.SGD([{"params": [p for p in params if p.ndim > 1]},
-                            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
-                           lr=MAX_LR, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    return torch.optim.SGD(
+        [
+            {"params": [p for p in params if p.ndim > 1]},
+            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+        ],
+        lr=MAX_LR,
+        momentum=0.9,
+        nesterov=True,
+        weight_decay=1e-4,
+    )
 
 
 def cnn_scheduler(opt):
-    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=MAX_LR, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH)
+    return torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=MAX_LR, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH
+    )
 
 
 def train_one_epoch(model, optimizer, lr_scheduler, epoch, rank, record, dtype=torch.float32):
@@ -125,8 +134,9 @@ def _named(module, buffers=True):
 
 def _resume(variant, rank, path):
     """train.py's resume code from ``path``, then epochs FIRST_EPOCHS..EPOCHS-1."""
-    import sapipe
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import sapipe
 
     dtype = torch.float64 if variant == "sapipe k=2" else torch.float32
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
@@ -136,7 +146,9 @@ def _resume(variant, rank, path):
         net = DDP(model)
         optimizer = cnn_optimizer(model.parameters())
         lr_scheduler = cnn_scheduler(optimizer)
-    elif variant == "sapipe k=0":  # the two-line change: wrap, then the scheduler on the wrapped optimizer
+    elif (
+        variant == "sapipe k=0"
+    ):  # the two-line change: wrap, then the scheduler on the wrapped optimizer
         optimizer = sapipe.DistributedOptimizer(cnn_optimizer(model.parameters()), model)
         lr_scheduler = cnn_scheduler(optimizer)
     else:  # the optimizer's state goes in before wrapping; model in float64 against the reference
@@ -147,8 +159,14 @@ def _resume(variant, rank, path):
     optimizer.load_state_dict(checkpoint["optimizer"])  # sapipe k=0: a plain torch.optim state dict
     lr_scheduler.load_state_dict(checkpoint["lr_scheduler"])
     if variant == "sapipe k=2":
-        optimizer = sapipe.DistributedOptimizer(optimizer, model, stale_layers=STALE, compensation="none",
-                                                bucket_cap_mb=0.002, timeout=60)
+        optimizer = sapipe.DistributedOptimizer(
+            optimizer,
+            model,
+            stale_layers=STALE,
+            compensation="none",
+            bucket_cap_mb=0.002,
+            timeout=60,
+        )
     record = {"lr": [], "momentum": [], "eval": []}
     for epoch in range(checkpoint["epoch"] + 1, EPOCHS):
         train_one_epoch(net, optimizer, lr_scheduler, epoch, rank, record, dtype)
@@ -178,12 +196,18 @@ def _torchvision_job(rank, world_size, directory):
     for epoch in range(FIRST_EPOCHS):
         train_one_epoch(ddp, optimizer, lr_scheduler, epoch, rank, unused)
         evaluate(ddp, rank)
-        checkpoint = {"model": ddp.module.state_dict(), "optimizer": optimizer.state_dict(),
-                      "lr_scheduler": lr_scheduler.state_dict(), "epoch": epoch}
+        checkpoint = {
+            "model": ddp.module.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "lr_scheduler": lr_scheduler.state_dict(),
+            "epoch": epoch,
+        }
         if rank == 0:  # utils.save_on_master
             torch.save(checkpoint, path)
     dist.barrier()
-    return {variant: _resume(variant, rank, path) for variant in ("ddp", "sapipe k=0", "sapipe k=2")}
+    return {
+        variant: _resume(variant, rank, path) for variant in ("ddp", "sapipe k=0", "sapipe k=2")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -194,22 +218,40 @@ def torchvision_runs(tmp_path_factory):
 
 
 def _state_difference(ours, theirs):
-    assert ours["param_groups"] == theirs["param_groups"], (ours["param_groups"], theirs["param_groups"])
+    assert ours["param_groups"] == theirs["param_groups"], (
+        ours["param_groups"],
+        theirs["param_groups"],
+    )
     assert sorted(ours["state"]) == sorted(theirs["state"])
-    return max(abs(ours["state"][i]["momentum_buffer"] - s["momentum_buffer"]).max() for i, s in theirs["state"].items())
+    return max(
+        abs(ours["state"][i]["momentum_buffer"] - s["momentum_buffer"]).max()
+        for i, s in theirs["state"].items()
+    )
 
 
 def test_torchvision_resume_from_ddp_checkpoint_equals_ddp(torchvision_runs):
     for rank, out in enumerate(torchvision_runs[1]):
         ddp, ours = out["ddp"], out["sapipe k=0"]
         assert ours["path"] == "fused"
-        assert ours["lr"] == ddp["lr"] and ours["momentum"] == ddp["momentum"], "the schedule must be DDP's"
-        assert len({tuple(lr) for lr in ddp["lr"]}) == len(ddp["lr"]), "OneCycleLR changes the LR every step"
-        assert_close_dicts(ours["weights"], ddp["weights"], rtol=0, atol=1e-6, what=f"rank {rank} sapipe k=0 vs DDP")
+        assert ours["lr"] == ddp["lr"] and ours["momentum"] == ddp["momentum"], (
+            "the schedule must be DDP's"
+        )
+        assert len({tuple(lr) for lr in ddp["lr"]}) == len(ddp["lr"]), (
+            "OneCycleLR changes the LR every step"
+        )
+        assert_close_dicts(
+            ours["weights"],
+            ddp["weights"],
+            rtol=0,
+            atol=1e-6,
+            what=f"rank {rank} sapipe k=0 vs DDP",
+        )
         for e, (a, b) in enumerate(zip(ours["eval"], ddp["eval"])):
             assert abs(a - b).max() <= 1e-6, f"rank {rank}: evaluation {e} differs from DDP's"
         difference = _state_difference(ours["state"], ddp["state"])
-        assert difference <= 1e-6, f"rank {rank}: momentum buffers differ from DDP's by {difference:.3e}"
+        assert difference <= 1e-6, (
+            f"rank {rank}: momentum buffers differ from DDP's by {difference:.3e}"
+        )
 
 
 def _stale_reimplementation(model, optimizer, lr_scheduler, stale, steps, world_size):
@@ -243,19 +285,29 @@ def test_reimplementation_equals_run_reference():
     stale = {"conv1.weight", "bn1.weight", "bn1.bias"}
     steps = range(6)
     model = small_cnn(seed=0).double()
-    ref = run_reference(small_cnn(seed=0).double(), cnn_optimizer,
-                        [[images(t, r, torch.float64) for r in range(2)] for t in steps], criterion,
-                        stale_layers=STALE, lr_at=lambda it: MAX_LR * factor(it - 1))
+    ref = run_reference(
+        small_cnn(seed=0).double(),
+        cnn_optimizer,
+        [[images(t, r, torch.float64) for r in range(2)] for t in steps],
+        criterion,
+        stale_layers=STALE,
+        lr_at=lambda it: MAX_LR * factor(it - 1),
+    )
     assert ref.stale_names == stale
     optimizer = cnn_optimizer(model.parameters())
-    ours = _stale_reimplementation(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor),
-                                   stale, steps, 2)
-    assert_close_dicts(ours, ref.real[-1], rtol=1e-12, atol=1e-14, what="re-implementation vs run_reference")
+    ours = _stale_reimplementation(
+        model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor), stale, steps, 2
+    )
+    assert_close_dicts(
+        ours, ref.real[-1], rtol=1e-12, atol=1e-14, what="re-implementation vs run_reference"
+    )
 
 
 def test_torchvision_resume_with_stale_layers_matches_float64_rule(torchvision_runs):
     directory, runs = torchvision_runs
-    checkpoint = torch.load(os.path.join(directory, "checkpoint.pth"), map_location="cpu", weights_only=True)
+    checkpoint = torch.load(
+        os.path.join(directory, "checkpoint.pth"), map_location="cpu", weights_only=True
+    )
     model = small_cnn(seed=0).double()
     model.load_state_dict(checkpoint["model"])
     optimizer = cnn_optimizer(model.parameters())
@@ -263,15 +315,25 @@ def test_torchvision_resume_with_stale_layers_matches_float64_rule(torchvision_r
     optimizer.load_state_dict(checkpoint["optimizer"])
     lr_scheduler.load_state_dict(checkpoint["lr_scheduler"])
     stale = {n for n, _ in model.named_parameters() if n.split(".")[0] in ("conv1", "bn1")}
-    expected = _stale_reimplementation(model, optimizer, lr_scheduler, stale,
-                                       range(FIRST_EPOCHS * STEPS_PER_EPOCH, EPOCHS * STEPS_PER_EPOCH), 2)
+    expected = _stale_reimplementation(
+        model,
+        optimizer,
+        lr_scheduler,
+        stale,
+        range(FIRST_EPOCHS * STEPS_PER_EPOCH, EPOCHS * STEPS_PER_EPOCH),
+        2,
+    )
     resumed = {n: checkpoint["model"][n].to(torch.float64).numpy() for n in stale}
     for rank, out in enumerate(runs):
         got = out["sapipe k=2"]
         assert got["layers"][:STALE] == ["conv1", "bn1"], got["layers"]
-        assert got["lr"] == out["ddp"]["lr"] and got["momentum"] == out["ddp"]["momentum"], "the scheduler drives it"
+        assert got["lr"] == out["ddp"]["lr"] and got["momentum"] == out["ddp"]["momentum"], (
+            "the scheduler drives it"
+        )
         weights = {n: v for n, v in got["weights"].items() if not n.startswith("buffer ")}
-        assert_close_dicts(weights, expected, rtol=1e-9, atol=1e-11, what=f"rank {rank} sapipe k=2 vs float64 rule")
+        assert_close_dicts(
+            weights, expected, rtol=1e-9, atol=1e-11, what=f"rank {rank} sapipe k=2 vs float64 rule"
+        )
         moved = max(abs(weights[n] - resumed[n]).max() for n in stale)
         assert moved > 1e-3, "the stale layers must train after the resume"
         assert all(np.isfinite(e).all() for e in got["eval"])
@@ -286,7 +348,9 @@ class CentralizedSGDW(torch.optim.Optimizer):
     state; its Python-int step count drives a per-parameter LR warm-up."""
 
     def __init__(self, params, lr=0.05, momentum=0.9, weight_decay=1e-2, warmup=3):
-        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "warmup": warmup})
+        super().__init__(
+            params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "warmup": warmup}
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -318,8 +382,12 @@ CUSTOM_STEPS, EVAL_EVERY, DC_LAMBDA = 9, 3, 0.5
 
 def custom_optimizer(params):
     params = list(params)
-    return CentralizedSGDW([{"params": [p for p in params if p.ndim > 1]},
-                            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}])
+    return CentralizedSGDW(
+        [
+            {"params": [p for p in params if p.ndim > 1]},
+            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+        ]
+    )
 
 
 def custom_factor(epoch: int) -> float:
@@ -346,27 +414,50 @@ def _custom_loop(net, module, optimizer, batches, probe, rank, set_to_none):
 
 
 def _custom_job(rank, world_size):
-    import sapipe
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import sapipe
 
     out = {}
     probe = make_batches("tied", 1, 1, seed=5)[0][0]
     batches = make_batches("tied", CUSTOM_STEPS, world_size)
     for set_to_none in (True, False):
         ddp_model = make_model("tied")
-        ddp_evals = _custom_loop(DDP(ddp_model), ddp_model, custom_optimizer(ddp_model.parameters()),
-                                 batches, probe, rank, set_to_none)
+        ddp_evals = _custom_loop(
+            DDP(ddp_model),
+            ddp_model,
+            custom_optimizer(ddp_model.parameters()),
+            batches,
+            probe,
+            rank,
+            set_to_none,
+        )
         model = make_model("tied", seed=rank)
-        opt = sapipe.DistributedOptimizer(custom_optimizer(model.parameters()), model, bucket_cap_mb=0.0004)
+        opt = sapipe.DistributedOptimizer(
+            custom_optimizer(model.parameters()), model, bucket_cap_mb=0.0004
+        )
         evals = _custom_loop(model, model, opt, batches, probe, rank, set_to_none)
         opt.synchronize()
-        out[set_to_none] = {"ddp": _named(ddp_model), "sapipe": _named(model), "ddp evals": ddp_evals,
-                            "evals": evals, "path": opt.update_path, "buckets": len(opt.buckets)}
+        out[set_to_none] = {
+            "ddp": _named(ddp_model),
+            "sapipe": _named(model),
+            "ddp evals": ddp_evals,
+            "evals": evals,
+            "path": opt.update_path,
+            "buckets": len(opt.buckets),
+        }
         opt.close()
     batches = make_batches("tied", CUSTOM_STEPS, world_size, dtype=torch.float64)
     model = make_model("tied", seed=rank, dtype=torch.float64)
-    opt = sapipe.DistributedOptimizer(custom_optimizer(model.parameters()), model, stale_layers=2,
-                                      compensation="dc", dc_lambda=DC_LAMBDA, bucket_cap_mb=0.0004, timeout=60)
+    opt = sapipe.DistributedOptimizer(
+        custom_optimizer(model.parameters()),
+        model,
+        stale_layers=2,
+        compensation="dc",
+        dc_lambda=DC_LAMBDA,
+        bucket_cap_mb=0.0004,
+        timeout=60,
+    )
     evals = _custom_loop(model, model, opt, batches, probe, rank, True)
     opt.synchronize()
     with opt.real_weights():
@@ -375,7 +466,7 @@ def _custom_job(rank, world_size):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _custom_runs():
     return run_ranks(_custom_job, world_size=2, timeout=240)
 
@@ -386,18 +477,34 @@ def test_custom_optimizer_at_k0_equals_ddp():
             r = out[set_to_none]
             assert r["path"] == "generic" and r["buckets"] >= 2
             what = f"rank {rank} set_to_none={set_to_none}"
-            assert_close_dicts(r["sapipe"], r["ddp"], rtol=0, atol=1e-6, what=what + " sapipe vs DDP")
-            assert max(abs(a - b) for a, b in zip(r["evals"], r["ddp evals"])) <= 1e-6, what + ": evaluations"
-            moved = max(abs(r["sapipe"][n] - v.numpy()).max() for n, v in _named(make_model("tied")).items())
+            assert_close_dicts(
+                r["sapipe"], r["ddp"], rtol=0, atol=1e-6, what=what + " sapipe vs DDP"
+            )
+            assert max(abs(a - b) for a, b in zip(r["evals"], r["ddp evals"])) <= 1e-6, (
+                what + ": evaluations"
+            )
+            moved = max(
+                abs(r["sapipe"][n] - v.numpy()).max() for n, v in _named(make_model("tied")).items()
+            )
             assert moved > 1e-2, "training must change the weights"
 
 
 def test_custom_optimizer_with_dc_matches_reference():
     batches = make_batches("tied", CUSTOM_STEPS, 2, dtype=torch.float64)
-    ref = run_reference(make_model("tied", dtype=torch.float64), custom_optimizer, batches, loss_fn_for("tied"),
-                        stale_layers=2, compensation="dc", dc_lambda=DC_LAMBDA,
-                        lr_at=lambda it: 0.05 * custom_factor(it - 1))
-    probe = [v.to(torch.float64) if v.is_floating_point() else v for v in make_batches("tied", 1, 1, seed=5)[0][0]]
+    ref = run_reference(
+        make_model("tied", dtype=torch.float64),
+        custom_optimizer,
+        batches,
+        loss_fn_for("tied"),
+        stale_layers=2,
+        compensation="dc",
+        dc_lambda=DC_LAMBDA,
+        lr_at=lambda it: 0.05 * custom_factor(it - 1),
+    )
+    probe = [
+        v.to(torch.float64) if v.is_floating_point() else v
+        for v in make_batches("tied", 1, 1, seed=5)[0][0]
+    ]
     model = make_model("tied", dtype=torch.float64)
     expected_evals = []
     for t in range(EVAL_EVERY - 1, CUSTOM_STEPS, EVAL_EVERY):  # the real weights after step t + 1
@@ -405,9 +512,15 @@ def test_custom_optimizer_with_dc_matches_reference():
         with torch.no_grad():
             expected_evals.append(loss_fn_for("tied")(model(probe[0]), probe[1]).item())
     for rank, out in enumerate(_custom_runs()):
-        assert_close_dicts(out["dc"]["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} dc real x")
+        assert_close_dicts(
+            out["dc"]["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} dc real x"
+        )
         for got, expected in zip(out["dc"]["evals"], expected_evals, strict=True):
-            assert abs(got - expected) <= 1e-9 * abs(expected), (rank, out["dc"]["evals"], expected_evals)
+            assert abs(got - expected) <= 1e-9 * abs(expected), (
+                rank,
+                out["dc"]["evals"],
+                expected_evals,
+            )
 
 
 # The nanoGPT-style loop (accumulation under no_sync(), GradScaler, scaler.unscale_ +
@@ -420,8 +533,9 @@ def test_custom_optimizer_with_dc_matches_reference():
 
 def _subgroup_job(rank, world_size):
     """Ranks 0 and 1 train over a subgroup (DDP and sapipe alike); rank 2 is not in it."""
-    import sapipe
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import sapipe
 
     group = dist.new_group([0, 1])  # collective over the world, as torch requires
     if rank == 2:
@@ -431,8 +545,13 @@ def _subgroup_job(rank, world_size):
     ddp = DDP(ddp_model, process_group=group)
     ddp_opt = torch.optim.AdamW(ddp_model.parameters(), lr=0.01)
     model = make_model("tied", seed=rank)
-    opt = sapipe.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, process_group=group,
-                                      bucket_cap_mb=0.0004, timeout=60)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.01),
+        model,
+        process_group=group,
+        bucket_cap_mb=0.0004,
+        timeout=60,
+    )
     for t in range(6):
         x, y = batches[t][rank]
         for net, optimizer in ((ddp, ddp_opt), (model, opt)):
@@ -440,7 +559,11 @@ def _subgroup_job(rank, world_size):
             loss_fn_for("tied")(net(x), y).backward()
             optimizer.step()
     opt.synchronize()
-    result = {"ddp": _named(ddp_model), "sapipe": _named(model), "world": (opt.rank, opt.world_size)}
+    result = {
+        "ddp": _named(ddp_model),
+        "sapipe": _named(model),
+        "world": (opt.rank, opt.world_size),
+    }
     opt.close()
     return result
 
@@ -450,7 +573,9 @@ def test_training_over_a_subgroup_equals_ddp_over_it():
     assert out[2] is None
     for rank in (0, 1):
         assert out[rank]["world"] == (rank, 2)
-        assert_close_dicts(out[rank]["sapipe"], out[rank]["ddp"], rtol=0, atol=1e-6, what=f"rank {rank} subgroup")
+        assert_close_dicts(
+            out[rank]["sapipe"], out[rank]["ddp"], rtol=0, atol=1e-6, what=f"rank {rank} subgroup"
+        )
 
 
 def _scheduler_before_wrapping(rank, world_size):
@@ -462,8 +587,10 @@ def _scheduler_before_wrapping(rank, world_size):
 
     batches = make_batches("mlp", 3, world_size)
     caught = {}
-    for name, make in (("fused", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
-                       ("generic", lambda p: torch.optim.RMSprop(p, lr=0.01))):
+    for name, make in (
+        ("fused", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+        ("generic", lambda p: torch.optim.RMSprop(p, lr=0.01)),
+    ):
         model = make_model("mlp", seed=0)
         base = make(model.parameters())
         sched = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)
@@ -476,8 +603,11 @@ def _scheduler_before_wrapping(rank, world_size):
                 loss_fn_for("mlp")(model(x), y).backward()
                 opt.step()
                 sched.step()
-        caught[name] = ([str(w.message) for w in seen if "lr_scheduler" in str(w.message)], opt.update_path,
-                        base.param_groups[0]["lr"])
+        caught[name] = (
+            [str(w.message) for w in seen if "lr_scheduler" in str(w.message)],
+            opt.update_path,
+            base.param_groups[0]["lr"],
+        )
         opt.close()
     return caught
 

@@ -87,16 +87,22 @@ def test_full_stale_none_equals_delayed_sgd():
     model, loss_fn = make_model(name, seed=3), loss_fn_for(name)
     batches = make_batches(name, steps=6, world_size=2, seed=4)
     lr, mu, wd = 0.05, 0.9, 1e-3
-    res = run_reference(model, lambda p: torch.optim.SGD(p, lr=lr, momentum=mu, weight_decay=wd),
-                        batches, loss_fn, stale_layers=3, compensation="none")
+    res = run_reference(
+        model,
+        lambda p: torch.optim.SGD(p, lr=lr, momentum=mu, weight_decay=wd),
+        batches,
+        loss_fn,
+        stale_layers=3,
+        compensation="none",
+    )
     assert res.stale_names == set(init_weights(model))
 
     x = init_weights(model)
     buf = {nm: torch.zeros_like(v) for nm, v in x.items()}
     g_prev = None
     for t, step in enumerate(batches, start=1):
-        g = mean_grad(model, x, step, loss_fn)   # forward at current (real) weights
-        if t >= 2:                                # update with g_{t-1}
+        g = mean_grad(model, x, step, loss_fn)  # forward at current (real) weights
+        if t >= 2:  # update with g_{t-1}
             for nm in x:
                 d = g_prev[nm] + wd * x[nm]
                 buf[nm] = mu * buf[nm] + d
@@ -113,8 +119,15 @@ def test_layer_order_tied():
     assert reg[0] == "head"  # registration order differs on purpose
     batches = make_batches("tied", steps=1, world_size=1)
     order, owned = layer_order(model, batches[0][0][0])
-    assert order == ["embed", "block_a.norm", "block_a.fc1", "block_a.fc2",
-                     "block_b.fc1", "block_b.fc2", "head"]
+    assert order == [
+        "embed",
+        "block_a.norm",
+        "block_a.fc1",
+        "block_a.fc2",
+        "block_b.fc1",
+        "block_b.fc2",
+        "head",
+    ]
     # named_parameters lists the tied weight once, under its first registered name
     assert "head.weight" in dict(model.named_parameters())
     assert "embed.weight" not in dict(model.named_parameters())
@@ -133,8 +146,9 @@ def test_wp2_by_hand():
     model, loss_fn = make_model(name, seed=5), loss_fn_for(name)
     batches = make_batches(name, steps=4, world_size=1, seed=6)
     lr = 0.1
-    res = run_reference(model, lambda p: plain_sgd(p, lr), batches, loss_fn,
-                        stale_layers=2, compensation="wp2")
+    res = run_reference(
+        model, lambda p: plain_sgd(p, lr), batches, loss_fn, stale_layers=2, compensation="wp2"
+    )
     S = {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert res.stale_names == S
     x0 = init_weights(model)
@@ -162,10 +176,26 @@ def test_dc_lambda0_equals_none(form):
     model, loss_fn = make_model("tied", seed=7), loss_fn_for("tied")
     batches = make_batches("tied", steps=5, world_size=2, seed=8)
     a = run_reference(model, adam, batches, loss_fn, stale_layers=4, compensation="none")
-    b = run_reference(model, adam, batches, loss_fn, stale_layers=4, compensation="dc",
-                      dc_lambda=0.0, dc_form=form)
-    c = run_reference(model, adam, batches, loss_fn, stale_layers=4, compensation="dc",
-                      dc_lambda=5.0, dc_form=form)
+    b = run_reference(
+        model,
+        adam,
+        batches,
+        loss_fn,
+        stale_layers=4,
+        compensation="dc",
+        dc_lambda=0.0,
+        dc_form=form,
+    )
+    c = run_reference(
+        model,
+        adam,
+        batches,
+        loss_fn,
+        stale_layers=4,
+        compensation="dc",
+        dc_lambda=5.0,
+        dc_form=form,
+    )
     for t in range(5):
         assert_close(a.real[t], b.real[t], 0)
     assert any((a.real[-1][nm] - c.real[-1][nm]).abs().max() > 1e-9 for nm in a.stale_names)
@@ -178,9 +208,18 @@ def test_dc_by_hand(form, s):
     model, loss_fn = make_model(name, seed=9), loss_fn_for(name)
     batches = make_batches(name, steps=6, world_size=2, seed=10)
     lr, lam = 0.1, 0.7
-    res = run_reference(model, lambda p: plain_sgd(p, lr), batches, loss_fn, stale_layers=3,
-                        compensation="dc", dc_lambda=lam, dc_form=form, staleness=s)
-    xs = [init_weights(model)]          # xs[j] = x_j; x_j for j <= 0 is x_0
+    res = run_reference(
+        model,
+        lambda p: plain_sgd(p, lr),
+        batches,
+        loss_fn,
+        stale_layers=3,
+        compensation="dc",
+        dc_lambda=lam,
+        dc_form=form,
+        staleness=s,
+    )
+    xs = [init_weights(model)]  # xs[j] = x_j; x_j for j <= 0 is x_0
     gs = {}
     for t, step in enumerate(batches, start=1):
         x = xs[t - 1]
@@ -205,8 +244,17 @@ def test_staleness2_ramp_warmup_by_hand():
     batches = make_batches(name, steps=7, world_size=2, seed=12)
     lr, s, K, W = 0.1, 2, 3, 2
     lr_at = lambda it: lr * (1.0 + 0.1 * it)  # noqa: E731
-    res = run_reference(model, lambda p: plain_sgd(p, lr), batches, loss_fn, stale_layers=1,
-                        staleness=s, lr_ramp_steps=K, warmup_steps=W, lr_at=lr_at)
+    res = run_reference(
+        model,
+        lambda p: plain_sgd(p, lr),
+        batches,
+        loss_fn,
+        stale_layers=1,
+        staleness=s,
+        lr_ramp_steps=K,
+        warmup_steps=W,
+        lr_at=lr_at,
+    )
     S = {"0.weight", "0.bias"}
     assert res.stale_names == S
     x = init_weights(model)
@@ -220,8 +268,14 @@ def test_staleness2_ramp_warmup_by_hand():
             t = it - W
             G[t] = g
             lr_s = lr_it / s ** (1 - min(t / K, 1))
-            x = {nm: (x[nm] - lr_it * g[nm] if nm not in S else
-                      (x[nm] - lr_s * G[t - s][nm] if t > s else x[nm])) for nm in x}
+            x = {
+                nm: (
+                    x[nm] - lr_it * g[nm]
+                    if nm not in S
+                    else (x[nm] - lr_s * G[t - s][nm] if t > s else x[nm])
+                )
+                for nm in x
+            }
         assert_close(res.real[it - 1], x)
 
 
@@ -255,7 +309,9 @@ def test_dc_correct_forms():
     g = torch.tensor([1.0, 2.0], dtype=F64)
     d = torch.tensor([3.0, -1.0], dtype=F64)
     assert torch.equal(dc_correct(g, d, 0.5, "outer"), g + 0.5 * 1.0 * g)
-    assert torch.equal(dc_correct(g, d, 0.5, "diagonal"), g + 0.5 * torch.tensor([3.0, -4.0], dtype=F64))
+    assert torch.equal(
+        dc_correct(g, d, 0.5, "diagonal"), g + 0.5 * torch.tensor([3.0, -4.0], dtype=F64)
+    )
 
 
 # (f) every mode on every optimizer runs and stays finite --------------------------------------
@@ -267,8 +323,17 @@ CASES = [("none", 1), ("dc", 1), ("wp1", 1), ("wp2", 1), ("wp3", 1), ("none", 2)
 def test_modes_finite(factory, mode, s):
     model, loss_fn = make_model("tied", seed=13), loss_fn_for("tied")
     batches = make_batches("tied", steps=6, world_size=2, seed=14)
-    res = run_reference(model, factory, batches, loss_fn, stale_layers=3, compensation=mode,
-                        staleness=s, warmup_steps=1, lr_ramp_steps=2 if s > 1 else 0)
+    res = run_reference(
+        model,
+        factory,
+        batches,
+        loss_fn,
+        stale_layers=3,
+        compensation=mode,
+        staleness=s,
+        warmup_steps=1,
+        lr_ramp_steps=2 if s > 1 else 0,
+    )
     for snap in res.real + [h for hs in res.held for h in hs]:
         assert all(torch.isfinite(v).all() and v.dtype == F64 for v in snap.values())
     # N params held == real; non-WP: S held == real too
@@ -288,8 +353,9 @@ def test_bad_args():
     with pytest.raises(ValueError):
         run_reference(model, plain_sgd, b, loss_fn_for("mlp"), stale_layers=4)
     with pytest.raises(ValueError):
-        run_reference(model, plain_sgd, b, loss_fn_for("mlp"), stale_layers=1,
-                      compensation="wp1", staleness=2)
+        run_reference(
+            model, plain_sgd, b, loss_fn_for("mlp"), stale_layers=1, compensation="wp1", staleness=2
+        )
 
 
 # wp1 / wp3, n = 2, plain SGD, all layers stale: per-rank predictions by hand ------------------
@@ -299,8 +365,16 @@ def test_wp1_wp3_by_hand(mode):
     model, loss_fn = make_model(name, seed=15), loss_fn_for(name)
     batches = make_batches(name, steps=4, world_size=n, seed=16)
     lr, lam = 0.1, 0.3
-    res = run_reference(model, lambda p: plain_sgd(p, lr), batches, loss_fn, stale_layers=3,
-                        compensation=mode, dc_lambda=lam, dc_form="outer")
+    res = run_reference(
+        model,
+        lambda p: plain_sgd(p, lr),
+        batches,
+        loss_fn,
+        stale_layers=3,
+        compensation=mode,
+        dc_lambda=lam,
+        dc_form="outer",
+    )
     x_prev = x = init_weights(model)
     held = [x] * n
     g_prev = l_prev = None
@@ -317,8 +391,11 @@ def test_wp1_wp3_by_hand(mode):
             elif t == 1:
                 gt = None
             else:
-                gt = {nm: dc_correct(g_prev[nm] - l_prev[r][nm] / n, x[nm] - x_prev[nm], lam, "outer")
-                      + l[r][nm] / n for nm in x}
+                gt = {
+                    nm: dc_correct(g_prev[nm] - l_prev[r][nm] / n, x[nm] - x_prev[nm], lam, "outer")
+                    + l[r][nm] / n
+                    for nm in x
+                }
             held.append(dict(x) if gt is None else {nm: x[nm] - lr * gt[nm] for nm in x})
             assert_close(res.held[t - 1][r], held[r])
         g_prev, l_prev = g, l

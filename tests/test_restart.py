@@ -1,6 +1,7 @@
 """A rank dies mid-training; ``torchrun --max-restarts=1`` restarts the workers, the job
 resumes from sapipe's checkpoint and finishes with exactly the weights of a run that was
 never interrupted (tests/restart_job.py)."""
+
 from __future__ import annotations
 
 import os
@@ -20,9 +21,19 @@ def _run(tmp, name, *extra):
     workdir = tmp / name
     workdir.mkdir()
     out = workdir / "final.pt"
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-           "--monitor-interval=0.2", JOB, "--ckpt", str(workdir / "ckpt-{step}-{rank}.pt"),
-           "--out", str(out), *extra]
+    cmd = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        "--monitor-interval=0.2",
+        JOB,
+        "--ckpt",
+        str(workdir / "ckpt-{step}-{rank}.pt"),
+        "--out",
+        str(out),
+        *extra,
+    ]
     # a fresh rendezvous store per attempt: with torchrun's shared store the restarted
     # workers can read the dead attempt's Gloo addresses (pytorch/pytorch#135712)
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
@@ -35,7 +46,9 @@ def _run(tmp, name, *extra):
         pytest.fail(f"{name} job hung (> {TIMEOUT_S} s):\n{exc.stdout}\n{exc.stderr}")
     log_path = workdir / "events.log"
     events = log_path.read_text().splitlines() if log_path.exists() else []
-    assert proc.returncode == 0, f"{name} job failed:\n{proc.stdout}\n{proc.stderr}\n" + "\n".join(events)
+    assert proc.returncode == 0, f"{name} job failed:\n{proc.stdout}\n{proc.stderr}\n" + "\n".join(
+        events
+    )
     return torch.load(out, weights_only=True), events
 
 
@@ -68,13 +81,20 @@ def test_only_the_last_two_checkpoints_are_kept(runs, tmp_path_factory):
     assert len(workdirs) == 2, workdirs
     for workdir in workdirs:
         kept = sorted(p.name for p in workdir.glob("ckpt-*.pt"))
-        assert kept == ["ckpt-12-0.pt", "ckpt-12-1.pt", "ckpt-9-0.pt", "ckpt-9-1.pt"], (workdir, kept)
+        assert kept == ["ckpt-12-0.pt", "ckpt-12-1.pt", "ckpt-9-0.pt", "ckpt-9-1.pt"], (
+            workdir,
+            kept,
+        )
 
 
 def test_resumed_job_equals_uninterrupted_job_bit_for_bit(runs):
     (resumed, _), (clean, clean_events) = runs
-    assert sorted(clean_events) == ["attempt=0 rank=0 done", "attempt=0 rank=0 start=0",
-                                    "attempt=0 rank=1 done", "attempt=0 rank=1 start=0"]
+    assert sorted(clean_events) == [
+        "attempt=0 rank=0 done",
+        "attempt=0 rank=0 start=0",
+        "attempt=0 rank=1 done",
+        "attempt=0 rank=1 start=0",
+    ]
     assert resumed.keys() == clean.keys() and resumed
     for name in clean:
         assert torch.equal(resumed[name], clean[name]), f"{name} differs after restart"

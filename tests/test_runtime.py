@@ -1,11 +1,11 @@
 """Runtime properties on real Gloo ranks: overlap, collective order, no per-step allocation."""
+
 from __future__ import annotations
 
 import time
 
 import numpy as np
 import torch
-
 from dist_utils import run_ranks
 from models import loss_fn_for, make_batches, make_model
 
@@ -44,9 +44,15 @@ def _overlap(rank, world_size):
 
     model = make_model("mlp", seed=0)
     opt = sapipe.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05), model, stale_layers=1, trace=True, bucket_cap_mb=0.0001
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model,
+        stale_layers=1,
+        trace=True,
+        bucket_cap_mb=0.0001,
     )
-    _train_with_a_slow_rank(model, opt, rank, world_size, STEPS, slow_iteration=SLOW_ITERATION, sleep=0.6)
+    _train_with_a_slow_rank(
+        model, opt, rank, world_size, STEPS, slow_iteration=SLOW_ITERATION, sleep=0.6
+    )
     opt.synchronize()
     return {
         "events": [(ts, kind, dict(fields)) for ts, kind, fields in opt.tracer.events()],
@@ -60,7 +66,9 @@ def test_stale_allreduce_overlaps_next_forward():
     events = out[0]["events"]
 
     def when(kind, **match):
-        hits = [ts for ts, k, f in events if k == kind and all(f.get(a) == b for a, b in match.items())]
+        hits = [
+            ts for ts, k, f in events if k == kind and all(f.get(a) == b for a, b in match.items())
+        ]
         assert len(hits) == 1, f"expected one {kind} {match}, found {len(hits)}"
         return hits[0]
 
@@ -86,7 +94,10 @@ def test_stale_allreduce_overlaps_next_forward():
 
 def test_collectives_issued_in_the_same_order_on_every_rank():
     out = run_ranks(_overlap, world_size=2)
-    orders = [[(f["stream"], f["what"]) for _, kind, f in r["events"] if kind == "comm_start"] for r in out]
+    orders = [
+        [(f["stream"], f["what"]) for _, kind, f in r["events"] if kind == "comm_start"]
+        for r in out
+    ]
     assert orders[0] == orders[1]
     # Within an iteration, buckets start in index order (reverse forward order).
     per_iteration = {}
@@ -103,7 +114,11 @@ def _buffers(rank, world_size, mode):
 
     model = make_model("tied", seed=0)
     opt = sapipe.DistributedOptimizer(
-        torch.optim.Adam(model.parameters(), lr=1e-3), model, stale_layers=4, compensation=mode, bucket_cap_mb=0.001
+        torch.optim.Adam(model.parameters(), lr=1e-3),
+        model,
+        stale_layers=4,
+        compensation=mode,
+        bucket_cap_mb=0.001,
     )
     batches = make_batches("tied", 12, world_size)
     seen = []
@@ -115,7 +130,9 @@ def _buffers(rank, world_size, mode):
         ptrs = set()
         for b in opt.buckets:
             ptrs |= {s.data_ptr() for s in b.grads.slots}
-            ptrs |= {t.data_ptr() for t in (b.local, b.prev_local, b.weights, b.real) if t is not None}
+            ptrs |= {
+                t.data_ptr() for t in (b.local, b.prev_local, b.weights, b.real) if t is not None
+            }
             ptrs |= {p.data_ptr() for p in b.params}
         seen.append(ptrs)
     stale = [b for b in opt.buckets if b.stale]
@@ -127,7 +144,9 @@ def test_staleness_buffer_allocated_once():
         out = run_ranks(_buffers, world_size=2, args=(mode,))
         sets = out[0]["ptr_sets"]
         assert all(s == sets[1] for s in sets[1:]), f"{mode}: buffers were reallocated after step 1"
-        assert out[0]["depths"] and all(d == 2 for d in out[0]["depths"]), "staleness 1 needs a double buffer"
+        assert out[0]["depths"] and all(d == 2 for d in out[0]["depths"]), (
+            "staleness 1 needs a double buffer"
+        )
 
 
 def _close(rank, world_size):
@@ -135,7 +154,11 @@ def _close(rank, world_size):
 
     model = make_model("tied", seed=0)
     opt = sapipe.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05), model, stale_layers=3, compensation="wp3", bucket_cap_mb=0.001
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model,
+        stale_layers=3,
+        compensation="wp3",
+        bucket_cap_mb=0.001,
     )
     batches = make_batches("tied", 4, world_size)
     for t in range(4):
@@ -181,7 +204,9 @@ def test_wait_for_communication_blocks_until_in_flight_all_reduces_arrive():
     out = run_ranks(_wait_for_communication, world_size=2)
     assert out[0]["blocked"] > 0.3, out  # rank 0 waited for rank 1's late stale all-reduce
     assert out[1]["blocked"] < 0.3, out
-    assert out[0]["pending"] > 0 and out[1]["pending"] > 0  # nothing consumed: still the step's to apply
+    assert (
+        out[0]["pending"] > 0 and out[1]["pending"] > 0
+    )  # nothing consumed: still the step's to apply
 
 
 # ops that read a tensor's value on the host: on CUDA each one waits for the device
@@ -204,8 +229,14 @@ def _host_reads(rank, world_size, compensation, k, compression):
             return func(*args, **(kwargs or {}))
 
     model = make_model("tied", seed=0)
-    opt = sapipe.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, stale_layers=k,
-                                      compensation=compensation, compression=compression, bucket_cap_mb=0.001)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        model,
+        stale_layers=k,
+        compensation=compensation,
+        compression=compression,
+        bucket_cap_mb=0.001,
+    )
     batches = make_batches("tied", 10, world_size)
     watch = HostReads()
     for t in range(10):
@@ -226,9 +257,16 @@ def test_steady_state_steps_read_nothing_back_to_the_host():
     up, and the next kernels could not be queued ahead. Seen on the training thread's
     dispatcher, here on the CPU; the script's own clipping (no host read with ``foreach``)
     runs between backward and step as in a user's loop."""
-    for compensation, k, compression in (("none", 0, None), ("wp1", 3, None), ("dc", 3, "int8"), ("wp3", 3, "bf16")):
+    for compensation, k, compression in (
+        ("none", 0, None),
+        ("wp1", 3, None),
+        ("dc", 3, "int8"),
+        ("wp3", 3, "bf16"),
+    ):
         for reads in run_ranks(_host_reads, world_size=2, args=(compensation, k, compression)):
-            assert reads == [], f"{compensation}, k={k}, {compression}: host reads {sorted(set(reads))}"
+            assert reads == [], (
+                f"{compensation}, k={k}, {compression}: host reads {sorted(set(reads))}"
+            )
 
 
 STRAY_CASES = [(1, "dc", None), (1, "dc", "int8"), (0, "none", None)]
@@ -244,9 +282,15 @@ def _stray_steps(rank, world_size, stray):
     out = []
     for k, mode, compression in STRAY_CASES:
         model = make_model("mlp", seed=0)
-        opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
-                                          stale_layers=k, compensation=mode, compression=compression,
-                                          bucket_cap_mb=0.0001, timeout=30)
+        opt = sapipe.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            model,
+            stale_layers=k,
+            compensation=mode,
+            compression=compression,
+            bucket_cap_mb=0.0001,
+            timeout=30,
+        )
         for t, step in enumerate(batches, start=1):
             x, y = step[rank]
             opt.zero_grad()
@@ -272,4 +316,8 @@ def test_one_ranks_step_without_gradients_changes_nothing():
     for case in range(len(STRAY_CASES)):
         for rank in range(2):
             for name, value in clean[0][case].items():
-                assert np.array_equal(stray[rank][case][name], value), (STRAY_CASES[case], rank, name)
+                assert np.array_equal(stray[rank][case][name], value), (
+                    STRAY_CASES[case],
+                    rank,
+                    name,
+                )

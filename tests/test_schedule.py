@@ -2,11 +2,11 @@
 
 All pure Python and fast; no process group is needed.
 """
+
 from __future__ import annotations
 
 import json
 import math
-from typing import List, Tuple
 
 import numpy as np
 import pytest
@@ -16,7 +16,9 @@ from sapipe.schedule import LayerProfile, brute_force_k, choose_k, closed_form_k
 from sapipe.tracing.chrome_trace import events_from_tracer, write_chrome_trace
 
 
-def random_profiles(rng: np.random.Generator, m: int, comm_ratio: float) -> Tuple[List[LayerProfile], List[int], float]:
+def random_profiles(
+    rng: np.random.Generator, m: int, comm_ratio: float
+) -> tuple[list[LayerProfile], list[int], float]:
     """m layers, backward ≈ 2× forward, total comm ≈ ``comm_ratio`` × compute.
 
     Returns the profiles (comm = beta × bytes), bytes per layer and beta.
@@ -26,14 +28,18 @@ def random_profiles(rng: np.random.Generator, m: int, comm_ratio: float) -> Tupl
     numel = rng.integers(1, 10_000, m)
     nbytes = [int(4 * n) for n in numel]
     beta = comm_ratio * float(u.sum() + b.sum()) / sum(nbytes)
-    profiles = [LayerProfile(f"layer{i + 1}", float(u[i]), float(b[i]), beta * nbytes[i], int(numel[i]))
-                for i in range(m)]
+    profiles = [
+        LayerProfile(f"layer{i + 1}", float(u[i]), float(b[i]), beta * nbytes[i], int(numel[i]))
+        for i in range(m)
+    ]
     return profiles, nbytes, beta
 
 
 def per_layer(profiles, k, nbytes, beta, **kw):
     """Simulate in the closed form's setting: one layer per bucket, α = 0."""
-    return simulate(profiles, k, bucket_cap_bytes=0, alpha=0.0, beta=beta, bytes_per_layer=nbytes, **kw)
+    return simulate(
+        profiles, k, bucket_cap_bytes=0, alpha=0.0, beta=beta, bytes_per_layer=nbytes, **kw
+    )
 
 
 # --------------------------------------------------------------------------- closed form
@@ -64,17 +70,21 @@ def test_closed_form_matches_brute_force():
 # --------------------------------------------------------------------------- buckets
 
 
-def check_bucket_layout(nbytes: List[int], k: int, cap: float, buckets: List[List[int]]) -> None:
+def check_bucket_layout(nbytes: list[int], k: int, cap: float, buckets: list[list[int]]) -> None:
     """The layout rule, stated as properties of its result (docs/design.md §5)."""
     m = len(nbytes)
     where = (nbytes, k, cap, buckets)
     assert all(buckets), where  # no empty bucket
     flat = [i for bucket in buckets for i in bucket]
     assert sorted(flat) == list(range(m)), where  # every layer exactly once
-    assert flat == list(reversed(range(m))), where  # buckets and their layers in reverse forward order
+    assert flat == list(reversed(range(m))), (
+        where
+    )  # buckets and their layers in reverse forward order
     for bucket in buckets:
         assert len({i < k for i in bucket}) == 1, where  # wholly stale or wholly sync
-        assert sum(nbytes[i] for i in bucket) <= cap or len(bucket) == 1, where  # over the cap: alone
+        assert sum(nbytes[i] for i in bucket) <= cap or len(bucket) == 1, (
+            where
+        )  # over the cap: alone
     for bucket, following in zip(buckets, buckets[1:]):
         nxt = following[0]  # greedy: the next layer could not have joined
         crosses = (bucket[-1] < k) != (nxt < k)
@@ -86,16 +96,24 @@ def test_bucket_layout_properties():
     closed_by_cap = closed_at_boundary = oversized = 0
     for _ in range(300):
         m = int(rng.integers(0, 14))
-        nbytes = [int(x) * int(rng.choice([0, 1, 4])) for x in rng.integers(1, 60, m)]  # some zero-size layers
+        nbytes = [
+            int(x) * int(rng.choice([0, 1, 4])) for x in rng.integers(1, 60, m)
+        ]  # some zero-size layers
         cap = float(rng.choice([0, int(rng.integers(1, 200)), 1e12]))
         for k in range(m + 1):
             buckets = bucket_layout(nbytes, k, cap)
             check_bucket_layout(nbytes, k, cap, buckets)
-            closed_at_boundary += any((a[-1] < k) != (b[0] < k) for a, b in zip(buckets, buckets[1:]))
-            closed_by_cap += any(sum(nbytes[i] for i in a) + nbytes[b[0]] > cap and (a[-1] < k) == (b[0] < k)
-                                 for a, b in zip(buckets, buckets[1:]))
+            closed_at_boundary += any(
+                (a[-1] < k) != (b[0] < k) for a, b in zip(buckets, buckets[1:])
+            )
+            closed_by_cap += any(
+                sum(nbytes[i] for i in a) + nbytes[b[0]] > cap and (a[-1] < k) == (b[0] < k)
+                for a, b in zip(buckets, buckets[1:])
+            )
             oversized += any(sum(nbytes[i] for i in b) > cap for b in buckets)
-    assert min(closed_by_cap, closed_at_boundary, oversized) > 0  # the random cases reach every rule
+    assert (
+        min(closed_by_cap, closed_at_boundary, oversized) > 0
+    )  # the random cases reach every rule
     assert bucket_layout([], 0, 100) == []
     assert bucket_layout([8, 0, 8], 0, 8) == [[2, 1], [0]]  # a zero-size layer joins a full bucket
     assert bucket_layout([4, 4, 4, 4], 2, 1e9) == [[3, 2], [1, 0]]  # the S/N boundary always closes
@@ -124,10 +142,18 @@ def test_runtime_buckets_are_the_layout():
     dtypes = [torch.float32, torch.float64, torch.float16]
     for _ in range(30):
         m = int(rng.integers(1, 12))
-        layers = [Layer(i, f"l{i}", torch.nn.Identity(),
-                        [torch.nn.Parameter(torch.zeros(int(s), dtype=dtypes[int(rng.integers(0, 3))]))
-                         for s in rng.integers(1, 50, int(rng.integers(1, 3)))])
-                  for i in range(m)]
+        layers = [
+            Layer(
+                i,
+                f"l{i}",
+                torch.nn.Identity(),
+                [
+                    torch.nn.Parameter(torch.zeros(int(s), dtype=dtypes[int(rng.integers(0, 3))]))
+                    for s in rng.integers(1, 50, int(rng.integers(1, 3)))
+                ],
+            )
+            for i in range(m)
+        ]
         nbytes = [sum(p.numel() * p.element_size() for p in layer.params) for layer in layers]
         group_of = {id(p): 0 for layer in layers for p in layer.params}
         cap = int(rng.integers(1, 400))
@@ -147,7 +173,9 @@ def test_no_communication_costs_nothing():
     rng = np.random.default_rng(2)
     profiles, nbytes, _ = random_profiles(rng, 8, 1.0)
     for k in (0, 3, 8):
-        r = simulate(profiles, k, bucket_cap_bytes=10_000, alpha=0.0, beta=0.0, bytes_per_layer=nbytes)
+        r = simulate(
+            profiles, k, bucket_cap_bytes=10_000, alpha=0.0, beta=0.0, bytes_per_layer=nbytes
+        )
         assert r.iteration_time == pytest.approx(r.compute_time, rel=1e-12)
         assert r.stall == pytest.approx(0.0, abs=1e-12)
         assert r.compute_time == pytest.approx(sum(p.forward + p.backward for p in profiles))
@@ -179,7 +207,10 @@ def test_communication_bound():
 def test_stale_traffic_overlaps_next_iteration():
     """Layer 1's gradient is ready only at the very end of backward: as sync it stalls the
     next forward by its whole all-reduce; as stale it runs across the next forward."""
-    profiles = [LayerProfile("l1", 1.0, 1.0, 0.1, numel=1), LayerProfile("l2", 1.0, 1.0, 0.1, numel=1)]
+    profiles = [
+        LayerProfile("l1", 1.0, 1.0, 0.1, numel=1),
+        LayerProfile("l2", 1.0, 1.0, 0.1, numel=1),
+    ]
     sync = simulate(profiles, 0, bucket_cap_bytes=0, alpha=None, beta=None)
     assert sync.stall == pytest.approx(0.1) and sync.forward_wait == pytest.approx(0.1)
     stale = simulate(profiles, 1, bucket_cap_bytes=0, alpha=None, beta=None)
@@ -191,13 +222,21 @@ def test_stale_traffic_overlaps_next_iteration():
 
 def test_step_waits_for_previous_stale_all_reduce():
     """A stale all-reduce longer than a whole iteration holds up step() of the next one."""
-    profiles = [LayerProfile("l1", 1.0, 1.0, 3.0, numel=1), LayerProfile("l2", 1.0, 1.0, 0.5, numel=1)]
+    profiles = [
+        LayerProfile("l1", 1.0, 1.0, 3.0, numel=1),
+        LayerProfile("l2", 1.0, 1.0, 0.5, numel=1),
+    ]
     r = simulate(profiles, 1, bucket_cap_bytes=0, alpha=None, beta=None)
     # The link carries 3.5 per iteration against 4 of compute, but l1's 3.0 starts at the end
     # of backward and must end by the next end of backward: it fits, no stall.
     assert r.stall == pytest.approx(0.0, abs=1e-12)
-    r = simulate([LayerProfile("l1", 1.0, 1.0, 4.5, numel=1), LayerProfile("l2", 1.0, 1.0, 0.5, numel=1)], 2,
-                 bucket_cap_bytes=0, alpha=None, beta=None)
+    r = simulate(
+        [LayerProfile("l1", 1.0, 1.0, 4.5, numel=1), LayerProfile("l2", 1.0, 1.0, 0.5, numel=1)],
+        2,
+        bucket_cap_bytes=0,
+        alpha=None,
+        beta=None,
+    )
     assert r.iteration_time == pytest.approx(5.0)  # comm-bound: the link's 5.0 per iteration
     assert r.step_wait > 0
 
@@ -207,17 +246,24 @@ def test_deferred_updates_follow_their_all_reduce():
     parameter, step 0.5). Sync: the next forward waits for the all-reduce, then updates
     (2), so the update cannot hide under the comm: 3 + 2 + 2 + 2 = 9, the step hidden.
     All stale: step() updates after the (long done) stale all-reduce: 2 + 2 + 2 + 0.5."""
-    profiles = [LayerProfile("l1", 1.0, 1.0, 1.5, numel=100), LayerProfile("l2", 1.0, 1.0, 1.5, numel=100)]
+    profiles = [
+        LayerProfile("l1", 1.0, 1.0, 1.5, numel=100),
+        LayerProfile("l2", 1.0, 1.0, 1.5, numel=100),
+    ]
     kw = dict(bucket_cap_bytes=1e9, alpha=None, beta=None, step_time=0.5, update_per_element=0.01)
     sync, stale = simulate(profiles, 0, **kw), simulate(profiles, 2, **kw)
     assert sync.iteration_time == pytest.approx(9.0) and stale.iteration_time == pytest.approx(6.5)
     assert sync.compute_time == pytest.approx(6.5) == stale.compute_time
     (update,) = [e for e in sync.events if e.category == "update"]
     (wait,) = [e for e in sync.events if e.category == "wait"]
-    assert update.start == pytest.approx(wait.end) and update.end - update.start == pytest.approx(2.0)
+    assert update.start == pytest.approx(wait.end) and update.end - update.start == pytest.approx(
+        2.0
+    )
     assert not [e for e in stale.events if e.category == "update"]
     old = simulate(profiles, 0, bucket_cap_bytes=1e9, alpha=None, beta=None, step_time=2.5)
-    assert old.iteration_time == pytest.approx(7.0)  # the same work as step time: hidden under the comm
+    assert old.iteration_time == pytest.approx(
+        7.0
+    )  # the same work as step time: hidden under the comm
     with pytest.raises(ValueError, match="update_per_element"):
         simulate(profiles, 0, bucket_cap_bytes=1e9, alpha=None, beta=None, update_per_element=-1.0)
 
@@ -244,7 +290,14 @@ def test_simulated_k_is_never_below_closed_form():
         m = int(rng.integers(1, 12))
         profiles, nbytes, beta = random_profiles(rng, m, comm_ratio=float(rng.uniform(0.05, 1.4)))
         cf = closed_form_k(profiles)
-        d = choose_k(profiles, bucket_cap_bytes=0, alpha=0.0, beta=beta, bytes_per_layer=nbytes, tolerance=1e-9)
+        d = choose_k(
+            profiles,
+            bucket_cap_bytes=0,
+            alpha=0.0,
+            beta=beta,
+            bytes_per_layer=nbytes,
+            tolerance=1e-9,
+        )
         assert d.comm_bound == (cf is None), (trial, cf, d.summary())
         if cf is not None:
             assert d.k >= cf, (trial, cf, d.summary())
@@ -255,7 +308,10 @@ def test_simulated_k_is_never_below_closed_form():
 def test_closed_form_is_not_sufficient():
     """With k = 0, layer 1's gradient is ready at the very end of backward and needed at the
     very start of the next forward: any v_1 > 0 stalls, yet the closed form accepts k = 0."""
-    profiles = [LayerProfile("l1", 1.0, 1.0, 0.1, numel=1), LayerProfile("l2", 1.0, 1.0, 0.1, numel=1)]
+    profiles = [
+        LayerProfile("l1", 1.0, 1.0, 0.1, numel=1),
+        LayerProfile("l2", 1.0, 1.0, 0.1, numel=1),
+    ]
     assert closed_form_k(profiles) == 0
     d = choose_k(profiles, bucket_cap_bytes=0, tolerance=1e-9)
     assert d.k == 1 and d.stalls[0] == pytest.approx(0.1)
@@ -301,7 +357,9 @@ def test_chrome_trace_of_simulation(tmp_path):
         assert {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"} <= set(e)
         assert e["pid"] == 3 and e["ts"] >= 0 and e["dur"] >= 0
     assert {e["cat"] for e in slices} >= {"forward", "backward", "comm"}
-    meta = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    meta = {
+        e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e.get("name") == "thread_name"
+    }
     assert {"compute", "comm"} <= set(meta)
     assert all(e["tid"] == meta["compute"] for e in slices if e["cat"] in ("forward", "backward"))
     process = [e for e in trace["traceEvents"] if e.get("name") == "process_name"]
@@ -326,12 +384,23 @@ def test_events_from_tracer(tmp_path):
         (20 * ms, "comm_done", {"what": "bucket 0", "stream": "sync"}),
         (21 * ms, "comm_wait", {"what": "bucket 0", "stream": "sync"}),
         (22 * ms, "comm_done", {"what": "bucket 1", "stream": "sync"}),
-        (23 * ms, "comm_start", {"what": "bucket 2", "stream": "stale"}),  # never completes: dropped
+        (
+            23 * ms,
+            "comm_start",
+            {"what": "bucket 2", "stream": "stale"},
+        ),  # never completes: dropped
     ]
     events = events_from_tracer(log)
     by = {(e.category, e.name): e for e in events}
-    assert set(by) == {("iteration", "iteration 1"), ("forward", "fc1"), ("backward", "fc1"), ("comm", "bucket 0"),
-                       ("comm", "bucket 1"), ("step", "step"), ("wait", "wait bucket 0")}
+    assert set(by) == {
+        ("iteration", "iteration 1"),
+        ("forward", "fc1"),
+        ("backward", "fc1"),
+        ("comm", "bucket 0"),
+        ("comm", "bucket 1"),
+        ("step", "step"),
+        ("wait", "wait bucket 0"),
+    }
     assert by[("forward", "fc1")][2:4] == pytest.approx((0.0, 0.002))
     assert by[("comm", "bucket 0")][2:4] == pytest.approx((0.006, 0.010))
     assert by[("comm", "bucket 1")].args["stream"] == "sync"
@@ -392,8 +461,12 @@ def test_shared_link_is_work_conserving():
         spec = [(float(t), bool(rng.integers(0, 2)), float(rng.uniform(0.01, 1.5))) for t in issues]
         shared, serial = SharedLink(), Link()
         for link in (shared, serial):
-            link.submit([_transfer(0, i, stale, comm, t) for i, (t, stale, comm) in enumerate(spec)])
-        assert max(tr.end for tr in shared.placed) == pytest.approx(max(tr.end for tr in serial.placed))
+            link.submit(
+                [_transfer(0, i, stale, comm, t) for i, (t, stale, comm) in enumerate(spec)]
+            )
+        assert max(tr.end for tr in shared.placed) == pytest.approx(
+            max(tr.end for tr in serial.placed)
+        )
         for tr in shared.placed:  # no transfer ends before its own link time has passed
             assert tr.end >= tr.issue + tr.bucket.comm_time * (1 - 1e-9)
 
@@ -401,7 +474,10 @@ def test_shared_link_is_work_conserving():
 def test_shared_link_delays_sync_traffic_behind_concurrent_stale_traffic():
     """Layer 2's sync bucket goes out just before layer 1's stale one: on one FIFO link it
     runs alone, on two groups it shares the link, ends later and holds up the next forward."""
-    profiles = [LayerProfile("l1", 1.0, 0.1, 1.0, numel=1), LayerProfile("l2", 0.1, 1.0, 1.0, numel=1)]
+    profiles = [
+        LayerProfile("l1", 1.0, 0.1, 1.0, numel=1),
+        LayerProfile("l2", 0.1, 1.0, 1.0, numel=1),
+    ]
     fifo = simulate(profiles, 1, bucket_cap_bytes=0, alpha=None, beta=None)
     shared = simulate(profiles, 1, bucket_cap_bytes=0, alpha=None, beta=None, shared_link=True)
     # FIFO: sync l2 ends 1.0 after its issue, 1.1 into the next iteration's... no wait needed
@@ -421,8 +497,14 @@ def test_vanishing_slowdown_reproduces_the_model_without(shared):
         profiles, nbytes, beta = random_profiles(rng, m, comm_ratio=float(rng.uniform(0.1, 1.5)))
         cap = int(rng.choice([0, 8_000, 40_000]))
         for k in range(m + 1):
-            kw = dict(bucket_cap_bytes=cap, alpha=0.01, beta=beta, bytes_per_layer=nbytes, step_time=0.2,
-                      shared_link=shared)
+            kw = dict(
+                bucket_cap_bytes=cap,
+                alpha=0.01,
+                beta=beta,
+                bytes_per_layer=nbytes,
+                step_time=0.2,
+                shared_link=shared,
+            )
             exact = simulate(profiles, k, **kw)
             tiny = simulate(profiles, k, slowdown=1e-12, **kw)
             assert tiny.iteration_time == pytest.approx(exact.iteration_time, rel=1e-9, abs=1e-9)
@@ -434,14 +516,22 @@ def test_slowdown_charges_compute_that_overlaps_a_transfer():
     under it runs at 1/(1+σ), so in its c seconds it does c/(1+σ) of work and the iteration
     takes c·σ/(1+σ) longer; no transfer, no cost."""
     sigma, c = 0.5, 0.4
-    profiles = [LayerProfile("l1", 1.0, 1.0, c, numel=1), LayerProfile("l2", 1.0, 1.0, 0.0, numel=1)]
+    profiles = [
+        LayerProfile("l1", 1.0, 1.0, c, numel=1),
+        LayerProfile("l2", 1.0, 1.0, 0.0, numel=1),
+    ]
     base = simulate(profiles, 2, bucket_cap_bytes=1e9, alpha=None, beta=None, step_time=0.25)
-    slowed = simulate(profiles, 2, bucket_cap_bytes=1e9, alpha=None, beta=None, step_time=0.25, slowdown=sigma)
+    slowed = simulate(
+        profiles, 2, bucket_cap_bytes=1e9, alpha=None, beta=None, step_time=0.25, slowdown=sigma
+    )
     assert base.iteration_time == pytest.approx(base.compute_time)
     assert slowed.iteration_time == pytest.approx(base.compute_time + c * sigma / (1 + sigma))
     assert slowed.wait == pytest.approx(0.0, abs=1e-12)
     assert slowed.stall == pytest.approx(c * sigma / (1 + sigma))
-    silent = [LayerProfile("l1", 1.0, 1.0, 0.0, numel=1), LayerProfile("l2", 1.0, 1.0, 0.0, numel=1)]
+    silent = [
+        LayerProfile("l1", 1.0, 1.0, 0.0, numel=1),
+        LayerProfile("l2", 1.0, 1.0, 0.0, numel=1),
+    ]
     r = simulate(silent, 2, bucket_cap_bytes=1e9, alpha=None, beta=None, slowdown=sigma)
     assert r.iteration_time == pytest.approx(r.compute_time)
     with pytest.raises(ValueError):
@@ -456,7 +546,14 @@ def test_choice_under_slowdown_is_the_smallest_k_near_the_best():
     for _ in range(30):
         m = int(rng.integers(2, 10))
         profiles, nbytes, beta = random_profiles(rng, m, comm_ratio=float(rng.uniform(0.3, 0.7)))
-        kw = dict(bucket_cap_bytes=0, alpha=0.0, beta=beta, bytes_per_layer=nbytes, slowdown=0.5, shared_link=True)
+        kw = dict(
+            bucket_cap_bytes=0,
+            alpha=0.0,
+            beta=beta,
+            bytes_per_layer=nbytes,
+            slowdown=0.5,
+            shared_link=True,
+        )
         d = choose_k(profiles, tolerance=0.01, **kw)
         times = [simulate(profiles, k, **kw).iteration_time for k in range(m + 1)]
         if d.stalls[m] <= d.tolerance:
@@ -492,8 +589,14 @@ def _synthetic_raw(u, b, comm, step=0.1):
         backward.append(list(b))
         spans.append((fs, bs))
         comms.append([[0, 4000, t + lo, t + hi] for lo, hi in comm])
-    return {"forward": forward, "backward": backward, "step_times": [step] * 2, "comm": comms, "spans": spans,
-            "step_spans": [(0.0, step, [])] * 2}
+    return {
+        "forward": forward,
+        "backward": backward,
+        "step_times": [step] * 2,
+        "comm": comms,
+        "spans": spans,
+        "step_spans": [(0.0, step, [])] * 2,
+    }
 
 
 def test_medians_take_the_slowdown_out_of_overlapped_samples():
@@ -520,7 +623,9 @@ def test_observed_link_fit_uses_the_last_rank_to_arrive():
     assert profiler.observed_beta(alpha, [skewed, clean]) == pytest.approx(beta)
     # ranks disagreeing on what they sent, or a missed completion: those iterations do not count
     odd = [(true * 10, 2, 2 * nbytes), (math.nan, 1, nbytes), (true, 1, nbytes)]
-    assert profiler.observed_beta(alpha, [odd, clean]) == pytest.approx(beta)  # only the third counts
+    assert profiler.observed_beta(alpha, [odd, clean]) == pytest.approx(
+        beta
+    )  # only the third counts
     assert math.isnan(profiler.observed_beta(alpha, [[(math.nan, 1, nbytes)], [(true, 1, nbytes)]]))
     assert profiler.busy_time([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
 
@@ -535,7 +640,9 @@ def test_combined_profile_prefers_the_slower_link():
     p = profiler.combine(rows, 2, sizes, link, 0.25)
     assert (p.forward, p.backward, p.step_time) == ([0.2, 0.2], [0.3, 0.5], 0.05)
     assert (p.alpha, p.beta_isolated) == (pytest.approx(1e-4), pytest.approx(1e-9))
-    assert p.beta_observed == pytest.approx(3e-9) and p.beta == p.beta_observed and p.slowdown == 0.25
+    assert (
+        p.beta_observed == pytest.approx(3e-9) and p.beta == p.beta_observed and p.slowdown == 0.25
+    )
     p = profiler.combine(rows, 2, sizes, [[(math.nan, 1, 1 << 22)]] * 2, 0.0)
     assert math.isnan(p.beta_observed) and p.beta == pytest.approx(1e-9)
 
@@ -602,12 +709,18 @@ def test_measure_gathers_only_the_profile(monkeypatch):
             raise AssertionError(f"measure() called torch.distributed.{name}")
 
     monkeypatch.setattr(profiler, "dist", FakeDist())
-    monkeypatch.setattr(profiler, "time_allreduce", lambda group, nbytes, dtype, device, sum_now=None: 1e-4 + 1e-9 * nbytes)
+    monkeypatch.setattr(
+        profiler,
+        "time_allreduce",
+        lambda group, nbytes, dtype, device, sum_now=None: 1e-4 + 1e-9 * nbytes,
+    )
     timer = profiler.LayerTimer.from_raw(_synthetic_raw([1.0, 2.0], [3.0, 4.0], [(0.0, 0.5)]))
     profile = profiler.measure(timer, None, [1 << 20], torch.float32, torch.device("cpu"))
     assert calls == ["all_gather"] * 3
     assert profile.slowdown == 0.0 and "slowdown_sample" not in profile.raw
-    assert profile.forward == pytest.approx([1.0, 2.0]) and profile.backward == pytest.approx([3.0, 4.0])
+    assert profile.forward == pytest.approx([1.0, 2.0]) and profile.backward == pytest.approx(
+        [3.0, 4.0]
+    )
     assert (profile.alpha, profile.beta_isolated) == (pytest.approx(1e-4), pytest.approx(1e-9))
 
 
@@ -634,10 +747,17 @@ def test_timer_keeps_deferred_updates_apart(monkeypatch):
         timer.end_iteration()
         clock[0] += 1.5  # step(), zero_grad(), the next batch
     u, b, step = timer.medians()
-    assert u == pytest.approx([2.0, 3.0]) and b == pytest.approx([5.0, 4.0]) and step == pytest.approx(1.5)
+    assert (
+        u == pytest.approx([2.0, 3.0])
+        and b == pytest.approx([5.0, 4.0])
+        and step == pytest.approx(1.5)
+    )
     assert timer.update_time() == pytest.approx(3.0)
     assert profiler.LayerTimer.from_raw(timer.raw()).update_time() == pytest.approx(3.0)
-    rows = [u + b + [step] + [1e-3, 2e-3] + [timer.update_time()], u + b + [step] + [1e-3, 2e-3] + [3.5]]
+    rows = [
+        u + b + [step] + [1e-3, 2e-3] + [timer.update_time()],
+        u + b + [step] + [1e-3, 2e-3] + [3.5],
+    ]
     assert profiler.combine(rows, 2, [4096, 8192], [[], []], 0.0).update_time == pytest.approx(3.5)
 
 
@@ -674,7 +794,9 @@ def test_tuner_finds_the_smallest_k_as_fast_as_all_stale(seed):
     m = int(rng.integers(2, 120))
     floor = float(rng.uniform(5, 50))
     drops = np.sort(rng.uniform(0, 1, m + 1))[::-1] * rng.uniform(0, 30)
-    times = [floor + float(d) - float(drops[-1]) for d in drops]  # non-increasing in k, times[m] = floor
+    times = [
+        floor + float(d) - float(drops[-1]) for d in drops
+    ]  # non-increasing in k, times[m] = floor
     first_k = int(rng.integers(1, m))
     tol = 0.03
     tuner = _search(times, first_k, tol)
@@ -702,7 +824,11 @@ def test_a_guided_search_finds_the_same_k_in_fewer_trials(seed):
     first_k, tol = 1, 0.03
     bisected = _search(times, first_k, tol)
     answer = bisected.final
-    for suggest, most in ((lambda lo, hi: answer, 3), (lambda lo, hi: lo + 1, m + 2), (lambda lo, hi: hi, 2)):
+    for suggest, most in (
+        (lambda lo, hi: answer, 3),
+        (lambda lo, hi: lo + 1, m + 2),
+        (lambda lo, hi: hi, 2),
+    ):
         tuner = Tuner(first_k, m, tol, suggest)
         while tuner.trial is not None:
             tuner.record(times[tuner.trial], times[tuner.trial] - min(times))
@@ -741,8 +867,17 @@ def test_slowdown_fit_recovers_the_sigma_behind_the_trials():
     profiles, nbytes, beta = random_profiles(rng, 12, 0.6)
 
     def predict(k, sigma):
-        return simulate(profiles, k, bucket_cap_bytes=4096, alpha=0.0, beta=beta, bytes_per_layer=nbytes,
-                        shared_link=True, slowdown=sigma, record_events=False).iteration_time
+        return simulate(
+            profiles,
+            k,
+            bucket_cap_bytes=4096,
+            alpha=0.0,
+            beta=beta,
+            bytes_per_layer=nbytes,
+            shared_link=True,
+            slowdown=sigma,
+            record_events=False,
+        ).iteration_time
 
     trials = [Trial(k, predict(k, 0.75), 0.0) for k in (3, 12, 7)]
     assert predict(12, 0.75) > predict(12, 0.0) * 1.02  # the slow-down shows
@@ -772,18 +907,34 @@ def _exposed_profiles():
     one per bucket: l3's all-reduce (0.5) is issued at 4, l2's (2.0) at 5, l1's (0.5) at 6,
     when backward ends. So l2's ends at 7.0: after the end of backward and, under the old
     timeline, after the next iteration's start (6 + l1's stale update 0.25 + step 0.25)."""
-    profiles = [LayerProfile("l1", 1.0, 1.0, 0.5, numel=16), LayerProfile("l2", 1.0, 1.0, 2.0, numel=16),
-                LayerProfile("l3", 1.0, 1.0, 0.5, numel=16)]
-    return profiles, dict(bucket_cap_bytes=0, alpha=None, beta=None, step_time=0.25, update_per_element=1 / 64)
+    profiles = [
+        LayerProfile("l1", 1.0, 1.0, 0.5, numel=16),
+        LayerProfile("l2", 1.0, 1.0, 2.0, numel=16),
+        LayerProfile("l3", 1.0, 1.0, 0.5, numel=16),
+    ]
+    return profiles, dict(
+        bucket_cap_bytes=0, alpha=None, beta=None, step_time=0.25, update_per_element=1 / 64
+    )
 
 
 def test_sync_at_step_waits_at_the_end_of_backward_then_updates_in_step():
     """k = 0 with ``sync_at_step``: the end of backward waits for the last sync all-reduce,
     then step() runs every update and the step time: F + B + wait + updates + step."""
-    profiles = [LayerProfile("l1", 1.0, 1.0, 0.5, numel=16), LayerProfile("l2", 1.0, 1.0, 2.5, numel=16)]
+    profiles = [
+        LayerProfile("l1", 1.0, 1.0, 0.5, numel=16),
+        LayerProfile("l2", 1.0, 1.0, 2.5, numel=16),
+    ]
     step_time, per_element = 0.5, 1 / 64
-    r = simulate(profiles, 0, bucket_cap_bytes=0, alpha=None, beta=None, step_time=step_time,
-                 update_per_element=per_element, sync_at_step=True)
+    r = simulate(
+        profiles,
+        0,
+        bucket_cap_bytes=0,
+        alpha=None,
+        beta=None,
+        step_time=step_time,
+        update_per_element=per_element,
+        sync_at_step=True,
+    )
     forward, backward = sum(p.forward for p in profiles), sum(p.backward for p in profiles)
     # l2's bucket is issued after its backward (u1 + u2 + b2 = 3), l1's at the end of backward (4),
     # and the link takes them one after the other
@@ -809,8 +960,16 @@ def test_sync_at_step_changes_nothing_when_every_layer_is_stale(shared):
         m = int(rng.integers(1, 8))
         profiles, nbytes, beta = random_profiles(rng, m, comm_ratio=float(rng.uniform(0.2, 1.5)))
         for slowdown in (0.0, 0.5):
-            kw = dict(bucket_cap_bytes=int(rng.choice([0, 8_000])), alpha=0.01, beta=beta, bytes_per_layer=nbytes,
-                      step_time=0.2, update_per_element=1e-5, slowdown=slowdown, shared_link=shared)
+            kw = dict(
+                bucket_cap_bytes=int(rng.choice([0, 8_000])),
+                alpha=0.01,
+                beta=beta,
+                bytes_per_layer=nbytes,
+                step_time=0.2,
+                update_per_element=1e-5,
+                slowdown=slowdown,
+                shared_link=shared,
+            )
             old, new = simulate(profiles, m, **kw), simulate(profiles, m, sync_at_step=True, **kw)
             assert new.iteration_time == old.iteration_time and new.step_wait == old.step_wait
             assert new.events == old.events
@@ -823,9 +982,13 @@ def test_sync_at_step_no_longer_hides_the_sync_tail_under_the_next_forward():
     profiles, kw = _exposed_profiles()
     old, new = simulate(profiles, 1, **kw), simulate(profiles, 1, sync_at_step=True, **kw)
     forward, backward = sum(p.forward for p in profiles), sum(p.backward for p in profiles)
-    assert old.iteration_time == pytest.approx(old.compute_time, abs=1e-12) and old.compute_time == 7.0
+    assert (
+        old.iteration_time == pytest.approx(old.compute_time, abs=1e-12) and old.compute_time == 7.0
+    )
     l2_end = forward + profiles[2].backward + profiles[1].backward + profiles[1].comm  # issued at 5
-    assert l2_end > forward + backward + 16 / 64 + 0.25  # past the next start under the old timeline
+    assert (
+        l2_end > forward + backward + 16 / 64 + 0.25
+    )  # past the next start under the old timeline
     expected = forward + backward + (l2_end - (forward + backward)) + 3 * 16 / 64 + 0.25
     assert expected == 8.0 and new.iteration_time > old.iteration_time
     assert abs(new.iteration_time - expected) <= 1e-12
@@ -845,20 +1008,37 @@ def test_sync_at_step_with_slowdown(shared):
         exact = simulate(profiles, k, sync_at_step=True, shared_link=shared, **kw)
         slowed = simulate(profiles, k, sync_at_step=True, shared_link=shared, slowdown=0.5, **kw)
         assert slowed.converged and slowed.iteration_time >= exact.iteration_time - 1e-12
-    assert simulate(profiles, 1, sync_at_step=True, slowdown=0.5, shared_link=shared, **kw).iteration_time > 8.0
+    assert (
+        simulate(
+            profiles, 1, sync_at_step=True, slowdown=0.5, shared_link=shared, **kw
+        ).iteration_time
+        > 8.0
+    )
     rng = np.random.default_rng(22)
     for _ in range(15):
         m = int(rng.integers(1, 8))
         profiles, nbytes, beta = random_profiles(rng, m, comm_ratio=float(rng.uniform(0.1, 1.5)))
         for k in range(m + 1):
-            kw = dict(bucket_cap_bytes=int(rng.choice([0, 8_000, 40_000])), alpha=0.01, beta=beta,
-                      bytes_per_layer=nbytes, step_time=0.2, update_per_element=1e-5, shared_link=shared,
-                      sync_at_step=True)
+            kw = dict(
+                bucket_cap_bytes=int(rng.choice([0, 8_000, 40_000])),
+                alpha=0.01,
+                beta=beta,
+                bytes_per_layer=nbytes,
+                step_time=0.2,
+                update_per_element=1e-5,
+                shared_link=shared,
+                sync_at_step=True,
+            )
             exact = simulate(profiles, k, **kw)
             tiny = simulate(profiles, k, slowdown=1e-12, **kw)
             assert tiny.iteration_time == pytest.approx(exact.iteration_time, rel=1e-9, abs=1e-9)
-            if not shared:  # shared, slower compute can issue a stale bucket later and so speed a sync one up
-                assert simulate(profiles, k, slowdown=0.5, **kw).iteration_time >= exact.iteration_time - 1e-12
+            if (
+                not shared
+            ):  # shared, slower compute can issue a stale bucket later and so speed a sync one up
+                assert (
+                    simulate(profiles, k, slowdown=0.5, **kw).iteration_time
+                    >= exact.iteration_time - 1e-12
+                )
 
 
 def test_the_margin_is_the_distance_to_the_threshold_of_each_trials_verdict():
@@ -870,7 +1050,9 @@ def test_the_margin_is_the_distance_to_the_threshold_of_each_trials_verdict():
     assert tuner.margin(90.0, 0.0) == pytest.approx(7.0 / 90.0)  # m: 90 against 97 = 100 (1 - 3%)
     tuner.record(90.0, 0.0)
     assert tuner.trial == 5
-    assert tuner.margin(95.0, 0.0) == pytest.approx(2.3 / 95.0)  # a probe: 95 against 92.7 = 90 (1 + 3%)
+    assert tuner.margin(95.0, 0.0) == pytest.approx(
+        2.3 / 95.0
+    )  # a probe: 95 against 92.7 = 90 (1 + 3%)
     tuner.stop()
     with pytest.raises(RuntimeError, match="nothing to judge"):
         tuner.margin(1.0, 0.0)
@@ -885,8 +1067,16 @@ def test_link_scale_fit_recovers_a_link_slower_than_profiled():
     profiles, nbytes, beta = random_profiles(rng, 12, 0.6)
 
     def seen(k, scale):
-        r = simulate(profiles, k, bucket_cap_bytes=4096, alpha=0.0, beta=beta * scale, bytes_per_layer=nbytes,
-                     shared_link=True, record_events=False)
+        r = simulate(
+            profiles,
+            k,
+            bucket_cap_bytes=4096,
+            alpha=0.0,
+            beta=beta * scale,
+            bytes_per_layer=nbytes,
+            shared_link=True,
+            record_events=False,
+        )
         return r.iteration_time, r.forward_wait + r.step_wait
 
     slow = [Trial(k, *seen(k, 2.5)) for k in (3, 12)]
@@ -901,6 +1091,8 @@ def test_a_bucket_pays_the_latency_once():
     from sapipe.schedule.simulator import plan_buckets
 
     profiles = [LayerProfile(f"l{i}", 1.0, 1.0, 0.0) for i in range(4)]
-    plans = plan_buckets(profiles, 0, bucket_cap_bytes=1e9, alpha=0.5, beta=1e-3, bytes_per_layer=[100] * 4)
+    plans = plan_buckets(
+        profiles, 0, bucket_cap_bytes=1e9, alpha=0.5, beta=1e-3, bytes_per_layer=[100] * 4
+    )
     assert [len(plan.layers) for plan in plans] == [4]
     assert plans[0].comm_time == pytest.approx(0.5 + 1e-3 * 400, rel=1e-12)

@@ -8,17 +8,18 @@
 * State whose parameters are at different steps (stale layers' state) stays on the fused path,
   each parameter at its own step, and its checkpoint resumes in a fresh job.
 """
+
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
-
-import sapipe
 from dist_utils import run_ranks
 from models import loss_fn_for, make_batches, make_model
 from optimizers import GENERIC, GlobalStepRMSprop, GroupStepAdam
+
+import sapipe
 from sapipe.optim.generic import rule_for
 
 STEPS, SPLIT = 10, 5
@@ -51,7 +52,9 @@ def _ddp(kind, rank, steps, weights=None, state=None):
         model.load_state_dict(weights)
     opt = FACTORIES[kind](model.parameters())
     if state is not None:
-        opt.load_state_dict(copy.deepcopy(state))  # torch.optim's loaded state may share its tensors
+        opt.load_state_dict(
+            copy.deepcopy(state)
+        )  # torch.optim's loaded state may share its tensors
     _train(model, opt, DDP(model), rank, steps)
     return model, opt
 
@@ -90,19 +93,28 @@ def _state_out(rank, world_size, kind):
     ddp_first, ddp_opt = _ddp(kind, rank, range(SPLIT))
     reference, _ = _ddp(kind, rank, range(STEPS))
     model = make_model("tied", seed=rank)
-    opt = sapipe.DistributedOptimizer(FACTORIES[kind](model.parameters()), model, bucket_cap_mb=0.0004)
+    opt = sapipe.DistributedOptimizer(
+        FACTORIES[kind](model.parameters()), model, bucket_cap_mb=0.0004
+    )
     _train(model, opt, model, rank, range(SPLIT))
     exported = opt.torch_state_dict()
     ours, theirs = exported["state"], ddp_opt.state_dict()["state"]
     state_diff = max(
-        (ours[i][key] - value).abs().max().item() if torch.is_tensor(value) else abs(ours[i][key] - value)
-        for i in theirs for key, value in theirs[i].items()
+        (ours[i][key] - value).abs().max().item()
+        if torch.is_tensor(value)
+        else abs(ours[i][key] - value)
+        for i in theirs
+        for key, value in theirs[i].items()
     )
-    continued, _ = _ddp(kind, rank, range(SPLIT, STEPS), copy.deepcopy(model.state_dict()), exported)
+    continued, _ = _ddp(
+        kind, rank, range(SPLIT, STEPS), copy.deepcopy(model.state_dict()), exported
+    )
     return {
-        "same keys": {i: sorted(s) for i, s in ours.items()} == {i: sorted(s) for i, s in theirs.items()},
+        "same keys": {i: sorted(s) for i, s in ours.items()}
+        == {i: sorted(s) for i, s in theirs.items()},
         "groups": exported["param_groups"] == ddp_opt.state_dict()["param_groups"],
-        "state diff": state_diff, "diff": _distance(continued, reference),
+        "state diff": state_diff,
+        "diff": _distance(continued, reference),
     }
 
 
@@ -110,8 +122,12 @@ def _state_out(rank, world_size, kind):
 def test_torch_state_dict_continues_under_ddp(kind):
     for rank, out in enumerate(run_ranks(_state_out, world_size=2, args=(kind,))):
         assert out["same keys"] and out["groups"], out
-        assert out["state diff"] <= 1e-6, f"rank {rank}: state differs from DDP's by {out['state diff']:.3e}"
-        assert out["diff"] <= 1e-6, f"rank {rank}: max |DDP from sapipe's state - DDP| = {out['diff']:.3e}"
+        assert out["state diff"] <= 1e-6, (
+            f"rank {rank}: state differs from DDP's by {out['state diff']:.3e}"
+        )
+        assert out["diff"] <= 1e-6, (
+            f"rank {rank}: max |DDP from sapipe's state - DDP| = {out['diff']:.3e}"
+        )
 
 
 def _stale_state_round_trip(rank, world_size):
@@ -119,8 +135,9 @@ def _stale_state_round_trip(rank, world_size):
     stays on the fused path, and continues as DDP does from the same state; a checkpoint of
     that job, loaded into a fresh one (whose optimizer holds no state), continues alike."""
     model = make_model("tied", seed=rank)
-    opt = sapipe.DistributedOptimizer(FACTORIES["adamw"](model.parameters()), model, stale_layers=3,
-                                      bucket_cap_mb=0.0004)
+    opt = sapipe.DistributedOptimizer(
+        FACTORIES["adamw"](model.parameters()), model, stale_layers=3, bucket_cap_mb=0.0004
+    )
     _train(model, opt, model, rank, range(SPLIT))
     exported = opt.torch_state_dict()
     with opt.real_weights():
@@ -130,7 +147,9 @@ def _stale_state_round_trip(rank, world_size):
     reference, _ = _ddp("adamw", rank, range(SPLIT, STEPS), weights, exported)
     model = make_model("tied")
     model.load_state_dict(weights)
-    opt = sapipe.DistributedOptimizer(FACTORIES["adamw"](model.parameters()), model, bucket_cap_mb=0.0004)
+    opt = sapipe.DistributedOptimizer(
+        FACTORIES["adamw"](model.parameters()), model, bucket_cap_mb=0.0004
+    )
     opt.load_state_dict(copy.deepcopy(exported))
     _train(model, opt, model, rank, range(SPLIT, SPLIT + 2))
     checkpoint = {"model": copy.deepcopy(model.state_dict()), "optimizer": opt.state_dict()}
@@ -141,11 +160,15 @@ def _stale_state_round_trip(rank, world_size):
     opt.close()
     model = make_model("tied", seed=rank + 7)
     model.load_state_dict(checkpoint["model"])
-    opt = sapipe.DistributedOptimizer(FACTORIES["adamw"](model.parameters()), model, bucket_cap_mb=0.0004)
+    opt = sapipe.DistributedOptimizer(
+        FACTORIES["adamw"](model.parameters()), model, bucket_cap_mb=0.0004
+    )
     opt.load_state_dict(checkpoint["optimizer"])
     _train(model, opt, model, rank, range(SPLIT + 2, STEPS))
     opt.synchronize()
-    resumed = max((p.detach() - continued[n]).abs().max().item() for n, p in model.named_parameters())
+    resumed = max(
+        (p.detach() - continued[n]).abs().max().item() for n, p in model.named_parameters()
+    )
     return {"steps": steps, "path": path, "diff": diff, "resumed": resumed}
 
 
@@ -154,7 +177,9 @@ def test_state_at_different_steps_stays_fused_and_resumes():
         assert out["steps"] == [SPLIT - 1, SPLIT], out  # stale layers: no update at pipeline step 1
         assert out["path"] == "fused"
         assert out["diff"] <= 1e-6, f"rank {rank}: max |sapipe - DDP| = {out['diff']:.3e}"
-        assert out["resumed"] == 0.0, f"rank {rank}: the resumed checkpoint moved by {out['resumed']:.3e}"
+        assert out["resumed"] == 0.0, (
+            f"rank {rank}: the resumed checkpoint moved by {out['resumed']:.3e}"
+        )
 
 
 def _group_state(rank, world_size, make=GroupStepAdam):
@@ -170,29 +195,43 @@ def _group_state(rank, world_size, make=GroupStepAdam):
 
 def test_state_kept_in_param_groups_is_refused():
     for message in run_ranks(_group_state, world_size=2):
-        assert "GroupStepAdam" in message and "['group_step']" in message and "once per bucket" in message, message
+        assert (
+            "GroupStepAdam" in message
+            and "['group_step']" in message
+            and "once per bucket" in message
+        ), message
 
 
 def test_state_kept_outside_any_parameter_is_refused():
     """A count kept in ``optimizer.state`` under a key that is no parameter would advance once
     per bucket segment, not once per step."""
     for message in run_ranks(_group_state, world_size=2, args=(GlobalStepRMSprop,)):
-        assert "GlobalStepRMSprop" in message and "['global_step'] in its state outside" in message, message
+        assert (
+            "GlobalStepRMSprop" in message and "['global_step'] in its state outside" in message
+        ), message
 
 
 def test_which_path():
     params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(2))]
     assert rule_for(torch.optim.AdamW(params)).path == "fused"
     assert rule_for(torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True)).path == "fused"
-    for optimizer in (torch.optim.Adam(params, amsgrad=True), torch.optim.Adafactor(params),
-                      torch.optim.ASGD(params), torch.optim.Rprop(params), GENERIC["sgd-subclass"](params)):
+    for optimizer in (
+        torch.optim.Adam(params, amsgrad=True),
+        torch.optim.Adafactor(params),
+        torch.optim.ASGD(params),
+        torch.optim.Rprop(params),
+        GENERIC["sgd-subclass"](params),
+    ):
         assert rule_for(optimizer).path == "generic", type(optimizer)
     partly = torch.optim.Adam(params, lr=0.1)
     params[0].grad = torch.ones_like(params[0])
     partly.step()  # state for one parameter only: each keeps its own counters
     assert rule_for(partly).path == "fused"
     horovod_like = type("SGD", (torch.optim.SGD,), {"__module__": "horovod.torch.optimizer"})
-    for optimizer, text in ((torch.optim.LBFGS(params), "LBFGS"), (horovod_like(params, lr=0.1), "distributed")):
+    for optimizer, text in (
+        (torch.optim.LBFGS(params), "LBFGS"),
+        (horovod_like(params, lr=0.1), "distributed"),
+    ):
         with pytest.raises(sapipe.UnsupportedOptimizerError, match=text):
             rule_for(optimizer)
 
@@ -201,9 +240,13 @@ def test_adamw_decays_decoupled_where_torch_names_no_option():
     """torch < 2.7 has no ``decoupled_weight_decay`` in AdamW's groups (its class is the
     option); without the key the fused rule must still decay AdamW decoupled and Adam not."""
     params = [torch.nn.Parameter(torch.randn(3))]
-    for optimizer, decoupled in ((torch.optim.AdamW(params, weight_decay=0.1), True),
-                                 (torch.optim.Adam(params, weight_decay=0.1), False)):
-        group = {k: v for k, v in optimizer.param_groups[0].items() if k != "decoupled_weight_decay"}
+    for optimizer, decoupled in (
+        (torch.optim.AdamW(params, weight_decay=0.1), True),
+        (torch.optim.Adam(params, weight_decay=0.1), False),
+    ):
+        group = {
+            k: v for k, v in optimizer.param_groups[0].items() if k != "decoupled_weight_decay"
+        }
         assert rule_for(optimizer).hyperparams(group)["decoupled"] is decoupled, type(optimizer)
 
 

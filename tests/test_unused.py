@@ -15,6 +15,7 @@
   parameters, every rank's buffers and the evaluation outputs equal DDP's, for
   ``broadcast_buffers`` True and False.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from dist_utils import assert_close_dicts, run_ranks
 from reference import run_reference
 
@@ -71,7 +71,9 @@ def branch_batches(steps: int, world_size: int, dtype=torch.float32):
         for r in range(world_size):
             x = torch.randn(4, 6, generator=g, dtype=torch.float64)
             x = torch.cat([x, torch.full((4, 1), float(route(t, r)), dtype=torch.float64)], dim=1)
-            per_rank.append((x.to(dtype), torch.randn(4, 3, generator=g, dtype=torch.float64).to(dtype)))
+            per_rank.append(
+                (x.to(dtype), torch.randn(4, 3, generator=g, dtype=torch.float64).to(dtype))
+            )
         batches.append(per_rank)
     return batches
 
@@ -81,10 +83,14 @@ BASE_LR = {"sgd": 0.05, "adam": 0.01, "adamw": 0.01, "rmsprop": 0.01}
 
 def make_optimizer(kind: str, params):
     params = list(params)
-    groups = [{"params": [p for p in params if p.ndim > 1]},
-              {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim > 1]},
+        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+    ]
     if kind == "sgd":  # dampening: a momentum buffer seeded at the wrong step would show
-        return torch.optim.SGD(groups, lr=BASE_LR[kind], momentum=0.9, dampening=0.1, weight_decay=1e-2)
+        return torch.optim.SGD(
+            groups, lr=BASE_LR[kind], momentum=0.9, dampening=0.1, weight_decay=1e-2
+        )
     if kind == "adam":
         return torch.optim.Adam(groups, lr=BASE_LR[kind], betas=(0.8, 0.95), weight_decay=1e-2)
     if kind == "rmsprop":  # the generic path: the optimizer's own step() over the used parameters
@@ -114,21 +120,28 @@ def _micro_batches(x, y, t, accumulate):
 
 
 def _train_vs_ddp(rank, world_size, kind, bucket_cap_mb, accumulate=False, compression=None):
-    import sapipe
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import sapipe
 
     batches = branch_batches(STEPS, world_size)
     ddp_model = branch_net(seed=0)
     ddp = DDP(ddp_model, find_unused_parameters=True)
-    if compression is not None:  # torch's own hook (DDP's check for NCCL bypassed: Gloo sums bf16 too)
+    if (
+        compression is not None
+    ):  # torch's own hook (DDP's check for NCCL bypassed: Gloo sums bf16 too)
         hook = getattr(default_hooks, f"{compression}_compress_hook")
         ddp.register_comm_hook(None, lambda group, bucket: hook(group, bucket))
     ddp_opt = make_optimizer(kind, ddp_model.parameters())
     ddp_sched = torch.optim.lr_scheduler.LambdaLR(ddp_opt, lr_factor)
     model = branch_net(seed=rank)  # construction broadcasts rank 0's weights
-    opt = sapipe.DistributedOptimizer(make_optimizer(kind, model.parameters()), model, bucket_cap_mb=bucket_cap_mb,
-                                      compression=compression)
+    opt = sapipe.DistributedOptimizer(
+        make_optimizer(kind, model.parameters()),
+        model,
+        bucket_cap_mb=bucket_cap_mb,
+        compression=compression,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     for t in range(STEPS):
         micro = _micro_batches(*batches[t][rank], t, accumulate)
@@ -141,8 +154,12 @@ def _train_vs_ddp(rank, world_size, kind, bucket_cap_mb, accumulate=False, compr
             optimizer.step()
             scheduler.step()
     opt.synchronize()
-    return {"ddp": _named(ddp_model), "sapipe": _named(model), "initial": _named(branch_net(seed=0)),
-            "buckets": len(opt.buckets)}
+    return {
+        "ddp": _named(ddp_model),
+        "sapipe": _named(model),
+        "initial": _named(branch_net(seed=0)),
+        "buckets": len(opt.buckets),
+    }
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam", "adamw", "rmsprop"])
@@ -151,7 +168,9 @@ def test_unused_parameters_equal_ddp(kind, bucket_cap_mb):
     out = run_ranks(_train_vs_ddp, world_size=2, args=(kind, bucket_cap_mb))
     assert out[0]["buckets"] == (1 if bucket_cap_mb > 1 else 4)
     for rank, r in enumerate(out):
-        assert_close_dicts(r["sapipe"], r["ddp"], rtol=0, atol=1e-6, what=f"rank {rank} {kind} sapipe vs DDP")
+        assert_close_dicts(
+            r["sapipe"], r["ddp"], rtol=0, atol=1e-6, what=f"rank {rank} {kind} sapipe vs DDP"
+        )
         for name in ("never.weight", "never.bias"):  # untouched, to the bit, as under DDP
             assert (r["sapipe"][name] == r["initial"][name]).all(), f"rank {rank}: {name} moved"
             assert (r["ddp"][name] == r["initial"][name]).all()
@@ -160,7 +179,9 @@ def test_unused_parameters_equal_ddp(kind, bucket_cap_mb):
 
 
 @pytest.mark.parametrize("compression", ["fp16", "bf16"])
-def test_unused_and_accumulated_gradients_compressed_equal_ddp_with_torchs_compress_hook(compression):
+def test_unused_and_accumulated_gradients_compressed_equal_ddp_with_torchs_compress_hook(
+    compression,
+):
     """Gradients backward writes straight into the compressed messages: a parameter no rank
     used goes as zeros, one accumulated inside no_sync() (whose hook does not fire) as its
     gradient, as DDP with find_unused_parameters and the same format's compress hook sends
@@ -168,8 +189,16 @@ def test_unused_and_accumulated_gradients_compressed_equal_ddp_with_torchs_compr
     rank's fp16 gradient before the sum, sapipe halves the sum, and a halved subnormal loses
     its last bit)."""
     atol = {"fp16": 1e-5, "bf16": 1e-6}[compression]
-    for rank, r in enumerate(run_ranks(_train_vs_ddp, world_size=2, args=("adamw", 0.0004, True, compression))):
-        assert_close_dicts(r["sapipe"], r["ddp"], rtol=0, atol=atol, what=f"rank {rank} {compression} vs DDP's hook")
+    for rank, r in enumerate(
+        run_ranks(_train_vs_ddp, world_size=2, args=("adamw", 0.0004, True, compression))
+    ):
+        assert_close_dicts(
+            r["sapipe"],
+            r["ddp"],
+            rtol=0,
+            atol=atol,
+            what=f"rank {rank} {compression} vs DDP's hook",
+        )
         for name in ("never.weight", "never.bias"):
             assert (r["sapipe"][name] == r["initial"][name]).all(), f"rank {rank}: {name} moved"
 
@@ -177,7 +206,9 @@ def test_unused_and_accumulated_gradients_compressed_equal_ddp_with_torchs_compr
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_gradient_accumulated_in_no_sync_counts_as_used_as_in_ddp(kind):
     for rank, r in enumerate(run_ranks(_train_vs_ddp, world_size=2, args=(kind, 0.0004, True))):
-        assert_close_dicts(r["sapipe"], r["ddp"], rtol=0, atol=1e-6, what=f"rank {rank} {kind} no_sync vs DDP")
+        assert_close_dicts(
+            r["sapipe"], r["ddp"], rtol=0, atol=1e-6, what=f"rank {rank} {kind} no_sync vs DDP"
+        )
 
 
 # ------------------------------------------------------------------ k > 0 vs the float64 reference
@@ -205,8 +236,15 @@ def _train_stale(rank, world_size, kind, configs):
     for k, mode, s, warmup in configs:
         model = branch_net(seed=rank, dtype=torch.float64)
         opt = sapipe.DistributedOptimizer(
-            make_optimizer(kind, model.parameters()), model, stale_layers=k, compensation=mode, staleness=s,
-            warmup_steps=warmup, dc_lambda=0.7, bucket_cap_mb=0.0006, timeout=60,
+            make_optimizer(kind, model.parameters()),
+            model,
+            stale_layers=k,
+            compensation=mode,
+            staleness=s,
+            warmup_steps=warmup,
+            dc_lambda=0.7,
+            bucket_cap_mb=0.0006,
+            timeout=60,
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
         for t in range(STEPS):
@@ -224,7 +262,7 @@ def _train_stale(rank, world_size, kind, configs):
     return results
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _stale_runs(kind: str):
     return run_ranks(_train_stale, world_size=2, args=(kind, CONFIGS), timeout=300)
 
@@ -235,16 +273,26 @@ def test_unused_parameters_stale_match_reference(kind, config):
     k, mode, s, warmup = config
     per_rank = [r[CONFIGS.index(config)] for r in _stale_runs(kind)]
     ref = run_reference(
-        branch_net(seed=0, dtype=torch.float64), functools.partial(make_optimizer, kind),
-        branch_batches(STEPS, 2, torch.float64), F.mse_loss, stale_layers=k, compensation=mode,
-        staleness=s, warmup_steps=warmup, dc_lambda=0.7,
+        branch_net(seed=0, dtype=torch.float64),
+        functools.partial(make_optimizer, kind),
+        branch_batches(STEPS, 2, torch.float64),
+        F.mse_loss,
+        stale_layers=k,
+        compensation=mode,
+        staleness=s,
+        warmup_steps=warmup,
+        dc_lambda=0.7,
         lr_at=lambda it: BASE_LR[kind] * lr_factor(it - 1),
     )
     initial = _named(branch_net(seed=0, dtype=torch.float64))
     for rank, got in enumerate(per_rank):
         assert got["order"] == ref.order == ["inp", "mine", "out", "sometimes", "never"]
-        assert_close_dicts(got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real x")
-        assert_close_dicts(got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held")
+        assert_close_dicts(
+            got["real"], ref.real[-1], rtol=1e-9, atol=1e-11, what=f"rank {rank} real x"
+        )
+        assert_close_dicts(
+            got["held"], ref.held[-1][rank], rtol=1e-9, atol=1e-11, what=f"rank {rank} held"
+        )
         assert (got["real"]["never.weight"] == initial["never.weight"]).all()
 
 
@@ -263,12 +311,18 @@ class NormNet(nn.Module):
 
 
 def _train_buffers(rank, world_size, broadcast):
-    import sapipe
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import sapipe
+
     g = torch.Generator().manual_seed(1)
-    data = [[(torch.randn(8, 6, generator=g) * (1 + r) + r, torch.randn(8, 3, generator=g))
-             for r in range(world_size)] for _ in range(STEPS + 1)]
+    data = [
+        [
+            (torch.randn(8, 6, generator=g) * (1 + r) + r, torch.randn(8, 3, generator=g))
+            for r in range(world_size)
+        ]
+        for _ in range(STEPS + 1)
+    ]
     probe = torch.randn(5, 6, generator=g)
 
     def build(seed):
@@ -280,12 +334,18 @@ def _train_buffers(rank, world_size, broadcast):
     ddp = DDP(ddp_model, broadcast_buffers=broadcast)
     ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.05, momentum=0.9)
     model = build(rank)
-    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
-                                      broadcast_buffers=broadcast)
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        model,
+        broadcast_buffers=broadcast,
+    )
     evals = {"ddp": [], "sapipe": []}
     for t in range(STEPS):
         micro = [data[t][rank], data[t + 1][rank]] if t % 4 == 3 else [data[t][rank]]
-        for key, net, module, optimizer in (("ddp", ddp, ddp_model, ddp_opt), ("sapipe", model, model, opt)):
+        for key, net, module, optimizer in (
+            ("ddp", ddp, ddp_model, ddp_opt),
+            ("sapipe", model, model, opt),
+        ):
             optimizer.zero_grad()
             for j, (x, y) in enumerate(micro):
                 no_sync = net.no_sync if key == "ddp" else optimizer.no_sync
@@ -300,7 +360,9 @@ def _train_buffers(rank, world_size, broadcast):
                 module.train()
     opt.synchronize()
     return {
-        "ddp": dict(_named(ddp_model), **{"buf." + n: b.clone() for n, b in ddp_model.named_buffers()}),
+        "ddp": dict(
+            _named(ddp_model), **{"buf." + n: b.clone() for n, b in ddp_model.named_buffers()}
+        ),
         "sapipe": dict(_named(model), **{"buf." + n: b.clone() for n, b in model.named_buffers()}),
         "evals": {key: torch.stack(v) for key, v in evals.items()},
     }
@@ -310,8 +372,16 @@ def _train_buffers(rank, world_size, broadcast):
 def test_broadcast_buffers_equals_ddp(broadcast):
     out = run_ranks(_train_buffers, world_size=2, args=(broadcast,))
     for rank, r in enumerate(out):
-        assert_close_dicts(r["sapipe"], r["ddp"], rtol=0, atol=1e-6, what=f"rank {rank} broadcast_buffers={broadcast}")
-        assert abs(r["evals"]["sapipe"] - r["evals"]["ddp"]).max() <= 1e-6, f"rank {rank}: evaluation outputs differ"
+        assert_close_dicts(
+            r["sapipe"],
+            r["ddp"],
+            rtol=0,
+            atol=1e-6,
+            what=f"rank {rank} broadcast_buffers={broadcast}",
+        )
+        assert abs(r["evals"]["sapipe"] - r["evals"]["ddp"]).max() <= 1e-6, (
+            f"rank {rank}: evaluation outputs differ"
+        )
     # every rank evaluates with rank 0's running statistics exactly when they are broadcast
     evals_differ = abs(out[0]["evals"]["sapipe"] - out[1]["evals"]["sapipe"]).max()
     assert (evals_differ == 0) if broadcast else (evals_differ > 1e-3)
@@ -342,9 +412,13 @@ def test_a_replaced_buffer_is_the_one_broadcast():
     out = run_ranks(_replaced_buffer, world_size=2)
     # rank 0's 10.0 reached rank 1 before the forward; the same batch then moved both alike
     # (rank 1 keeping its own 11.0 would leave it 0.9 above rank 0)
-    assert (out[0]["running_mean"] == out[1]["running_mean"]).all(), [r["running_mean"] for r in out]
+    assert (out[0]["running_mean"] == out[1]["running_mean"]).all(), [
+        r["running_mean"] for r in out
+    ]
     for rank, r in enumerate(out):
-        assert (r["seen"] == 0.0).all(), f"rank {rank}: a buffer added to a module's table was not broadcast"
+        assert (r["seen"] == 0.0).all(), (
+            f"rank {rank}: a buffer added to a module's table was not broadcast"
+        )
 
 
 # ------------------------------------------------------------------ checkpoints keep what §3.9 needs
@@ -363,8 +437,15 @@ def _resume(rank, world_size, cases):
 
     def setup(kind, k, mode, s, warmup):
         model = branch_net(seed=0)
-        opt = sapipe.DistributedOptimizer(make_optimizer(kind, model.parameters()), model, stale_layers=k,
-                                          compensation=mode, staleness=s, warmup_steps=warmup, bucket_cap_mb=0.0004)
+        opt = sapipe.DistributedOptimizer(
+            make_optimizer(kind, model.parameters()),
+            model,
+            stale_layers=k,
+            compensation=mode,
+            staleness=s,
+            warmup_steps=warmup,
+            bucket_cap_mb=0.0004,
+        )
         return model, opt
 
     def train(model, opt, steps):
@@ -403,4 +484,10 @@ def test_resume_keeps_unused_flags_and_step_counts():
     for rank, per_case in enumerate(run_ranks(_resume, world_size=2, args=(RESUME_CASES,))):
         for case, r in zip(RESUME_CASES, per_case):
             for which in ("held", "real"):
-                assert_close_dicts(r["resumed"][which], r["whole"][which], rtol=0, atol=0, what=f"rank {rank} {case} {which}")
+                assert_close_dicts(
+                    r["resumed"][which],
+                    r["whole"][which],
+                    rtol=0,
+                    atol=0,
+                    what=f"rank {rank} {case} {which}",
+                )

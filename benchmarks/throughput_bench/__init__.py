@@ -66,6 +66,7 @@ Modules, one job each:
 | :mod:`.compression_report` | the compressed modes against the full-precision ceiling, and their targets |
 | :mod:`.plots` | ``throughput_speedup.png`` and ``throughput_efficiency.png`` |
 """
+
 import os
 
 #: benchmarks/ (on sys.path: ``bench_models`` and ``hostenv`` are imported from it)

@@ -1,4 +1,5 @@
 """All modes of one model in one process group, interleaved in rounds; the per-rank worker."""
+
 from __future__ import annotations
 
 import gc
@@ -10,7 +11,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import bench_models
 
@@ -43,7 +44,9 @@ class Job:
         self.args = ctx.args
         self.spec = bench_models.build(model_name, self.args.size, self.args.batch)
         gen = torch.Generator().manual_seed(1000 + ctx.rank)
-        self.batches = [self.spec.make_batch(self.spec.batch_size, ctx.device, gen) for _ in range(4)]
+        self.batches = [
+            self.spec.make_batch(self.spec.batch_size, ctx.device, gen) for _ in range(4)
+        ]
         probe = self.spec.make_model().to(ctx.device)
         self.layer_sizes = bench_models.describe_layers(probe, self.batches[0][0][:1])
         self.m = len(self.layer_sizes)
@@ -54,8 +57,8 @@ class Job:
         # every mode's optimizer is this one (fused=True unless torch cannot fuse it)
         self.fused = bool(self.spec.make_optimizer(probe.parameters()).defaults.get("fused"))
         del probe
-        self.results: List[Dict[str, Any]] = []
-        self.notes: List[str] = []
+        self.results: list[dict[str, Any]] = []
+        self.notes: list[str] = []
         self.rounds = self.args.rounds or (1 if ctx.device.type == "cuda" else 4)
         self.progress = [0, 0]  # done, total
 
@@ -71,7 +74,7 @@ class Job:
         self.spec.loss_fn(model(x), y).backward()
         opt.step()
 
-    def by_mode(self, mode: str) -> Optional[Dict[str, Any]]:
+    def by_mode(self, mode: str) -> dict[str, Any] | None:
         for r in self.results:
             if r["mode"] == mode and r.get("t"):
                 return r
@@ -79,11 +82,11 @@ class Job:
 
     # ------------------------------------------------------------------ plan
 
-    def runners(self, comp_k=None) -> List[Runner]:
+    def runners(self, comp_k=None) -> list[Runner]:
         """First phase (comp_k None): every mode, compensations at auto; else compensations at comp_k."""
         a, skip = self.args, self.args.skip
         first = comp_k is None
-        out: List[Runner] = []
+        out: list[Runner] = []
         if first:
             if "local" not in skip:
                 out.append(TrainRunner(self, "local", "local"))
@@ -99,8 +102,16 @@ class Job:
                     out.append(TrainRunner(self, mode, "sapipe", k))
                     if "deferred" not in skip:
                         # its twin, identical but for p.grad exposure: what the default costs at this k
-                        out.append(TrainRunner(self, f"{mode} deferred", "sapipe", k,
-                                               expose_gradients=False, twin_of=mode))
+                        out.append(
+                            TrainRunner(
+                                self,
+                                f"{mode} deferred",
+                                "sapipe",
+                                k,
+                                expose_gradients=False,
+                                twin_of=mode,
+                            )
+                        )
             if "auto" not in skip:
                 out.append(TrainRunner(self, "sapipe-auto", "sapipe", "auto"))
             comp_k = "auto" if "auto" not in skip else None
@@ -111,15 +122,39 @@ class Job:
             out.append(TrainRunner(self, "horovod", "horovod"))
         if first:
             for backend in [b for b in a.backends.split(",") if b]:
-                out.append(TrainRunner(self, f"sapipe-auto-{backend}", "sapipe", "auto", backend=backend))
+                out.append(
+                    TrainRunner(self, f"sapipe-auto-{backend}", "sapipe", "auto", backend=backend)
+                )
             for compression in [c for c in a.compressions.split(",") if c]:
-                out.append(TrainRunner(self, f"sapipe-auto-{compression}", "sapipe", "auto", compression=compression))
+                out.append(
+                    TrainRunner(
+                        self,
+                        f"sapipe-auto-{compression}",
+                        "sapipe",
+                        "auto",
+                        compression=compression,
+                    )
+                )
             if self.two_level():  # every sapipe mode sums node first; these do not
-                out.append(TrainRunner(self, "sapipe-auto-flat", "sapipe", "auto", options={"hierarchical": False}))
+                out.append(
+                    TrainRunner(
+                        self, "sapipe-auto-flat", "sapipe", "auto", options={"hierarchical": False}
+                    )
+                )
                 for compression in [c for c in a.compressions.split(",") if c]:
-                    out.append(TrainRunner(self, f"sapipe-auto-{compression}-flat", "sapipe", "auto",
-                                           compression=compression, options={"hierarchical": False}))
-                if "ceiling" not in skip:  # perfect overlap with node-first sums: the bound for those
+                    out.append(
+                        TrainRunner(
+                            self,
+                            f"sapipe-auto-{compression}-flat",
+                            "sapipe",
+                            "auto",
+                            compression=compression,
+                            options={"hierarchical": False},
+                        )
+                    )
+                if (
+                    "ceiling" not in skip
+                ):  # perfect overlap with node-first sums: the bound for those
                     out.append(TrainRunner(self, "ceiling-node-first", "ceiling-node-first"))
         return out
 
@@ -128,7 +163,7 @@ class Job:
         LOCAL_WORLD_SIZE between 1 and the world), where sapipe sums node first."""
         return 1 < int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world)) < self.ctx.world
 
-    def oracle_k(self) -> Optional[int]:
+    def oracle_k(self) -> int | None:
         """The smallest measured fixed k within ORACLE_TOLERANCE of pipesgd (None without both)."""
         pipe = self.by_mode("pipesgd")
         if pipe is None:
@@ -158,7 +193,7 @@ class Job:
         """Timed steps per mode per round."""
         return max(1, math.ceil(self.args.steps / self.rounds))
 
-    def execute(self, runners: List[Runner]):
+    def execute(self, runners: list[Runner]):
         """Run ``runners`` interleaved: round r steps every mode (alternating order) in turn."""
         for rnd in range(self.rounds):
             order = runners if rnd % 2 == 0 else runners[::-1]
@@ -167,11 +202,22 @@ class Job:
                     continue
                 self._play_round(run)
                 self.progress[0] += 1
-                last = run.times[-self.per_round:] if run.times and not run.dead else []
-                self.ctx.say({"event": "mode", "model": self.spec.name, "i": self.progress[0],
-                              "n": self.progress[1], "round": rnd + 1, "rounds": self.rounds,
-                              "result": {"mode": run.mode, "t": statistics.median(last) if last else None,
-                                         "note": run.dead or ""}})
+                last = run.times[-self.per_round :] if run.times and not run.dead else []
+                self.ctx.say(
+                    {
+                        "event": "mode",
+                        "model": self.spec.name,
+                        "i": self.progress[0],
+                        "n": self.progress[1],
+                        "round": rnd + 1,
+                        "rounds": self.rounds,
+                        "result": {
+                            "mode": run.mode,
+                            "t": statistics.median(last) if last else None,
+                            "note": run.dead or "",
+                        },
+                    }
+                )
                 if self.rounds == 1 or rnd == self.rounds - 1 or run.dead:
                     self.finish(run)
 
@@ -228,7 +274,7 @@ class Job:
     def finish(self, run: Runner):
         if any(r["mode"] == run.mode for r in self.results):
             return
-        info: Dict[str, Any] = {}
+        info: dict[str, Any] = {}
         if not run.dead:
             try:
                 info = run.info()
@@ -250,11 +296,11 @@ class Job:
 
             torch.cuda.empty_cache()
 
-    def _measured(self, run: Runner) -> Dict[str, Any]:
+    def _measured(self, run: Runner) -> dict[str, Any]:
         """``run``'s step times gathered from every rank, as the job's statistics."""
         per_rank = self.ctx.gather(run.times if not run.dead else [])
         waits = self.ctx.gather(run.waits if not run.dead else [])
-        r: Dict[str, Any] = {"mode": run.mode}
+        r: dict[str, Any] = {"mode": run.mode}
         if all(per_rank):
             r.update(stats(per_rank))
             slowest = r.pop("rank")
@@ -264,7 +310,7 @@ class Job:
                 r["wait"] = statistics.median(waits[slowest])
         return r
 
-    def run(self) -> Dict[str, Any]:
+    def run(self) -> dict[str, Any]:
         first = self.runners()
         n_comp = len([c for c in self.args.compensations.split(",") if c and c != "none"])
         self.progress = [0, self.rounds * len(first)]
@@ -273,35 +319,58 @@ class Job:
         self.execute(first)
         auto = self.by_mode("sapipe-auto")
         if auto is not None and "comp" not in self.args.skip:
-            self.notes.append("compensation modes run with stale_layers=\"auto\"")
+            self.notes.append('compensation modes run with stale_layers="auto"')
         if auto is None and "comp" not in self.args.skip and n_comp:
             # auto unavailable (refused or failed): the compensation modes run at the oracle k,
             # in a second phase, since the oracle needs the first phase's measurements.
-            self.results = [r for r in self.results
-                            if not (r["mode"].startswith("sapipe-") and r["mode"] != "sapipe-auto")]
+            self.results = [
+                r
+                for r in self.results
+                if not (r["mode"].startswith("sapipe-") and r["mode"] != "sapipe-auto")
+            ]
             k, why = self.fallback_k()
-            self.notes.append(f"compensation modes run at {why}, in a second phase after the others")
+            self.notes.append(
+                f"compensation modes run at {why}, in a second phase after the others"
+            )
             second = self.runners(comp_k=k)
             self.progress[1] += self.rounds * len(second)
             self.execute(second)
-        self.results.sort(key=lambda r: self.order.index(r["mode"]) if r["mode"] in self.order else len(self.order))
+        self.results.sort(
+            key=lambda r: (
+                self.order.index(r["mode"]) if r["mode"] in self.order else len(self.order)
+            )
+        )
         return self.summary()
 
-    def summary(self) -> Dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
         import torch
 
         c = self.ctx
         return {
             "oracle_k": self.oracle_k(),
-            "model": self.spec.name, "size": self.spec.size, "batch": self.spec.batch_size,
-            "optimizer": self.spec.optimizer, "fused": self.fused, "params": self.numel, "grad_bytes": self.numel * self.elem,
-            "m": self.m, "largest_layers": _largest(self.layer_sizes, self.numel),
-            "world": c.world, "device": str(c.device.type) + (f" ({torch.cuda.get_device_name(c.device)})"
-                                                               if c.device.type == "cuda" else ""),
-            "backend": c.backend, "threads": self.args.threads if c.device.type == "cpu" else None,
-            "rate": self.args.rate or "not emulated", "target_ratio": self.args.target_ratio,
-            "warmup": self.args.warmup, "steps": self.args.steps, "rounds": self.rounds, "results": self.results,
-            "notes": self.notes, "host": platform.node(), "torch": torch.__version__,
+            "model": self.spec.name,
+            "size": self.spec.size,
+            "batch": self.spec.batch_size,
+            "optimizer": self.spec.optimizer,
+            "fused": self.fused,
+            "params": self.numel,
+            "grad_bytes": self.numel * self.elem,
+            "m": self.m,
+            "largest_layers": _largest(self.layer_sizes, self.numel),
+            "world": c.world,
+            "device": str(c.device.type)
+            + (f" ({torch.cuda.get_device_name(c.device)})" if c.device.type == "cuda" else ""),
+            "backend": c.backend,
+            "threads": self.args.threads if c.device.type == "cpu" else None,
+            "rate": self.args.rate or "not emulated",
+            "target_ratio": self.args.target_ratio,
+            "warmup": self.args.warmup,
+            "steps": self.args.steps,
+            "rounds": self.rounds,
+            "results": self.results,
+            "notes": self.notes,
+            "host": platform.node(),
+            "torch": torch.__version__,
         }
 
 
@@ -310,15 +379,21 @@ def _largest(layers, total, n=3):
     return [(i + 1, layers[i][0], layers[i][1] / total) for i in top]
 
 
-def run_probe(ctx: Ctx, model_name: str) -> Dict[str, Any]:
+def run_probe(ctx: Ctx, model_name: str) -> dict[str, Any]:
     """Calibration: T_compute (all ranks training alone) and the all-reduce floor T_comm(∞)."""
     job = Job(ctx, model_name)
     job.args.steps = max(job.args.steps, 10)
     job.rounds = 1
     job.execute([TrainRunner(job, "local", "local"), CommRunner(job, "comm")])
     local, comm = job.by_mode("local"), job.by_mode("comm")
-    return {"model": model_name, "t_local": local["t"], "t_comm_floor": comm["t"],
-            "grad_bytes": job.numel * job.elem, "world": ctx.world, "m": job.m}
+    return {
+        "model": model_name,
+        "t_local": local["t"],
+        "t_comm_floor": comm["t"],
+        "grad_bytes": job.numel * job.elem,
+        "world": ctx.world,
+        "m": job.m,
+    }
 
 
 def worker(args) -> int:

@@ -1,6 +1,7 @@
 """The sweep: per model a calibration probe, then one ``torchrun`` job per bandwidth, each in
 a fresh network namespace with a shaped loopback (:mod:`sapipe.launch.netns`); then the
 ``--clusters`` jobs, each on emulated nodes (:mod:`sapipe.launch.cluster`)."""
+
 from __future__ import annotations
 
 import copy
@@ -11,10 +12,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import bench_models
 import hostenv
+
 from sapipe.launch import cluster, netns
 
 from . import ENTRY, PROGRESS_TAG, REPO, RESULTS_DIR
@@ -31,7 +33,7 @@ class Progress:
         self.tty = sys.stderr.isatty()
         self.last_print = 0.0
 
-    def update(self, advance: float, text: str, at: Optional[float] = None):
+    def update(self, advance: float, text: str, at: float | None = None):
         self.done = at if at is not None else self.done + advance
         frac = min(1.0, self.done / self.total)
         el = time.time() - self.start
@@ -49,31 +51,71 @@ class Progress:
             print(file=sys.stderr)
 
 
-def worker_argv(args, model: str, json_path: str, extra: List[str]) -> List[str]:
+def worker_argv(args, model: str, json_path: str, extra: list[str]) -> list[str]:
     """The torchrun command of one job (``extra``: --probe, or --rate/--target-ratio)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    return [torchrun if os.path.exists(torchrun) else "torchrun", "--standalone", f"--nproc_per_node={args.nproc}",
-            *bench_argv(args, model, json_path, extra)]
+    return [
+        torchrun if os.path.exists(torchrun) else "torchrun",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        *bench_argv(args, model, json_path, extra),
+    ]
 
 
-def cluster_argv(args, topology: str, model: str, json_path: str, extra: List[str]) -> List[str]:
+def cluster_argv(args, topology: str, model: str, json_path: str, extra: list[str]) -> list[str]:
     """One emulated multi-node job: ``sapipe-launch --emulate-cluster`` around the worker. Its
     ranks share this host's cores, so it runs the modes that compare sums, not all of them:
     the baselines, k = 0 and k = m, sapipe-auto summing node first and flat."""
     lean = copy.copy(args)
     lean.k, lean.compressions, lean.backends = "0,m", "", ""
     lean.skip = set(args.skip) | {"comp", "deferred", "horovod"}
-    return [sys.executable, "-m", "sapipe.launch", "--quiet", "--emulate-cluster", topology, "--inter-node",
-            args.inter_node, "--monitor-interval=0.5", *bench_argv(lean, model, json_path, extra)]
+    return [
+        sys.executable,
+        "-m",
+        "sapipe.launch",
+        "--quiet",
+        "--emulate-cluster",
+        topology,
+        "--inter-node",
+        args.inter_node,
+        "--monitor-interval=0.5",
+        *bench_argv(lean, model, json_path, extra),
+    ]
 
 
-def bench_argv(args, model: str, json_path: str, extra: List[str]) -> List[str]:
+def bench_argv(args, model: str, json_path: str, extra: list[str]) -> list[str]:
     """The worker's own command line (what follows torchrun's options)."""
-    cmd = [ENTRY, "--models", model, "--size", args.size, "--batch", str(args.batch),
-           "--k", args.k, "--compensations", args.compensations, "--warmup", str(args.warmup),
-           "--auto-warmup", str(args.auto_warmup), "--steps", str(args.steps), "--rounds", str(args.rounds),
-           "--threads", str(args.threads), "--device", args.device,
-           "--bucket-cap-mb", str(args.bucket_cap_mb), "--timeout", str(args.timeout), "--json", json_path]
+    cmd = [
+        ENTRY,
+        "--models",
+        model,
+        "--size",
+        args.size,
+        "--batch",
+        str(args.batch),
+        "--k",
+        args.k,
+        "--compensations",
+        args.compensations,
+        "--warmup",
+        str(args.warmup),
+        "--auto-warmup",
+        str(args.auto_warmup),
+        "--steps",
+        str(args.steps),
+        "--rounds",
+        str(args.rounds),
+        "--threads",
+        str(args.threads),
+        "--device",
+        args.device,
+        "--bucket-cap-mb",
+        str(args.bucket_cap_mb),
+        "--timeout",
+        str(args.timeout),
+        "--json",
+        json_path,
+    ]
     if args.skip:
         cmd += ["--skip", ",".join(sorted(args.skip))]
     if args.backends:
@@ -84,33 +126,47 @@ def bench_argv(args, model: str, json_path: str, extra: List[str]) -> List[str]:
     return cmd + extra
 
 
-def launch(args, argv: List[str], bits: Optional[float], log, on_event=None, cluster: bool = False) -> int:
+def launch(
+    args, argv: list[str], bits: float | None, log, on_event=None, cluster: bool = False
+) -> int:
     """Run one job (in a namespace whose loopback carries ``bits``/s, unless --no-netns, or
     ``cluster``: ``argv`` builds its own emulated nodes); its output goes to ``log``, its
     progress events to ``on_event``."""
-    env = hostenv.worker_env(SAPIPE_BENCH_PROGRESS="1", OMP_NUM_THREADS=str(args.threads),
-                             PYTHONUNBUFFERED="1", TORCHELASTIC_ERROR_FILE="")
+    env = hostenv.worker_env(
+        SAPIPE_BENCH_PROGRESS="1",
+        OMP_NUM_THREADS=str(args.threads),
+        PYTHONUNBUFFERED="1",
+        TORCHELASTIC_ERROR_FILE="",
+    )
     if not args.no_netns and not cluster:
         env["GLOO_SOCKET_IFNAME"] = "lo"
         env["MASTER_ADDR"] = "127.0.0.1"
         argv = netns.wrap(argv, netns.NetSpec(bits))
     log.write(f"\n$ {shlex.join(argv)}\n")
     log.flush()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO
+    )
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith(PROGRESS_TAG):
             if on_event:
-                on_event(json.loads(line[len(PROGRESS_TAG):]))
+                on_event(json.loads(line[len(PROGRESS_TAG) :]))
         else:
             log.write(line)
     return proc.wait()
 
 
-def cluster_jobs(args, models: List[str]) -> List[Tuple[str, str]]:
+def cluster_jobs(args, models: list[str]) -> list[tuple[str, str]]:
     """(model, NODESxRANKS) of each ``--clusters`` job this host can run (none, with a note,
     where it cannot build an emulated cluster)."""
-    jobs = [(m, t) for t in args.clusters.split(",") if t for m in args.cluster_models.split(",") if m in models]
+    jobs = [
+        (m, t)
+        for t in args.clusters.split(",")
+        if t
+        for m in args.cluster_models.split(",")
+        if m in models
+    ]
     if jobs and not args.no_netns:
         ok, why = cluster.check()
         if not ok:
@@ -122,12 +178,15 @@ def cluster_jobs(args, models: List[str]) -> List[Tuple[str, str]]:
 class Sweep:
     """Every model × bandwidth job of one sweep, with their logs and raw results."""
 
-    def __init__(self, args, models: List[str]):
+    def __init__(self, args, models: list[str]):
         self.args = args
         self.log_path = os.path.join(tempfile.gettempdir(), f"sapipe-throughput-{os.getpid()}.log")
         self.log = open(self.log_path, "w")
-        self.explicit = ([netns.parse_rate(b) for b in args.bandwidths.split(",") if b.strip()]
-                         if args.bandwidths else None)
+        self.explicit = (
+            [netns.parse_rate(b) for b in args.bandwidths.split(",") if b.strip()]
+            if args.bandwidths
+            else None
+        )
         if args.no_netns:
             self.explicit = [None]
         self.ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
@@ -135,11 +194,11 @@ class Sweep:
         self.probe_cost = 0.0 if self.explicit else PROBE_COST
         self.clusters = cluster_jobs(args, models)
         self.progress = Progress(len(models) * (n_bw + self.probe_cost) + len(self.clusters))
-        self.jobs: List[Dict[str, Any]] = []
-        self.calib: Dict[str, Any] = {}
+        self.jobs: list[dict[str, Any]] = []
+        self.calib: dict[str, Any] = {}
         self.tmp = tempfile.mkdtemp(prefix="sapipe-bench-json-")
 
-    def rates(self, model: str) -> List[Tuple[Optional[float], Optional[float]]]:
+    def rates(self, model: str) -> list[tuple[float | None, float | None]]:
         """(bits/s or None for unlimited, target ratio or None) of each job of ``model``."""
         if self.explicit:
             return [(b, None) for b in self.explicit]
@@ -151,7 +210,7 @@ class Sweep:
         # 16(n-1)S/R): at gpt2's 2.29 and 1.86 Gbit/s the all-reduce took the wire time alone
         # within 1%, where floor + wire (the model this replaces) landed 1.6 at 1.3.
         wire_bits = 16 * (probe["world"] - 1) * probe["grad_bytes"]
-        rates: List[Tuple[Optional[float], Optional[float]]] = []
+        rates: list[tuple[float | None, float | None]] = []
         for r in self.ratios:
             target = r * probe["t_local"]
             if target <= 1.05 * probe["t_comm_floor"]:
@@ -160,7 +219,7 @@ class Sweep:
                 rates.append((wire_bits / target, r))
         return rates
 
-    def calibrate(self, model: str) -> Optional[Dict[str, Any]]:
+    def calibrate(self, model: str) -> dict[str, Any] | None:
         """The probe job's T_compute and all-reduce floor (None when it failed)."""
         self.progress.update(0, f"{model}: calibrating (probe job)")
         path = os.path.join(self.tmp, f"{model}-probe.json")
@@ -174,7 +233,7 @@ class Sweep:
         self.calib[model] = probe
         return probe
 
-    def run_job(self, model: str, bits: Optional[float], ratio: Optional[float]) -> None:
+    def run_job(self, model: str, bits: float | None, ratio: float | None) -> None:
         """One job: every mode of ``model`` at ``bits``/s; its result joins ``self.jobs``."""
         path = os.path.join(self.tmp, f"{model}-{int(bits or 0)}.json")
         label = netns.format_rate(bits) if not self.args.no_netns else "not emulated"
@@ -189,22 +248,34 @@ class Sweep:
         argv = cluster_argv(self.args, topology, model, path, ["--rate", label])
         self._run(model, label, argv, path, bits, cluster=True)
 
-    def _run(self, model: str, label: str, argv: List[str], path: str, bits: Optional[float],
-             cluster: bool = False) -> None:
+    def _run(
+        self,
+        model: str,
+        label: str,
+        argv: list[str],
+        path: str,
+        bits: float | None,
+        cluster: bool = False,
+    ) -> None:
         base = self.progress.done
 
         def on_event(ev):
             if ev["event"] == "mode":
                 r = ev["result"]
                 t = f"{1e3 * r['t']:.0f} ms" if r.get("t") else (r.get("note") or "skipped")[:40]
-                self.progress.update(0, f"{model} @ {label}: round {ev['round']}/{ev['rounds']} {r['mode']} {t}",
-                                     at=base + min(1.0, ev["i"] / max(1, ev["n"])))
+                self.progress.update(
+                    0,
+                    f"{model} @ {label}: round {ev['round']}/{ev['rounds']} {r['mode']} {t}",
+                    at=base + min(1.0, ev["i"] / max(1, ev["n"])),
+                )
 
         self.progress.update(0, f"{model} @ {label}: starting")
         rc = launch(self.args, argv, bits, self.log, on_event, cluster=cluster)
         self.progress.update(0, f"{model} @ {label}: done", at=base + 1)
         if rc != 0 or not os.path.exists(path):
-            print(f"\n{model} @ {label}: job failed (rc {rc}); see {self.log_path}", file=sys.stderr)
+            print(
+                f"\n{model} @ {label}: job failed (rc {rc}); see {self.log_path}", file=sys.stderr
+            )
             return
         with open(path) as f:
             job = json.load(f)[0]
@@ -215,7 +286,7 @@ class Sweep:
         self.progress.close()
         self.log.close()
 
-    def save(self, meta: Dict[str, Any]) -> str:
+    def save(self, meta: dict[str, Any]) -> str:
         """The raw results, for ``--render``."""
         saved = os.path.join(self.tmp, "sweep.json")
         with open(saved, "w") as f:
@@ -233,7 +304,10 @@ def orchestrate(args) -> int:
     if not args.no_netns:
         ok, why = netns.check()
         if not ok:
-            print(f"cannot emulate the network: {why}\n(use --no-netns to run without emulation)", file=sys.stderr)
+            print(
+                f"cannot emulate the network: {why}\n(use --no-netns to run without emulation)",
+                file=sys.stderr,
+            )
             return 2
         print(f"network emulation: {why}", file=sys.stderr)
     sweep = Sweep(args, models)
@@ -248,8 +322,13 @@ def orchestrate(args) -> int:
     if not sweep.jobs:
         print(f"no job finished; see {sweep.log_path}", file=sys.stderr)
         return 1
-    meta = {"argv": sys.argv[1:], "seconds": time.time() - t_start, "load": [load_start, os.getloadavg()],
-            "finished": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count()}
+    meta = {
+        "argv": sys.argv[1:],
+        "seconds": time.time() - t_start,
+        "load": [load_start, os.getloadavg()],
+        "finished": time.strftime("%Y-%m-%d %H:%M"),
+        "cpus": os.cpu_count(),
+    }
     saved = sweep.save(meta)
     print(f"raw results: {saved} (re-render with --render {saved})", file=sys.stderr)
     return report(args, sweep.jobs, sweep.calib, out_dir, meta)

@@ -1,17 +1,18 @@
 """The sweep's plots: speedup over DDP per bandwidth, and efficiency per T_comm/T_compute."""
+
 from __future__ import annotations
 
 import os
 import sys
-from typing import List
 
 from .report import summary_rows
 
 
-def plot(jobs, out_dir) -> List[str]:
+def plot(jobs, out_dir) -> list[str]:
     """``throughput_speedup.png`` and ``throughput_efficiency.png`` in ``out_dir`` (none without matplotlib)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception as exc:  # noqa: BLE001
@@ -25,7 +26,10 @@ def plot(jobs, out_dir) -> List[str]:
 def _speedup(plt, rows, models, out_dir) -> str:
     fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
     for ax, model in zip(axes[0], models):
-        rs = sorted([r for r in rows if r["model"] == model and r["rate_bits"]], key=lambda r: r["rate_bits"])
+        rs = sorted(
+            [r for r in rows if r["model"] == model and r["rate_bits"]],
+            key=lambda r: r["rate_bits"],
+        )
         if rs:
             _speedup_panel(ax, model, rs)
     axes[0][0].set_ylabel("speedup over DDP (T_ddp / T)\n(grey: T_comm/T_compute)")
@@ -41,10 +45,11 @@ def _speedup(plt, rows, models, out_dir) -> str:
 def _speedup_panel(ax, model, rs) -> None:
     """One model's speedups over DDP against the emulated bandwidth."""
     x = [r["rate_bits"] / 1e6 for r in rs]
-    series = [("possible (T_ddp/T_ceiling)", [r["possible"] for r in rs], "k^--"),
-              ("sapipe: auto (oracle k where auto failed)",
-               [r["speedup"] for r in rs], "o-"),
-              ("pipesgd (k=m)", [r["pipe_speedup"] for r in rs], "s-")]
+    series = [
+        ("possible (T_ddp/T_ceiling)", [r["possible"] for r in rs], "k^--"),
+        ("sapipe: auto (oracle k where auto failed)", [r["speedup"] for r in rs], "o-"),
+        ("pipesgd (k=m)", [r["pipe_speedup"] for r in rs], "s-"),
+    ]
     for comp in sorted({c for r in rs for c in r["comps"]}):
         series.append((comp, [r["comps"].get(comp) for r in rs], ".:"))
     if any(r["horovod"] for r in rs):
@@ -59,14 +64,24 @@ def _speedup_panel(ax, model, rs) -> None:
     ax.set_xlabel("emulated bandwidth (Mbit/s, log)")
     for r, xv in zip(rs, x):
         if r["ratio"]:
-            ax.annotate(f"{r['ratio']:.2f}", (xv, 1.0), textcoords="offset points", xytext=(0, -12),
-                        ha="center", fontsize=7, color="grey")
+            ax.annotate(
+                f"{r['ratio']:.2f}",
+                (xv, 1.0),
+                textcoords="offset points",
+                xytext=(0, -12),
+                ha="center",
+                fontsize=7,
+                color="grey",
+            )
 
 
 def _efficiency(plt, rows, models, out_dir) -> str:
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for model in models:
-        rs = sorted([r for r in rows if r["model"] == model and r["ratio"] and r["eff"]], key=lambda r: r["ratio"])
+        rs = sorted(
+            [r for r in rows if r["model"] == model and r["ratio"] and r["eff"]],
+            key=lambda r: r["ratio"],
+        )
         if rs:
             ax.plot([r["ratio"] for r in rs], [r["eff"] for r in rs], "o-", label=model)
     ax.axhline(0.95, color="grey", ls="--", lw=0.8)

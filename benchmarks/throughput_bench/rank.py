@@ -1,11 +1,12 @@
 """One rank of a benchmark job: its device, process groups, barriers and progress events."""
+
 from __future__ import annotations
 
 import datetime as _dt
 import json
 import os
 import sys
-from typing import Any, Dict
+from typing import Any
 
 from . import PROGRESS_TAG
 
@@ -33,7 +34,11 @@ class Ctx:
         timeout = _dt.timedelta(seconds=args.timeout)
         dist.init_process_group(self.backend, timeout=timeout)
         # Control traffic (barriers, gathering results) on its own Gloo group.
-        self.ctrl = dist.new_group(backend="gloo", timeout=timeout) if self.backend != "gloo" else dist.group.WORLD
+        self.ctrl = (
+            dist.new_group(backend="gloo", timeout=timeout)
+            if self.backend != "gloo"
+            else dist.group.WORLD
+        )
         # The second group that `ceiling` all-reduces on, created once, in the same order on every rank.
         self.side = dist.new_group(backend=self.backend, timeout=timeout)
 
@@ -49,8 +54,9 @@ class Ctx:
 
             names = [None] * self.world
             dist.all_gather_object(names, node_name(), group=self.ctrl)
-            self._node_first = HierarchicalAllReduce.create(self.side, Topology.from_names(names), "ceiling",
-                                                            None, Tracer())
+            self._node_first = HierarchicalAllReduce.create(
+                self.side, Topology.from_names(names), "ceiling", None, Tracer()
+            )
         return self._node_first
 
     def close(self):
@@ -61,20 +67,23 @@ class Ctx:
 
     def sync(self):
         import torch
+
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def barrier(self):
         import torch.distributed as dist
+
         dist.barrier(group=self.ctrl)
 
     def gather(self, obj) -> list:
         import torch.distributed as dist
+
         out: list = [None] * self.world
         dist.all_gather_object(out, obj, group=self.ctrl)
         return out
 
-    def say(self, event: Dict[str, Any]):
+    def say(self, event: dict[str, Any]):
         """Rank 0: a progress event (machine-readable for the sweep, readable by people)."""
         if self.rank != 0:
             return
@@ -83,6 +92,9 @@ class Ctx:
         elif event.get("event") == "mode":
             r = event["result"]
             t = f"{1e3 * r['t']:8.1f} ms" if r.get("t") else "  skipped"
-            print(f"[{event['model']}] {event['i']:3d}/{event['n']} round {event['round']}/{event['rounds']} "
-                  f"{r['mode']:<14s} {t}  {r.get('note', '')}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{event['model']}] {event['i']:3d}/{event['n']} round {event['round']}/{event['rounds']} "
+                f"{r['mode']:<14s} {t}  {r.get('note', '')}",
+                file=sys.stderr,
+                flush=True,
+            )

@@ -1,9 +1,10 @@
 """The modes a job times, one :class:`Runner` each: set up lazily, stepped in rounds,
 paused between rounds, described at the end."""
+
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from .job import Job
@@ -18,13 +19,13 @@ class Runner:
 
     warmup = 0
 
-    def __init__(self, job: "Job", mode: str):
+    def __init__(self, job: Job, mode: str):
         self.job, self.mode = job, mode
         self.ready = False
-        self.dead: Optional[str] = None
+        self.dead: str | None = None
         self.i = 0
-        self.times: List[float] = []
-        self.waits: List[float] = []  # per timed step: seconds blocked on communication (sapipe)
+        self.times: list[float] = []
+        self.waits: list[float] = []  # per timed step: seconds blocked on communication (sapipe)
 
     def setup(self):
         raise NotImplementedError
@@ -42,14 +43,14 @@ class Runner:
         """Whether the mode is in its steady state (sapipe-auto: its k is final)."""
         return True
 
-    def info(self) -> Dict[str, Any]:
+    def info(self) -> dict[str, Any]:
         return {}
 
-    def labels(self) -> Dict[str, Any]:
+    def labels(self) -> dict[str, Any]:
         """Fields the mode's result always carries (also when it was skipped or failed)."""
         return {}
 
-    def waited(self) -> Optional[float]:
+    def waited(self) -> float | None:
         """Seconds this mode has blocked on communication so far (None: not measured)."""
         return None
 
@@ -61,16 +62,26 @@ class Runner:
 class TrainRunner(Runner):
     """local / ddp / ceiling / sapipe / horovod: a fresh model and optimizer."""
 
-    def __init__(self, job, mode, kind: str, k=None, compensation: str = "none", backend: str = "torch",
-                 expose_gradients: bool = True, twin_of: Optional[str] = None, compression: Optional[str] = None,
-                 options: Optional[Dict[str, Any]] = None):
+    def __init__(
+        self,
+        job,
+        mode,
+        kind: str,
+        k=None,
+        compensation: str = "none",
+        backend: str = "torch",
+        expose_gradients: bool = True,
+        twin_of: str | None = None,
+        compression: str | None = None,
+        options: dict[str, Any] | None = None,
+    ):
         super().__init__(job, mode)
         self.kind, self.k, self.compensation, self.backend = kind, k, compensation, backend
         self.compression = compression  # sapipe's compression= (None: full precision)
         self.options = dict(options or {})  # further sapipe settings (e.g. hierarchical=False)
         #: sapipe's ``expose_gradients``; False only for a ``deferred`` twin of ``twin_of``
         self.expose_gradients, self.twin_of = expose_gradients, twin_of
-        self.ks: List[Optional[int]] = []
+        self.ks: list[int | None] = []
 
     def setup(self):
         import torch
@@ -97,7 +108,9 @@ class TrainRunner(Runner):
 
         device = self.job.ctx.device
         ids = [device.index] if device.type == "cuda" else None
-        self.ddp = self.net = DDP(self.model, device_ids=ids, bucket_cap_mb=self.job.args.bucket_cap_mb)
+        self.ddp = self.net = DDP(
+            self.model, device_ids=ids, bucket_cap_mb=self.job.args.bucket_cap_mb
+        )
 
     def _setup_sapipe(self):
         import sapipe
@@ -108,18 +121,27 @@ class TrainRunner(Runner):
         if self.backend == "horovod":
             _start_horovod(self.job.ctx, detail=False)
         try:
-            self.opt = sapipe.DistributedOptimizer(self.base, self.model, stale_layers=self.k,
-                                                   compensation=self.compensation,
-                                                   bucket_cap_mb=a.bucket_cap_mb, backend=self.backend,
-                                                   trace=bool(a.trace), expose_gradients=self.expose_gradients,
-                                                   compression=self.compression, **self.options)
+            self.opt = sapipe.DistributedOptimizer(
+                self.base,
+                self.model,
+                stale_layers=self.k,
+                compensation=self.compensation,
+                bucket_cap_mb=a.bucket_cap_mb,
+                backend=self.backend,
+                trace=bool(a.trace),
+                expose_gradients=self.expose_gradients,
+                compression=self.compression,
+                **self.options,
+            )
         except sapipe.ConfigurationError as exc:
             raise Skip(f"skipped: sapipe refused stale_layers={self.k!r}: {exc}") from exc
 
     def _setup_horovod(self):
         hvd = _start_horovod(self.job.ctx, detail=True)
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
-        self.opt = hvd.DistributedOptimizer(self.base, named_parameters=self.model.named_parameters())
+        self.opt = hvd.DistributedOptimizer(
+            self.base, named_parameters=self.model.named_parameters()
+        )
 
     def step(self, i):
         if self.kind == "ceiling":
@@ -156,13 +178,13 @@ class TrainRunner(Runner):
     def settled(self) -> bool:
         return self.kind != "sapipe" or self.opt.stale_layers != "auto"
 
-    def waited(self) -> Optional[float]:
+    def waited(self) -> float | None:
         return self.opt.communication_wait if self.kind == "sapipe" else None
 
     def labels(self):
         if self.kind != "sapipe":
             return {}
-        out: Dict[str, Any] = {"expose_gradients": self.expose_gradients}
+        out: dict[str, Any] = {"expose_gradients": self.expose_gradients}
         if self.twin_of is not None:
             out["twin_of"] = self.twin_of
         return out
@@ -175,20 +197,33 @@ class TrainRunner(Runner):
         layers = self.opt.layers
         k_used = self.opt.stale_layers
         total = sum(layer.numel for layer in layers)
-        kappa = sum(layer.numel for layer in layers[:k_used]) / total if isinstance(k_used, int) else None
-        info: Dict[str, Any] = dict(k=k_used, kappa=kappa, compensation=self.compensation, m=len(layers),
-                                    compression=self.compression)
+        kappa = (
+            sum(layer.numel for layer in layers[:k_used]) / total
+            if isinstance(k_used, int)
+            else None
+        )
+        info: dict[str, Any] = dict(
+            k=k_used,
+            kappa=kappa,
+            compensation=self.compensation,
+            m=len(layers),
+            compression=self.compression,
+        )
         auto = self.opt.auto
         if auto is not None and auto.decision is not None:
             info["decision"] = str(auto.decision.summary())
             info["decided_at"] = auto.decided_at  # the iteration whose step() made k final
             if auto.tuner is not None:
                 info["decision"] += f"; {auto.tuner.summary()}"
-        timed = {k for k in self.ks[-len(self.times):]} if self.times else set()
+        timed = {k for k in self.ks[-len(self.times) :]} if self.times else set()
         if len(timed) > 1:
-            info["note"] = f"k changed during the timed steps: {sorted(x for x in timed if x is not None)}"
+            info["note"] = (
+                f"k changed during the timed steps: {sorted(x for x in timed if x is not None)}"
+            )
         if len(layers) != self.job.m:
-            self.job.notes.append(f"sapipe found m={len(layers)} layers, the benchmark's own count is {self.job.m}")
+            self.job.notes.append(
+                f"sapipe found m={len(layers)} layers, the benchmark's own count is {self.job.m}"
+            )
         return info
 
     def close(self):
@@ -204,7 +239,9 @@ class TrainRunner(Runner):
         os.makedirs(folder, exist_ok=True)
         rate = str(self.job.args.rate or "local").replace("/", "-").replace(" ", "")
         mode = self.mode.replace(" ", "").replace("=", "")
-        path = os.path.join(folder, f"{self.job.spec.name}_{rate}_{mode}_rank{self.job.ctx.rank}.json")
+        path = os.path.join(
+            folder, f"{self.job.spec.name}_{rate}_{mode}_rank{self.job.ctx.rank}.json"
+        )
         self.opt.write_trace(path)
         if self.k == "auto" and self.opt.auto is not None and self.opt.auto.decision is not None:
             self.opt.write_trace(path[: -len(".json")] + ".predicted.json", predicted=True)
@@ -234,8 +271,11 @@ def _start_horovod(ctx, detail: bool):
     try:
         import horovod.torch as hvd
     except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
-        why = f"{type(exc).__name__}: {str(exc)[:120]}); `make peers` installs it" if detail \
+        why = (
+            f"{type(exc).__name__}: {str(exc)[:120]}); `make peers` installs it"
+            if detail
             else f"{type(exc).__name__})"
+        )
         raise Skip(f"skipped: horovod not importable ({why}") from exc
     ok, why = _horovod_init(ctx, hvd)
     if not ok:

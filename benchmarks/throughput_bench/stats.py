@@ -1,12 +1,13 @@
 """Step-time statistics of a mode: the job's T, its spread, per-round medians, paired ratios."""
+
 from __future__ import annotations
 
 import math
 import statistics
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 
-def stats(per_rank: List[List[float]]) -> Dict[str, float]:
+def stats(per_rank: list[list[float]]) -> dict[str, float]:
     """The job's step time: the slowest rank's median; spread: that rank's IQR / median."""
     best = None
     for rank, times in enumerate(per_rank):
@@ -19,16 +20,18 @@ def stats(per_rank: List[List[float]]) -> Dict[str, float]:
     return best
 
 
-def round_medians(per_rank: List[List[float]], per_round: int) -> List[float]:
+def round_medians(per_rank: list[list[float]], per_round: int) -> list[float]:
     """Per round (``per_round`` timed steps each): the slowest rank's median step time in that
     round. Modes interleave by round, so two modes' values of the same round were measured
     minutes apart at most and their ratio is free of the host's slower drifts (see
     ``paired_ratio``)."""
-    return [max(statistics.median(times[start:start + per_round]) for times in per_rank)
-            for start in range(0, len(per_rank[0]), per_round)]
+    return [
+        max(statistics.median(times[start : start + per_round]) for times in per_rank)
+        for start in range(0, len(per_rank[0]), per_round)
+    ]
 
 
-def paired_ratio(a: Dict[str, Any], b: Dict[str, Any]) -> Optional[float]:
+def paired_ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
     """T_a / T_b − 1 as the median over rounds of the ratio within each round (None when the
     two modes were not timed in the same rounds)."""
     ra, rb = a.get("round_t") or [], b.get("round_t") or []
@@ -37,7 +40,7 @@ def paired_ratio(a: Dict[str, Any], b: Dict[str, Any]) -> Optional[float]:
     return statistics.median(x / y for x, y in zip(ra, rb)) - 1
 
 
-def _quantile(s: List[float], q: float) -> float:
+def _quantile(s: list[float], q: float) -> float:
     if len(s) == 1:
         return s[0]
     pos = q * (len(s) - 1)

@@ -15,6 +15,7 @@ The controller only decides. It changes the runtime through two calls of its
 on stale buckets) and ``restart(k, iteration, hyperparams)`` (drain the pipeline, then start
 it anew with k stale layers).
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,16 +24,16 @@ import logging
 import math
 import statistics
 import time
-from typing import Any, Dict, List, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 
+from sapipe.auto import search
 from sapipe.config import Settings
+from sapipe.errors import UsageError
 from sapipe.layout.layers import Layer
 from sapipe.rendezvous import ControlChannel, failure_named
 from sapipe.runtime.pipeline import GradientPipeline
-from sapipe.errors import UsageError
-from sapipe.auto import search
 from sapipe.schedule import profiler, simulator, solver
 from sapipe.schedule.saved_profile import SavedProfile
 
@@ -58,48 +59,59 @@ class Runtime(Protocol):
 
     def relayout(self, k: int) -> None: ...
 
-    def restart(self, k: int, iteration: int, hyperparams: List[Dict[str, Any]]) -> None: ...
+    def restart(self, k: int, iteration: int, hyperparams: list[dict[str, Any]]) -> None: ...
 
 
 class AutoController:
     """The scheduler's side of ``stale_layers="auto"``: what it measured, what it decided."""
 
-    def __init__(self, settings: Settings, control: ControlChannel, pipeline: GradientPipeline,
-                 runtime: Runtime, rank: int):
+    def __init__(
+        self,
+        settings: Settings,
+        control: ControlChannel,
+        pipeline: GradientPipeline,
+        runtime: Runtime,
+        rank: int,
+    ):
         self._settings = settings
         self._control = control
         self._pipeline = pipeline
         self._runtime = runtime
         self._rank = rank
-        self.timer: Optional[profiler.LayerTimer] = None  # while the warm-up is profiled
-        self.profile: Optional[profiler.Profile] = None  # what the decision was made from
-        self.layer_profiles: Optional[List[solver.LayerProfile]] = None
-        self.link: Optional[tuple] = None  # (alpha, beta, bytes per layer, step time)
-        self.sim_options: Dict[str, Any] = {}  # slowdown, shared_link, update_per_element
+        self.timer: profiler.LayerTimer | None = None  # while the warm-up is profiled
+        self.profile: profiler.Profile | None = None  # what the decision was made from
+        self.layer_profiles: list[solver.LayerProfile] | None = None
+        self.link: tuple | None = None  # (alpha, beta, bytes per layer, step time)
+        self.sim_options: dict[str, Any] = {}  # slowdown, shared_link, update_per_element
         self.sync_at_step = False  # the sync updates run in step() (the script reads p.grad)
-        self.decision: Optional[solver.Decision] = None
-        self.tuner: Optional[search.Tuner] = None  # the measured search, once the model chose
+        self.decision: solver.Decision | None = None
+        self.tuner: search.Tuner | None = None  # the measured search, once the model chose
         self.decided = False  # k is final (decided now, or restored from a checkpoint)
-        self.decided_at: Optional[int] = None  # the iteration whose step() made k final (in this run)
+        self.decided_at: int | None = None  # the iteration whose step() made k final (in this run)
         self._trial_start = 0  # the iteration the current trial's pipeline began after
-        self._trial_times: List[float] = []  # per measured iteration: forward start to step end
-        self._trial_waits: List[float] = []  # per measured iteration: seconds waited for comm
+        self._trial_times: list[float] = []  # per measured iteration: forward start to step end
+        self._trial_waits: list[float] = []  # per measured iteration: seconds waited for comm
 
     # ------------------------------------------------------------------ profiling
 
-    def start_profiling(self, layers: List[Layer]) -> None:
+    def start_profiling(self, layers: list[Layer]) -> None:
         """The layer order is known: time the warm-up's last iterations per layer."""
         if not self.decided and self.tuner is None:
-            self.timer = profiler.LayerTimer(len(layers), [layer.executed for layer in layers],
-                                             sync=_device_sync(layers))
+            self.timer = profiler.LayerTimer(
+                len(layers), [layer.executed for layer in layers], sync=_device_sync(layers)
+            )
             self._pipeline.timer = self.timer
 
     def profiles(self, iteration: int) -> bool:
         """Whether ``iteration`` is one of the profiled warm-up iterations."""
         origin = self._pipeline.origin
-        return self.timer is not None and origin - self._settings.profile_steps < iteration <= origin
+        return (
+            self.timer is not None and origin - self._settings.profile_steps < iteration <= origin
+        )
 
-    def end_step(self, iteration: int, hyperparams: List[Dict[str, Any]], forward_start: Optional[float]) -> None:
+    def end_step(
+        self, iteration: int, hyperparams: list[dict[str, Any]], forward_start: float | None
+    ) -> None:
         """After ``step()`` of ``iteration``: profile, decide at warm-up's end, or measure a trial."""
         if self.timer is not None:
             self.timer.end_iteration()
@@ -115,18 +127,29 @@ class AutoController:
         assert self.timer is not None and self._pipeline.layout is not None
         layout, sync = self._pipeline.layout, self._pipeline.sync_comm
         first = layout.buckets[0]
-        with failure_named("profiling the warm-up for stale_layers='auto' (its link probes and reductions)"):
-            self.profile = profiler.measure(self.timer, sync.group if sync.group is not None else self._control.group,
-                                            [b.nbytes for b in layout.buckets], first.dtype, first.device,
-                                            sum_now=sync.sum_now)
+        with failure_named(
+            "profiling the warm-up for stale_layers='auto' (its link probes and reductions)"
+        ):
+            self.profile = profiler.measure(
+                self.timer,
+                sync.group if sync.group is not None else self._control.group,
+                [b.nbytes for b in layout.buckets],
+                first.dtype,
+                first.device,
+                sum_now=sync.sum_now,
+            )
         self.timer = self._pipeline.timer = None
         if self._settings.compression is not None:
             self.profile = self._compressed_link(self.profile, layout.buckets)
         self._set_model_inputs(layout.layers, first.params[0].element_size())
         # The timeline to model: sync updates in step() if any rank's script reads p.grad
-        (reads,) = self._control.agree_on_max([float(self._runtime.syncs_at_step)], "whether p.grad is read")
+        (reads,) = self._control.agree_on_max(
+            [float(self._runtime.syncs_at_step)], "whether p.grad is read"
+        )
         self.sync_at_step = reads > 0.0
-        self.decision = solver.choose_k(self.layer_profiles, tolerance=STALL_TOLERANCE, **self.simulator_arguments())
+        self.decision = solver.choose_k(
+            self.layer_profiles, tolerance=STALL_TOLERANCE, **self.simulator_arguments()
+        )
         self._runtime.relayout(self.decision.k)
         m = len(layout.layers)
         if self._worth_measuring(m):
@@ -162,27 +185,45 @@ class AutoController:
         bytes across nodes shrink: the model scales both levels (the profiled iterations' β
         bounds it below)."""
         formats = [b.grads.codec.format for b in buckets]
-        ring = sum(2 * (f.world - 1) / f.world * f.numel * b.nbytes / b.numel  # the values compressed, in bytes
-                   for f, b in zip(formats, buckets) if b.numel)
+        ring = sum(
+            2
+            * (f.world - 1)
+            / f.world
+            * f.numel
+            * b.nbytes
+            / b.numel  # the values compressed, in bytes
+            for f, b in zip(formats, buckets)
+            if b.numel
+        )
         if ring == 0:
             return profile  # one rank (or one node): nothing compressed travels
         largest = max(buckets, key=lambda b: b.numel)
         sums = self._runtime.compression
         assert sums is not None
         scratch = sums.codec(largest.numel, len(largest.params), largest.dtype, largest.device)
-        wire = torch.randn(largest.numel + len(largest.params), dtype=largest.dtype, device=largest.device)
-        (seconds,) = self._control.agree_on_max([profiler.time_codec(scratch, wire)], "the time to compress")
+        wire = torch.randn(
+            largest.numel + len(largest.params), dtype=largest.dtype, device=largest.device
+        )
+        (seconds,) = self._control.agree_on_max(
+            [profiler.time_codec(scratch, wire)], "the time to compress"
+        )
         wire_ratio = sum(f.wire_bytes() for f in formats) / ring
-        compressed_bytes = scratch.format.numel * largest.nbytes / largest.numel  # node first: one shard
-        return profiler.compressed(profile, wire_ratio, seconds / compressed_bytes, compressed_bytes / largest.nbytes)
+        compressed_bytes = (
+            scratch.format.numel * largest.nbytes / largest.numel
+        )  # node first: one shard
+        return profiler.compressed(
+            profile, wire_ratio, seconds / compressed_bytes, compressed_bytes / largest.nbytes
+        )
 
-    def _set_model_inputs(self, layers: List[Layer], element_size: int) -> None:
+    def _set_model_inputs(self, layers: list[Layer], element_size: int) -> None:
         """The simulator's inputs from the measured profile."""
         profile = self.profile
         assert profile is not None
         layer_bytes = [layer.numel * element_size for layer in layers]
         self.layer_profiles = [
-            solver.LayerProfile(layer.name, u, b, profile.alpha + profile.beta * nbytes, layer.numel)
+            solver.LayerProfile(
+                layer.name, u, b, profile.alpha + profile.beta * nbytes, layer.numel
+            )
             for layer, u, b, nbytes in zip(layers, profile.forward, profile.backward, layer_bytes)
         ]
         self.link = (profile.alpha, profile.beta, layer_bytes, profile.step_time)
@@ -191,10 +232,13 @@ class AutoController:
         # fits one for the final predictions. Every layer was synchronous while profiling:
         # its deferred updates covered all of them.
         numel = sum(layer.numel for layer in layers)
-        self.sim_options = {"slowdown": profile.slowdown, "shared_link": True,
-                            "update_per_element": profile.update_time / numel if numel else 0.0}
+        self.sim_options = {
+            "slowdown": profile.slowdown,
+            "shared_link": True,
+            "update_per_element": profile.update_time / numel if numel else 0.0,
+        }
 
-    def simulator_arguments(self) -> Dict[str, Any]:
+    def simulator_arguments(self) -> dict[str, Any]:
         """The simulator's and solver's keyword arguments besides the profiles (one builder for both).
 
         ``sync_at_step``: whether the job's script reads the exposed ``p.grad`` before ``step()``
@@ -204,12 +248,23 @@ class AutoController:
         """
         assert self.link is not None
         alpha, beta, layer_bytes, step_time = self.link
-        return dict(bucket_cap_bytes=self._settings.bucket_cap_bytes, alpha=alpha, beta=beta,
-                    bytes_per_layer=layer_bytes, step_time=step_time,
-                    sync_at_step=self.sync_at_step, **self.sim_options)
+        return dict(
+            bucket_cap_bytes=self._settings.bucket_cap_bytes,
+            alpha=alpha,
+            beta=beta,
+            bytes_per_layer=layer_bytes,
+            step_time=step_time,
+            sync_at_step=self.sync_at_step,
+            **self.sim_options,
+        )
 
-    def predict(self, k: int, slowdown: Optional[float] = None, record_events: bool = True,
-                link_scale: float = 1.0) -> simulator.SimResult:
+    def predict(
+        self,
+        k: int,
+        slowdown: float | None = None,
+        record_events: bool = True,
+        link_scale: float = 1.0,
+    ) -> simulator.SimResult:
         """The model's steady-state iteration at ``k`` (with compute slow-down σ = ``slowdown``,
         and the link ``link_scale`` times as slow as profiled)."""
         assert self.layer_profiles is not None
@@ -224,8 +279,12 @@ class AutoController:
         self.decided = True
         self.decided_at = iteration
         if self._rank == 0 and self.decision is not None:
-            tuned = (f"; {self.tuner.summary()}; predictions with the compute slow-down that fits them best, "
-                     f"sigma={self.sim_options['slowdown']:g}" if self.tuner is not None else "")
+            tuned = (
+                f"; {self.tuner.summary()}; predictions with the compute slow-down that fits them best, "
+                f"sigma={self.sim_options['slowdown']:g}"
+                if self.tuner is not None
+                else ""
+            )
             log.info("%s%s", self.decision.summary(), tuned)
 
     # ------------------------------------------------------------------ the measured search
@@ -236,7 +295,9 @@ class AutoController:
         self._trial_times = []
         self._trial_waits = []
 
-    def _measure_trial(self, iteration: int, hyperparams: List[Dict[str, Any]], forward_start: Optional[float]) -> None:
+    def _measure_trial(
+        self, iteration: int, hyperparams: list[dict[str, Any]], forward_start: float | None
+    ) -> None:
         """Record one iteration of the trial; after ``tune_steps`` of them, report and move on.
 
         The trial's head is not measured (:meth:`_trial_head`).
@@ -257,7 +318,7 @@ class AutoController:
         if len(self._trial_times) % self._settings.tune_steps == 0:
             self._judge_trial(iteration, hyperparams)
 
-    def _judge_trial(self, iteration: int, hyperparams: List[Dict[str, Any]]) -> None:
+    def _judge_trial(self, iteration: int, hyperparams: list[dict[str, Any]]) -> None:
         """The trial's value, agreed over ranks: the slowest rank's median of the means of
         consecutive pairs of iterations (a saturated link often alternates long and short
         iterations, which a plain median misreads). Too noisy for a verdict: measure on."""
@@ -265,9 +326,14 @@ class AutoController:
         pairs = _pair_means(self._trial_times)
         median = statistics.median(pairs)
         # the median's standard error, relative (≈ 1.25 σ / √n for a roughly normal sample)
-        noise = 1.25 * statistics.stdev(pairs) / math.sqrt(len(pairs)) / median if len(pairs) > 1 else 0.0
+        noise = (
+            1.25 * statistics.stdev(pairs) / math.sqrt(len(pairs)) / median
+            if len(pairs) > 1
+            else 0.0
+        )
         iteration_time, waits, noise = self._control.agree_on_max(
-            [median, statistics.median(_pair_means(self._trial_waits)), noise], "the scheduler's measurements"
+            [median, statistics.median(_pair_means(self._trial_waits)), noise],
+            "the scheduler's measurements",
         )
         if self._may_extend(iteration) and noise > self._resolution(iteration_time, waits):
             return  # every rank measures on (they agreed on the noise)
@@ -278,9 +344,15 @@ class AutoController:
             if self.tuner.final != self._pipeline.layout.k:
                 self._runtime.restart(self.tuner.final, iteration, hyperparams)
             self.sim_options["slowdown"] = search.fit_slowdown(
-                self.tuner.trials, lambda k, sigma: self.predict(k, sigma, record_events=False).iteration_time)
-            self.decision = solver.choose_k(self.layer_profiles, tolerance=STALL_TOLERANCE,
-                                            only_k=self.tuner.final, **self.simulator_arguments())
+                self.tuner.trials,
+                lambda k, sigma: self.predict(k, sigma, record_events=False).iteration_time,
+            )
+            self.decision = solver.choose_k(
+                self.layer_profiles,
+                tolerance=STALL_TOLERANCE,
+                only_k=self.tuner.final,
+                **self.simulator_arguments(),
+            )
             self._finish(iteration)
         else:
             self._runtime.restart(self.tuner.trial, iteration, hyperparams)
@@ -344,44 +416,73 @@ class AutoController:
     def saved_profile(self) -> SavedProfile:
         """What this job measured and decided, for :mod:`sapipe.schedule.predict`."""
         if not self.decided or self.profile is None or self.decision is None:
-            raise UsageError("sapipe: no profile to save yet: stale_layers='auto' has not decided k in this run "
-                             "(it profiles the warm-up, then measures; a job resumed after the decision has none)")
+            raise UsageError(
+                "sapipe: no profile to save yet: stale_layers='auto' has not decided k in this run "
+                "(it profiles the warm-up, then measures; a job resumed after the decision has none)"
+            )
         layers = self._pipeline.layout.layers
         first = self._pipeline.buckets[0]
         topology = self._runtime.job_topology
         world = torch.distributed.get_world_size(self._control.group)
-        device = torch.cuda.get_device_name(first.device) if first.device.type == "cuda" else first.device.type
+        device = (
+            torch.cuda.get_device_name(first.device)
+            if first.device.type == "cuda"
+            else first.device.type
+        )
         profile, settings = self.profile, self._settings
         return SavedProfile(
-            layers=tuple(layer.name for layer in layers), numel=tuple(layer.numel for layer in layers),
-            element_size=first.params[0].element_size(), forward=tuple(profile.forward),
-            backward=tuple(profile.backward), step_time=profile.step_time, update_time=profile.update_time,
-            alpha=profile.alpha, beta=profile.beta, slowdown=float(self.sim_options.get("slowdown", 0.0)),
-            world_size=world, nodes=topology.num_nodes if topology else 1,
+            layers=tuple(layer.name for layer in layers),
+            numel=tuple(layer.numel for layer in layers),
+            element_size=first.params[0].element_size(),
+            forward=tuple(profile.forward),
+            backward=tuple(profile.backward),
+            step_time=profile.step_time,
+            update_time=profile.update_time,
+            alpha=profile.alpha,
+            beta=profile.beta,
+            slowdown=float(self.sim_options.get("slowdown", 0.0)),
+            world_size=world,
+            nodes=topology.num_nodes if topology else 1,
             ranks_per_node=topology.local_size if topology else world,
-            hierarchical=self._runtime.topology is not None, backend=settings.backend,
-            compression=settings.compression, wire_ratio=float(profile.raw.get("wire_ratio", 1.0)),
+            hierarchical=self._runtime.topology is not None,
+            backend=settings.backend,
+            compression=settings.compression,
+            wire_ratio=float(profile.raw.get("wire_ratio", 1.0)),
             codec_per_byte=float(profile.raw.get("codec_per_byte", 0.0)),
-            bucket_cap_bytes=settings.bucket_cap_bytes, sync_at_step=self.sync_at_step, device=device,
-            stale_layers=self.decision.k, iteration_time=self.decision.iteration_time,
-            wire_beta=profile.beta_isolated if math.isfinite(profile.beta_isolated) else 0.0)
+            bucket_cap_bytes=settings.bucket_cap_bytes,
+            sync_at_step=self.sync_at_step,
+            device=device,
+            stale_layers=self.decision.k,
+            iteration_time=self.decision.iteration_time,
+            wire_beta=profile.beta_isolated if math.isfinite(profile.beta_isolated) else 0.0,
+        )
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """Whether k is final, and, while the search runs, where it stands and the model's inputs."""
         searching = not self.decided and self.tuner is not None
-        return {"decided": self.decided, "search": None if not searching else {
-            "tuner": self.tuner.state_dict(), "trial_start": self._trial_start,
-            "times": list(self._trial_times), "waits": list(self._trial_waits),
-            # the model's inputs, so the resumed job predicts the final k as this one would
-            "profiles": [dataclasses.asdict(p) for p in self.layer_profiles or []], "link": self.link,
-            "sim_options": dict(self.sim_options), "decision": dataclasses.asdict(self.decision),
-            # what the warm-up measured: for save_profile() once decided, and the model's sync_at_step
-            "profile": dataclasses.asdict(self.profile), "sync_at_step": self.sync_at_step,
-        }}
+        return {
+            "decided": self.decided,
+            "search": None
+            if not searching
+            else {
+                "tuner": self.tuner.state_dict(),
+                "trial_start": self._trial_start,
+                "times": list(self._trial_times),
+                "waits": list(self._trial_waits),
+                # the model's inputs, so the resumed job predicts the final k as this one would
+                "profiles": [dataclasses.asdict(p) for p in self.layer_profiles or []],
+                "link": self.link,
+                "sim_options": dict(self.sim_options),
+                "decision": dataclasses.asdict(self.decision),
+                # what the warm-up measured: for save_profile() once decided, and the model's sync_at_step
+                "profile": dataclasses.asdict(self.profile),
+                "sync_at_step": self.sync_at_step,
+            },
+        }
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.decided = state["decided"]
         saved = state["search"]
         self.tuner = search.Tuner.from_state(saved["tuner"]) if saved else None
@@ -400,11 +501,13 @@ class AutoController:
         else:  # a checkpoint of the warm-up: what this job decided since is void; profile again
             self.profile = self.layer_profiles = self.link = self.decision = self.decided_at = None
             self.sim_options, self.sync_at_step = {}, False
-            if self._pipeline.layout is not None:  # a live job (a fresh one starts at its first layout)
+            if (
+                self._pipeline.layout is not None
+            ):  # a live job (a fresh one starts at its first layout)
                 self.start_profiling(self._pipeline.layout.layers)
 
 
-def _device_sync(layers: List[Layer]):
+def _device_sync(layers: list[Layer]):
     """For a model on a GPU: wait for its queued compute (profiled timestamps are then the GPU's,
     see :class:`profiler.LayerTimer`); None on a CPU, where the host's clock is the compute's."""
     device = next((p.device for layer in layers for p in layer.params), None)
@@ -413,7 +516,7 @@ def _device_sync(layers: List[Layer]):
     return lambda: torch.cuda.current_stream(device).synchronize()
 
 
-def _pair_means(values: List[float]) -> List[float]:
+def _pair_means(values: list[float]) -> list[float]:
     """Means of consecutive pairs (a lone last value is its own pair)."""
     return [statistics.fmean(values[i : i + 2]) for i in range(0, len(values), 2)]
 

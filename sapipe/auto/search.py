@@ -32,11 +32,13 @@ The trials also calibrate the model (:func:`fit_slowdown`): the compute slow-dow
 the link is busy, which the profile cannot measure reliably (see ``profiler``), is the one
 that best explains the measured iteration times; the final decision predicts with it.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import astuple, dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable
 
 __all__ = ["LINK_SCALES", "SLOWDOWN_GRID", "Trial", "Tuner", "fit_link_scale", "fit_slowdown"]
 
@@ -64,8 +66,13 @@ class Tuner:
     takes its measurement and moves on. ``tolerance`` is a fraction of the iteration time.
     """
 
-    def __init__(self, first_k: int, m: int, tolerance: float,
-                 suggest: Optional[Callable[[int, int], int]] = None) -> None:
+    def __init__(
+        self,
+        first_k: int,
+        m: int,
+        tolerance: float,
+        suggest: Callable[[int, int], int] | None = None,
+    ) -> None:
         if not 0 <= first_k <= m:
             raise ValueError(f"sapipe.schedule: first k={first_k} outside 0..{m}")
         if not 0.0 <= tolerance < 1.0:
@@ -73,15 +80,15 @@ class Tuner:
         self.m = m
         self.first_k = first_k
         self.tolerance = tolerance
-        self.trials: List[Trial] = []
-        self.trial: Optional[int] = first_k
-        self.final: Optional[int] = None
+        self.trials: list[Trial] = []
+        self.trial: int | None = first_k
+        self.final: int | None = None
         self._lo = self._hi = -1  # bisection: lo is known slow, hi known good
         #: ``suggest(lo, hi)``: the k in (lo, hi] to probe next (not checkpointed: the caller's model)
         self.suggest = suggest
 
     @property
-    def measured(self) -> Dict[int, Trial]:
+    def measured(self) -> dict[int, Trial]:
         return {t.k: t for t in self.trials}
 
     def record(self, iteration_time: float, waits: float) -> None:
@@ -93,7 +100,7 @@ class Tuner:
         if self.trial is None:
             assert self.final is not None
 
-    def _next(self) -> Optional[int]:
+    def _next(self) -> int | None:
         got = self.measured
         first = got[self.first_k]
         if len(self.trials) == 1:
@@ -112,7 +119,9 @@ class Tuner:
                 self._lo = last.k
         if self._hi - self._lo <= 1:
             return self._finish(self._hi)
-        probe = (self._lo + self._hi) // 2 if self.suggest is None else self.suggest(self._lo, self._hi)
+        probe = (
+            (self._lo + self._hi) // 2 if self.suggest is None else self.suggest(self._lo, self._hi)
+        )
         probe = max(self._lo + 1, probe)
         return self._finish(self._hi) if probe >= self._hi else probe
 
@@ -140,14 +149,20 @@ class Tuner:
         self.final = k
         return None
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """Where the search stands (checkpoints)."""
-        return {"first_k": self.first_k, "m": self.m, "tolerance": self.tolerance,
-                "trials": [astuple(t) for t in self.trials], "trial": self.trial, "final": self.final,
-                "bracket": (self._lo, self._hi)}
+        return {
+            "first_k": self.first_k,
+            "m": self.m,
+            "tolerance": self.tolerance,
+            "trials": [astuple(t) for t in self.trials],
+            "trial": self.trial,
+            "final": self.final,
+            "bracket": (self._lo, self._hi),
+        }
 
     @classmethod
-    def from_state(cls, state: Dict[str, Any]) -> "Tuner":
+    def from_state(cls, state: dict[str, Any]) -> Tuner:
         tuner = cls(state["first_k"], state["m"], state["tolerance"])
         tuner.trials = [Trial(*t) for t in state["trials"]]
         tuner.trial, tuner.final = state["trial"], state["final"]
@@ -156,12 +171,22 @@ class Tuner:
 
     def summary(self) -> str:
         """The measurements, for the log: "k=7: 61.8 ms (waits 5.1 ms), k=16: 47.3 ms, ..."."""
-        parts = [f"k={t.k}: {t.iteration_time * 1e3:.3g} ms (waits {t.waits * 1e3:.2g} ms)" for t in self.trials]
-        return "measured " + ", ".join(parts) + (f" -> k={self.final}" if self.final is not None else "")
+        parts = [
+            f"k={t.k}: {t.iteration_time * 1e3:.3g} ms (waits {t.waits * 1e3:.2g} ms)"
+            for t in self.trials
+        ]
+        return (
+            "measured "
+            + ", ".join(parts)
+            + (f" -> k={self.final}" if self.final is not None else "")
+        )
 
 
-def fit_slowdown(trials: Sequence[Trial], predict: Callable[[int, float], float],
-                 grid: Sequence[float] = SLOWDOWN_GRID) -> float:
+def fit_slowdown(
+    trials: Sequence[Trial],
+    predict: Callable[[int, float], float],
+    grid: Sequence[float] = SLOWDOWN_GRID,
+) -> float:
     """The σ of ``grid`` whose predictions ``predict(k, σ)`` best match the measured trials
     (least squares of log(predicted / measured); the smallest σ on a tie, 0 without trials).
 
@@ -179,8 +204,11 @@ def fit_slowdown(trials: Sequence[Trial], predict: Callable[[int, float], float]
     return min(sorted(grid), key=misfit)
 
 
-def fit_link_scale(trials: Sequence[Trial], predict: Callable[[int, float], Tuple[float, float]],
-                   scales: Sequence[float] = LINK_SCALES) -> float:
+def fit_link_scale(
+    trials: Sequence[Trial],
+    predict: Callable[[int, float], tuple[float, float]],
+    scales: Sequence[float] = LINK_SCALES,
+) -> float:
     """The factor c of ``scales`` on the profiled link whose predictions ``predict(k, c)`` =
     (iteration time, waits) best match the measured trials: least squares of the log ratio of
     the times plus the waits' error relative to the measured time (on a tie, the c nearest 1).
@@ -190,7 +218,11 @@ def fit_link_scale(trials: Sequence[Trial], predict: Callable[[int, float], Tupl
     share it, the host's cores are shared). The waits say by how much, so the search's next
     probe can be placed where the corrected model expects the waits to vanish.
     """
-    usable = [t for t in trials if t.iteration_time > 0 and math.isfinite(t.iteration_time) and math.isfinite(t.waits)]
+    usable = [
+        t
+        for t in trials
+        if t.iteration_time > 0 and math.isfinite(t.iteration_time) and math.isfinite(t.waits)
+    ]
     if not usable:
         return 1.0
 
@@ -198,7 +230,9 @@ def fit_link_scale(trials: Sequence[Trial], predict: Callable[[int, float], Tupl
         total = 0.0
         for t in usable:
             time, waits = predict(t.k, scale)
-            total += math.log(time / t.iteration_time) ** 2 + ((waits - t.waits) / t.iteration_time) ** 2
+            total += (
+                math.log(time / t.iteration_time) ** 2 + ((waits - t.waits) / t.iteration_time) ** 2
+            )
         return total
 
     return min(sorted(scales, key=lambda c: abs(math.log(c))), key=misfit)

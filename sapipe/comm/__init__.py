@@ -21,25 +21,25 @@ A compressed sum (:mod:`sapipe.comm.compressed`) takes the gradient's sum in its
 between two collectives of compressed bytes, whichever back-end carries them, so
 ``torch`` and ``horovod`` deliver the same sums bit for bit (docs/design.md §5.9).
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Optional
 
-from sapipe.errors import ConfigurationError, SapipeError
-from sapipe.tracing.tracer import Tracer
+from sapipe.comm import hierarchical
 from sapipe.comm.base import CommBackend, Handle
 from sapipe.comm.compressed import CompressedSum, TorchCollectives
-from sapipe.comm.pushpull import DEFAULT_PARTITION_BYTES, PushPull
 from sapipe.comm.groups import new_group_like, release_group
-from sapipe.comm import hierarchical
+from sapipe.comm.pushpull import DEFAULT_PARTITION_BYTES, PushPull
 from sapipe.comm.topology import Topology
 from sapipe.comm.torch_backend import AllReduce
+from sapipe.errors import ConfigurationError, SapipeError
+from sapipe.tracing.tracer import Tracer
 
 BACKENDS = ("torch", "pushpull", "horovod", "byteps")
 
 
-def availability(backend: str) -> Optional[str]:
+def availability(backend: str) -> str | None:
     """Why ``backend`` cannot run in this process (None if it can).
 
     Ranks compare this before building anything, so a library missing on one rank
@@ -62,15 +62,17 @@ def availability(backend: str) -> Optional[str]:
 COMPRESSING_BACKENDS = ("torch", "pushpull", "horovod")
 
 
-def compression_refusal(backend: str, compression: Optional[str]) -> Optional[str]:
+def compression_refusal(backend: str, compression: str | None) -> str | None:
     """Why ``backend`` cannot carry ``compression`` (None if it can)."""
     if compression is None or backend in COMPRESSING_BACKENDS:
         return None
-    return (f"backend={backend!r} cannot carry compression={compression!r}; compressed sums run on "
-            + ", ".join(f"backend={b!r}" for b in COMPRESSING_BACKENDS))
+    return (
+        f"backend={backend!r} cannot carry compression={compression!r}; compressed sums run on "
+        + ", ".join(f"backend={b!r}" for b in COMPRESSING_BACKENDS)
+    )
 
 
-def compression_partition(backend: str, partition_bytes: int) -> Optional[int]:
+def compression_partition(backend: str, partition_bytes: int) -> int | None:
     """The bytes of uncompressed gradient ``backend`` compresses and sums as one unit:
     push-pull's partitions (BytePS compresses each partition it pushes); None: the whole
     bucket. A bucket's codec is built to match (sapipe.compression.codec.make_codec)."""
@@ -81,11 +83,11 @@ def create(
     backend: str,
     process_group,
     name: str,
-    timeout: Optional[timedelta],
+    timeout: timedelta | None,
     tracer: Tracer,
     partition_bytes: int = DEFAULT_PARTITION_BYTES,
-    compression: Optional[str] = None,
-    topology: Optional[Topology] = None,
+    compression: str | None = None,
+    topology: Topology | None = None,
 ) -> CommBackend:
     """A back-end instance for one kind of traffic (``name``: "sync" or "stale").
 
@@ -96,23 +98,35 @@ def create(
     """
     refusal = compression_refusal(backend, compression)
     if refusal is not None:
-        raise ConfigurationError(f"sapipe: {refusal}")  # validated before; reached only by direct calls
+        raise ConfigurationError(
+            f"sapipe: {refusal}"
+        )  # validated before; reached only by direct calls
     if backend == "torch":
         if topology is not None:
             return hierarchical.create(process_group, topology, compression, name, timeout, tracer)
         if compression is not None:
-            return CompressedSum(TorchCollectives(new_group_like(process_group, timeout)), name, timeout, tracer)
+            return CompressedSum(
+                TorchCollectives(new_group_like(process_group, timeout)), name, timeout, tracer
+            )
         return AllReduce(new_group_like(process_group, timeout), name, timeout, tracer)
     if backend == "pushpull":
         # The per-chunk agreement is one CPU integer: Gloo, whatever carries the data. Push-pull
         # is handed a codec with each bucket when compressed, and needs nothing else.
-        return PushPull(new_group_like(process_group, timeout), new_group_like(process_group, timeout, "gloo"),
-                        name, timeout, tracer, partition_bytes)
+        return PushPull(
+            new_group_like(process_group, timeout),
+            new_group_like(process_group, timeout, "gloo"),
+            name,
+            timeout,
+            tracer,
+            partition_bytes,
+        )
     if backend == "horovod":
         from sapipe.comm.horovod_backend import HorovodAllReduce, HorovodCollectives
 
         if compression is not None:
-            return CompressedSum(HorovodCollectives(process_group, name, timeout), name, timeout, tracer)
+            return CompressedSum(
+                HorovodCollectives(process_group, name, timeout), name, timeout, tracer
+            )
         return HorovodAllReduce(new_group_like(process_group, timeout), name, timeout, tracer)
     if backend == "byteps":
         from sapipe.comm.byteps_backend import BytePSPushPull
@@ -121,5 +135,15 @@ def create(
     raise SapipeError(f"sapipe: unknown backend {backend!r}")  # validated before; a bug if reached
 
 
-__all__ = ["BACKENDS", "COMPRESSING_BACKENDS", "CommBackend", "Handle", "availability", "compression_partition",
-           "compression_refusal", "create", "new_group_like", "release_group"]
+__all__ = [
+    "BACKENDS",
+    "COMPRESSING_BACKENDS",
+    "CommBackend",
+    "Handle",
+    "availability",
+    "compression_partition",
+    "compression_refusal",
+    "create",
+    "new_group_like",
+    "release_group",
+]

@@ -15,6 +15,7 @@ queue) is its business. Every back-end must:
   not leave them to the garbage collector: a Gloo group whose threads outlive the start of
   interpreter finalisation can abort the process at exit.
 """
+
 from __future__ import annotations
 
 import abc
@@ -23,15 +24,15 @@ import itertools
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from sapipe.comm import failures
+from sapipe.comm.groups import release_group
 from sapipe.errors import CommunicationError, ConfigurationError
 from sapipe.tracing.tracer import Tracer
-from sapipe.comm.groups import release_group
 
 
 @dataclass
@@ -45,7 +46,7 @@ class Handle:
     token: Any
     tensor: torch.Tensor
     what: str
-    owner: "CommBackend"
+    owner: CommBackend
 
     def wait(self) -> torch.Tensor:
         """Block until the reduction is done; the summed tensor."""
@@ -62,14 +63,14 @@ class CommBackend(abc.ABC):
     #: A ``torch.distributed`` group over the job's ranks on which the *calling* thread may
     #: issue collectives of its own (the scheduler times the link on it); None if the
     #: back-end's groups are used by a thread of its own.
-    group: Optional[Any] = None
+    group: Any | None = None
 
     #: A blocking sum of a tensor the way this back-end sums buckets, for the scheduler's link
     #: probes where one all-reduce on a group would time another link (hierarchical sums);
     #: None: the scheduler times all-reduces on ``group`` (or its own control group).
-    sum_now: Optional[Callable[[torch.Tensor], None]] = None
+    sum_now: Callable[[torch.Tensor], None] | None = None
 
-    def __init__(self, name: str, timeout: Optional[timedelta], tracer: Tracer):
+    def __init__(self, name: str, timeout: timedelta | None, tracer: Tracer):
         self.name = name
         self.timeout = timeout
         self.tracer = tracer
@@ -105,7 +106,9 @@ class CommBackend(abc.ABC):
     # -------------------------------------------------------------- shared helpers
 
     def describe_limit(self) -> str:
-        return f"{self.timeout.total_seconds():g}s" if self.timeout else "the process group's timeout"
+        return (
+            f"{self.timeout.total_seconds():g}s" if self.timeout else "the process group's timeout"
+        )
 
     def failure(self, operation: str, what: str, exc: BaseException) -> CommunicationError:
         """The error every back-end raises when a collective of bucket ``what`` fails.
@@ -116,9 +119,13 @@ class CommBackend(abc.ABC):
         exception where that rank published them (:mod:`sapipe.comm.failures`)."""
         head = f"sapipe: {self.name} {operation} of {what} failed"
         if isinstance(exc, (RuntimeError, TimeoutError, OSError)):
-            cause = (f"A peer rank has probably died, hung or lost its connection "
-                     f"(limit: {self.describe_limit()}). Underlying error: {exc}")
-            return failures.symptom(CommunicationError(f"{failures.with_first_failure(head)}. {cause}"))
+            cause = (
+                f"A peer rank has probably died, hung or lost its connection "
+                f"(limit: {self.describe_limit()}). Underlying error: {exc}"
+            )
+            return failures.symptom(
+                CommunicationError(f"{failures.with_first_failure(head)}. {cause}")
+            )
         cause = f"The error was raised on this rank: {type(exc).__name__}: {exc}"
         return CommunicationError(f"{head}. {cause}")
 
@@ -177,7 +184,7 @@ class LibraryBackend(CommBackend):
 
     operation = "reduction"
 
-    def __init__(self, group, name: str, timeout: Optional[timedelta], tracer: Tracer):
+    def __init__(self, group, name: str, timeout: timedelta | None, tracer: Tracer):
         super().__init__(name, timeout, tracer)
         require_whole_job(group, self.operation)
         self.group = group  # carries no bucket data; the scheduler times the link on it
@@ -225,12 +232,14 @@ class LibraryBackend(CommBackend):
         release_group(self)
 
 
-DEFAULT_LIBRARY_TIMEOUT = timedelta(seconds=300)  # a library op's limit when sapipe's timeout is None
+DEFAULT_LIBRARY_TIMEOUT = timedelta(
+    seconds=300
+)  # a library op's limit when sapipe's timeout is None
 _POLL_SECONDS = 0.0002
 _instance_numbers = itertools.count(1)
 
 
-def library_limit(timeout: Optional[timedelta]) -> float:
+def library_limit(timeout: timedelta | None) -> float:
     """Seconds an operation handed to a library (which has no timeout of its own) may take."""
     return (timeout or DEFAULT_LIBRARY_TIMEOUT).total_seconds()
 
@@ -260,7 +269,9 @@ def require_whole_job(group, operation: str) -> None:
         )
 
 
-def import_library(module: str, backend: str, hint: str, not_ready: Callable[[Any], Optional[str]] = lambda _: None):
+def import_library(
+    module: str, backend: str, hint: str, not_ready: Callable[[Any], str | None] = lambda _: None
+):
     """Import ``module`` (``horovod.torch``, ``byteps.torch``) for ``backend=backend``.
 
     Raises :class:`ConfigurationError` naming the cause if it does not import, if

@@ -8,15 +8,16 @@ partitioned, priority-ordered push-pull without BytePS, use ``backend="pushpull"
 Launch as for BytePS (``bpslaunch``, or ``sapipe-launch`` with the ``DMLC_*`` variables)
 and call ``bps.init()`` before :class:`sapipe.DistributedOptimizer`.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from sapipe.tracing.tracer import Tracer
 from sapipe.comm.base import LibraryBackend, import_library
+from sapipe.tracing.tracer import Tracer
 
 
 def import_byteps():
@@ -31,13 +32,15 @@ class BytePSPushPull(LibraryBackend):
 
     operation = "byteps push-pull"
 
-    def __init__(self, group, name: str, timeout: Optional[timedelta], tracer: Tracer):
+    def __init__(self, group, name: str, timeout: timedelta | None, tracer: Tracer):
         super().__init__(group, name, timeout, tracer)
         self._bps = import_byteps()
 
     def _submit(self, tensor: torch.Tensor, name: str, priority: int) -> Any:
         # BytePS schedules larger priorities first; sapipe's smaller-is-sooner is negated.
-        return self._bps.push_pull_async_inplace(tensor, average=False, name=name, priority=-priority)
+        return self._bps.push_pull_async_inplace(
+            tensor, average=False, name=name, priority=-priority
+        )
 
     def _poll(self, token: Any) -> bool:
         return self._bps.poll(token)

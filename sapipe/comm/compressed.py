@@ -16,21 +16,21 @@ collectives belong to the worker: ``group`` stays None, so the scheduler's link 
 never interleave with its traffic. On CUDA the worker runs on a side stream ordered after
 the stream that started the bucket, and ``wait`` orders the caller's stream after it.
 """
+
 from __future__ import annotations
 
 import abc
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from sapipe.compression.codec import Slot, SlotCodec
-from sapipe.errors import UsageError
-from sapipe.tracing.tracer import Tracer
 from sapipe.comm.base import Handle
 from sapipe.comm.groups import release_group
 from sapipe.comm.worker import InStartOrder, Job, all_gather_single
+from sapipe.compression.codec import Slot, SlotCodec
+from sapipe.errors import UsageError
+from sapipe.tracing.tracer import Tracer
 
 
 class Collectives(abc.ABC):
@@ -62,7 +62,9 @@ class TorchCollectives(Collectives):
         """The group; raises once :meth:`close` has released it (given None, a collective
         would run on the default group)."""
         if self.group is None:
-            raise RuntimeError("sapipe: the back-end's process group was released with work in flight")
+            raise RuntimeError(
+                "sapipe: the back-end's process group was released with work in flight"
+            )
         return self.group
 
     def all_to_all(self, received: torch.Tensor, sent: torch.Tensor, tag: str) -> None:
@@ -75,7 +77,9 @@ class TorchCollectives(Collectives):
         release_group(self)
 
 
-def sum_compressed(codec: SlotCodec, wire: torch.Tensor, collectives: Collectives, tag: str) -> None:
+def sum_compressed(
+    codec: SlotCodec, wire: torch.Tensor, collectives: Collectives, tag: str
+) -> None:
     """``wire`` reduced over the ranks in place, compressed on the wire: its values averaged,
     its flags summed. The all-to-all of its compressed shards, their sum in the gradient's
     dtype, the all-gather of the compressed sums, decoded as the mean."""
@@ -85,13 +89,17 @@ def sum_compressed(codec: SlotCodec, wire: torch.Tensor, collectives: Collective
     codec.decode_mean(wire)
 
 
-def check_codec(codec: Optional[Slot], tensor: torch.Tensor, name: str, what: str) -> Slot:
+def check_codec(codec: Slot | None, tensor: torch.Tensor, name: str, what: str) -> Slot:
     """``codec`` if it was handed over and covers ``tensor``; else UsageError (a bug upstream)."""
     if codec is None:
-        raise UsageError(f"sapipe: the compressed {name} sum of {what} was started without its codec")
+        raise UsageError(
+            f"sapipe: the compressed {name} sum of {what} was started without its codec"
+        )
     end = codec.partitions()[-1][1]
     if end != tensor.numel():
-        raise UsageError(f"sapipe: the codec of {what} covers {end} values, its buffer holds {tensor.numel()}")
+        raise UsageError(
+            f"sapipe: the codec of {what} covers {end} values, its buffer holds {tensor.numel()}"
+        )
     return codec
 
 
@@ -100,11 +108,15 @@ class CompressedSum(InStartOrder):
 
     operation = "compressed sum"
 
-    def __init__(self, collectives: Collectives, name: str, timeout: Optional[timedelta], tracer: Tracer):
+    def __init__(
+        self, collectives: Collectives, name: str, timeout: timedelta | None, tracer: Tracer
+    ):
         super().__init__(name, timeout, tracer)
         self._collectives = collectives
 
-    def start(self, tensor: torch.Tensor, what: str, priority: int = 0, codec: Optional[Slot] = None) -> Handle:
+    def start(
+        self, tensor: torch.Tensor, what: str, priority: int = 0, codec: Slot | None = None
+    ) -> Handle:
         detail = check_codec(codec, tensor, self.name, what)
         return self.enqueue(self.new_job(tensor, what, detail=detail))
 

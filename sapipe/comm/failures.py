@@ -33,6 +33,7 @@ to the torchrun run and attempt (``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART
 so a restarted job, whose rendezvous store may be the dead attempt's, never blames the
 previous attempt's failure.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,7 +41,7 @@ import sys
 import threading
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -55,19 +56,25 @@ class _State:
     """This process's publisher and lookup: the job's store (a clone), this rank, the key."""
 
     def __init__(self) -> None:
-        self.source: Optional[weakref.ref] = None  # the default store the clone was made of
+        self.source: weakref.ref | None = None  # the default store the clone was made of
         self.store: Any = None  # the clone; None: nothing to publish to or read from
-        self.rank: Optional[int] = None
+        self.rank: int | None = None
         self.key = _KEY
-        self.previous_hook: Optional[Callable] = None
-        self.found: Optional[str] = None  # the first failure, once read (it never changes)
-        self.unresponsive = False  # an operation outlived STORE_SECONDS: the store is not asked again
+        self.previous_hook: Callable | None = None
+        self.found: str | None = None  # the first failure, once read (it never changes)
+        self.unresponsive = (
+            False  # an operation outlived STORE_SECONDS: the store is not asked again
+        )
         self.pid = os.getpid()  # the process the clone's connection belongs to
 
     def usable(self) -> Any:
         """The clone, if this process may use it: not in a forked child (a DataLoader worker),
         whose writes would interleave with its parent's on the one connection they share."""
-        return self.store if self.store is not None and not self.unresponsive and os.getpid() == self.pid else None
+        return (
+            self.store
+            if self.store is not None and not self.unresponsive and os.getpid() == self.pid
+            else None
+        )
 
 
 #: torch.distributed's errors of a lost peer, a broken transport or store (DistBackendError, ...)
@@ -90,7 +97,9 @@ def install() -> None:
         with _lock:
             known = _state.source() if _state.source is not None else None
             if known is not source:
-                _state.source = weakref.ref(source)  # not the store itself: rank 0's may be the server
+                _state.source = weakref.ref(
+                    source
+                )  # not the store itself: rank 0's may be the server
                 _state.store, _state.unresponsive, _state.found = None, False, None
                 _state.store = _bounded(lambda: _clone(source))
                 _state.rank, _state.key, _state.pid = rank, scoped_key(), os.getpid()
@@ -151,7 +160,7 @@ def publish(exc: BaseException) -> bool:
         return False
 
 
-def first_failure() -> Optional[str]:
+def first_failure() -> str | None:
     """``"rank R failed first: Type: message"`` if a rank of this job published its uncaught
     exception, else None. Bounded (a store that is gone or frozen gives None); never raises."""
     if _state.found is not None:
@@ -222,5 +231,15 @@ def _bounded(operation: Callable[[], Any]) -> Any:
     return result[0] if result else None
 
 
-__all__ = ["MAX_CHARS", "STORE_SECONDS", "describe", "first_failure", "install", "is_symptom", "publish",
-           "scoped_key", "symptom", "with_first_failure"]
+__all__ = [
+    "MAX_CHARS",
+    "STORE_SECONDS",
+    "describe",
+    "first_failure",
+    "install",
+    "is_symptom",
+    "publish",
+    "scoped_key",
+    "symptom",
+    "with_first_failure",
+]

@@ -24,29 +24,31 @@ releases the GIL while the C++ destructor joins the worker threads, so a worker 
 needs the GIL gets it, and no sapipe group's thread is left to ask for it later. Callers
 wait for their work first (``close()`` does), so the join does not wait on a collective.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Optional
 
 import torch.distributed as dist
-
 
 # Groups over a strict subset of the world (created with local synchronisation). torch
 # names those by hashing their ranks with the number of live groups, so destroying one and
 # creating another can reuse a name, and the new group's rendezvous then meets the old
 # one's keys in the store and hangs. They are therefore kept (registered with torch) until
 # the job ends: its ``dist.destroy_process_group()`` destroys them.
-_SUBSET_GROUPS: "set[str]" = set()
+_SUBSET_GROUPS: set[str] = set()
 
 
-def new_group_like(process_group, timeout: Optional[timedelta], backend: Optional[str] = None):
+def new_group_like(process_group, timeout: timedelta | None, backend: str | None = None):
     """A new process group over the same ranks as ``process_group`` (collective), on the
     same back-end unless ``backend`` names another (e.g. ``"gloo"`` for small CPU messages)."""
     ranks = dist.get_process_group_ranks(process_group)
     subset = len(ranks) != dist.get_world_size()
-    kwargs = {"ranks": ranks, "backend": backend or dist.get_backend(process_group),
-              "use_local_synchronization": subset}
+    kwargs = {
+        "ranks": ranks,
+        "backend": backend or dist.get_backend(process_group),
+        "use_local_synchronization": subset,
+    }
     if timeout is not None:
         kwargs["timeout"] = timeout
     group = dist.new_group(**kwargs)
@@ -55,7 +57,7 @@ def new_group_like(process_group, timeout: Optional[timedelta], backend: Optiona
     return group
 
 
-def new_subgroup(ranks, backend: str, timeout: Optional[timedelta]):
+def new_subgroup(ranks, backend: str, timeout: timedelta | None):
     """A new process group over ``ranks`` (global ranks; only they call it, each with its own
     list), kept registered until the job ends as every subset group is (see above)."""
     kwargs = {"ranks": list(ranks), "backend": backend, "use_local_synchronization": True}
@@ -86,7 +88,9 @@ def release_group(owner, attr: str = "group") -> None:
     if group.group_name not in _SUBSET_GROUPS and dist.is_initialized():
         try:
             dist.destroy_process_group(group)
-        except ValueError:  # "Invalid process group": torch's registry was torn down and rebuilt since
+        except (
+            ValueError
+        ):  # "Invalid process group": torch's registry was torn down and rebuilt since
             pass
     del group  # the last reference: torch's destructor joins the group's threads, the GIL released
 

@@ -27,23 +27,29 @@ network carries compressed bytes; inside the node the shards travel at full prec
 flat compressed sum over all W ranks would put each of a node's L ranks' all-to-all through
 the node's NIC: L times the compressed bytes of a ring (sapipe.schedule.cluster_link).
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from sapipe.compression.codec import NodeFirstSlot
-from sapipe.errors import ConfigurationError, UsageError
-from sapipe.tracing.tracer import Tracer
 from sapipe.comm.base import Handle
 from sapipe.comm.compressed import TorchCollectives, sum_compressed
 from sapipe.comm.groups import new_subgroup, release_group
 from sapipe.comm.topology import Topology
-from sapipe.comm.worker import InStartOrder, Job, Scratch, all_gather_single, reduce_scatter_sum, sum_by_shards
-
+from sapipe.comm.worker import (
+    InStartOrder,
+    Job,
+    Scratch,
+    all_gather_single,
+    reduce_scatter_sum,
+    sum_by_shards,
+)
+from sapipe.compression.codec import NodeFirstSlot
+from sapipe.errors import ConfigurationError, UsageError
+from sapipe.tracing.tracer import Tracer
 
 #: A bucket is cut into up to MAX_PIECES pieces of at least PIECE_BYTES, whose steps are
 #: pipelined: one piece crosses between nodes while the next is reduced inside the node.
@@ -51,7 +57,7 @@ PIECE_BYTES = 1 << 20
 MAX_PIECES = 4
 
 
-def resolve(requested: Optional[bool], backend: str, topology: Topology) -> bool:
+def resolve(requested: bool | None, backend: str, topology: Topology) -> bool:
     """Whether buckets are summed hierarchically: ``requested`` (None: wherever the topology
     has two levels and the back-end is ``torch``, compressed or not), or ConfigurationError
     naming the contradiction when True cannot be honoured."""
@@ -60,11 +66,14 @@ def resolve(requested: Optional[bool], backend: str, topology: Topology) -> bool
     if requested is None:
         return backend == "torch" and topology.two_level
     if backend != "torch":
-        raise ConfigurationError(f"sapipe: hierarchical=True runs on backend='torch'; got backend={backend!r}")
+        raise ConfigurationError(
+            f"sapipe: hierarchical=True runs on backend='torch'; got backend={backend!r}"
+        )
     if not topology.two_level:
         raise ConfigurationError(
             f"sapipe: hierarchical=True needs several nodes with the same number (> 1) of ranks each; this job "
-            f"has {topology.describe()} (torchrun's GROUP_RANK, else the host name, tells a rank's node)")
+            f"has {topology.describe()} (torchrun's GROUP_RANK, else the host name, tells a rank's node)"
+        )
     return True
 
 
@@ -73,15 +82,23 @@ class HierarchicalAllReduce(InStartOrder):
 
     operation = "hierarchical all-reduce"
 
-    def __init__(self, intra, inter, local_size: int, name: str, timeout: Optional[timedelta], tracer: Tracer):
+    def __init__(
+        self, intra, inter, local_size: int, name: str, timeout: timedelta | None, tracer: Tracer
+    ):
         super().__init__(name, timeout, tracer)
         self._intra, self._inter = intra, inter  # the worker's alone: ``group`` stays None
         self.local_size = local_size
         self._scratch = Scratch()  # a bucket padded to L equal shards, and this rank's shard
 
     @classmethod
-    def create(cls, process_group, topology: Topology, name: str, timeout: Optional[timedelta],
-               tracer: Tracer) -> "HierarchicalAllReduce":
+    def create(
+        cls,
+        process_group,
+        topology: Topology,
+        name: str,
+        timeout: timedelta | None,
+        tracer: Tracer,
+    ) -> HierarchicalAllReduce:
         """Its two groups over ``process_group``'s ranks: this rank's node, and the ranks of
         its local index on every node (collective on every rank)."""
         ranks = dist.get_process_group_ranks(process_group)
@@ -109,8 +126,14 @@ class HierarchicalAllReduce(InStartOrder):
         """Inside the node, across nodes, inside the node again (the module docstring)."""
         tensor = job.tensor
         pieces = max(1, min(MAX_PIECES, tensor.numel() * tensor.element_size() // PIECE_BYTES))
-        sum_by_shards(tensor, self.local_size, self._group("_intra"), self._scratch, across=self._group("_inter"),
-                      pieces=pieces)
+        sum_by_shards(
+            tensor,
+            self.local_size,
+            self._group("_intra"),
+            self._scratch,
+            across=self._group("_inter"),
+            pieces=pieces,
+        )
 
     def _group(self, attr: str):
         group = getattr(self, attr)
@@ -125,14 +148,27 @@ class HierarchicalCompressedSum(HierarchicalAllReduce):
 
     operation = "hierarchical compressed sum"
 
-    def __init__(self, intra, inter, local_size: int, name: str, timeout: Optional[timedelta], tracer: Tracer):
+    def __init__(
+        self, intra, inter, local_size: int, name: str, timeout: timedelta | None, tracer: Tracer
+    ):
         super().__init__(intra, inter, local_size, name, timeout, tracer)
         self._across = TorchCollectives(inter)
 
-    def start(self, tensor: torch.Tensor, what: str, priority: int = 0, codec: Optional[NodeFirstSlot] = None) -> Handle:
-        if not isinstance(codec, NodeFirstSlot) or codec.codec.numel + codec.codec.nflags != tensor.numel():
-            raise UsageError(f"sapipe: the node-first compressed sum of {what} was started without its codec "
-                             f"(or with another bucket's)")
+    def start(
+        self,
+        tensor: torch.Tensor,
+        what: str,
+        priority: int = 0,
+        codec: NodeFirstSlot | None = None,
+    ) -> Handle:
+        if (
+            not isinstance(codec, NodeFirstSlot)
+            or codec.codec.numel + codec.codec.nflags != tensor.numel()
+        ):
+            raise UsageError(
+                f"sapipe: the node-first compressed sum of {what} was started without its codec "
+                f"(or with another bucket's)"
+            )
         return self.enqueue(self.new_job(tensor, what, detail=codec))
 
     def sum_now(self, tensor: torch.Tensor) -> None:
@@ -149,7 +185,7 @@ class HierarchicalCompressedSum(HierarchicalAllReduce):
     def run_unit(self, job: Job, unit: None) -> None:
         """Reduce-scatter inside the node, the compressed sum of this rank's shard across
         nodes, all-gather inside the node."""
-        slot: Optional[NodeFirstSlot] = job.detail
+        slot: NodeFirstSlot | None = job.detail
         if slot is None:  # a link probe
             return super().run_unit(job, unit)
         codec, (_, _, shard_codec) = slot.codec, slot.partitions()[0]
@@ -163,8 +199,14 @@ class HierarchicalCompressedSum(HierarchicalAllReduce):
         codec.unpack(rows, job.tensor)
 
 
-def create(process_group, topology: Topology, compression: Optional[str], name: str,
-           timeout: Optional[timedelta], tracer: Tracer) -> HierarchicalAllReduce:
+def create(
+    process_group,
+    topology: Topology,
+    compression: str | None,
+    name: str,
+    timeout: timedelta | None,
+    tracer: Tracer,
+) -> HierarchicalAllReduce:
     """The node-first back-end over ``topology``: compressed across nodes when ``compression`` is set."""
     kind = HierarchicalAllReduce if compression is None else HierarchicalCompressedSum
     return kind.create(process_group, topology, name, timeout, tracer)

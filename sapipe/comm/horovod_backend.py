@@ -15,24 +15,34 @@ called, and Horovod's ranks are the job's ``torch.distributed`` ranks (sapipe st
 per-operation timeout; see :class:`~sapipe.comm.base.LibraryBackend` for how waits stay
 bounded.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from sapipe.comm.base import (
+    LibraryBackend,
+    import_library,
+    instance_prefix,
+    library_limit,
+    require_whole_job,
+    wait_polled,
+)
+from sapipe.comm.compressed import Collectives
 from sapipe.errors import ConfigurationError
 from sapipe.tracing.tracer import Tracer
-from sapipe.comm.base import LibraryBackend, import_library, instance_prefix, library_limit, require_whole_job, wait_polled
-from sapipe.comm.compressed import Collectives
 
 
 def import_horovod():
     """``horovod.torch``, initialised and matching torch.distributed; else ConfigurationError."""
     return import_library(
-        "horovod.torch", "horovod", "Install Horovod with PyTorch support (HOROVOD_WITH_PYTORCH=1 pip install horovod; in a checkout of sapipe, `make peers`)",
+        "horovod.torch",
+        "horovod",
+        "Install Horovod with PyTorch support (HOROVOD_WITH_PYTORCH=1 pip install horovod; in a checkout of sapipe, `make peers`)",
         lambda hvd: None if hvd.is_initialized() else "call hvd.init() before DistributedOptimizer",
     )
 
@@ -42,7 +52,7 @@ class HorovodAllReduce(LibraryBackend):
 
     operation = "horovod all-reduce"
 
-    def __init__(self, group, name: str, timeout: Optional[timedelta], tracer: Tracer):
+    def __init__(self, group, name: str, timeout: timedelta | None, tracer: Tracer):
         super().__init__(group, name, timeout, tracer)
         self._hvd = import_horovod()
 
@@ -68,7 +78,7 @@ class HorovodCollectives(Collectives):
 
     operation = "horovod compressed sum"
 
-    def __init__(self, group, name: str, timeout: Optional[timedelta]):
+    def __init__(self, group, name: str, timeout: timedelta | None):
         require_whole_job(group, self.operation)
         self._hvd = import_horovod()
         self._prefix = instance_prefix(f"{name}.compressed")
@@ -124,14 +134,21 @@ def init_horovod_for_torch_job(group=None):
         port = server.start()
         server.init(plan)
     port = gather(port)[0]
-    os.environ.update({
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
-        "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
-        "HOROVOD_HOSTNAME": f"node{node}", "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(world),
-        "HOROVOD_LOCAL_RANK": str(local_rank), "HOROVOD_LOCAL_SIZE": str(local_size),
-        "HOROVOD_CROSS_RANK": str(node), "HOROVOD_CROSS_SIZE": str(len(slots)),
-    })
+    os.environ.update(
+        {
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+            "HOROVOD_CONTROLLER": "gloo",
+            "HOROVOD_CPU_OPERATIONS": "gloo",
+            "HOROVOD_HOSTNAME": f"node{node}",
+            "HOROVOD_RANK": str(rank),
+            "HOROVOD_SIZE": str(world),
+            "HOROVOD_LOCAL_RANK": str(local_rank),
+            "HOROVOD_LOCAL_SIZE": str(local_size),
+            "HOROVOD_CROSS_RANK": str(node),
+            "HOROVOD_CROSS_SIZE": str(len(slots)),
+        }
+    )
     if os.environ.get("GLOO_SOCKET_IFNAME"):
         os.environ["HOROVOD_GLOO_IFACE"] = os.environ["GLOO_SOCKET_IFNAME"]
     hvd.init()

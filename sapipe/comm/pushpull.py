@@ -31,21 +31,23 @@ before the interpreter can begin finalising, :mod:`sapipe.comm.groups`); the wor
 for a released group before each collective, since given ``None`` torch would run it on the
 default group.
 """
+
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from sapipe.compression.codec import Slot, SlotCodec, partition_bounds
-from sapipe.tracing.tracer import Tracer
 from sapipe.comm.base import Handle
 from sapipe.comm.compressed import TorchCollectives, check_codec, sum_compressed
 from sapipe.comm.groups import release_group
 from sapipe.comm.worker import Job, Scratch, WorkerBackend, sum_by_shards
+from sapipe.compression.codec import Slot, SlotCodec, partition_bounds
+from sapipe.tracing.tracer import Tracer
 
 DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024  # BytePS's default partition size
 
@@ -55,8 +57,8 @@ class Chunks(NamedTuple):
     and with compression each chunk's codec (None: the chunks travel uncompressed)."""
 
     priority: int
-    bounds: List[Tuple[int, int]]
-    codecs: Optional[Sequence[SlotCodec]] = None
+    bounds: list[tuple[int, int]]
+    codecs: Sequence[SlotCodec] | None = None
 
 
 class PushPull(WorkerBackend):
@@ -70,7 +72,7 @@ class PushPull(WorkerBackend):
         group,
         negotiation_group,
         name: str,
-        timeout: Optional[timedelta],
+        timeout: timedelta | None,
         tracer: Tracer,
         partition_bytes: int = DEFAULT_PARTITION_BYTES,
     ):
@@ -79,18 +81,22 @@ class PushPull(WorkerBackend):
             raise ValueError(f"sapipe: partition_bytes must be > 0; got {partition_bytes}")
         # Both groups belong to the worker thread alone; ``group`` stays None, so the
         # scheduler's link probes (main thread) never interleave with the worker's traffic.
-        self._data = TorchCollectives(group)  # reduce-scatters and all-gathers (compressed: all-to-alls)
+        self._data = TorchCollectives(
+            group
+        )  # reduce-scatters and all-gathers (compressed: all-to-alls)
         self._negotiation = negotiation_group  # one int per chunk decision
         self.partition_bytes = partition_bytes
         self.world_size = dist.get_world_size(group)
-        self._started: List[Job] = []  # in start order; drained as they are agreed on
+        self._started: list[Job] = []  # in start order; drained as they are agreed on
         self._num_agreed = 0
-        self._queue: List[Tuple[int, int, int, Job]] = []  # (priority, sequence, chunk, job)
+        self._queue: list[tuple[int, int, int, Job]] = []  # (priority, sequence, chunk, job)
         self._scratch = Scratch()  # the padded chunk and this rank's shard, reused
 
     # ------------------------------------------------------------------ engine side
 
-    def start(self, tensor: torch.Tensor, what: str, priority: int = 0, codec: Optional[Slot] = None) -> Handle:
+    def start(
+        self, tensor: torch.Tensor, what: str, priority: int = 0, codec: Slot | None = None
+    ) -> Handle:
         """Begin the chunked sum of ``tensor``; with ``codec`` (compression), its partitions are
         the chunks, each a compressed sum."""
         if codec is None:
@@ -98,8 +104,13 @@ class PushPull(WorkerBackend):
             chunks = Chunks(priority, partition_bounds(tensor.numel(), per_chunk))
         else:
             parts = check_codec(codec, tensor, self.name, what).partitions()
-            chunks = Chunks(priority, [(lo, hi) for lo, hi, _ in parts], [part for _, _, part in parts])
-        return self.submit(self.new_job(tensor, what, units=len(chunks.bounds), detail=chunks), self._started.append)
+            chunks = Chunks(
+                priority, [(lo, hi) for lo, hi, _ in parts], [part for _, _, part in parts]
+            )
+        return self.submit(
+            self.new_job(tensor, what, units=len(chunks.bounds), detail=chunks),
+            self._started.append,
+        )
 
     def close(self) -> None:
         self.stop_worker()
@@ -111,7 +122,7 @@ class PushPull(WorkerBackend):
 
     # ------------------------------------------------------------------ worker side
 
-    def next_unit(self) -> Optional[Tuple[Job, int]]:
+    def next_unit(self) -> tuple[Job, int] | None:
         with self.lock:
             # Nothing agreed is left: wait until this rank has started something new.
             # (The queue is the same on every rank, so every rank waits here alike.)
@@ -143,7 +154,9 @@ class PushPull(WorkerBackend):
         if job.detail.codecs is None:
             self._push_pull(job.tensor[lo:hi])
         else:
-            sum_compressed(job.detail.codecs[index], job.tensor[lo:hi], self._data, f"{job.sequence}.{index}")
+            sum_compressed(
+                job.detail.codecs[index], job.tensor[lo:hi], self._data, f"{job.sequence}.{index}"
+            )
 
     def _push_pull(self, chunk: torch.Tensor) -> None:
         """``chunk`` summed over the ranks: reduce-scatter (push), then all-gather (pull)."""

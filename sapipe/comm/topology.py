@@ -4,12 +4,13 @@ Ranks name their node by torchrun's node rank (``GROUP_RANK``) where torchrun st
 else by the host's name; every rank learns every rank's name in the construction-time
 agreement (:func:`sapipe.rendezvous.agree`), so all of them build the same :class:`Topology`.
 """
+
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
 
 
 def node_name() -> str:
@@ -23,12 +24,12 @@ def node_name() -> str:
 class Topology:
     """The ranks (of the job's process group) on each node, nodes in order of their first rank."""
 
-    nodes: Tuple[Tuple[int, ...], ...]
+    nodes: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def from_names(cls, names: Sequence[str]) -> "Topology":
+    def from_names(cls, names: Sequence[str]) -> Topology:
         """``names[r]``: rank r's node name."""
-        members: Dict[str, List[int]] = {}
+        members: dict[str, list[int]] = {}
         for rank, name in enumerate(names):
             members.setdefault(name, []).append(rank)
         return cls(tuple(tuple(ranks) for ranks in members.values()))
@@ -56,14 +57,14 @@ class Topology:
         """Several nodes of the same number (> 1) of ranks: a sum can go node first."""
         return self.num_nodes > 1 and self.uniform and self.local_size > 1
 
-    def node_of(self, rank: int) -> Tuple[int, ...]:
+    def node_of(self, rank: int) -> tuple[int, ...]:
         """The ranks on ``rank``'s node."""
         return next(node for node in self.nodes if rank in node)
 
     def local_index(self, rank: int) -> int:
         return self.node_of(rank).index(rank)
 
-    def peers_across(self, rank: int) -> Tuple[int, ...]:
+    def peers_across(self, rank: int) -> tuple[int, ...]:
         """The rank of each node with ``rank``'s local index (a uniform topology)."""
         index = self.local_index(rank)
         return tuple(node[index] for node in self.nodes)

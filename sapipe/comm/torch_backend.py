@@ -8,30 +8,32 @@ timeout instead of a hang. NCCL on GPUs, Gloo on CPUs: whatever the job's group 
 ``close()`` destroys the group at once, joining Gloo's worker threads before the interpreter
 can begin finalising (:mod:`sapipe.comm.groups`); the instance cannot be used after it.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from sapipe.errors import UsageError
-from sapipe.tracing.tracer import Tracer
 from sapipe.comm.base import CommBackend, Handle
 from sapipe.comm.groups import release_group
+from sapipe.errors import UsageError
+from sapipe.tracing.tracer import Tracer
 
 
 class AllReduce(CommBackend):
     """Sum-all-reduce of flat buffers on a ``torch.distributed`` group of its own."""
 
-    def __init__(self, group, name: str, timeout: Optional[timedelta], tracer: Tracer):
+    def __init__(self, group, name: str, timeout: timedelta | None, tracer: Tracer):
         super().__init__(name, timeout, tracer)
         self.group = group
 
     def start(self, tensor: torch.Tensor, what: str, priority: int = 0) -> Handle:
         if self.group is None:  # given group=None, torch would run it on the default group
-            raise UsageError(f"sapipe: the {self.name} all-reduce of {what} was started after close()")
+            raise UsageError(
+                f"sapipe: the {self.name} all-reduce of {what} was started after close()"
+            )
         try:
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         except Exception as exc:  # noqa: BLE001 - re-raised with context

@@ -8,6 +8,7 @@ every job still open then fails with it), the CUDA side stream (each job's first
 ordered after the stream that started it, ``wait`` ordering the caller's stream after its
 last), completion callbacks, and stopping the thread at ``close()``.
 """
+
 from __future__ import annotations
 
 import abc
@@ -15,7 +16,7 @@ import collections
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -34,16 +35,23 @@ class Scratch:
     """Reusable buffers of a worker, by name (grown when needed, never allocated per step)."""
 
     def __init__(self):
-        self._buffers: Dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def get(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+        if (
+            buf is None
+            or buf.numel() < numel
+            or buf.dtype != like.dtype
+            or buf.device != like.device
+        ):
             buf = self._buffers[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
         return buf[:numel]
 
 
-def sum_by_shards(tensor: torch.Tensor, parts: int, group, scratch: Scratch, across=None, pieces: int = 1) -> None:
+def sum_by_shards(
+    tensor: torch.Tensor, parts: int, group, scratch: Scratch, across=None, pieces: int = 1
+) -> None:
     """``tensor`` summed in place by shards: reduce-scatter over ``group`` (``parts`` ranks;
     each receives the sum of its 1/parts), the shard all-reduced over ``across`` when given
     (the same shard's owners elsewhere), then all-gathered over ``group``. An uneven tensor
@@ -55,16 +63,34 @@ def sum_by_shards(tensor: torch.Tensor, parts: int, group, scratch: Scratch, acr
     steps on ``group`` hide behind those on ``across`` (every rank issues the same
     collectives on each group in the same order)."""
     per_piece = math.ceil(tensor.numel() / pieces)
-    views = [tensor[lo:lo + per_piece] for lo in range(0, tensor.numel(), per_piece)] or [tensor]
+    views = [tensor[lo : lo + per_piece] for lo in range(0, tensor.numel(), per_piece)] or [tensor]
     padded = [_padded(view, parts, scratch, f"padded{i}") for i, view in enumerate(views)]
-    shards = [scratch.get(f"shard{i}", work.numel() // parts, tensor) for i, work in enumerate(padded)]
-    done = [reduce_scatter_sum(shard, work, group, scratch, f"received{i}", async_op=True)
-            for i, (shard, work) in enumerate(zip(shards, padded))]
+    shards = [
+        scratch.get(f"shard{i}", work.numel() // parts, tensor) for i, work in enumerate(padded)
+    ]
+    done = [
+        reduce_scatter_sum(shard, work, group, scratch, f"received{i}", async_op=True)
+        for i, (shard, work) in enumerate(zip(shards, padded))
+    ]
     if across is not None:
-        done = [_then(w, lambda s=shard: dist.all_reduce(s, op=dist.ReduceOp.SUM, group=across, async_op=True))
-                for w, shard in zip(done, shards)]
-    gathered = [_then(w, lambda work=work, shard=shard: all_gather_single(work, shard, group=group, async_op=True))
-                for w, work, shard in zip(done, padded, shards)]
+        done = [
+            _then(
+                w,
+                lambda s=shard: dist.all_reduce(
+                    s, op=dist.ReduceOp.SUM, group=across, async_op=True
+                ),
+            )
+            for w, shard in zip(done, shards)
+        ]
+    gathered = [
+        _then(
+            w,
+            lambda work=work, shard=shard: all_gather_single(
+                work, shard, group=group, async_op=True
+            ),
+        )
+        for w, work, shard in zip(done, padded, shards)
+    ]
     for w in gathered:
         w.wait()
     for view, work in zip(views, padded):
@@ -72,16 +98,26 @@ def sum_by_shards(tensor: torch.Tensor, parts: int, group, scratch: Scratch, acr
             view.copy_(work[: view.numel()])
 
 
-def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, group, scratch: Scratch, name: str,
-                       async_op: bool = False):
+def reduce_scatter_sum(
+    shard: torch.Tensor,
+    full: torch.Tensor,
+    group,
+    scratch: Scratch,
+    name: str,
+    async_op: bool = False,
+):
     """A reduce-scatter: this rank's 1/W of ``full`` summed over ``group``'s W ranks, into
     ``shard``; its work when ``async_op``. On the CPU it is an all-to-all of the W shards and
     their sum in rank order (in ``scratch``'s buffer ``name``): Gloo's own reduce-scatter
     took 2.8× as long for 10 MiB on 2 and 4 ranks (benchmarks/reduce_scatter_cpu.py)."""
     if full.device.type != "cpu":
-        return reduce_scatter_single(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        return reduce_scatter_single(
+            shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+        )
     received = scratch.get(name, full.numel(), full)
-    done = _SumOnWait(dist.all_to_all_single(received, full, group=group, async_op=True), received, shard)
+    done = _SumOnWait(
+        dist.all_to_all_single(received, full, group=group, async_op=True), received, shard
+    )
     if not async_op:
         return done.wait()
     return done
@@ -107,7 +143,7 @@ def _padded(view: torch.Tensor, parts: int, scratch: Scratch, name: str) -> torc
         return view
     work = scratch.get(name, shard_numel * parts, view)
     work[: view.numel()].copy_(view)
-    work[view.numel():].zero_()
+    work[view.numel() :].zero_()
     return work
 
 
@@ -127,10 +163,10 @@ class Job:
     what: str
     remaining: int = 1  # units not yet run
     done: threading.Event = field(default_factory=threading.Event)
-    callbacks: List[Callable[[], None]] = field(default_factory=list)  # run by the worker when done
-    ready_event: Optional[object] = None  # CUDA: the caller's stream reached start()
-    finished_event: Optional[object] = None  # CUDA: the side stream finished the last unit
-    error: Optional[BaseException] = None
+    callbacks: list[Callable[[], None]] = field(default_factory=list)  # run by the worker when done
+    ready_event: object | None = None  # CUDA: the caller's stream reached start()
+    finished_event: object | None = None  # CUDA: the side stream finished the last unit
+    error: BaseException | None = None
     detail: Any = None  # the back-end's own (push-pull: chunks and priority; compressed: the codec)
 
 
@@ -146,11 +182,11 @@ class WorkerBackend(CommBackend):
     def __init__(self, name: str, timeout, tracer):
         super().__init__(name, timeout, tracer)
         self.lock = threading.Condition()
-        self.unfinished: Dict[int, Job] = {}  # sequence -> job, until its last unit has run
+        self.unfinished: dict[int, Job] = {}  # sequence -> job, until its last unit has run
         self.num_started = 0
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
         self.closing = False
-        self._worker: Optional[threading.Thread] = None
+        self._worker: threading.Thread | None = None
         self._stream = None  # CUDA side stream, made by the worker
 
     # ------------------------------------------------------------------ engine side
@@ -179,7 +215,9 @@ class WorkerBackend(CommBackend):
                 self.unfinished[job.sequence] = job
             enqueue(job)
             if self._worker is None:
-                self._worker = threading.Thread(target=self._run, name=f"sapipe-{self.name}-worker", daemon=True)
+                self._worker = threading.Thread(
+                    target=self._run, name=f"sapipe-{self.name}-worker", daemon=True
+                )
                 self._worker.start()
             self.lock.notify_all()
         return Handle(job, job.tensor, job.what, self)
@@ -191,7 +229,9 @@ class WorkerBackend(CommBackend):
         # every job, so this returns; the extra bound only guards a wedged worker.
         limit = 2 * self.timeout.total_seconds() + 60 if self.timeout else None
         if not job.done.wait(limit):
-            raise self.failure(self.operation, handle.what, TimeoutError(f"no result after {limit:g}s"))
+            raise self.failure(
+                self.operation, handle.what, TimeoutError(f"no result after {limit:g}s")
+            )
         if job.error is not None:
             raise self.failure(self.operation, handle.what, job.error) from job.error
         if job.finished_event is not None:
@@ -220,7 +260,7 @@ class WorkerBackend(CommBackend):
     # ------------------------------------------------------------------ worker side
 
     @abc.abstractmethod
-    def next_unit(self) -> Optional[Tuple[Job, Any]]:
+    def next_unit(self) -> tuple[Job, Any] | None:
         """The next (job, unit) to run, blocking until there is one; None once closing and idle."""
 
     @abc.abstractmethod
@@ -269,25 +309,31 @@ class WorkerBackend(CommBackend):
                 callback()
 
 
-
-
 class InStartOrder(WorkerBackend):
     """A worker back-end whose jobs are one unit each, run in start order (the same on every
     rank): compressed sums, hierarchical sums."""
 
     def __init__(self, name: str, timeout, tracer):
         super().__init__(name, timeout, tracer)
-        self._queue: Deque[Job] = collections.deque()
+        self._queue: collections.deque[Job] = collections.deque()
 
     def enqueue(self, job: Job) -> Handle:
         return self.submit(job, self._queue.append)
 
-    def next_unit(self) -> Optional[Tuple[Job, None]]:
+    def next_unit(self) -> tuple[Job, None] | None:
         with self.lock:
             while not self._queue and not self.closing:
                 self.lock.wait()
             return (self._queue.popleft(), None) if self._queue else None
 
 
-__all__ = ["InStartOrder", "Job", "Scratch", "WorkerBackend", "all_gather_single", "reduce_scatter_single",
-           "reduce_scatter_sum", "sum_by_shards"]
+__all__ = [
+    "InStartOrder",
+    "Job",
+    "Scratch",
+    "WorkerBackend",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "reduce_scatter_sum",
+    "sum_by_shards",
+]

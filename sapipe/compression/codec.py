@@ -51,31 +51,34 @@ partition it pushes): every partition is a :class:`BucketCodec` of its own, its 
 taken within the partition. :func:`make_codec` picks one. A back-end is handed a slot's
 codec and asks it for its :meth:`~SlotCodec.partitions`.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Union
 
 import torch
 from torch import Tensor
 
-from sapipe.kernels import codec as codec_kernels
 from sapipe.errors import ConfigurationError
+from sapipe.kernels import codec as codec_kernels
 
 COMPRESSIONS = ("fp16", "bf16", "int8")
 INT8_BLOCK = codec_kernels.BLOCK  # values per int8 scale: 1/16 byte of scale per value
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def validate(compression: Optional[str]) -> Optional[str]:
+def validate(compression: str | None) -> str | None:
     """``compression`` if it names a format (or is None); else ValueError listing them."""
     if compression is not None and compression not in COMPRESSIONS:
-        raise ValueError(f"compression must be None or one of {', '.join(map(repr, COMPRESSIONS))}; got {compression!r}")
+        raise ValueError(
+            f"compression must be None or one of {', '.join(map(repr, COMPRESSIONS))}; got {compression!r}"
+        )
     return compression
 
 
-def wire_constants(kind: Optional[str]) -> Dict[str, int]:
+def wire_constants(kind: str | None) -> dict[str, int]:
     """The format's fixed constants that ranks, and a checkpoint and the job resuming it, must
     share although no setting names them: int8's block size (it decides the bytes on the wire
     and the shards a server residual covers). Empty for the other formats, whose bytes and
@@ -91,7 +94,7 @@ class Compression:
     error_feedback: bool
 
     @classmethod
-    def of(cls, kind: Optional[str], error_feedback: Optional[bool] = None) -> Optional["Compression"]:
+    def of(cls, kind: str | None, error_feedback: bool | None = None) -> Compression | None:
         """The compression the settings ask for (None: the gradients travel as they are)."""
         if kind is None:
             return None
@@ -99,7 +102,11 @@ class Compression:
 
     def __str__(self) -> str:
         default = self.kind == "int8"
-        return self.kind if self.error_feedback == default else f"{self.kind} ({'with' if self.error_feedback else 'without'} error feedback)"
+        return (
+            self.kind
+            if self.error_feedback == default
+            else f"{self.kind} ({'with' if self.error_feedback else 'without'} error feedback)"
+        )
 
 
 @dataclass(frozen=True)
@@ -171,9 +178,19 @@ class BucketCodec:
     The arithmetic is sapipe.kernels.codec' (compiled kernels where built).
     """
 
-    def __init__(self, compression: Compression, numel: int, nflags: int, world: int, dtype: torch.dtype,
-                 device: torch.device, slots: int = 1, *, residual: Optional[Tensor] = None,
-                 ranks_per_message: int = 1):
+    def __init__(
+        self,
+        compression: Compression,
+        numel: int,
+        nflags: int,
+        world: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        slots: int = 1,
+        *,
+        residual: Tensor | None = None,
+        ranks_per_message: int = 1,
+    ):
         self.compression = compression
         self.format = fmt = WireFormat(compression.kind, numel, nflags, world)
         self.dtype = dtype
@@ -182,7 +199,9 @@ class BucketCodec:
         self.outbox = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(slots)]
         self.inbox = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(slots)]
         self.gathered = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(slots)]
-        self.own = [torch.zeros(fmt.message_bytes, dtype=torch.uint8, device=device) for _ in range(slots)]
+        self.own = [
+            torch.zeros(fmt.message_bytes, dtype=torch.uint8, device=device) for _ in range(slots)
+        ]
         flags = torch.zeros(world * fmt.flag_shard, dtype=torch.float32, device=device)
         self._flags_in, self._flags_rows = flags[: fmt.nflags], flags.view(world, fmt.flag_shard)
         # the views each stage reads and writes, made once: a sum runs on the worker thread,
@@ -196,7 +215,9 @@ class BucketCodec:
         if feedback and residual is None:
             residual = torch.zeros(numel, dtype=dtype, device=device)
         self.residual = residual if feedback else None
-        self.server_residual = torch.zeros(fmt.shard, dtype=dtype, device=device) if feedback else None
+        self.server_residual = (
+            torch.zeros(fmt.shard, dtype=dtype, device=device) if feedback else None
+        )
 
     # ---------------------------------------------------------------- the two stages
 
@@ -210,7 +231,9 @@ class BucketCodec:
         out.flags.copy_(self._flags_rows)
         if not encoded:
             # 16-bit: a node's sum travels as its mean over the node's ranks, in range as one rank's is
-            codec_kernels.encode(wire[:numel], self.residual, out.values, out.scales, divide=self.ranks_per_message)
+            codec_kernels.encode(
+                wire[:numel], self.residual, out.values, out.scales, divide=self.ranks_per_message
+            )
         return self.outbox[slot]
 
     @property
@@ -222,12 +245,12 @@ class BucketCodec:
         kind = self.compression.kind
         return kind in _HALF and not self.compression.error_feedback and self.ranks_per_message == 1
 
-    def intake_values(self, slot: int) -> List[Tensor]:
+    def intake_values(self, slot: int) -> list[Tensor]:
         """Slot ``slot``'s outgoing values as backward wrote them (:attr:`encodes_on_intake`
         formats; zeros past the bucket's end): what this rank sends of its gradient."""
         return [self._outbox_views[slot].values]
 
-    def intake_pieces(self, slot: int, start: int, numel: int) -> List[Tuple[int, int, Tensor]]:
+    def intake_pieces(self, slot: int, start: int, numel: int) -> list[tuple[int, int, Tensor]]:
         """Where bucket values [start, start + numel) lie in slot ``slot``'s outgoing messages
         (:attr:`encodes_on_intake` formats): (lo, hi, view) per message they reach, values
         [start + lo, start + hi) going to ``view``."""
@@ -246,8 +269,15 @@ class BucketCodec:
         the gradient's dtype (in rank order) and compressed again as one message (16-bit: as
         the mean, which stays in fp16's range wherever each rank's values were)."""
         received, message = self._inbox_views[slot], self._own_views[slot]
-        codec_kernels.sum_encode(received.values, received.scales, self.server_residual, message.values,
-                                 message.scales, self.format.world, self.dtype)
+        codec_kernels.sum_encode(
+            received.values,
+            received.scales,
+            self.server_residual,
+            message.values,
+            message.scales,
+            self.format.world,
+            self.dtype,
+        )
         torch.sum(received.flags, dim=0, out=message.flags[0])  # counts of ranks: exact in float32
         return self.own[slot]
 
@@ -257,26 +287,30 @@ class BucketCodec:
         scales are divided in place."""
         fmt = self.format
         gathered = self._gathered_views[slot]
-        if gathered.scales is not None:  # int8 carries the sum: dividing one scale per block costs no pass
+        if (
+            gathered.scales is not None
+        ):  # int8 carries the sum: dividing one scale per block costs no pass
             gathered.scales.div_(fmt.world * self.ranks_per_message)
-        codec_kernels.decode(gathered.values, gathered.scales, wire[: fmt.numel])  # 16-bit: the mean as sent
+        codec_kernels.decode(
+            gathered.values, gathered.scales, wire[: fmt.numel]
+        )  # 16-bit: the mean as sent
         wire[fmt.numel :].copy_(gathered.flags.reshape(-1)[: fmt.nflags])
 
-    def at(self, slot: int, encoded: bool = False) -> "SlotCodec":
+    def at(self, slot: int, encoded: bool = False) -> SlotCodec:
         """This codec bound to staleness slot ``slot``'s scratch bytes, for one sum
         (``encoded``: its values were written into the messages on intake)."""
         return SlotCodec(self, slot, encoded)
 
     # ---------------------------------------------------------------- checkpoints
 
-    def state_dict(self) -> Dict[str, Optional[Tensor]]:
+    def state_dict(self) -> dict[str, Tensor | None]:
         return {"residual": _clone(self.residual), "server_residual": _clone(self.server_residual)}
 
-    def check_state_dict(self, state: Dict[str, Optional[Tensor]]) -> None:
+    def check_state_dict(self, state: dict[str, Tensor | None]) -> None:
         """ConfigurationError where ``state``'s residuals cover other values (they went node first)."""
         _check_node_size(state, 1)
 
-    def load_state_dict(self, state: Dict[str, Optional[Tensor]]) -> None:
+    def load_state_dict(self, state: dict[str, Tensor | None]) -> None:
         self.check_state_dict(state)
         for name in ("residual", "server_residual"):
             mine, saved = getattr(self, name), state.get(name)
@@ -312,7 +346,7 @@ class SlotCodec:
     def decode_mean(self, wire: Tensor) -> None:
         self.codec.decode_mean(wire, self.slot)
 
-    def partitions(self) -> List[Tuple[int, int, "SlotCodec"]]:
+    def partitions(self) -> list[tuple[int, int, SlotCodec]]:
         """The units summed one by one: [start, end) of the wire and the unit's codec (one: all of it)."""
         fmt = self.format
         return [(0, fmt.numel + fmt.nflags, self)]
@@ -323,7 +357,7 @@ class SpanningGradient:
     partition's end falls inside it): its pieces, each cast-copied into its message. Quacks
     like the tensor view a parameter within one message gets (``copy_``, ``zero_``)."""
 
-    def __init__(self, pieces: List[Tuple[int, int, Tensor]]):
+    def __init__(self, pieces: list[tuple[int, int, Tensor]]):
         self.pieces = pieces
 
     def copy_(self, grad: Tensor) -> None:
@@ -336,18 +370,20 @@ class SpanningGradient:
             view.zero_()
 
 
-def intake_views(codec: "Codec", slot: int, offsets: List[int], params: List[Tensor]) -> List[object]:
+def intake_views(codec: Codec, slot: int, offsets: list[int], params: list[Tensor]) -> list[object]:
     """Each parameter's place in ``slot``'s outgoing messages of a codec that
     ``encodes_on_intake``, for backward to copy its gradient into (cast to the wire's 16 bits):
     a view shaped like the parameter, or a :class:`SpanningGradient`."""
-    views: List[object] = []
+    views: list[object] = []
     for offset, param in zip(offsets, params):
         pieces = codec.intake_pieces(slot, offset, param.numel())
-        views.append(pieces[0][2].view(param.shape) if len(pieces) == 1 else SpanningGradient(pieces))
+        views.append(
+            pieces[0][2].view(param.shape) if len(pieces) == 1 else SpanningGradient(pieces)
+        )
     return views
 
 
-def partition_bounds(numel: int, per_partition: int) -> List[Tuple[int, int]]:
+def partition_bounds(numel: int, per_partition: int) -> list[tuple[int, int]]:
     """[start, end) of each partition of ``numel`` values, ``per_partition`` values each (the
     last may be shorter)."""
     if per_partition <= 0:
@@ -359,7 +395,7 @@ def partition_bounds(numel: int, per_partition: int) -> List[Tuple[int, int]]:
 class PartitionedFormat:
     """The wire formats of a bucket's partitions, each compressed and summed on its own."""
 
-    parts: Tuple[WireFormat, ...]
+    parts: tuple[WireFormat, ...]
 
     @property
     def world(self) -> int:
@@ -386,17 +422,39 @@ class PartitionedCodec:
     right after its values.
     """
 
-    def __init__(self, compression: Compression, numel: int, nflags: int, world: int, dtype: torch.dtype,
-                 device: torch.device, slots: int = 1, *, per_partition: int):
+    def __init__(
+        self,
+        compression: Compression,
+        numel: int,
+        nflags: int,
+        world: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        slots: int = 1,
+        *,
+        per_partition: int,
+    ):
         self.compression = compression
         self.dtype = dtype
-        bounds = partition_bounds(numel, per_partition) or [(0, 0)]  # an empty bucket's flags still travel
+        bounds = partition_bounds(numel, per_partition) or [
+            (0, 0)
+        ]  # an empty bucket's flags still travel
         #: this rank's residual of every bucket value (None without error feedback)
-        self.residual = torch.zeros(numel, dtype=dtype, device=device) if compression.error_feedback else None
+        self.residual = (
+            torch.zeros(numel, dtype=dtype, device=device) if compression.error_feedback else None
+        )
         last = len(bounds) - 1
         self.parts = [
-            BucketCodec(compression, hi - lo, nflags if i == last else 0, world, dtype, device, slots,
-                        residual=None if self.residual is None else self.residual[lo:hi])
+            BucketCodec(
+                compression,
+                hi - lo,
+                nflags if i == last else 0,
+                world,
+                dtype,
+                device,
+                slots,
+                residual=None if self.residual is None else self.residual[lo:hi],
+            )
             for i, (lo, hi) in enumerate(bounds)
         ]
         #: [start, end) of each partition in the wire (values, then the flags with the last)
@@ -404,11 +462,11 @@ class PartitionedCodec:
         self.format = PartitionedFormat(tuple(part.format for part in self.parts))
 
     @property
-    def server_residuals(self) -> List[Optional[Tensor]]:
+    def server_residuals(self) -> list[Tensor | None]:
         """Each partition's residual of the sum of its shard this rank sent."""
         return [part.server_residual for part in self.parts]
 
-    def at(self, slot: int, encoded: bool = False) -> "PartitionedSlot":
+    def at(self, slot: int, encoded: bool = False) -> PartitionedSlot:
         """This codec bound to staleness slot ``slot``'s scratch bytes, for one sum
         (``encoded``: its values were written into the messages on intake)."""
         return PartitionedSlot(self, slot, encoded)
@@ -418,33 +476,43 @@ class PartitionedCodec:
         """As :attr:`BucketCodec.encodes_on_intake` (every partition has the same format)."""
         return self.parts[0].encodes_on_intake
 
-    def intake_values(self, slot: int) -> List[Tensor]:
+    def intake_values(self, slot: int) -> list[Tensor]:
         """As :meth:`BucketCodec.intake_values`, every partition's."""
         return [values for part in self.parts for values in part.intake_values(slot)]
 
-    def intake_pieces(self, slot: int, start: int, numel: int) -> List[Tuple[int, int, Tensor]]:
+    def intake_pieces(self, slot: int, start: int, numel: int) -> list[tuple[int, int, Tensor]]:
         """As :meth:`BucketCodec.intake_pieces`, across the partitions the values reach."""
         pieces = []
         for (lo, _), part in zip(self.wire_bounds, self.parts):
-            first, end = max(start, lo), min(start + numel, lo + part.format.numel)  # values, not flags
+            first, end = (
+                max(start, lo),
+                min(start + numel, lo + part.format.numel),
+            )  # values, not flags
             if first < end:
-                pieces += [(first - start + a, first - start + b, view)
-                           for a, b, view in part.intake_pieces(slot, first - lo, end - first)]
+                pieces += [
+                    (first - start + a, first - start + b, view)
+                    for a, b, view in part.intake_pieces(slot, first - lo, end - first)
+                ]
         return pieces
 
-    def state_dict(self) -> Dict[str, object]:
-        return {"residual": _clone(self.residual), "server_residuals": [_clone(r) for r in self.server_residuals]}
+    def state_dict(self) -> dict[str, object]:
+        return {
+            "residual": _clone(self.residual),
+            "server_residuals": [_clone(r) for r in self.server_residuals],
+        }
 
-    def check_state_dict(self, state: Dict[str, object]) -> None:
+    def check_state_dict(self, state: dict[str, object]) -> None:
         """ConfigurationError where ``state``'s residuals cover other values: sums that went node
         first, or another number of partitions."""
         _check_node_size(state, 1)
         saved = state.get("server_residuals") or []
         if len(saved) != len(self.parts):
-            raise ConfigurationError(f"sapipe: the checkpoint holds {len(saved)} partitions of this bucket, "
-                                     f"this layout {len(self.parts)}")
+            raise ConfigurationError(
+                f"sapipe: the checkpoint holds {len(saved)} partitions of this bucket, "
+                f"this layout {len(self.parts)}"
+            )
 
-    def load_state_dict(self, state: Dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> None:
         self.check_state_dict(state)
         if self.residual is not None and state.get("residual") is not None:
             self.residual.copy_(state["residual"])
@@ -460,10 +528,12 @@ class PartitionedSlot:
     slot: int
     encoded: bool = False  # backward wrote the values into the messages already (intake_pieces)
 
-    def partitions(self) -> List[Tuple[int, int, SlotCodec]]:
+    def partitions(self) -> list[tuple[int, int, SlotCodec]]:
         """[start, end) of each partition in the wire, and its codec bound to this slot."""
-        return [(lo, hi, part.at(self.slot, self.encoded))
-                for (lo, hi), part in zip(self.codec.wire_bounds, self.codec.parts)]
+        return [
+            (lo, hi, part.at(self.slot, self.encoded))
+            for (lo, hi), part in zip(self.codec.wire_bounds, self.codec.parts)
+        ]
 
 
 class NodeFirstCodec:
@@ -486,13 +556,30 @@ class NodeFirstCodec:
     residual = None
     encodes_on_intake = False  # the node's sum is taken at full precision first
 
-    def __init__(self, compression: Compression, numel: int, nflags: int, nodes: int, node_size: int,
-                 dtype: torch.dtype, device: torch.device, slots: int = 1):
+    def __init__(
+        self,
+        compression: Compression,
+        numel: int,
+        nflags: int,
+        nodes: int,
+        node_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        slots: int = 1,
+    ):
         self.compression = compression
         self.numel, self.nflags, self.node_size = numel, nflags, node_size
         self.shard_numel = math.ceil(numel / node_size)
-        self.shard = BucketCodec(compression, self.shard_numel, nflags, nodes, dtype, device, slots,
-                                 ranks_per_message=node_size)
+        self.shard = BucketCodec(
+            compression,
+            self.shard_numel,
+            nflags,
+            nodes,
+            dtype,
+            device,
+            slots,
+            ranks_per_message=node_size,
+        )
 
     @property
     def format(self) -> WireFormat:
@@ -504,12 +591,15 @@ class NodeFirstCodec:
         """Values of one shard as it is summed inside the node: its values, then the flags."""
         return self.shard_numel + self.nflags
 
-    def shard_bounds(self) -> List[Tuple[int, int]]:
+    def shard_bounds(self) -> list[tuple[int, int]]:
         """[start, end) of each of the L shards within the bucket's values. Shard j starts at
         j · ceil(numel / L); past the bucket's end it is empty (a bucket of 5 values over 4
         ranks per node: shards of 2, 2, 1 and 0 values), and the rest of its row is zeros."""
         size = self.shard_numel
-        return [(min(j * size, self.numel), min((j + 1) * size, self.numel)) for j in range(self.node_size)]
+        return [
+            (min(j * size, self.numel), min((j + 1) * size, self.numel))
+            for j in range(self.node_size)
+        ]
 
     def pack(self, wire: Tensor, rows: Tensor) -> None:
         """``wire`` (values, then flags) into ``rows``, L rows of :attr:`row_numel`: row j
@@ -527,21 +617,21 @@ class NodeFirstCodec:
             wire[lo:hi].copy_(rows[j, : hi - lo])
         wire[self.numel :].copy_(rows[0, size:])
 
-    def at(self, slot: int, encoded: bool = False) -> "NodeFirstSlot":
+    def at(self, slot: int, encoded: bool = False) -> NodeFirstSlot:
         """This codec bound to staleness slot ``slot``'s scratch bytes, for one sum (never
         ``encoded`` on intake: :attr:`encodes_on_intake` is False)."""
         assert not encoded, "a node-first sum encodes its shard of the node's sum"
         return NodeFirstSlot(self, slot)
 
-    def state_dict(self) -> Dict[str, object]:
+    def state_dict(self) -> dict[str, object]:
         return {"node_size": self.node_size, **self.shard.state_dict()}
 
-    def check_state_dict(self, state: Dict[str, object]) -> None:
+    def check_state_dict(self, state: dict[str, object]) -> None:
         """ConfigurationError unless ``state``'s sums went node first over as many ranks per node
         (the same buckets, checked before, then give the same shards)."""
         _check_node_size(state, self.node_size)
 
-    def load_state_dict(self, state: Dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> None:
         self.check_state_dict(state)
         self.shard.load_state_dict({k: v for k, v in state.items() if k != "node_size"})
 
@@ -553,23 +643,31 @@ class NodeFirstSlot:
     codec: NodeFirstCodec
     slot: int
 
-    def partitions(self) -> List[Tuple[int, int, SlotCodec]]:
+    def partitions(self) -> list[tuple[int, int, SlotCodec]]:
         """The one unit this rank compresses: its shard of the node's sum, as one row of
         :meth:`NodeFirstCodec.pack` holds it, and that shard's codec bound to this slot."""
         return [(0, self.codec.row_numel, self.codec.shard.at(self.slot))]
 
 
-def _check_node_size(state: Dict, node_size: int) -> None:
+def _check_node_size(state: dict, node_size: int) -> None:
     """ConfigurationError unless the checkpointed codec's sums went node first over the same
     number of ranks per node (1: flat), so its residuals cover the same values; a codec
     without error feedback saved none, and resumes either way."""
     saved = state.get("node_size", 1)
-    residuals = [state.get("residual"), state.get("server_residual"), *(state.get("server_residuals") or [])]
+    residuals = [
+        state.get("residual"),
+        state.get("server_residual"),
+        *(state.get("server_residuals") or []),
+    ]
     if saved != node_size and any(r is not None for r in residuals):
+
         def how(n):
             return "flat" if n == 1 else f"node first over {n} ranks per node"
-        raise ConfigurationError(f"sapipe: the checkpoint's compressed sums went {how(saved)}, this job's go "
-                                 f"{how(node_size)}: their error-feedback residuals cover other values")
+
+        raise ConfigurationError(
+            f"sapipe: the checkpoint's compressed sums went {how(saved)}, this job's go "
+            f"{how(node_size)}: their error-feedback residuals cover other values"
+        )
 
 
 #: a bucket's codec, and what a back-end is handed with a slot of it (see ``partitions()``)
@@ -577,27 +675,59 @@ Codec = Union[BucketCodec, PartitionedCodec, NodeFirstCodec]
 Slot = Union[SlotCodec, PartitionedSlot, NodeFirstSlot]
 
 
-def make_codec(compression: Compression, numel: int, nflags: int, world: int, dtype: torch.dtype,
-               device: torch.device, slots: int = 1, partition_bytes: Optional[int] = None,
-               node_size: int = 1) -> Codec:
+def make_codec(
+    compression: Compression,
+    numel: int,
+    nflags: int,
+    world: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    slots: int = 1,
+    partition_bytes: int | None = None,
+    node_size: int = 1,
+) -> Codec:
     """A bucket's codec: one unit (``partition_bytes`` None), or partitions of
     ``partition_bytes`` of the uncompressed bucket (at least one value each), as
     ``backend="pushpull"`` cuts it; with ``node_size`` > 1 ranks per node, summed node first."""
     if node_size > 1:
         if partition_bytes is not None or world % node_size:
-            raise ConfigurationError(f"sapipe: node-first sums need whole nodes and no partitions; got world {world}, "
-                                     f"{node_size} ranks per node, partition_bytes={partition_bytes}")
-        return NodeFirstCodec(compression, numel, nflags, world // node_size, node_size, dtype, device, slots)
+            raise ConfigurationError(
+                f"sapipe: node-first sums need whole nodes and no partitions; got world {world}, "
+                f"{node_size} ranks per node, partition_bytes={partition_bytes}"
+            )
+        return NodeFirstCodec(
+            compression, numel, nflags, world // node_size, node_size, dtype, device, slots
+        )
     if partition_bytes is None:
         return BucketCodec(compression, numel, nflags, world, dtype, device, slots)
     per_partition = max(1, partition_bytes // torch.empty((), dtype=dtype).element_size())
-    return PartitionedCodec(compression, numel, nflags, world, dtype, device, slots, per_partition=per_partition)
+    return PartitionedCodec(
+        compression, numel, nflags, world, dtype, device, slots, per_partition=per_partition
+    )
 
 
-def _clone(tensor: Optional[Tensor]) -> Optional[Tensor]:
+def _clone(tensor: Tensor | None) -> Tensor | None:
     return tensor.clone() if tensor is not None else None
 
 
-__all__ = ["COMPRESSIONS", "INT8_BLOCK", "Codec", "Compression", "WireFormat", "BucketCodec", "SlotCodec",
-           "NodeFirstCodec", "NodeFirstSlot", "PartitionedCodec", "PartitionedFormat", "PartitionedSlot", "Slot",
-           "SpanningGradient", "intake_views", "make_codec", "partition_bounds", "validate", "wire_constants"]
+__all__ = [
+    "COMPRESSIONS",
+    "INT8_BLOCK",
+    "Codec",
+    "Compression",
+    "WireFormat",
+    "BucketCodec",
+    "SlotCodec",
+    "NodeFirstCodec",
+    "NodeFirstSlot",
+    "PartitionedCodec",
+    "PartitionedFormat",
+    "PartitionedSlot",
+    "Slot",
+    "SpanningGradient",
+    "intake_views",
+    "make_codec",
+    "partition_bounds",
+    "validate",
+    "wire_constants",
+]

@@ -9,24 +9,24 @@ instead. ``SAPIPE_DISABLE_EXT=1`` in the environment disables both modules (no w
 ``SAPIPE_CPU_ISA=base|avx2|avx512`` caps the CPU kernels' instruction set (csrc/cpu/cpu_dispatch.cpp);
 another value is ignored, with a warning.
 """
+
 from __future__ import annotations
 
 import os
 import warnings
 from types import ModuleType
-from typing import Dict, Optional
 
 import torch
 
 DISABLED = os.environ.get("SAPIPE_DISABLE_EXT", "") not in ("", "0")
 
-cpu: Optional[ModuleType] = None
-cuda: Optional[ModuleType] = None
-errors: Dict[str, str] = {}  # module name -> why it did not load
-_warned: Dict[str, bool] = {}
+cpu: ModuleType | None = None
+cuda: ModuleType | None = None
+errors: dict[str, str] = {}  # module name -> why it did not load
+_warned: dict[str, bool] = {}
 
 
-def _load(name: str) -> Optional[ModuleType]:
+def _load(name: str) -> ModuleType | None:
     if DISABLED:
         errors[name] = "disabled by SAPIPE_DISABLE_EXT"
         return None
@@ -45,12 +45,15 @@ cuda = _load("_C_cuda")
 CPU_ISAS = ("base", "avx2", "avx512")  # what SAPIPE_CPU_ISA may cap the CPU kernels at
 _isa_cap = os.environ.get("SAPIPE_CPU_ISA", "")
 if _isa_cap and _isa_cap not in CPU_ISAS:
-    warnings.warn(f"sapipe: SAPIPE_CPU_ISA={_isa_cap!r} is not one of {', '.join(CPU_ISAS)}; it is ignored "
-                  f"and the CPU kernels use {cpu.cpu_isa() if cpu is not None else 'no compiled build'}",
-                  RuntimeWarning, stacklevel=2)
+    warnings.warn(
+        f"sapipe: SAPIPE_CPU_ISA={_isa_cap!r} is not one of {', '.join(CPU_ISAS)}; it is ignored "
+        f"and the CPU kernels use {cpu.cpu_isa() if cpu is not None else 'no compiled build'}",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
-def module_for(device: torch.device) -> Optional[ModuleType]:
+def module_for(device: torch.device) -> ModuleType | None:
     """The compiled module for tensors on ``device`` (None: use pure PyTorch)."""
     if device.type == "cpu":
         mod, name = cpu, "_C"

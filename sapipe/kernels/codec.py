@@ -29,9 +29,8 @@ Each call dispatches on the tensors' device to the compiled kernels (``sapipe._C
 ``sapipe._C_cuda`` on CUDA; float32/float64 gradients) and otherwise runs the ``reference_*``
 function, in pure PyTorch. ``tests/test_codec_kernels.py`` holds the two to the same bits.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 from torch import Tensor
@@ -50,8 +49,13 @@ def _module(device: torch.device, dtype: torch.dtype):
     return mod if mod is not None and hasattr(mod, "codec_encode") else None
 
 
-def encode(src: Tensor, residual: Optional[Tensor], values: Tensor, scales: Optional[Tensor],
-           divide: float = 1.0) -> None:
+def encode(
+    src: Tensor,
+    residual: Tensor | None,
+    values: Tensor,
+    scales: Tensor | None,
+    divide: float = 1.0,
+) -> None:
     """``values`` (and ``scales``) <- ``src`` (+ ``residual``) compressed; ``residual`` updated."""
     mod = _module(src.device, src.dtype)
     if mod is not None:
@@ -60,8 +64,15 @@ def encode(src: Tensor, residual: Optional[Tensor], values: Tensor, scales: Opti
         reference_encode(src, residual, values, scales, divide)
 
 
-def sum_encode(values: Tensor, scales: Optional[Tensor], residual: Optional[Tensor], out_values: Tensor,
-               out_scales: Optional[Tensor], divide: float, dtype: torch.dtype) -> None:
+def sum_encode(
+    values: Tensor,
+    scales: Tensor | None,
+    residual: Tensor | None,
+    out_values: Tensor,
+    out_scales: Tensor | None,
+    divide: float,
+    dtype: torch.dtype,
+) -> None:
     """``out_values`` [1, S] <- the sum of the received rows (+ ``residual``) compressed."""
     mod = _module(values.device, dtype)
     if mod is not None:
@@ -70,7 +81,7 @@ def sum_encode(values: Tensor, scales: Optional[Tensor], residual: Optional[Tens
         reference_sum_encode(values, scales, residual, out_values, out_scales, divide, dtype)
 
 
-def decode(values: Tensor, scales: Optional[Tensor], out: Tensor, multiply: float = 1.0) -> None:
+def decode(values: Tensor, scales: Tensor | None, out: Tensor, multiply: float = 1.0) -> None:
     """``out`` <- the rows decoded, row j filling ``out[j*S : (j+1)*S]``."""
     mod = _module(out.device, out.dtype)
     if mod is not None:
@@ -93,7 +104,7 @@ def _divided(t: Tensor, by: float) -> Tensor:
     return t / (torch.full((), by, dtype=t.dtype, device=t.device) if t.is_cuda else by)
 
 
-def _compress_rows(v: Tensor, values: Tensor, scales: Optional[Tensor], divide: float) -> Tensor:
+def _compress_rows(v: Tensor, values: Tensor, scales: Tensor | None, divide: float) -> Tensor:
     """``v`` [R, S] compressed into ``values`` / ``scales``; returns what they decode to, times
     ``divide`` (16-bit), in ``v``'s dtype."""
     if not _is_int8(values):
@@ -107,7 +118,11 @@ def _compress_rows(v: Tensor, values: Tensor, scales: Optional[Tensor], divide: 
     tiny = scale < torch.finfo(torch.float32).tiny
     scale = scale.masked_fill(bad, float("nan")).masked_fill(tiny, 0.0)
     inverse = 1 / torch.where(scale > 0, scale, torch.ones_like(scale)).to(v.dtype)
-    q = torch.round(blocks * inverse.unsqueeze(2)).clamp_(-127, 127).masked_fill_((bad | tiny).unsqueeze(2), 0)
+    q = (
+        torch.round(blocks * inverse.unsqueeze(2))
+        .clamp_(-127, 127)
+        .masked_fill_((bad | tiny).unsqueeze(2), 0)
+    )
     values.copy_(q.reshape(rows, -1))
     scales.copy_(scale)
     return (q * scale.to(v.dtype).unsqueeze(2)).reshape(rows, -1)
@@ -118,7 +133,7 @@ def _feed_back(residual: Tensor, v: Tensor, decoded: Tensor) -> None:
     residual.copy_(torch.where(torch.isfinite(decoded), v - decoded, residual))
 
 
-def _decoded_rows(values: Tensor, scales: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+def _decoded_rows(values: Tensor, scales: Tensor | None, dtype: torch.dtype) -> Tensor:
     """Every row decoded, in ``dtype`` (16-bit values not yet multiplied)."""
     if not _is_int8(values):
         return values.to(dtype)
@@ -127,8 +142,13 @@ def _decoded_rows(values: Tensor, scales: Optional[Tensor], dtype: torch.dtype) 
     return (q * scales.to(dtype).unsqueeze(2)).reshape(rows, width)
 
 
-def reference_encode(src: Tensor, residual: Optional[Tensor], values: Tensor, scales: Optional[Tensor],
-                     divide: float = 1.0) -> None:
+def reference_encode(
+    src: Tensor,
+    residual: Tensor | None,
+    values: Tensor,
+    scales: Tensor | None,
+    divide: float = 1.0,
+) -> None:
     rows, width = values.shape
     n = src.numel()
     v = torch.zeros(rows * width, dtype=src.dtype, device=src.device)
@@ -138,9 +158,15 @@ def reference_encode(src: Tensor, residual: Optional[Tensor], values: Tensor, sc
         _feed_back(residual, v[:n], decoded[:n])
 
 
-def reference_sum_encode(values: Tensor, scales: Optional[Tensor], residual: Optional[Tensor],
-                         out_values: Tensor, out_scales: Optional[Tensor], divide: float,
-                         dtype: torch.dtype) -> None:
+def reference_sum_encode(
+    values: Tensor,
+    scales: Tensor | None,
+    residual: Tensor | None,
+    out_values: Tensor,
+    out_scales: Tensor | None,
+    divide: float,
+    dtype: torch.dtype,
+) -> None:
     rows = _decoded_rows(values, scales, dtype)
     v = rows[0].clone()
     for row in rows[1:]:
@@ -152,10 +178,19 @@ def reference_sum_encode(values: Tensor, scales: Optional[Tensor], residual: Opt
         _feed_back(residual, v, decoded)
 
 
-def reference_decode(values: Tensor, scales: Optional[Tensor], out: Tensor, multiply: float = 1.0) -> None:
+def reference_decode(
+    values: Tensor, scales: Tensor | None, out: Tensor, multiply: float = 1.0
+) -> None:
     decoded = _decoded_rows(values, scales, out.dtype).reshape(-1)[: out.numel()]
     out.copy_(decoded if _is_int8(values) else decoded * multiply)
 
 
-__all__ = ["BLOCK", "encode", "sum_encode", "decode", "reference_encode", "reference_sum_encode",
-           "reference_decode"]
+__all__ = [
+    "BLOCK",
+    "encode",
+    "sum_encode",
+    "decode",
+    "reference_encode",
+    "reference_sum_encode",
+    "reference_decode",
+]

@@ -13,10 +13,12 @@ per segment, no temporaries. It travels unchanged from the compensation strategi
 the optimizer rule (sapipe/optim/fused.py) to the kernels, where it becomes the C++ struct
 ``GradSpec`` (csrc/common.h) in one place (``ops._native``).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any
 
 from torch import Tensor
 
@@ -44,17 +46,17 @@ class GradientSpec:
     """
 
     grad: Tensor
-    delta: Optional[Tensor] = None
-    delta_ref: Optional[Tensor] = None
-    prev_local: Optional[Tensor] = None
-    local: Optional[Tensor] = None
+    delta: Tensor | None = None
+    delta_ref: Tensor | None = None
+    prev_local: Tensor | None = None
+    local: Tensor | None = None
     lam: float = 0.0
     form: str = "outer"
     world_size: int = 1
-    lengths: Optional[Sequence[int]] = None
-    dots: Optional[Tensor] = None
+    lengths: Sequence[int] | None = None
+    dots: Tensor | None = None
     delta_is_step: bool = False
-    hist: Optional[Tensor] = None
+    hist: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.form not in DC_FORMS:
@@ -67,7 +69,7 @@ class GradientSpec:
             raise ValueError("per-tensor dots need the tensor lengths")
 
     @classmethod
-    def plain(cls, grad: Tensor) -> "GradientSpec":
+    def plain(cls, grad: Tensor) -> GradientSpec:
         """The gradient ``grad`` as it is (no compensation)."""
         return cls(grad)
 
@@ -80,34 +82,38 @@ class GradientSpec:
             or (self.dots is not None and self.form == "outer")
         )
 
-    def flat_tensors(self) -> Tuple[Optional[Tensor], ...]:
+    def flat_tensors(self) -> tuple[Tensor | None, ...]:
         """The element-wise tensors (all of the slice's size); not ``dots`` (one per tensor)."""
         return (self.grad, self.delta, self.delta_ref, self.prev_local, self.local, self.hist)
 
-    def slice(self, start: int, end: int, lengths: Sequence[int]) -> "GradientSpec":
+    def slice(self, start: int, end: int, lengths: Sequence[int]) -> GradientSpec:
         """The spec of the flat slice [start, end) (a segment), whose parameter tensors have
         ``lengths`` elements each."""
         if self.dots is not None:
             raise ValueError("per-tensor dots cannot be sliced by elements")
 
-        def part(t: Optional[Tensor]) -> Optional[Tensor]:
+        def part(t: Tensor | None) -> Tensor | None:
             return None if t is None else t[start:end]
 
         return self.replace(
-            grad=self.grad[start:end], delta=part(self.delta), delta_ref=part(self.delta_ref),
-            prev_local=part(self.prev_local), local=part(self.local), hist=part(self.hist),
+            grad=self.grad[start:end],
+            delta=part(self.delta),
+            delta_ref=part(self.delta_ref),
+            prev_local=part(self.prev_local),
+            local=part(self.local),
+            hist=part(self.hist),
             lengths=lengths,
         )
 
-    def with_history(self, hist: Optional[Tensor]) -> "GradientSpec":
+    def with_history(self, hist: Tensor | None) -> GradientSpec:
         """This spec, its in-place update also writing x_t into ``hist``."""
         return self.replace(hist=hist)
 
-    def with_dots(self, dots: Optional[Tensor]) -> "GradientSpec":
+    def with_dots(self, dots: Tensor | None) -> GradientSpec:
         """This spec with per-tensor dot products ``dots`` (read, or written: class doc)."""
         return self.replace(dots=dots)
 
-    def replace(self, **changes: Any) -> "GradientSpec":
+    def replace(self, **changes: Any) -> GradientSpec:
         """A copy with ``changes`` (``dataclasses.replace``, without its per-call field scan:
         specs are made per segment per step)."""
         return GradientSpec(**{**self.__dict__, **changes})

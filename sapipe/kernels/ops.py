@@ -41,11 +41,13 @@ compensation costs no extra pass over the weights for it (docs/design.md §5):
 Whether the extras go together is checked once, by :func:`_check_update`, for the kernels
 and the reference alike; the compiled modules check only what their kernels dereference.
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -75,7 +77,7 @@ class SGDHyperParams:
     maximize: bool
     first: bool
 
-    def after_update(self) -> "SGDHyperParams":
+    def after_update(self) -> SGDHyperParams:
         """The numbers of OPT_peek from the weights and state this step produces."""
         return dataclasses.replace(self, first=False)
 
@@ -94,7 +96,7 @@ class AdamHyperParams:
     decoupled: bool
     maximize: bool
 
-    def after_update(self) -> "AdamHyperParams":
+    def after_update(self) -> AdamHyperParams:
         """The numbers of OPT_peek from the weights and state this step produces."""
         return dataclasses.replace(self, step=self.step + 1)
 
@@ -115,7 +117,7 @@ def backend(device=None) -> str:
     return f"{kind}-ext" if mod is not None else "torch"
 
 
-def kernel_unavailable(device, dtype: torch.dtype) -> Optional[str]:
+def kernel_unavailable(device, dtype: torch.dtype) -> str | None:
     """Why tensors of ``dtype`` on ``device`` would run the pure-PyTorch path (None: compiled)."""
     kind = torch.device(device).type
     name = {"cpu": "_C", "cuda": "_C_cuda"}.get(kind)
@@ -128,7 +130,7 @@ def kernel_unavailable(device, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
-def _module(*tensors: Optional[Tensor]):
+def _module(*tensors: Tensor | None):
     """The compiled module that takes these tensors (all alike and contiguous), or None."""
     t0 = tensors[0]
     assert t0 is not None
@@ -152,10 +154,10 @@ def _module(*tensors: Optional[Tensor]):
     return mod
 
 
-_OFFSETS: Dict[Tuple[Tuple[int, ...], torch.device], Tensor] = {}
+_OFFSETS: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
 
 
-def _offsets(lengths: Optional[Sequence[int]], like: Tensor) -> Tensor:
+def _offsets(lengths: Sequence[int] | None, like: Tensor) -> Tensor:
     """int64 tensor boundaries [0, l0, l0+l1, ..., N] on ``like``'s device (cached)."""
     if lengths is None:
         raise ValueError("the outer delay-compensation form needs the tensor lengths")
@@ -178,13 +180,13 @@ def _offsets(lengths: Optional[Sequence[int]], like: Tensor) -> Tensor:
     return cached
 
 
-def _dots_ok(dots: Optional[Tensor], like: Tensor) -> bool:
+def _dots_ok(dots: Tensor | None, like: Tensor) -> bool:
     return dots is None or (
         dots.dtype == torch.float64 and dots.device == like.device and dots.is_contiguous()
     )
 
 
-def _check_update(spec: GradientSpec, peek: Optional[GradientSpec], out: Optional[Tensor]) -> None:
+def _check_update(spec: GradientSpec, peek: GradientSpec | None, out: Tensor | None) -> None:
     """The one check that an update's extras go together (module doc), for kernel and reference.
 
     ``peek=None``: OPT in place (``out=None``) or OPT_peek into ``out`` (no history write).
@@ -196,20 +198,24 @@ def _check_update(spec: GradientSpec, peek: Optional[GradientSpec], out: Optiona
             raise ValueError("hist needs an in-place update (out=None, or a peek)")
         return
     if peek.delta is not None or peek.hist is not None:
-        raise ValueError("a fused peek's Δ is the update's own step and it writes no history; "
-                         "for an explicit delta, update, then peek")
+        raise ValueError(
+            "a fused peek's Δ is the update's own step and it writes no history; "
+            "for an explicit delta, update, then peek"
+        )
     if peek.dots is not None and not peek.delta_is_step:
         raise ValueError("a peek's dots are those of the update's step: set delta_is_step")
     if out is not None and peek.delta_is_step and peek.form == "outer":
-        raise ValueError("the outer form's peek needs every element's step first: the update "
-                         "fills peek.dots, then a second call peeks given them")
+        raise ValueError(
+            "the outer form's peek needs every element's step first: the update "
+            "fills peek.dots, then a second call peeks given them"
+        )
     if out is None and peek.dots is None:
         raise ValueError("a peek needs out (x̃) or dots (the step's dot products)")
     if peek.dots is not None and spec.compensates and spec.form == "outer":
         raise ValueError("the step's dot products with an outer-form update are not supported")
 
 
-def _native(mod, spec: Optional[GradientSpec]):
+def _native(mod, spec: GradientSpec | None):
     """``spec`` as ``mod.GradSpec`` (csrc/common.h), None as None: the one place it is built."""
     if spec is None:
         return None
@@ -218,12 +224,22 @@ def _native(mod, spec: Optional[GradientSpec]):
     dots = spec.dots if code == _OUTER or spec.delta_is_step else None
     offsets = _offsets(spec.lengths, spec.grad) if code == _OUTER or dots is not None else None
     return mod.GradSpec(
-        spec.grad, spec.prev_local, float(spec.world_size), spec.local, 1.0 / spec.world_size, code,
-        spec.delta, spec.delta_ref, float(spec.lam), offsets, dots, spec.hist,
+        spec.grad,
+        spec.prev_local,
+        float(spec.world_size),
+        spec.local,
+        1.0 / spec.world_size,
+        code,
+        spec.delta,
+        spec.delta_ref,
+        float(spec.lam),
+        offsets,
+        dots,
+        spec.hist,
     )
 
 
-def _update_module(spec: GradientSpec, peek: Optional[GradientSpec], out: Optional[Tensor], *state):
+def _update_module(spec: GradientSpec, peek: GradientSpec | None, out: Tensor | None, *state):
     """The compiled module for an update (after :func:`_check_update`), or None: the reference."""
     _check_update(spec, peek, out)
     peek_tensors = peek.flat_tensors() if peek is not None else ()
@@ -236,8 +252,13 @@ def _update_module(spec: GradientSpec, peek: Optional[GradientSpec], out: Option
 def _sgd_native(mod, hp: SGDHyperParams):
     """The kernel's scalars (``damp1`` = 1 − dampening, as the reference computes it)."""
     return mod.SgdHyper(
-        float(hp.lr), float(hp.momentum), float(1 - hp.dampening), float(hp.weight_decay),
-        bool(hp.nesterov), bool(hp.maximize), bool(hp.first),
+        float(hp.lr),
+        float(hp.momentum),
+        float(1 - hp.dampening),
+        float(hp.weight_decay),
+        bool(hp.nesterov),
+        bool(hp.maximize),
+        bool(hp.first),
     )
 
 
@@ -251,9 +272,18 @@ def _adam_native(mod, hp: AdamHyperParams):
     peek_step_size = lr / (1 - beta1 ** (step + 1))
     peek_bc2_sqrt = (1 - beta2 ** (step + 1)) ** 0.5
     return mod.AdamHyper(
-        float(-step_size), float(bias_correction2**0.5), float(1 - beta1), float(beta2),
-        float(1 - beta2), float(hp.eps), float(hp.weight_decay), float(1 - lr * hp.weight_decay),
-        bool(hp.decoupled), bool(hp.maximize), float(-peek_step_size), float(peek_bc2_sqrt),
+        float(-step_size),
+        float(bias_correction2**0.5),
+        float(1 - beta1),
+        float(beta2),
+        float(1 - beta2),
+        float(hp.eps),
+        float(hp.weight_decay),
+        float(1 - lr * hp.weight_decay),
+        bool(hp.decoupled),
+        bool(hp.maximize),
+        float(-peek_step_size),
+        float(peek_bc2_sqrt),
     )
 
 
@@ -270,13 +300,15 @@ def delay_compensate(
     ``outer``: g + λ·(g·Δ)·g with g·Δ the dot product over each parameter tensor, whose
     sizes along the flat buffer are ``lengths``. ``diagonal``: g + λ·g⊙g⊙Δ (DC-ASGD).
     """
-    return compose_gradient(GradientSpec(grad, delta=delta, lam=lam, form=form, lengths=lengths), out)
+    return compose_gradient(
+        GradientSpec(grad, delta=delta, lam=lam, form=form, lengths=lengths), out
+    )
 
 
 def sgd(
     param: Tensor,
     grad: Tensor,
-    momentum_buffer: Optional[Tensor],
+    momentum_buffer: Tensor | None,
     *,
     lr: float,
     momentum: float,
@@ -285,7 +317,7 @@ def sgd(
     weight_decay: float,
     maximize: bool,
     first: bool,
-    out: Optional[Tensor] = None,
+    out: Tensor | None = None,
 ) -> None:
     """One SGD step on a flat segment, as ``torch.optim.SGD`` does it.
 
@@ -312,7 +344,7 @@ def adam(
     weight_decay: float,
     decoupled: bool,
     maximize: bool,
-    out: Optional[Tensor] = None,
+    out: Tensor | None = None,
 ) -> None:
     """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) step on a flat segment.
 
@@ -350,12 +382,12 @@ def compose_gradient(spec: GradientSpec, out: Tensor) -> Tensor:
 
 def sgd_fused(
     param: Tensor,
-    momentum_buffer: Optional[Tensor],
+    momentum_buffer: Tensor | None,
     hp: SGDHyperParams,
     spec: GradientSpec,
     *,
-    peek: Optional[GradientSpec] = None,
-    out: Optional[Tensor] = None,
+    peek: GradientSpec | None = None,
+    out: Tensor | None = None,
 ) -> None:
     """:func:`sgd` on the composed gradient g̃ of ``spec``, in one kernel.
 
@@ -378,15 +410,23 @@ def adam_fused(
     hp: AdamHyperParams,
     spec: GradientSpec,
     *,
-    peek: Optional[GradientSpec] = None,
-    out: Optional[Tensor] = None,
+    peek: GradientSpec | None = None,
+    out: Tensor | None = None,
 ) -> None:
     """:func:`adam` on the composed gradient g̃ of ``spec``, in one kernel; ``out`` and
     ``peek`` as for :func:`sgd_fused` (the peek's bias correction is that of ``step + 1``)."""
     mod = _update_module(spec, peek, out, param, exp_avg, exp_avg_sq)
     if mod is None:
         return reference_adam_fused(param, exp_avg, exp_avg_sq, hp, spec, peek=peek, out=out)
-    mod.adam(param, exp_avg, exp_avg_sq, _adam_native(mod, hp), _native(mod, spec), _native(mod, peek), out)
+    mod.adam(
+        param,
+        exp_avg,
+        exp_avg_sq,
+        _adam_native(mod, hp),
+        _native(mod, spec),
+        _native(mod, peek),
+        out,
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -424,7 +464,7 @@ def reference_delay_compensate(
 def reference_sgd(
     param: Tensor,
     grad: Tensor,
-    momentum_buffer: Optional[Tensor],
+    momentum_buffer: Tensor | None,
     *,
     lr: float,
     momentum: float,
@@ -433,7 +473,7 @@ def reference_sgd(
     weight_decay: float,
     maximize: bool,
     first: bool,
-    out: Optional[Tensor] = None,
+    out: Tensor | None = None,
 ) -> None:
     """Reference of :func:`sgd` (torch.optim.SGD's single-tensor step)."""
     d_p = grad.neg() if maximize else grad
@@ -448,7 +488,11 @@ def reference_sgd(
             else:
                 buf.mul_(momentum).add_(d_p, alpha=1 - dampening)
         else:
-            buf = d_p.clone() if first else momentum_buffer.mul(momentum).add_(d_p, alpha=1 - dampening)
+            buf = (
+                d_p.clone()
+                if first
+                else momentum_buffer.mul(momentum).add_(d_p, alpha=1 - dampening)
+            )
         d_p = d_p.add(buf, alpha=momentum) if nesterov else buf
     if out is None:
         param.add_(d_p, alpha=-lr)
@@ -470,7 +514,7 @@ def reference_adam(
     weight_decay: float,
     decoupled: bool,
     maximize: bool,
-    out: Optional[Tensor] = None,
+    out: Tensor | None = None,
 ) -> None:
     """Reference of :func:`adam` (torch.optim.Adam(W)'s single-tensor step)."""
     g = grad.neg() if maximize else grad
@@ -516,7 +560,11 @@ def reference_compose_gradient(spec: GradientSpec, out: Tensor) -> Tensor:
     h = grad if spec.prev_local is None else grad - spec.prev_local / n
     if spec.form == "outer" and spec.dots is not None:  # Δ entered only through the dots
         lens = torch.tensor(list(spec.lengths), device=grad.device)
-        coeff = spec.dots.to(h.dtype, copy=True).mul_(spec.lam).repeat_interleave(lens, output_size=h.numel())
+        coeff = (
+            spec.dots.to(h.dtype, copy=True)
+            .mul_(spec.lam)
+            .repeat_interleave(lens, output_size=h.numel())
+        )
         torch.addcmul(h, h, coeff, out=out)
     elif spec.delta is None:
         out.copy_(h)
@@ -537,12 +585,12 @@ def _composed(spec: GradientSpec) -> Tensor:
 
 def reference_sgd_fused(
     param: Tensor,
-    momentum_buffer: Optional[Tensor],
+    momentum_buffer: Tensor | None,
     hp: SGDHyperParams,
     spec: GradientSpec,
     *,
-    peek: Optional[GradientSpec] = None,
-    out: Optional[Tensor] = None,
+    peek: GradientSpec | None = None,
+    out: Tensor | None = None,
 ) -> None:
     """Reference of :func:`sgd_fused` (:func:`reference_update` with :func:`reference_sgd`)."""
     reference_update(reference_sgd, param, (momentum_buffer,), hp, spec, peek, out)
@@ -555,8 +603,8 @@ def reference_adam_fused(
     hp: AdamHyperParams,
     spec: GradientSpec,
     *,
-    peek: Optional[GradientSpec] = None,
-    out: Optional[Tensor] = None,
+    peek: GradientSpec | None = None,
+    out: Tensor | None = None,
 ) -> None:
     """Reference of :func:`adam_fused` (:func:`reference_update` with :func:`reference_adam`)."""
     reference_update(reference_adam, param, (exp_avg, exp_avg_sq), hp, spec, peek, out)
@@ -565,17 +613,19 @@ def reference_adam_fused(
 def reference_update(
     rule: Callable[..., None],
     param: Tensor,
-    state: Tuple[Optional[Tensor], ...],
-    hp: Union[SGDHyperParams, AdamHyperParams],
+    state: tuple[Tensor | None, ...],
+    hp: SGDHyperParams | AdamHyperParams,
     spec: GradientSpec,
-    peek: Optional[GradientSpec],
-    out: Optional[Tensor],
+    peek: GradientSpec | None,
+    out: Tensor | None,
 ) -> None:
     """A fused update done one operation after the other: :func:`reference_compose_gradient`,
     then ``rule`` (:func:`reference_sgd` / :func:`reference_adam`, with ``state`` its buffers
     and ``hp`` its numbers), then the extras: the history write, the step's dot products and
     OPT_peek(x_t, peek) with Δ = x_t − x_{t−1} given explicitly."""
-    needs_step = peek is not None and (peek.dots is not None or (out is not None and peek.delta_is_step))
+    needs_step = peek is not None and (
+        peek.dots is not None or (out is not None and peek.delta_is_step)
+    )
     before = param.clone() if needs_step else None
     rule(param, _composed(spec), *state, **vars(hp), out=out if peek is None else None)
     if peek is None and out is not None:

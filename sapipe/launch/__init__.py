@@ -9,6 +9,7 @@
 
 Run ``sapipe-launch --help`` (or ``python -m sapipe.launch --help``) for all options.
 """
+
 from sapipe.launch import netns
 from sapipe.launch.main import LaunchError, Plan, byteps_flags, main, plan
 

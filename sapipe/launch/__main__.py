@@ -1,4 +1,5 @@
 """``python -m sapipe.launch`` is ``sapipe-launch``."""
+
 import sys
 
 from sapipe.launch.main import main

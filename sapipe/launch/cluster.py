@@ -24,6 +24,7 @@ removed by the next launch (:func:`remove_stale`).
 Needs root (``ip netns`` creates named namespaces), iproute2 and the kernel's veth, bridge
 and sch_tbf (sch_netem for a LATENCY); :func:`check` says which is missing.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable
 
 from sapipe.launch import netns
 
@@ -58,12 +60,14 @@ class ClusterSpec:
     nodes: int
     ranks_per_node: int
     inter: netns.NetSpec
-    intra: Optional[netns.NetSpec] = None
+    intra: netns.NetSpec | None = None
 
     def __post_init__(self):
         if not 1 <= self.nodes <= MAX_NODES or self.ranks_per_node < 1:
-            raise ValueError(f"an emulated cluster has 1 to {MAX_NODES} nodes of at least one rank; "
-                             f"got {self.nodes}x{self.ranks_per_node}")
+            raise ValueError(
+                f"an emulated cluster has 1 to {MAX_NODES} nodes of at least one rank; "
+                f"got {self.nodes}x{self.ranks_per_node}"
+            )
 
     @staticmethod
     def address(node: int) -> str:
@@ -71,12 +75,16 @@ class ClusterSpec:
 
     def describe(self) -> str:
         delay = f", +{self.inter.delay_s * 1e3:g} ms one-way" if self.inter.delay_s else ""
-        intra = "unshaped" if self.intra is None else f"{self.intra.describe()} (each node's loopback)"
-        return (f"{self.nodes} nodes × {self.ranks_per_node} ranks; between nodes "
-                f"{netns.format_rate(self.inter.rate_bits)} per NIC and direction{delay}; within a node {intra}")
+        intra = (
+            "unshaped" if self.intra is None else f"{self.intra.describe()} (each node's loopback)"
+        )
+        return (
+            f"{self.nodes} nodes × {self.ranks_per_node} ranks; between nodes "
+            f"{netns.format_rate(self.inter.rate_bits)} per NIC and direction{delay}; within a node {intra}"
+        )
 
 
-def parse_topology(text: str) -> Tuple[int, int]:
+def parse_topology(text: str) -> tuple[int, int]:
     """``NODESxRANKS`` (e.g. ``2x4``) -> (nodes, ranks per node)."""
     m = re.fullmatch(r"\s*([0-9]+)\s*[xX×]\s*([0-9]+)\s*", str(text))
     if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
@@ -88,50 +96,79 @@ class EmulatedCluster:
     """The namespaces, bridge and shaped links of one emulated cluster, as a context manager
     that builds them on entry and removes them on exit."""
 
-    def __init__(self, spec: ClusterSpec, tag: Optional[str] = None):
+    def __init__(self, spec: ClusterSpec, tag: str | None = None):
         self.spec = spec
         self.tag = tag or f"sapipe{os.getpid()}"
         self.hub = f"{self.tag}hub"
         self.node_names = [f"{self.tag}n{i}" for i in range(spec.nodes)]
-        self._created: List[str] = []
+        self._created: list[str] = []
 
-    def setup_commands(self) -> List[List[str]]:
+    def setup_commands(self) -> list[list[str]]:
         """Every ``ip``/``tc`` command that builds the cluster, in order (namespaces first)."""
         spec, hub = self.spec, self.hub
         cmds = [["ip", "netns", "add", name] for name in (hub, *self.node_names)]
-        cmds += [["ip", "-n", hub, "link", "add", "br0", "type", "bridge"], ["ip", "-n", hub, "link", "set", "br0", "up"]]
+        cmds += [
+            ["ip", "-n", hub, "link", "add", "br0", "type", "bridge"],
+            ["ip", "-n", hub, "link", "set", "br0", "up"],
+        ]
         for i, node in enumerate(self.node_names):
             port = f"v{i}"
             cmds += [
-                ["ip", "link", "add", port, "netns", hub, "type", "veth", "peer", "name", NIC, "netns", node],
+                [
+                    "ip",
+                    "link",
+                    "add",
+                    port,
+                    "netns",
+                    hub,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    NIC,
+                    "netns",
+                    node,
+                ],
                 ["ip", "-n", hub, "link", "set", port, "master", "br0"],
                 ["ip", "-n", hub, "link", "set", port, "up"],
                 ["ip", "-n", node, "addr", "add", f"{spec.address(i)}/24", "dev", NIC],
                 ["ip", "-n", node, "link", "set", NIC, "up"],
                 ["ip", "-n", node, "link", "set", "lo", "up"],
             ]
-            cmds += [["ip", "netns", "exec", node, *c] for c in netns.tc_commands(spec.inter, NIC)[1:]]
-            receive = netns.NetSpec(spec.inter.rate_bits)  # the switch port: rate only, no second delay
+            cmds += [
+                ["ip", "netns", "exec", node, *c] for c in netns.tc_commands(spec.inter, NIC)[1:]
+            ]
+            receive = netns.NetSpec(
+                spec.inter.rate_bits
+            )  # the switch port: rate only, no second delay
             cmds += [["ip", "netns", "exec", hub, *c] for c in netns.tc_commands(receive, port)[1:]]
             if spec.intra is not None:
-                cmds += [["ip", "netns", "exec", node, *c] for c in netns.tc_commands(spec.intra, "lo")[1:]]
+                cmds += [
+                    ["ip", "netns", "exec", node, *c]
+                    for c in netns.tc_commands(spec.intra, "lo")[1:]
+                ]
         return cmds
 
-    def teardown_commands(self) -> List[List[str]]:
+    def teardown_commands(self) -> list[list[str]]:
         """Deleting the namespaces deletes their interfaces, bridge and qdiscs with them."""
-        return [["ip", "netns", "del", name] for name in reversed(self._created or [self.hub, *self.node_names])]
+        return [
+            ["ip", "netns", "del", name]
+            for name in reversed(self._created or [self.hub, *self.node_names])
+        ]
 
-    def exec_in(self, node: int, argv: Sequence[str]) -> List[str]:
+    def exec_in(self, node: int, argv: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", self.node_names[node], *argv]
 
-    def __enter__(self) -> "EmulatedCluster":
+    def __enter__(self) -> EmulatedCluster:
         remove_stale()
         try:
             for cmd in self.setup_commands():
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode != 0:
-                    raise ClusterError(f"sapipe: cannot build the emulated cluster: `{shlex.join(cmd)}` failed: "
-                                       f"{out.stderr.strip() or out.returncode}")
+                    raise ClusterError(
+                        f"sapipe: cannot build the emulated cluster: `{shlex.join(cmd)}` failed: "
+                        f"{out.stderr.strip() or out.returncode}"
+                    )
                 if cmd[:3] == ["ip", "netns", "add"]:
                     self._created.append(cmd[3])
         except BaseException:
@@ -148,7 +185,7 @@ class EmulatedCluster:
 _OWN_NAME = re.compile(r"sapipe([0-9]+)(?:hub|n[0-9]+)$")
 
 
-def remove_stale() -> List[str]:
+def remove_stale() -> list[str]:
     """Delete the namespaces of launchers that are gone (killed before they could clean up:
     SIGKILL); their names carry the launcher's process id. Returns the names deleted."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
@@ -172,10 +209,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def check(spec: Optional[ClusterSpec] = None) -> Tuple[bool, str]:
+def check(spec: ClusterSpec | None = None) -> tuple[bool, str]:
     """Whether this host can build ``spec`` (default: 2 nodes at 1 gbit); (ok, explanation)."""
     if os.geteuid() != 0:
-        return False, "an emulated cluster needs root (`ip netns add` creates named network namespaces)"
+        return (
+            False,
+            "an emulated cluster needs root (`ip netns add` creates named network namespaces)",
+        )
     missing = [b for b in ("ip", "tc") if shutil.which(b) is None]
     if missing:
         return False, f"missing {', '.join(missing)}: install iproute2 (apt-get install iproute2)"
@@ -188,7 +228,7 @@ def check(spec: Optional[ClusterSpec] = None) -> Tuple[bool, str]:
     return True, f"network namespaces on a bridge, tc on each node's {NIC}"
 
 
-def node_environment(spec: ClusterSpec, environ: Dict[str, str]) -> Dict[str, str]:
+def node_environment(spec: ClusterSpec, environ: dict[str, str]) -> dict[str, str]:
     """What every node's torchrun gets: its socket interface for Gloo and NCCL, and, where the
     loopback is shaped, NCCL kept off shared memory and P2P so that it crosses the shaping."""
     env = {"GLOO_SOCKET_IFNAME": NIC, "NCCL_SOCKET_IFNAME": NIC, "NCCL_IB_DISABLE": "1"}
@@ -197,19 +237,33 @@ def node_environment(spec: ClusterSpec, environ: Dict[str, str]) -> Dict[str, st
     return {k: v for k, v in env.items() if k not in environ}
 
 
-def torchrun_argv(spec: ClusterSpec, node: int, python: str, torchrun_options: Sequence[str],
-                  script: Sequence[str]) -> List[str]:
+def torchrun_argv(
+    spec: ClusterSpec,
+    node: int,
+    python: str,
+    torchrun_options: Sequence[str],
+    script: Sequence[str],
+) -> list[str]:
     """Node ``node``'s torchrun command: the topology's flags, then the caller's options."""
-    return [python, "-m", "torch.distributed.run", f"--nnodes={spec.nodes}", f"--node-rank={node}",
-            f"--nproc-per-node={spec.ranks_per_node}", f"--master-addr={spec.address(0)}",
-            f"--master-port={MASTER_PORT}", *torchrun_options, *script]
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={spec.nodes}",
+        f"--node-rank={node}",
+        f"--nproc-per-node={spec.ranks_per_node}",
+        f"--master-addr={spec.address(0)}",
+        f"--master-port={MASTER_PORT}",
+        *torchrun_options,
+        *script,
+    ]
 
 
-def run(spec: ClusterSpec, argv_for: Callable[[int], List[str]], env: Dict[str, str]) -> int:
+def run(spec: ClusterSpec, argv_for: Callable[[int], list[str]], env: dict[str, str]) -> int:
     """Build the cluster, run ``argv_for(i)`` in node i's namespace, wait for all of them, tear
     the cluster down. A node that fails ends the others; the first failure's status is returned
     (128 + signal for an interrupted launcher)."""
-    interrupted: List[int] = []
+    interrupted: list[int] = []
 
     def interrupt(signum, _frame):
         interrupted.append(signum)
@@ -217,8 +271,10 @@ def run(spec: ClusterSpec, argv_for: Callable[[int], List[str]], env: Dict[str, 
     previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with EmulatedCluster(spec) as cluster:
-            procs = [subprocess.Popen(cluster.exec_in(i, argv_for(i)), env={**os.environ, **env})
-                     for i in range(spec.nodes)]
+            procs = [
+                subprocess.Popen(cluster.exec_in(i, argv_for(i)), env={**os.environ, **env})
+                for i in range(spec.nodes)
+            ]
             return _supervise(procs, interrupted)
     except ClusterError as exc:
         print(exc, file=sys.stderr)
@@ -228,7 +284,7 @@ def run(spec: ClusterSpec, argv_for: Callable[[int], List[str]], env: Dict[str, 
             signal.signal(s, handler)
 
 
-def _supervise(procs: List[subprocess.Popen], interrupted: List[int]) -> int:
+def _supervise(procs: list[subprocess.Popen], interrupted: list[int]) -> int:
     """Wait for every node; on a failure or an interrupt, stop the rest."""
     while True:
         codes = [p.poll() for p in procs]  # every node, every time
@@ -241,7 +297,7 @@ def _supervise(procs: List[subprocess.Popen], interrupted: List[int]) -> int:
         time.sleep(0.2)
 
 
-def _stop(procs: List[subprocess.Popen]) -> None:
+def _stop(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -254,5 +310,14 @@ def _stop(procs: List[subprocess.Popen]) -> None:
             p.wait()
 
 
-__all__ = ["ClusterError", "ClusterSpec", "EmulatedCluster", "check", "node_environment", "parse_topology",
-           "remove_stale", "run", "torchrun_argv"]
+__all__ = [
+    "ClusterError",
+    "ClusterSpec",
+    "EmulatedCluster",
+    "check",
+    "node_environment",
+    "parse_topology",
+    "remove_stale",
+    "run",
+    "torchrun_argv",
+]

@@ -15,14 +15,15 @@ Everything that is not a sapipe option is passed to torchrun unchanged. sapipe a
 The mapping is done by pure functions (:func:`plan`, :func:`byteps_flags`) so that it can
 be tested without running anything.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import shlex
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from sapipe.launch import cluster as cluster_mod
 from sapipe.launch import netns
@@ -146,21 +147,23 @@ class LaunchError(ValueError):
 class Plan:
     """What :func:`main` runs: ``argv`` with ``env`` added to the environment."""
 
-    argv: List[str]
-    env: Dict[str, str] = field(default_factory=dict)
-    notes: List[str] = field(default_factory=list)
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
     dry_run: bool = False
     quiet: bool = False
-    exit_now: Optional[int] = None  # exit with this status without running anything
+    exit_now: int | None = None  # exit with this status without running anything
     #: --emulate-cluster: the cluster, and each node's command (``argv`` is then empty)
-    cluster: Optional[cluster_mod.ClusterSpec] = None
-    node_argv: List[List[str]] = field(default_factory=list)
+    cluster: cluster_mod.ClusterSpec | None = None
+    node_argv: list[list[str]] = field(default_factory=list)
 
     def shell(self) -> str:
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
         if self.cluster is not None:
-            return "; ".join(f"node {i}: {prefix + ' ' if prefix else ''}{shlex.join(a)}"
-                             for i, a in enumerate(self.node_argv))
+            return "; ".join(
+                f"node {i}: {prefix + ' ' if prefix else ''}{shlex.join(a)}"
+                for i, a in enumerate(self.node_argv)
+            )
         return (prefix + " " if prefix else "") + shlex.join(self.argv)
 
 
@@ -178,40 +181,63 @@ def build_parser() -> argparse.ArgumentParser:
     parser._optionals.title = "torchrun options"  # noqa: SLF001
     group = parser.add_argument_group("sapipe options")
     group.add_argument(
-        "--emulate-net", metavar="RATE[,LATENCY]", default=None,
+        "--emulate-net",
+        metavar="RATE[,LATENCY]",
+        default=None,
         help="run the job in a network namespace whose loopback is limited to RATE "
-             "(aggregate), with an optional one-way LATENCY, e.g. 1gbit or 200mbit,2ms. "
-             "Single node only (implies --standalone); see below.")
+        "(aggregate), with an optional one-way LATENCY, e.g. 1gbit or 200mbit,2ms. "
+        "Single node only (implies --standalone); see below.",
+    )
     group.add_argument(
-        "--emulate-cluster", metavar="NODESxRANKS", default=None,
+        "--emulate-cluster",
+        metavar="NODESxRANKS",
+        default=None,
         help="run NODES emulated nodes of RANKS ranks each on this host, one network namespace per "
-             "node on a bridge (needs root and --inter-node); see below.")
-    group.add_argument("--inter-node", metavar="RATE[,LATENCY]", default=None,
-                       help="with --emulate-cluster: each node's NIC, per direction, e.g. 1gbit,50us")
-    group.add_argument("--intra-node", metavar="RATE[,LATENCY]", default=None,
-                       help="with --emulate-cluster: each node's loopback (its ranks together); default unshaped")
-    group.add_argument("--dry-run", action="store_true",
-                       help="print the command (to stderr) and exit without running it")
-    group.add_argument("--quiet", action="store_true",
-                       help="do not print the command before running it")
-    group.add_argument("--no-byteps-env", action="store_true",
-                       help="ignore DMLC_* / BYTEPS_LOCAL_SIZE (see below)")
+        "node on a bridge (needs root and --inter-node); see below.",
+    )
+    group.add_argument(
+        "--inter-node",
+        metavar="RATE[,LATENCY]",
+        default=None,
+        help="with --emulate-cluster: each node's NIC, per direction, e.g. 1gbit,50us",
+    )
+    group.add_argument(
+        "--intra-node",
+        metavar="RATE[,LATENCY]",
+        default=None,
+        help="with --emulate-cluster: each node's loopback (its ranks together); default unshaped",
+    )
+    group.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the command (to stderr) and exit without running it",
+    )
+    group.add_argument(
+        "--quiet", action="store_true", help="do not print the command before running it"
+    )
+    group.add_argument(
+        "--no-byteps-env", action="store_true", help="ignore DMLC_* / BYTEPS_LOCAL_SIZE (see below)"
+    )
     # put the sapipe group first in --help
     parser._action_groups.insert(0, parser._action_groups.pop())  # noqa: SLF001
     return parser
 
 
-def _split(argv: Sequence[str], parser: argparse.ArgumentParser) -> Tuple[argparse.Namespace, List[str], List[str]]:
+def _split(
+    argv: Sequence[str], parser: argparse.ArgumentParser
+) -> tuple[argparse.Namespace, list[str], list[str]]:
     """(parsed namespace, launcher tokens before the script, script + its args)."""
     ns = parser.parse_args(list(argv))
     n_rest = len(ns.training_script_args)
     idx = len(argv) - n_rest - 1
     if idx < 0 or argv[idx] != ns.training_script:  # e.g. the script after "--"
-        idx = max(i for i, tok in enumerate(argv[: len(argv) - n_rest]) if tok == ns.training_script)
+        idx = max(
+            i for i, tok in enumerate(argv[: len(argv) - n_rest]) if tok == ns.training_script
+        )
     return ns, list(argv[:idx]), list(argv[idx:])
 
 
-def _strip_sapipe(prefix: Sequence[str]) -> List[str]:
+def _strip_sapipe(prefix: Sequence[str]) -> list[str]:
     out, i = [], 0
     while i < len(prefix):
         tok = prefix[i]
@@ -226,8 +252,9 @@ def _strip_sapipe(prefix: Sequence[str]) -> List[str]:
     return out
 
 
-def given_options(prefix: Sequence[str], parser: argparse.ArgumentParser,
-                  environ: Mapping[str, str]) -> Set[str]:
+def given_options(
+    prefix: Sequence[str], parser: argparse.ArgumentParser, environ: Mapping[str, str]
+) -> set[str]:
     """The ``dest`` of every torchrun option the user gave: on the command line, or through
     torchrun's own ``PET_<DEST>`` environment variable."""
     given = set()
@@ -240,7 +267,7 @@ def given_options(prefix: Sequence[str], parser: argparse.ArgumentParser,
     return given
 
 
-def _gpu_count(visible: str) -> Optional[str]:
+def _gpu_count(visible: str) -> str | None:
     v = visible.strip().lower()
     if v in ("", "none", "void"):
         return None
@@ -255,12 +282,15 @@ def _int_env(environ: Mapping[str, str], name: str, minimum: int) -> str:
         if int(value) < minimum:
             raise ValueError
     except ValueError:
-        raise LaunchError(f"{PROG}: {name}={environ[name]!r} must be an integer >= {minimum}") from None
+        raise LaunchError(
+            f"{PROG}: {name}={environ[name]!r} must be an integer >= {minimum}"
+        ) from None
     return value
 
 
-def byteps_flags(environ: Mapping[str, str], given: Set[str], *,
-                 single_node: bool = False) -> Tuple[List[str], List[str]]:
+def byteps_flags(
+    environ: Mapping[str, str], given: set[str], *, single_node: bool = False
+) -> tuple[list[str], list[str]]:
     """torchrun flags derived from a BytePS-style environment, and notes saying which.
 
     Pure: looks only at ``environ`` and at the option dests in ``given``. Nothing is derived
@@ -269,8 +299,8 @@ def byteps_flags(environ: Mapping[str, str], given: Set[str], *,
     """
     if not any(v in environ for v in _DMLC_VARS):
         return [], []
-    flags: List[str] = []
-    notes: List[str] = []
+    flags: list[str] = []
+    notes: list[str] = []
 
     def add(dest: str, flag: str, value: str, source: str) -> None:
         if dest in given:
@@ -283,23 +313,48 @@ def byteps_flags(environ: Mapping[str, str], given: Set[str], *,
         if "DMLC_NUM_WORKER" in environ:
             add("nnodes", "--nnodes", _int_env(environ, "DMLC_NUM_WORKER", 1), "DMLC_NUM_WORKER")
         if "DMLC_WORKER_ID" in environ:
-            add("node_rank", "--node-rank", _int_env(environ, "DMLC_WORKER_ID", 0), "DMLC_WORKER_ID")
+            add(
+                "node_rank", "--node-rank", _int_env(environ, "DMLC_WORKER_ID", 0), "DMLC_WORKER_ID"
+            )
         if environ.get("DMLC_PS_ROOT_URI", "").strip():
-            add("master_addr", "--master-addr", environ["DMLC_PS_ROOT_URI"].strip(), "DMLC_PS_ROOT_URI")
+            add(
+                "master_addr",
+                "--master-addr",
+                environ["DMLC_PS_ROOT_URI"].strip(),
+                "DMLC_PS_ROOT_URI",
+            )
         if "DMLC_PS_ROOT_PORT" in environ:
-            add("master_port", "--master-port", _int_env(environ, "DMLC_PS_ROOT_PORT", 1), "DMLC_PS_ROOT_PORT")
+            add(
+                "master_port",
+                "--master-port",
+                _int_env(environ, "DMLC_PS_ROOT_PORT", 1),
+                "DMLC_PS_ROOT_PORT",
+            )
     if environ.get("BYTEPS_LOCAL_SIZE", "").strip():
-        add("nproc_per_node", "--nproc-per-node", _int_env(environ, "BYTEPS_LOCAL_SIZE", 1),
-            "BYTEPS_LOCAL_SIZE")
+        add(
+            "nproc_per_node",
+            "--nproc-per-node",
+            _int_env(environ, "BYTEPS_LOCAL_SIZE", 1),
+            "BYTEPS_LOCAL_SIZE",
+        )
     elif _gpu_count(environ.get("NVIDIA_VISIBLE_DEVICES", "")) is not None:
-        add("nproc_per_node", "--nproc-per-node", _gpu_count(environ["NVIDIA_VISIBLE_DEVICES"]),
-            "NVIDIA_VISIBLE_DEVICES")
+        add(
+            "nproc_per_node",
+            "--nproc-per-node",
+            _gpu_count(environ["NVIDIA_VISIBLE_DEVICES"]),
+            "NVIDIA_VISIBLE_DEVICES",
+        )
     else:
-        add("nproc_per_node", "--nproc-per-node", "1", "default (no BYTEPS_LOCAL_SIZE / NVIDIA_VISIBLE_DEVICES)")
+        add(
+            "nproc_per_node",
+            "--nproc-per-node",
+            "1",
+            "default (no BYTEPS_LOCAL_SIZE / NVIDIA_VISIBLE_DEVICES)",
+        )
     return flags, notes
 
 
-def _restarts(ns: argparse.Namespace, given: Set[str]) -> int:
+def _restarts(ns: argparse.Namespace, given: set[str]) -> int:
     try:
         return int(ns.max_restarts) if "max_restarts" in given else 0
     except (TypeError, ValueError):
@@ -316,14 +371,15 @@ def plan(argv: Sequence[str], environ: Mapping[str, str], python: str = sys.exec
     ns, prefix, script = _split(argv, parser)
     torchrun_prefix = _strip_sapipe(prefix)
     given = given_options(torchrun_prefix, parser, environ)
-    notes: List[str] = []
+    notes: list[str] = []
 
     role = environ.get("DMLC_ROLE", "worker").strip().lower()
     if not ns.no_byteps_env and role in ("server", "scheduler"):
-        note = (f"DMLC_ROLE={role}: sapipe all-reduces between workers and needs no BytePS "
-                "server or scheduler; nothing to run")
-        return Plan([], notes=[note],
-                    dry_run=ns.dry_run, quiet=ns.quiet, exit_now=0)
+        note = (
+            f"DMLC_ROLE={role}: sapipe all-reduces between workers and needs no BytePS "
+            "server or scheduler; nothing to run"
+        )
+        return Plan([], notes=[note], dry_run=ns.dry_run, quiet=ns.quiet, exit_now=0)
 
     if ns.emulate_cluster is not None or ns.inter_node is not None or ns.intra_node is not None:
         return _cluster_plan(ns, torchrun_prefix, script, given, environ, python)
@@ -335,12 +391,12 @@ def plan(argv: Sequence[str], environ: Mapping[str, str], python: str = sys.exec
         except ValueError as exc:
             raise LaunchError(f"{PROG}: --emulate-net: {exc}") from None
 
-    extra: List[str] = []
+    extra: list[str] = []
     if not ns.no_byteps_env:
         extra, bps_notes = byteps_flags(environ, given, single_node=spec is not None)
         notes += bps_notes
 
-    env: Dict[str, str] = {}
+    env: dict[str, str] = {}
     if spec is not None:
         nnodes = ns.nnodes if "nnodes" in given else environ.get("DMLC_NUM_WORKER", "1")
         if ns.no_byteps_env and "nnodes" not in given:
@@ -349,7 +405,8 @@ def plan(argv: Sequence[str], environ: Mapping[str, str], python: str = sys.exec
             raise LaunchError(
                 f"{PROG}: --emulate-net emulates a network between the ranks of ONE machine; "
                 f"a multi-node job (nnodes={nnodes}) cannot be emulated. Use --nnodes=1 and "
-                "--nproc-per-node=N for N ranks.")
+                "--nproc-per-node=N for N ranks."
+            )
         if "standalone" not in given:
             extra.append("--standalone")
         env = {k: v for k, v in EMULATION_ENV.items() if k not in environ}
@@ -357,7 +414,9 @@ def plan(argv: Sequence[str], environ: Mapping[str, str], python: str = sys.exec
 
     if _restarts(ns, given) > 0 and RESTART_ENV not in environ:
         env[RESTART_ENV] = "1"
-        notes.append(f"{RESTART_ENV}=1: a fresh rendezvous store per restart (pytorch/pytorch#135712)")
+        notes.append(
+            f"{RESTART_ENV}=1: a fresh rendezvous store per restart (pytorch/pytorch#135712)"
+        )
 
     torchrun = [python, "-m", "torch.distributed.run", *torchrun_prefix, *extra, *script]
     argv_out = netns.wrap(torchrun, spec) if spec is not None else torchrun
@@ -365,20 +424,32 @@ def plan(argv: Sequence[str], environ: Mapping[str, str], python: str = sys.exec
 
 
 #: torchrun options the emulated cluster sets itself
-_CLUSTER_SETS = {"nnodes": "--nnodes", "node_rank": "--node-rank", "nproc_per_node": "--nproc-per-node",
-                 "master_addr": "--master-addr", "master_port": "--master-port", "standalone": "--standalone",
-                 "rdzv_endpoint": "--rdzv-endpoint"}
+_CLUSTER_SETS = {
+    "nnodes": "--nnodes",
+    "node_rank": "--node-rank",
+    "nproc_per_node": "--nproc-per-node",
+    "master_addr": "--master-addr",
+    "master_port": "--master-port",
+    "standalone": "--standalone",
+    "rdzv_endpoint": "--rdzv-endpoint",
+}
 
 
 def _cluster_spec(ns: argparse.Namespace) -> cluster_mod.ClusterSpec:
     if ns.emulate_cluster is None:
-        raise LaunchError(f"{PROG}: --inter-node and --intra-node go with --emulate-cluster NODESxRANKS")
+        raise LaunchError(
+            f"{PROG}: --inter-node and --intra-node go with --emulate-cluster NODESxRANKS"
+        )
     if ns.inter_node is None:
-        raise LaunchError(f"{PROG}: --emulate-cluster needs --inter-node RATE[,LATENCY] (e.g. 1gbit or "
-                          "10gbit,50us; 'unlimited' for none)")
+        raise LaunchError(
+            f"{PROG}: --emulate-cluster needs --inter-node RATE[,LATENCY] (e.g. 1gbit or "
+            "10gbit,50us; 'unlimited' for none)"
+        )
     if ns.emulate_net is not None:
-        raise LaunchError(f"{PROG}: --emulate-net shapes one node's loopback; with --emulate-cluster use "
-                          "--intra-node for that")
+        raise LaunchError(
+            f"{PROG}: --emulate-net shapes one node's loopback; with --emulate-cluster use "
+            "--intra-node for that"
+        )
     try:
         nodes, ranks = cluster_mod.parse_topology(ns.emulate_cluster)
         inter = netns.parse_spec(ns.inter_node)
@@ -388,25 +459,44 @@ def _cluster_spec(ns: argparse.Namespace) -> cluster_mod.ClusterSpec:
         raise LaunchError(f"{PROG}: --emulate-cluster: {exc}") from None
 
 
-def _cluster_plan(ns: argparse.Namespace, torchrun_prefix: List[str], script: List[str], given: Set[str],
-                  environ: Mapping[str, str], python: str) -> Plan:
+def _cluster_plan(
+    ns: argparse.Namespace,
+    torchrun_prefix: list[str],
+    script: list[str],
+    given: set[str],
+    environ: Mapping[str, str],
+    python: str,
+) -> Plan:
     """``--emulate-cluster``: one torchrun per emulated node (see :mod:`sapipe.launch.cluster`)."""
     spec = _cluster_spec(ns)
     clash = sorted(flag for dest, flag in _CLUSTER_SETS.items() if dest in given)
     if clash:
-        raise LaunchError(f"{PROG}: --emulate-cluster sets {', '.join(clash)} for every node itself; "
-                          "remove them (the topology is NODESxRANKS)")
+        raise LaunchError(
+            f"{PROG}: --emulate-cluster sets {', '.join(clash)} for every node itself; "
+            "remove them (the topology is NODESxRANKS)"
+        )
     notes = [f"emulated cluster: {spec.describe()}"]
     if any(v in environ for v in _DMLC_VARS) and not ns.no_byteps_env:
         notes.append("DMLC_* ignored: --emulate-cluster gives the topology")
     env = cluster_mod.node_environment(spec, dict(environ))
     if _restarts(ns, given) > 0 and RESTART_ENV not in environ:
         env[RESTART_ENV] = "1"
-    node_argv = [cluster_mod.torchrun_argv(spec, i, python, torchrun_prefix, script) for i in range(spec.nodes)]
-    return Plan([], env=env, notes=notes, dry_run=ns.dry_run, quiet=ns.quiet, cluster=spec, node_argv=node_argv)
+    node_argv = [
+        cluster_mod.torchrun_argv(spec, i, python, torchrun_prefix, script)
+        for i in range(spec.nodes)
+    ]
+    return Plan(
+        [],
+        env=env,
+        notes=notes,
+        dry_run=ns.dry_run,
+        quiet=ns.quiet,
+        cluster=spec,
+        node_argv=node_argv,
+    )
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         build_parser().print_help(sys.stderr)

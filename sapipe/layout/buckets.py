@@ -7,18 +7,19 @@ update with a single flat call, whatever way the user interleaved groups across 
 A bucket's parameters become views into one flat weight buffer (done once, at the first
 ``step()``), so updates and kernels run on whole segments without gathering.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from sapipe.layout.packing import bucket_layout
 from sapipe.compression.codec import intake_views
 from sapipe.errors import ConfigurationError, UnsupportedOptimizerError
 from sapipe.layout.layers import Layer
+from sapipe.layout.packing import bucket_layout
 from sapipe.optim.fused import SegmentState
 
 
@@ -29,8 +30,8 @@ class Segment:
     group: int
     start: int
     end: int
-    lengths: List[int]  # numel of each parameter tensor in the slice, in order
-    state: Optional[SegmentState] = None
+    lengths: list[int]  # numel of each parameter tensor in the slice, in order
+    state: SegmentState | None = None
 
     def of(self, flat: Tensor) -> Tensor:
         return flat[self.start : self.end]
@@ -49,17 +50,31 @@ class StalenessBuffer:
     NaN or inf, so that its sum counts such ranks (sapipe.runtime.nonfinite).
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, depth: int, flags: int = 0,
-                 verdict: bool = False):
-        self.wire = [torch.zeros(numel + flags + int(verdict), dtype=dtype, device=device) for _ in range(depth)]
+    def __init__(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        depth: int,
+        flags: int = 0,
+        verdict: bool = False,
+    ):
+        self.wire = [
+            torch.zeros(numel + flags + int(verdict), dtype=dtype, device=device)
+            for _ in range(depth)
+        ]
         self.slots = [w[:numel] for w in self.wire]
         self.flags = [w[numel : numel + flags] for w in self.wire]
         #: 0-dim views of the value behind the flags (None: the wire carries none)
-        self.nonfinite: Optional[List[Tensor]] = [w[numel + flags] for w in self.wire] if verdict else None
+        self.nonfinite: list[Tensor] | None = (
+            [w[numel + flags] for w in self.wire] if verdict else None
+        )
         #: per slot, this rank's own verdict on the gradient in flight there, as launched (None: not judged)
-        self.verdicts: List[Optional[tuple]] = [None] * depth
-        self.unused_here: List[List[int]] = [[] for _ in range(depth)]  # parameters this rank had no gradient for
-        self.in_flight: List[Optional[object]] = [None] * depth  # comm handles per slot
+        self.verdicts: list[tuple | None] = [None] * depth
+        self.unused_here: list[list[int]] = [
+            [] for _ in range(depth)
+        ]  # parameters this rank had no gradient for
+        self.in_flight: list[object | None] = [None] * depth  # comm handles per slot
         self.codec = None  # with compression: the bucket's BucketCodec (sapipe.compression.codec)
 
     @property
@@ -118,7 +133,7 @@ class Bucket:
     """One flat unit of communication and update: whole layers, adjacent in forward order,
     held in backward order (``layers``, as :func:`sapipe.layout.packing.bucket_layout` packs them)."""
 
-    def __init__(self, index: int, layers: Sequence[Layer], stale: bool, group_of: Dict[int, int]):
+    def __init__(self, index: int, layers: Sequence[Layer], stale: bool, group_of: dict[int, int]):
         self.index = index
         self.layers = list(layers)
         self.first_layer = min(layer.index for layer in self.layers)  # the first to run forward
@@ -126,9 +141,9 @@ class Bucket:
         params = [p for layer in self.layers for p in layer.params]
         # Stable sort by param group: each group becomes one contiguous segment.
         params.sort(key=lambda p: group_of[id(p)])
-        self.params: List[nn.Parameter] = params
-        self.offsets: List[int] = []
-        self.segments: List[Segment] = []
+        self.params: list[nn.Parameter] = params
+        self.offsets: list[int] = []
+        self.segments: list[Segment] = []
         offset = 0
         for p in params:
             group = group_of[id(p)]
@@ -143,26 +158,30 @@ class Bucket:
         self.device = params[0].device
 
         # Runtime state, set up by the engine.
-        self.grads: Optional[StalenessBuffer] = None
-        self.local: Optional[Tensor] = None  # this rank's gradient of the current iteration
-        self.prev_local: Optional[Tensor] = None  # ... of the previous iteration (wp3)
-        self.weights: Optional[Tensor] = None  # flat view holder of the model's weights
-        self.real: Optional[Tensor] = None  # real weights x (differs from weights under WP)
-        self.history: Optional[WeightHistory] = None
+        self.grads: StalenessBuffer | None = None
+        self.local: Tensor | None = None  # this rank's gradient of the current iteration
+        self.prev_local: Tensor | None = None  # ... of the previous iteration (wp3)
+        self.weights: Tensor | None = None  # flat view holder of the model's weights
+        self.real: Tensor | None = None  # real weights x (differs from weights under WP)
+        self.history: WeightHistory | None = None
         self.ready = [False] * len(params)
         self.num_ready = 0
         self.pending_update = None  # hyper-parameter snapshot of a deferred sync update
-        self._views: List[Tuple[Tensor, List[Tensor]]] = []  # per flat buffer: its per-parameter views
-        self._message_views: Dict[int, List[object]] = {}  # per slot: each parameter's place in its messages
+        self._views: list[
+            tuple[Tensor, list[Tensor]]
+        ] = []  # per flat buffer: its per-parameter views
+        self._message_views: dict[
+            int, list[object]
+        ] = {}  # per slot: each parameter's place in its messages
         # per target, each parameter's place there (a view, or its pieces across compressed
         # messages) for this iteration's gradients, set by its first one
-        self.intake: List[List[object]] = []
+        self.intake: list[list[object]] = []
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.params[0].element_size()
 
-    def param_views(self, flat: Tensor) -> List[Tensor]:
+    def param_views(self, flat: Tensor) -> list[Tensor]:
         """Each parameter's part of ``flat`` (one of this bucket's flat buffers, made once with
         its layout), shaped like the parameter: made once per buffer, so that backward's
         per-gradient copy and ``p.grad`` exposure slice nothing."""
@@ -173,14 +192,16 @@ class Bucket:
         self._views.append((flat, views))
         return views
 
-    def message_views(self, slot: int) -> List[object]:
+    def message_views(self, slot: int) -> list[object]:
         """Each parameter's place in slot ``slot``'s outgoing compressed messages, where the
         bucket's codec ``encodes_on_intake`` (sapipe.compression.codec.intake_views): made once per
         slot, as :meth:`param_views`."""
         views = self._message_views.get(slot)
         if views is None:
             assert self.grads is not None and self.grads.codec is not None
-            views = self._message_views[slot] = intake_views(self.grads.codec, slot, self.offsets, self.params)
+            views = self._message_views[slot] = intake_views(
+                self.grads.codec, slot, self.offsets, self.params
+            )
         return views
 
     def describe(self) -> str:
@@ -189,10 +210,13 @@ class Bucket:
         kind = "stale" if self.stale else "sync"
         return f"{kind} bucket {self.index} [{names}{more}]"
 
-    def segment_params(self, segment: Segment) -> List[Tuple[nn.Parameter, int]]:
+    def segment_params(self, segment: Segment) -> list[tuple[nn.Parameter, int]]:
         """The parameters of ``segment``, each with its offset inside the segment."""
-        return [(p, offset - segment.start) for p, offset in zip(self.params, self.offsets)
-                if segment.start <= offset < segment.end]
+        return [
+            (p, offset - segment.start)
+            for p, offset in zip(self.params, self.offsets)
+            if segment.start <= offset < segment.end
+        ]
 
     def flatten_weights(self) -> None:
         """Make every parameter a view into one flat buffer (values unchanged)."""
@@ -237,17 +261,28 @@ class Bucket:
         layers) cannot be restored into this bucket updated on ``path`` ("fused" or "generic"):
         other param groups, state kept by the other path, residuals over other values."""
         bounds = [[seg.start, seg.end] for seg in self.segments]
-        saved_bounds = state.get("segment_bounds")  # absent from checkpoints written before it was kept
-        if len(state["segments"]) != len(bounds) or (saved_bounds is not None and
-                                                     [list(b) for b in saved_bounds] != bounds):
-            raise ConfigurationError(f"sapipe: the checkpoint's {self.describe()} splits into other param groups "
-                                     "than this job's (the optimizer's param groups changed)")
+        saved_bounds = state.get(
+            "segment_bounds"
+        )  # absent from checkpoints written before it was kept
+        if len(state["segments"]) != len(bounds) or (
+            saved_bounds is not None and [list(b) for b in saved_bounds] != bounds
+        ):
+            raise ConfigurationError(
+                f"sapipe: the checkpoint's {self.describe()} splits into other param groups "
+                "than this job's (the optimizer's param groups changed)"
+            )
         for saved in state["segments"]:
             if ("buffers" in saved) != (path == "fused"):
                 kept = "fused" if "buffers" in saved else "generic"
-                raise UnsupportedOptimizerError(f"sapipe: the checkpoint's optimizer state was kept by the {kept} "
-                                                f"update path; this job takes the {path} one")
-        if self.grads is not None and self.grads.codec is not None and state.get("codec") is not None:
+                raise UnsupportedOptimizerError(
+                    f"sapipe: the checkpoint's optimizer state was kept by the {kept} "
+                    f"update path; this job takes the {path} one"
+                )
+        if (
+            self.grads is not None
+            and self.grads.codec is not None
+            and state.get("codec") is not None
+        ):
             self.grads.codec.check_state_dict(state["codec"])
 
     def load_state_dict(self, state: dict) -> None:
@@ -258,8 +293,12 @@ class Bucket:
             seg.state.load_state_dict(saved)
         for i, (slot, arrived) in enumerate(zip(state["slots"], state["arrived"])):
             self.grads.slots[i].copy_(slot)
-            self.grads.in_flight[i] = Arrived(self.grads.slots[i], f"{self.describe()} (restored)") if arrived else None
-        for i, (flags, unused) in enumerate(zip(state.get("flags", []), state.get("unused_here", []))):
+            self.grads.in_flight[i] = (
+                Arrived(self.grads.slots[i], f"{self.describe()} (restored)") if arrived else None
+            )
+        for i, (flags, unused) in enumerate(
+            zip(state.get("flags", []), state.get("unused_here", []))
+        ):
             self.grads.flags[i].copy_(flags)
             self.grads.unused_here[i] = list(unused)
         if state["real"] is not None:
@@ -274,9 +313,10 @@ class Bucket:
         if self.grads.codec is not None and state.get("codec") is not None:
             self.grads.codec.load_state_dict(state["codec"])
 
+
 def build_buckets(
-    layers: Sequence[Layer], stale_layers: int, cap_bytes: int, group_of: Dict[int, int]
-) -> List[Bucket]:
+    layers: Sequence[Layer], stale_layers: int, cap_bytes: int, group_of: dict[int, int]
+) -> list[Bucket]:
     """The buckets of :func:`sapipe.layout.packing.bucket_layout` for ``layers`` (forward order)."""
     sizes = [sum(p.numel() * p.element_size() for p in layer.params) for layer in layers]
     return [

@@ -9,11 +9,12 @@ A module compiled with ``torch.compile`` (an ``OptimizedModule``) is named by th
 compiled (``_orig_mod``): its layers are called ``embed``, ``block.fc1``, … as without
 compilation, so checkpoints and traces do not depend on whether the model was compiled.
 """
+
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
@@ -26,9 +27,9 @@ class Layer:
     index: int
     name: str
     module: nn.Module
-    params: List[nn.Parameter] = field(default_factory=list)
+    params: list[nn.Parameter] = field(default_factory=list)
     executed: bool = True  # False: never ran its own forward (its parent uses its parameters)
-    host: Optional[nn.Module] = None  # for those: the executed ancestor whose forward uses them
+    host: nn.Module | None = None  # for those: the executed ancestor whose forward uses them
 
     @property
     def numel(self) -> int:
@@ -43,7 +44,7 @@ def uncompiled(model: nn.Module) -> nn.Module:
     return model
 
 
-def owning_modules(model: nn.Module, trainable: Set[int]) -> List[tuple]:
+def owning_modules(model: nn.Module, trainable: set[int]) -> list[tuple]:
     """(name, module) of every module that directly registers a trainable parameter (named
     within the module ``torch.compile`` compiled, for a compiled one)."""
     return [
@@ -56,10 +57,10 @@ def owning_modules(model: nn.Module, trainable: Set[int]) -> List[tuple]:
 class LayerRecorder:
     """Records the order in which the owning modules first execute during one forward."""
 
-    def __init__(self, model: nn.Module, trainable_params: List[nn.Parameter]):
+    def __init__(self, model: nn.Module, trainable_params: list[nn.Parameter]):
         self._trainable = {id(p) for p in trainable_params}
         self._owners = owning_modules(model, self._trainable)
-        self._seen: Dict[int, int] = {}  # id(module) -> execution rank
+        self._seen: dict[int, int] = {}  # id(module) -> execution rank
         self._handles: list = []
         self.compiled = False  # some owning module ran inside a torch.compile'd region
 
@@ -81,14 +82,16 @@ class LayerRecorder:
             self.compiled = True  # a side effect dynamo replays when the compiled code runs
         self._seen.setdefault(id(module), len(self._seen))
 
-    def _executed_owners(self) -> List[tuple]:
-        return sorted((o for o in self._owners if id(o[1]) in self._seen), key=lambda o: self._seen[id(o[1])])
+    def _executed_owners(self) -> list[tuple]:
+        return sorted(
+            (o for o in self._owners if id(o[1]) in self._seen), key=lambda o: self._seen[id(o[1])]
+        )
 
-    def executed(self) -> List[str]:
+    def executed(self) -> list[str]:
         """Names of the owning modules that have run, in the order they first ran."""
         return [name for name, _ in self._executed_owners()]
 
-    def finish(self, order: Optional[Sequence[str]] = None) -> List[Layer]:
+    def finish(self, order: Sequence[str] | None = None) -> list[Layer]:
         """Stop recording; layers in execution order (modules that never ran go last).
 
         ``order``: names of the modules that executed, in order, to use instead of what was
@@ -101,7 +104,9 @@ class LayerRecorder:
             known = {name for name, _ in self._owners}
             unknown = [name for name in order if name not in known]
             if unknown:
-                raise ValueError(f"modules {unknown} of the saved layer order are not layers of this model")
+                raise ValueError(
+                    f"modules {unknown} of the saved layer order are not layers of this model"
+                )
             self._seen = {id(dict(self._owners)[name]): i for i, name in enumerate(order)}
         executed = self._executed_owners()
         # A module that never ran (e.g. nn.MultiheadAttention.out_proj, whose parent calls
@@ -109,13 +114,20 @@ class LayerRecorder:
         # it goes just before that ancestor, so it is updated (and, in the scheduler's
         # model, needed) when the ancestor starts. Without such an ancestor it goes last.
         by_name = dict(executed)
-        hosted: Dict[str, List[tuple]] = {}
+        hosted: dict[str, list[tuple]] = {}
         orphans = []
         for name, module in self._owners:
             if id(module) in self._seen:
                 continue
             parts = name.split(".")
-            host = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in by_name), None)
+            host = next(
+                (
+                    ".".join(parts[:i])
+                    for i in range(len(parts) - 1, 0, -1)
+                    if ".".join(parts[:i]) in by_name
+                ),
+                None,
+            )
             if host is None:
                 orphans.append((name, module, None))
             else:
@@ -124,8 +136,8 @@ class LayerRecorder:
         for name, module in executed:
             ordered += hosted.get(name, [])
             ordered.append((name, module, None))
-        layers: List[Layer] = []
-        claimed: Set[int] = set()
+        layers: list[Layer] = []
+        claimed: set[int] = set()
         for name, module, host in ordered + orphans:
             layer = Layer(len(layers), name, module, executed=id(module) in self._seen, host=host)
             for p in module.parameters(recurse=False):

@@ -4,12 +4,15 @@ The runtime (:func:`sapipe.layout.buckets.build_buckets`) and the scheduler's si
 (:func:`sapipe.schedule.simulator.plan_buckets`) both call :func:`bucket_layout`, so the
 scheduler always predicts the buckets the runtime will build. Pure Python, no torch.
 """
+
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections.abc import Sequence
 
 
-def bucket_layout(bytes_per_layer: Sequence[int], stale_layers: int, cap_bytes: float) -> List[List[int]]:
+def bucket_layout(
+    bytes_per_layer: Sequence[int], stale_layers: int, cap_bytes: float
+) -> list[list[int]]:
     """The 0-based layer indices of each bucket, buckets in launch order (docs/design.md §5).
 
     Layers are packed in reverse forward order, the order backward produces their
@@ -19,8 +22,8 @@ def bucket_layout(bytes_per_layer: Sequence[int], stale_layers: int, cap_bytes: 
     wholly synchronous. Each bucket lists its layers in backward order. A zero-size layer
     joins its neighbour's bucket.
     """
-    buckets: List[List[int]] = []
-    current: List[int] = []
+    buckets: list[list[int]] = []
+    current: list[int] = []
     current_bytes = 0
     for index in reversed(range(len(bytes_per_layer))):
         size = bytes_per_layer[index]

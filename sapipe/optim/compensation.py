@@ -17,10 +17,10 @@ optimizer rule.
 | wp2  | g_{t-1} | g_{t-1} | option 2 |
 | wp3  | g_{t-1} | DC_λ(g_{t-1} − l_{t-1}/n, x_t − x_{t-1}) + l_t/n | option 3 |
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Type
 
 from torch import Tensor
 
@@ -38,11 +38,11 @@ class StaleStep:
     their iteration was skipped).
     """
 
-    g: Optional[Tensor]
+    g: Tensor | None
     x: Tensor
-    local: Optional[Tensor]
-    prev_local: Optional[Tensor]
-    x_oldest: Optional[Tensor]
+    local: Tensor | None
+    prev_local: Tensor | None
+    x_oldest: Tensor | None
     world_size: int
     lam: float
     form: str
@@ -56,7 +56,7 @@ class Compensation:
     needs_local = False  # keeps this rank's own gradient l_t in a flat buffer
     needs_prev_local = False  # ... and l_{t-1}
     history_length = 0  # past real weights kept (the newest is x_{t-1} during step t)
-    max_staleness: Optional[int] = None  # None: any staleness
+    max_staleness: int | None = None  # None: any staleness
 
     def __init__(self, staleness: int):
         self.staleness = staleness
@@ -66,7 +66,7 @@ class Compensation:
         assert step.g is not None
         return GradientSpec.plain(step.g)
 
-    def prediction_gradient(self, step: StaleStep) -> Optional[GradientSpec]:
+    def prediction_gradient(self, step: StaleStep) -> GradientSpec | None:
         """g̃ for x̃_{t+1} = OPT_peek(x_t, g̃), or None for x̃_{t+1} = x_t."""
         return None
 
@@ -81,7 +81,9 @@ class DelayCompensation(Compensation):
     def real_gradient(self, step):
         assert step.g is not None and step.x_oldest is not None
         # DC_λ(g, x_{t-1} − x_{t-1-s})
-        return GradientSpec(step.g, delta=step.x, delta_ref=step.x_oldest, lam=step.lam, form=step.form)
+        return GradientSpec(
+            step.g, delta=step.x, delta_ref=step.x_oldest, lam=step.lam, form=step.form
+        )
 
 
 class PredictFromLocal(Compensation):
@@ -117,12 +119,23 @@ class PredictMixed(Compensation):
             return None  # pipeline filling, or a term from a step GradScaler skipped
         # DC_λ(g_{t-1} − l_{t-1}/n, x_t − x_{t-1}) + l_t/n
         return GradientSpec(
-            step.g, delta_is_step=True, prev_local=step.prev_local, local=step.local,
-            lam=step.lam, form=step.form, world_size=step.world_size,
+            step.g,
+            delta_is_step=True,
+            prev_local=step.prev_local,
+            local=step.local,
+            lam=step.lam,
+            form=step.form,
+            world_size=step.world_size,
         )
 
 
-MODES: Dict[str, Type[Compensation]] = {
+MODES: dict[str, type[Compensation]] = {
     cls.name: cls
-    for cls in (Compensation, DelayCompensation, PredictFromLocal, PredictFromSynchronised, PredictMixed)
+    for cls in (
+        Compensation,
+        DelayCompensation,
+        PredictFromLocal,
+        PredictFromSynchronised,
+        PredictMixed,
+    )
 }

@@ -10,18 +10,20 @@ in flat buffers owned by the bucket, taken over from the wrapped optimizer's own
 state (:meth:`OptimizerRule.export_state`, state out). Every other optimizer takes the
 generic path (:mod:`sapipe.optim.generic`, which also chooses the path: ``rule_for``).
 """
+
 from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Type
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from sapipe.kernels import ops
 from sapipe.errors import UnsupportedOptimizerError
+from sapipe.kernels import ops
 from sapipe.kernels.gradient_spec import GradientSpec
 
 HyperParams = Mapping[str, Any]
@@ -31,20 +33,20 @@ HyperParams = Mapping[str, Any]
 class SegmentState:
     """Optimizer state of one segment (a slice of a bucket sharing one param group)."""
 
-    buffers: Dict[str, Tensor] = field(default_factory=dict)
+    buffers: dict[str, Tensor] = field(default_factory=dict)
     steps: int = 0  # real updates applied so far (Adam's bias-correction count)
     momentum_started: bool = False  # SGD: the momentum buffer holds data
-    scratch: Dict[str, Tensor] = field(default_factory=dict)  # reused work space; never saved
+    scratch: dict[str, Tensor] = field(default_factory=dict)  # reused work space; never saved
     #: offset in the segment -> (steps, momentum_started) of a parameter whose counters differ
     #: from the segment's: updates skipped it, unused (docs/design.md §3.9, sapipe.runtime.unused),
     #: or the state it came with was at another step
-    param_counters: Dict[int, Tuple[int, bool]] = field(default_factory=dict)
+    param_counters: dict[int, tuple[int, bool]] = field(default_factory=dict)
 
-    def counters_at(self, offset: int) -> Tuple[int, bool]:
+    def counters_at(self, offset: int) -> tuple[int, bool]:
         """(steps, momentum_started) of the parameter at ``offset`` in the segment."""
         return self.param_counters.get(offset, (self.steps, self.momentum_started))
 
-    def settle(self, counters: Mapping[int, Tuple[int, bool]]) -> None:
+    def settle(self, counters: Mapping[int, tuple[int, bool]]) -> None:
         """Keep every parameter's ``counters`` (offset in the segment -> counters): the most
         common become the segment's own, the others its exceptions."""
         if not counters:
@@ -53,51 +55,65 @@ class SegmentState:
         self.steps, self.momentum_started = common
         self.param_counters = {offset: c for offset, c in counters.items() if c != common}
 
-    def part(self, lo: int, hi: int, counters: Tuple[int, bool]) -> "SegmentState":
+    def part(self, lo: int, hi: int, counters: tuple[int, bool]) -> SegmentState:
         """The state of the slice [lo, hi) of the segment (whole parameters, all at ``counters``),
         its buffers views of this one's: to update a run of parameters (sapipe.runtime.unused)."""
-        return dataclasses.replace(self, buffers={k: v[lo:hi] for k, v in self.buffers.items()}, steps=counters[0],
-                                   momentum_started=counters[1], scratch={}, param_counters={})
+        return dataclasses.replace(
+            self,
+            buffers={k: v[lo:hi] for k, v in self.buffers.items()},
+            steps=counters[0],
+            momentum_started=counters[1],
+            scratch={},
+            param_counters={},
+        )
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """A copy, for a sapipe checkpoint."""
-        return {"steps": self.steps, "momentum_started": self.momentum_started, "param_counters": dict(self.param_counters),
-                "buffers": {k: v.clone() for k, v in self.buffers.items()}}
+        return {
+            "steps": self.steps,
+            "momentum_started": self.momentum_started,
+            "param_counters": dict(self.param_counters),
+            "buffers": {k: v.clone() for k, v in self.buffers.items()},
+        }
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         if "buffers" not in saved:
-            raise UnsupportedOptimizerError("sapipe: the checkpoint's optimizer state was kept by the "
-                                            "generic update path; this job takes the fused one")
+            raise UnsupportedOptimizerError(
+                "sapipe: the checkpoint's optimizer state was kept by the "
+                "generic update path; this job takes the fused one"
+            )
         self.steps, self.momentum_started = saved["steps"], saved["momentum_started"]
         self.param_counters = dict(saved.get("param_counters", {}))
         for name, buffer in self.buffers.items():
             buffer.copy_(saved["buffers"][name])
 
-    def move_from(self, old: "SegmentState", old_start: int, start: int, numel: int) -> None:
+    def move_from(self, old: SegmentState, old_start: int, start: int, numel: int) -> None:
         """One parameter's state, at ``old_start`` in ``old``, moves to ``start`` here (relayout)."""
-        self.steps, self.momentum_started = self.param_counters[start] = old.counters_at(old_start)  # settled at the next update
+        self.steps, self.momentum_started = self.param_counters[start] = old.counters_at(
+            old_start
+        )  # settled at the next update
         for name, buffer in self.buffers.items():
             buffer[start : start + numel].copy_(old.buffers[name][old_start : old_start + numel])
 
 
 #: the parameters of one segment with their offsets in it
-Places = Sequence[Tuple[Tensor, int]]
+Places = Sequence[tuple[Tensor, int]]
 
 
 class OptimizerRule:
     """The update arithmetic of one optimizer family."""
 
     #: torch.optim classes this rule reproduces exactly.
-    classes: Tuple[Type[torch.optim.Optimizer], ...] = ()
+    classes: tuple[type[torch.optim.Optimizer], ...] = ()
     #: names of the flat state buffers a segment needs (also the keys of ``torch.optim``'s state).
-    buffer_names: Tuple[str, ...] = ()
+    buffer_names: tuple[str, ...] = ()
     #: "fused" (sapipe's kernels) or "generic" (the optimizer's own ``step()``)
     path = "fused"
 
-    def __init__(self, optimizer: Optional[torch.optim.Optimizer] = None):
+    def __init__(self, optimizer: torch.optim.Optimizer | None = None):
         self.optimizer = optimizer  # the wrapped optimizer: its groups, and its state to take over
 
-    def unsupported(self) -> Optional[str]:
+    def unsupported(self) -> str | None:
         """Why this rule cannot reproduce the wrapped optimizer exactly (an option it has no
         kernel for), or None. State at any steps is fine: each parameter keeps its counters."""
         assert self.optimizer is not None
@@ -108,18 +124,18 @@ class OptimizerRule:
         return None
 
     #: options of the optimizer the fused kernels do not implement
-    _unsupported_options: Tuple[str, ...] = ()
+    _unsupported_options: tuple[str, ...] = ()
 
-    def _counters(self, torch_state: Mapping[str, Any]) -> Optional[Tuple[int, bool]]:
+    def _counters(self, torch_state: Mapping[str, Any]) -> tuple[int, bool] | None:
         """(steps, momentum_started) of one parameter's ``torch.optim`` state; None: no state."""
         raise NotImplementedError
 
-    def _torch_counters(self, state: SegmentState) -> Optional[Dict[str, Any]]:
+    def _torch_counters(self, state: SegmentState) -> dict[str, Any] | None:
         """The non-buffer entries of one parameter's ``torch.optim`` state (fresh objects), or
         None while the segment has taken no step ``torch.optim`` would keep state for."""
         raise NotImplementedError
 
-    def hyperparams(self, group: Mapping[str, Any]) -> Dict[str, Any]:
+    def hyperparams(self, group: Mapping[str, Any]) -> dict[str, Any]:
         """The numbers this rule needs from one param group, copied at ``step()`` time."""
         raise NotImplementedError
 
@@ -141,7 +157,7 @@ class OptimizerRule:
         state.settle(counters)
         return state
 
-    def export_state(self, state: SegmentState, params: Places) -> Dict[Tensor, Dict[str, Any]]:
+    def export_state(self, state: SegmentState, params: Places) -> dict[Tensor, dict[str, Any]]:
         """State out: each parameter's ``torch.optim`` state (copies), as the wrapped optimizer
         would hold it after the same updates; none for a parameter before its first (each at its
         own step count: updates skip unused parameters, docs/design.md §3.9)."""
@@ -150,21 +166,32 @@ class OptimizerRule:
             mine = state.part(offset, offset + p.numel(), state.counters_at(offset))
             counters = self._torch_counters(mine)
             if counters is not None:
-                exported[p] = dict(counters, **{name: b.view_as(p).clone() for name, b in mine.buffers.items()})
+                exported[p] = dict(
+                    counters, **{name: b.view_as(p).clone() for name, b in mine.buffers.items()}
+                )
         return exported
 
-    def update(self, weights: Tensor, state: SegmentState, hp: HyperParams, spec: GradientSpec) -> None:
+    def update(
+        self, weights: Tensor, state: SegmentState, hp: HyperParams, spec: GradientSpec
+    ) -> None:
         """OPT: apply one step of the gradient ``spec`` (evaluated inside the fused kernel;
         x_t also written to ``spec.hist`` when set) in place to ``weights`` and ``state``."""
         self._update(weights, state, hp, spec)
 
-    def peek(self, weights: Tensor, state: SegmentState, hp: HyperParams, spec: GradientSpec, out: Tensor) -> None:
+    def peek(
+        self, weights: Tensor, state: SegmentState, hp: HyperParams, spec: GradientSpec, out: Tensor
+    ) -> None:
         """OPT_peek: write the weights OPT would produce to ``out``; change nothing else."""
         raise NotImplementedError
 
     def update_and_peek(
-        self, weights: Tensor, state: SegmentState, hp: HyperParams, spec: GradientSpec,
-        peek: GradientSpec, out: Tensor,
+        self,
+        weights: Tensor,
+        state: SegmentState,
+        hp: HyperParams,
+        spec: GradientSpec,
+        peek: GradientSpec,
+        out: Tensor,
     ) -> None:
         """OPT, then OPT_peek of ``peek`` from the updated weights and state into ``out`` (weight
         prediction).
@@ -190,8 +217,13 @@ class OptimizerRule:
             self._update(weights, state, hp, spec, peek, out)
 
     def _update(
-        self, weights: Tensor, state: SegmentState, hp: HyperParams, spec: GradientSpec,
-        peek: Optional[GradientSpec] = None, out: Optional[Tensor] = None,
+        self,
+        weights: Tensor,
+        state: SegmentState,
+        hp: HyperParams,
+        spec: GradientSpec,
+        peek: GradientSpec | None = None,
+        out: Tensor | None = None,
     ) -> None:
         """OPT in place, with the state's bookkeeping; a ``peek`` (and its ``out``) rides along."""
         raise NotImplementedError
@@ -245,17 +277,28 @@ class AdamRule(OptimizerRule):
     def hyperparams(self, group):
         beta1, beta2 = group["betas"]
         return {
-            "lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2),
-            "eps": group["eps"], "weight_decay": group["weight_decay"],
+            "lr": float(group["lr"]),
+            "beta1": float(beta1),
+            "beta2": float(beta2),
+            "eps": group["eps"],
+            "weight_decay": group["weight_decay"],
             # torch < 2.7's AdamW groups have no such key: the class says it then
-            "decoupled": bool(group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))),
+            "decoupled": bool(
+                group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
+            ),
             "maximize": bool(group.get("maximize", False)),
         }
 
     def _run(self, weights, state, hp, spec, step, peek=None, out=None):
         hyper = ops.AdamHyperParams(step=step, **hp)
         ops.adam_fused(
-            weights, state.buffers["exp_avg"], state.buffers["exp_avg_sq"], hyper, spec, peek=peek, out=out
+            weights,
+            state.buffers["exp_avg"],
+            state.buffers["exp_avg_sq"],
+            hyper,
+            spec,
+            peek=peek,
+            out=out,
         )
 
     def _update(self, weights, state, hp, spec, peek=None, out=None):

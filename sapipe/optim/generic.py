@@ -14,30 +14,32 @@
   per parameter or that communicate in ``step()`` themselves. An optimizer found keeping
   state in its param groups (a group-level step counter) is refused at its first update.
 """
+
 from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from sapipe.kernels import ops
 from sapipe.errors import UnsupportedOptimizerError
+from sapipe.kernels import ops
 from sapipe.kernels.gradient_spec import GradientSpec
 from sapipe.optim.fused import FUSED_RULES, OptimizerRule, Places, SegmentState
 
 logger = logging.getLogger("sapipe")
 
 #: optimizers whose update sapipe cannot drive one bucket at a time, and why
-REFUSED: Dict[str, str] = {
+REFUSED: dict[str, str] = {
     "torch.optim.LBFGS": "its step() needs a closure that re-evaluates the loss, and its line search "
-                         "couples all parameters; sapipe updates each bucket on its own, at its own time",
+    "couples all parameters; sapipe updates each bucket on its own, at its own time",
     "torch.optim.SparseAdam": "it takes sparse gradients only; sapipe averages gradients in dense buckets",
     "FusedLAMB": "its step() scales updates by the gradient norm over all parameters (apex); sapipe "
-                 "updates each bucket on its own, at its own time",
+    "updates each bucket on its own, at its own time",
 }
 #: modules of optimizers that communicate in step() themselves (ZeroRedundancyOptimizer, Horovod's, ...)
 DISTRIBUTED_MODULES = ("torch.distributed", "horovod", "byteps", "deepspeed")
@@ -47,9 +49,13 @@ def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _refusal(optimizer: torch.optim.Optimizer) -> Optional[str]:
+def _refusal(optimizer: torch.optim.Optimizer) -> str | None:
     for cls in type(optimizer).__mro__:
-        public = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else cls.__name__
+        public = (
+            f"torch.optim.{cls.__name__}"
+            if cls.__module__.startswith("torch.optim")
+            else cls.__name__
+        )
         if public in REFUSED:  # a subclass says which refused class it is
             return REFUSED[public] if cls is type(optimizer) else f"a {public}: {REFUSED[public]}"
     module = type(optimizer).__module__
@@ -84,30 +90,36 @@ class ParamState(SegmentState):
     """A segment's state on the generic path: the wrapped optimizer's own ``state[p]`` of each
     of its parameters (``places``: parameter, offset in the segment), kept where it is."""
 
-    places: List[Tuple[Tensor, int]] = field(default_factory=list)
-    optimizer: Optional[torch.optim.Optimizer] = None
+    places: list[tuple[Tensor, int]] = field(default_factory=list)
+    optimizer: torch.optim.Optimizer | None = None
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         assert self.optimizer is not None
         table = self.optimizer.state
-        return {"torch_state": [copy.deepcopy(table[p]) if p in table else None for p, _ in self.places]}
+        return {
+            "torch_state": [copy.deepcopy(table[p]) if p in table else None for p, _ in self.places]
+        }
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         assert self.optimizer is not None
         if "torch_state" not in saved:
-            raise UnsupportedOptimizerError("sapipe: the checkpoint's optimizer state was kept by the fused "
-                                            "update path; this job takes the generic one")
+            raise UnsupportedOptimizerError(
+                "sapipe: the checkpoint's optimizer state was kept by the fused "
+                "update path; this job takes the generic one"
+            )
         step_on_device = _step_on_device(self.optimizer, self.places[0][0])
         table = self.optimizer.state
         for (p, _), kept in zip(self.places, saved["torch_state"]):
             table.pop(p, None)
             if kept is not None:  # tensors where torch.optim's load_state_dict would put them
-                table[p] = {k: _placed(v, p, k == "step" and not step_on_device) for k, v in kept.items()}
+                table[p] = {
+                    k: _placed(v, p, k == "step" and not step_on_device) for k, v in kept.items()
+                }
 
     def move_from(self, old: SegmentState, old_start: int, start: int, numel: int) -> None:
         """Nothing moves on a relayout: the optimizer keys its state by the parameter itself."""
 
-    def part(self, lo: int, hi: int, counters: Tuple[int, bool]) -> "ParamState":
+    def part(self, lo: int, hi: int, counters: tuple[int, bool]) -> ParamState:
         """The parameters in [lo, hi) of the segment (a run updated alone: sapipe.runtime.unused);
         ``step()`` keeps each one's own step count."""
         mine = [(p, offset - lo) for p, offset in self.places if lo <= offset < hi]
@@ -132,15 +144,19 @@ class TorchStepRule(OptimizerRule):
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         super().__init__(optimizer)
-        self._grad: Optional[Tensor] = None  # the composed gradient; one buffer, grown as needed
-        self._first_step = True  # state keyed by no parameter is looked at around the first step() only
+        self._grad: Tensor | None = None  # the composed gradient; one buffer, grown as needed
+        self._first_step = (
+            True  # state keyed by no parameter is looked at around the first step() only
+        )
 
-    def unsupported(self) -> Optional[str]:
+    def unsupported(self) -> str | None:
         return None
 
     def hyperparams(self, group):
         """The whole group but its parameters (tensors copied: schedulers may change them in place)."""
-        return {k: v.clone() if isinstance(v, Tensor) else v for k, v in group.items() if k != "params"}
+        return {
+            k: v.clone() if isinstance(v, Tensor) else v for k, v in group.items() if k != "params"
+        }
 
     def new_state(self, like: Tensor, params: Places = ()) -> SegmentState:
         return ParamState(places=list(params), optimizer=self.optimizer)
@@ -182,7 +198,9 @@ class TorchStepRule(OptimizerRule):
             self._grad = torch.empty_like(spec.grad)
         return ops.compose_gradient(spec.replace(hist=None), self._grad[:numel])
 
-    def _step(self, weights: Tensor, state: SegmentState, hp: Mapping[str, Any], grad: Tensor) -> None:
+    def _step(
+        self, weights: Tensor, state: SegmentState, hp: Mapping[str, Any], grad: Tensor
+    ) -> None:
         """The optimizer's ``step()`` over the segment's parameters, viewing ``weights`` and
         ``grad`` meanwhile, with one param group of hyper-parameters ``hp``."""
         optimizer = self.optimizer
@@ -190,7 +208,9 @@ class TorchStepRule(OptimizerRule):
         params = [p for p, _ in state.places]
         group = dict(hp, params=params)
         kept = [(p.data, p.grad) for p in params]
-        shared = _shared_state(optimizer) if self._first_step else None  # a global count changes every step()
+        shared = (
+            _shared_state(optimizer) if self._first_step else None
+        )  # a global count changes every step()
         groups, optimizer.param_groups = optimizer.param_groups, [group]
         try:
             for p, offset in state.places:
@@ -202,12 +222,18 @@ class TorchStepRule(OptimizerRule):
             for p, (data, grad_before) in zip(params, kept):
                 p.data = data
                 p.grad = grad_before
-        changed = sorted(k for k in group if k != "params" and (k not in hp or _changed(hp[k], group[k])))
+        changed = sorted(
+            k for k in group if k != "params" and (k not in hp or _changed(hp[k], group[k]))
+        )
         where = "in its param group"
         if not changed and shared is not None:
             self._first_step = False
             after = _shared_state(optimizer)
-            changed = sorted(str(k) for k in after.keys() | shared.keys() if not _equal(shared.get(k), after.get(k)))
+            changed = sorted(
+                str(k)
+                for k in after.keys() | shared.keys()
+                if not _equal(shared.get(k), after.get(k))
+            )
             where = "in its state outside any parameter's"
         if changed:
             raise UnsupportedOptimizerError(
@@ -217,16 +243,24 @@ class TorchStepRule(OptimizerRule):
             )
 
 
-def _shared_state(optimizer: torch.optim.Optimizer) -> Dict[Any, Any]:
+def _shared_state(optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
     """The entries of ``optimizer.state`` keyed by something other than a parameter (a global
     step count, say), as they stand: copies of tensors, the values otherwise."""
-    return {k: v.clone() if isinstance(v, Tensor) else copy.copy(v) for k, v in optimizer.state.items()
-            if not isinstance(k, Tensor)}
+    return {
+        k: v.clone() if isinstance(v, Tensor) else copy.copy(v)
+        for k, v in optimizer.state.items()
+        if not isinstance(k, Tensor)
+    }
 
 
 def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+        return (
+            isinstance(a, Tensor)
+            and isinstance(b, Tensor)
+            and a.shape == b.shape
+            and bool(torch.equal(a, b))
+        )
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - not comparable: treat as changed

@@ -1,4 +1,5 @@
 """The runtime under :class:`sapipe.DistributedOptimizer`: layout, gradient pipeline, updates."""
+
 from sapipe.runtime.engine import Runtime
 from sapipe.runtime.forward import ForwardHooks
 from sapipe.runtime.layout import Layout

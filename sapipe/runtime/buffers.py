@@ -18,9 +18,10 @@ autograd version counters are kept, as DDP keeps them, so a graph that saved a b
 evaluation-mode BatchNorm under autograd) can still run backward after the next forward's
 broadcast.
 """
+
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Set
+from typing import Callable
 
 import torch
 from torch import nn
@@ -41,7 +42,9 @@ class BufferBroadcast:
         self._due = True  # DDP's require_forward_param_sync starts True
 
     @classmethod
-    def of(cls, settings: Settings, model: nn.Module, control, accumulating: Callable[[], bool]) -> Optional["BufferBroadcast"]:
+    def of(
+        cls, settings: Settings, model: nn.Module, control, accumulating: Callable[[], bool]
+    ) -> BufferBroadcast | None:
         """The broadcast ``settings.broadcast_buffers`` asks for, or None."""
         return cls(model, control, accumulating) if settings.broadcast_buffers else None
 
@@ -54,9 +57,9 @@ class BufferBroadcast:
             with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):  # noqa: SLF001 - as DDP does
                 self._control.broadcast(buffers, "the model's buffers")
 
-    def _buffers(self) -> List[torch.Tensor]:
+    def _buffers(self) -> list[torch.Tensor]:
         """Each buffer of the model's modules once, in ``model.buffers()``'s order."""
-        seen: Set[int] = set()
+        seen: set[int] = set()
         found = []
         for module in self._modules:
             for buffer in module._buffers.values():  # noqa: SLF001 - what named_buffers() reads

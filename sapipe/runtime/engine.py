@@ -3,57 +3,94 @@
 :class:`Runtime` is what :class:`sapipe.DistributedOptimizer` drives at each ``step()`` and
 what the scheduler's controller changes between iterations (``relayout``, ``restart``).
 """
+
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from sapipe import comm
-from sapipe.layout.buckets import Bucket
 from sapipe.comm import hierarchical
 from sapipe.comm.topology import Topology
-from sapipe.optim.compensation import MODES
 from sapipe.config import Settings
 from sapipe.errors import ConfigurationError, UsageError
+from sapipe.layout.buckets import Bucket
 from sapipe.layout.layers import Layer
+from sapipe.optim.compensation import MODES
 from sapipe.optim.fused import OptimizerRule
-from sapipe.tracing.tracer import Tracer
 from sapipe.runtime.exposure import GradientExposure
 from sapipe.runtime.layout import CompressedSums, Layout
 from sapipe.runtime.nonfinite import NonFiniteGradients
 from sapipe.runtime.pipeline import GradientPipeline
 from sapipe.runtime.step_guards import require_scaler_in_step, require_shared_groups
 from sapipe.runtime.updates import Updater
+from sapipe.tracing.tracer import Tracer
 
 
 class Runtime:
     """Buckets, their communication and their updates, for ``k`` stale layers at a time."""
 
-    def __init__(self, settings: Settings, rule: OptimizerRule, group, world_size: int, tracer: Tracer,
-                 group_of: Dict[int, int], topology: Optional[Topology] = None):
+    def __init__(
+        self,
+        settings: Settings,
+        rule: OptimizerRule,
+        group,
+        world_size: int,
+        tracer: Tracer,
+        group_of: dict[int, int],
+        topology: Topology | None = None,
+    ):
         self._settings = settings
         self._group_of = group_of
         self.job_topology = topology  # which ranks share a node (None: not learnt)
         #: the nodes a hierarchical sum spans (None: flat sums); raises when hierarchical=True cannot be met
-        self.topology = topology if topology is not None and hierarchical.resolve(
-            settings.hierarchical, settings.backend, topology) else None
+        self.topology = (
+            topology
+            if topology is not None
+            and hierarchical.resolve(settings.hierarchical, settings.backend, topology)
+            else None
+        )
         compression = settings.wire_compression
         #: how buckets are compressed (None: they are not); the scheduler times the same codec
-        self.compression = None if compression is None else CompressedSums(
-            compression, world_size, comm.compression_partition(settings.backend, settings.partition_bytes),
-            node_size=self.topology.local_size if self.topology is not None else 1)
+        self.compression = (
+            None
+            if compression is None
+            else CompressedSums(
+                compression,
+                world_size,
+                comm.compression_partition(settings.backend, settings.partition_bytes),
+                node_size=self.topology.local_size if self.topology is not None else 1,
+            )
+        )
         #: NaN or inf in a rank's own gradient, reported once (nonfinite_gradients=)
-        self.nonfinite = NonFiniteGradients(settings.nonfinite_gradients, dist.get_rank(group), world_size)
-        self.pipeline = GradientPipeline(settings, group, world_size, tracer, before_reuse=self.apply_deferred,
-                                         topology=self.topology,
-                                         nonfinite=self.nonfinite if self.nonfinite.verdicts else None)
-        self.updater = Updater(rule, MODES[settings.compensation](settings.staleness), settings,
-                               world_size, self.pipeline)
-        self.exposure = (GradientExposure(self.pipeline, settings.staleness,
-                                          lambda: self.updater.scaling, self.apply_deferred)
-                         if settings.expose_gradients else None)
+        self.nonfinite = NonFiniteGradients(
+            settings.nonfinite_gradients, dist.get_rank(group), world_size
+        )
+        self.pipeline = GradientPipeline(
+            settings,
+            group,
+            world_size,
+            tracer,
+            before_reuse=self.apply_deferred,
+            topology=self.topology,
+            nonfinite=self.nonfinite if self.nonfinite.verdicts else None,
+        )
+        self.updater = Updater(
+            rule,
+            MODES[settings.compensation](settings.staleness),
+            settings,
+            world_size,
+            self.pipeline,
+        )
+        self.exposure = (
+            GradientExposure(
+                self.pipeline, settings.staleness, lambda: self.updater.scaling, self.apply_deferred
+            )
+            if settings.expose_gradients
+            else None
+        )
         if self.exposure is not None:
             self.updater.prepared = self.exposure.prepared
         #: a checkpoint was restored since the last forward: that forward applies every pending
@@ -65,11 +102,19 @@ class Runtime:
         assert self.pipeline.layout is not None, "the layout is built at the first forward"
         return self.pipeline.layout
 
-    def lay_out(self, layers: List[Layer], k: int) -> None:
+    def lay_out(self, layers: list[Layer], k: int) -> None:
         """The first layout, once the layer order is known."""
         s = self._settings
-        self.pipeline.layout = Layout(layers, k, s.bucket_cap_bytes, self._group_of, s.staleness,
-                                      self.updater.compensation, self.compression, self.nonfinite.verdicts)
+        self.pipeline.layout = Layout(
+            layers,
+            k,
+            s.bucket_cap_bytes,
+            self._group_of,
+            s.staleness,
+            self.updater.compensation,
+            self.compression,
+            self.nonfinite.verdicts,
+        )
         self.nonfinite.start(layers[0].params[0].device)
 
     def apply_deferred(self, bucket: Bucket) -> float:
@@ -83,7 +128,9 @@ class Runtime:
     def nothing_to_step(self) -> bool:
         """Whether ``step()`` has nothing to sum or apply on this rank: no backward since the
         last one, and no parameter holds a gradient (a step then starts no collective)."""
-        return not self.pipeline.in_backward and all(p.grad is None for b in self.pipeline.buckets for p in b.params)
+        return not self.pipeline.in_backward and all(
+            p.grad is None for b in self.pipeline.buckets for p in b.params
+        )
 
     def take_gradients(self, iteration: int, grad_scaler, optimizer, control) -> None:
         """``step()``'s first part: every gradient of ``iteration`` on its way, and what the step
@@ -101,18 +148,22 @@ class Runtime:
             self.exposure.expose(iteration)  # done already when backward ended
             if grad_scaler is not None:
                 self.exposure.scaler = grad_scaler
-                self.updater.judge_exposed(iteration, grad_scaler, optimizer, control, self.exposure.prepared)
+                self.updater.judge_exposed(
+                    iteration, grad_scaler, optimizer, control, self.exposure.prepared
+                )
             self.exposure.collect()
         self.nonfinite.check(iteration, grad_scaler is not None, self.updater.scaling, control)
 
     def check_exposed(self, iteration: int, what: str) -> None:
         """Raise unless ``p.grad`` holds the averaged gradients of ``iteration`` (its backward ended)."""
         if self.exposure is None:
-            raise UsageError(f"sapipe: {what} needs p.grad to hold the averaged gradient; construct the "
-                             "optimizer with expose_gradients=True (the default)")
+            raise UsageError(
+                f"sapipe: {what} needs p.grad to hold the averaged gradient; construct the "
+                "optimizer with expose_gradients=True (the default)"
+            )
         self.exposure.check_exposed(iteration, what)
 
-    def end_step(self, iteration: int, hyperparams: List[Dict[str, Any]]) -> None:
+    def end_step(self, iteration: int, hyperparams: list[dict[str, Any]]) -> None:
         """``step()``'s updates: stale buckets now; sync buckets deferred to their next forward,
         unless the script read their exposed ``p.grad`` (its all-reduce has arrived: applied now)."""
         pipeline_step = iteration - self.pipeline.origin
@@ -145,7 +196,7 @@ class Runtime:
             if backend is not None:
                 backend.new_buffers()
 
-    def restart(self, k: int, iteration: int, hyperparams: List[Dict[str, Any]]) -> None:
+    def restart(self, k: int, iteration: int, hyperparams: list[dict[str, Any]]) -> None:
         """Back to the synchronous state after ``iteration``, then the pipeline anew with k stale layers.
 
         The stale gradients still in flight are applied now, oldest first, as plain updates,
@@ -159,18 +210,20 @@ class Runtime:
         self.pipeline.origin = iteration
         self.relayout(k)
 
-    def checkpoint(self) -> Dict[str, Any]:
+    def checkpoint(self) -> dict[str, Any]:
         """The runtime's part of a checkpoint: k, the pipeline's start, the layer order, every
         bucket (in-flight gradients waited for), the GradScaler agreements."""
         layers = self.layout.layers
         return {
-            "k": self.layout.k, "pipeline_origin": self.pipeline.origin,
-            "order": [layer.name for layer in layers if layer.executed], "layers": [layer.name for layer in layers],
+            "k": self.layout.k,
+            "pipeline_origin": self.pipeline.origin,
+            "order": [layer.name for layer in layers if layer.executed],
+            "layers": [layer.name for layer in layers],
             "buckets": [bucket.state_dict() for bucket in self.pipeline.buckets],
             "scaling": dict(self.updater.scaling),
         }
 
-    def restore(self, state: Dict[str, Any], state_allocated: bool) -> None:
+    def restore(self, state: dict[str, Any], state_allocated: bool) -> None:
         """What :meth:`checkpoint` saved, into this layout (its layers already in the saved order).
 
         ``state_allocated``: this job has stepped already, so its optimizer state moves over
@@ -184,22 +237,32 @@ class Runtime:
         self.pipeline.end_iteration()
         if self.exposure is not None:
             self.exposure.reset()
-        self.restored = True  # the next forward applies every pending update first (runtime/forward.py)
+        self.restored = (
+            True  # the next forward applies every pending update first (runtime/forward.py)
+        )
 
-    def _checked_layout(self, state: Dict[str, Any]) -> Layout:
+    def _checked_layout(self, state: dict[str, Any]) -> Layout:
         """This job's layers laid out for the checkpoint's k, once every saved bucket is known to
         fit it (layers, param groups, update path, residuals); else an error naming why, before
         anything of this job has changed."""
         if [layer.name for layer in self.layout.layers] != state["layers"]:
-            raise ConfigurationError("sapipe: the checkpoint's layer order differs from this model's")
+            raise ConfigurationError(
+                "sapipe: the checkpoint's layer order differs from this model's"
+            )
         layout = self.layout.relaid(state["k"])
-        if [[layer.name for layer in b.layers] for b in layout.buckets] != [b["layers"] for b in state["buckets"]]:
-            raise ConfigurationError("sapipe: the checkpoint's bucket layout differs (bucket_cap_mb or model changed)")
+        if [[layer.name for layer in b.layers] for b in layout.buckets] != [
+            b["layers"] for b in state["buckets"]
+        ]:
+            raise ConfigurationError(
+                "sapipe: the checkpoint's bucket layout differs (bucket_cap_mb or model changed)"
+            )
         for bucket, saved in zip(layout.buckets, state["buckets"]):
             bucket.check_state_dict(saved, self.updater.rule.path)
         return layout
 
-    def _restore_buckets(self, layout: Layout, saved_buckets: List[Dict[str, Any]], state_allocated: bool) -> None:
+    def _restore_buckets(
+        self, layout: Layout, saved_buckets: list[dict[str, Any]], state_allocated: bool
+    ) -> None:
         """A checkpoint's buckets (see ``Bucket.state_dict``) into ``layout``, which becomes the job's."""
         previous = self.layout if state_allocated else None
         self.pipeline.layout = layout
@@ -208,16 +271,20 @@ class Runtime:
             bucket.load_state_dict(saved)
 
     @torch.no_grad()
-    def swap_in_real_weights(self) -> List[tuple]:
+    def swap_in_real_weights(self) -> list[tuple]:
         """Under weight prediction, put the real weights into the model; what to swap back."""
-        predicted = [(b, b.weights.clone()) for b in self.pipeline.buckets if b.real is not None and b.real is not b.weights]
+        predicted = [
+            (b, b.weights.clone())
+            for b in self.pipeline.buckets
+            if b.real is not None and b.real is not b.weights
+        ]
         for bucket, _ in predicted:
             bucket.weights.copy_(bucket.real)
         return predicted
 
     @staticmethod
     @torch.no_grad()
-    def swap_back(predicted: List[tuple]) -> None:
+    def swap_back(predicted: list[tuple]) -> None:
         for bucket, saved in predicted:
             bucket.weights.copy_(saved)
 

@@ -23,18 +23,19 @@ buffers, a newly assigned tensor is copied in, and a gradient set to ``None`` le
 parameter alone this step, as ``torch.optim`` does. ``expose_gradients=False`` keeps this
 rank's local gradient in ``p.grad``; a change to it then raises at ``step()``.
 """
+
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-from sapipe.layout.buckets import Bucket
 from sapipe.errors import UsageError
+from sapipe.layout.buckets import Bucket
 from sapipe.runtime import unused
 from sapipe.runtime.pipeline import GradientPipeline
 
@@ -45,9 +46,9 @@ class ExposedGradient:
     step), the parameters (bucket indices) it does not update, and, while its all-reduce may
     still be in flight, ``arrival``: waits for it and averages it in place."""
 
-    grad: Optional[Tensor]
-    skip: List[int] = field(default_factory=list)
-    arrival: Optional[Callable[[], float]] = None
+    grad: Tensor | None
+    skip: list[int] = field(default_factory=list)
+    arrival: Callable[[], float] | None = None
 
     @property
     def settled(self) -> bool:
@@ -87,21 +88,28 @@ def _tensors_in(args, kwargs):
 class GradientExposure:
     """Points ``p.grad`` at the gradient each parameter's update will use, once backward ends."""
 
-    def __init__(self, pipeline: GradientPipeline, staleness: int,
-                 scaling: Callable[[], Dict[int, Tuple[bool, float]]], apply_pending: Callable[[Bucket], float]):
+    def __init__(
+        self,
+        pipeline: GradientPipeline,
+        staleness: int,
+        scaling: Callable[[], dict[int, tuple[bool, float]]],
+        apply_pending: Callable[[Bucket], float],
+    ):
         self._pipeline = pipeline
         self._scaling = scaling  # per iteration (finite, 1 / loss scale), as agreed at its step()
         self._apply_pending = apply_pending  # a bucket's deferred sync update; seconds waited
         self._staleness = staleness
         self.scaler = None  # the GradScaler the last step() received: the current loss scale
-        self.iteration: Optional[int] = None  # whose gradients p.grad holds
-        self.waited = 0.0  # seconds waited for all-reduces because p.grad was read, since last taken
+        self.iteration: int | None = None  # whose gradients p.grad holds
+        self.waited = (
+            0.0  # seconds waited for all-reduces because p.grad was read, since last taken
+        )
         #: whether the script read a sync layer's p.grad before the last step(): its update then ran in step()
         self.read_before_step = False
         #: (bucket index, slot) -> the gradient exposed from that slot, for step() (or the
         #: deferred update) to apply; popped as it is consumed
-        self.prepared: Dict[Tuple[int, int], ExposedGradient] = {}
-        self._given: List[Tuple[torch.Tensor, Optional[Tensor], ExposedGradient, int]] = []
+        self.prepared: dict[tuple[int, int], ExposedGradient] = {}
+        self._given: list[tuple[torch.Tensor, Tensor | None, ExposedGradient, int]] = []
         self._armed = False
         self._warned = False
 
@@ -137,14 +145,22 @@ class GradientExposure:
         pipeline.flush(iteration)  # buckets with parameters backward did not reach
         self._forget()
         scaling = self._scaling()
-        scale = self.scaler.get_scale() if self.scaler is not None else None  # once: a host sync on CUDA
+        scale = (
+            self.scaler.get_scale() if self.scaler is not None else None
+        )  # once: a host sync on CUDA
         for bucket in pipeline.buckets:
             slot, source = self._source(bucket, iteration)
             exposed = ExposedGradient(None)
             if source is not None:
                 exposed = ExposedGradient(bucket.grads.slots[slot])
-                exposed.arrival = partial(self._arrive, bucket, slot, source, exposed,
-                                          *self._scaled(source, scaling, scale))
+                exposed.arrival = partial(
+                    self._arrive,
+                    bucket,
+                    slot,
+                    source,
+                    exposed,
+                    *self._scaled(source, scaling, scale),
+                )
                 lazy = source == iteration and not bucket.grads.unused_here[slot]
                 if not lazy:
                     self.waited += exposed.settle()
@@ -153,7 +169,7 @@ class GradientExposure:
         self.iteration = iteration
         self.read_before_step = False
 
-    def _source(self, bucket: Bucket, iteration: int) -> Tuple[int, Optional[int]]:
+    def _source(self, bucket: Bucket, iteration: int) -> tuple[int, int | None]:
         """(the slot this step applies from, the iteration its gradient belongs to; None: no gradient)."""
         pipeline = self._pipeline
         if not pipeline.in_pipeline(bucket, iteration):
@@ -163,16 +179,24 @@ class GradientExposure:
             return 0, None  # the pipeline fills: no stale gradient yet
         return bucket.grads.index(t - s), iteration - s
 
-    def _scaled(self, source: int, scaling: Dict[int, Tuple[bool, float]],
-                 scale: Optional[float]) -> Tuple[bool, float]:
+    def _scaled(
+        self, source: int, scaling: dict[int, tuple[bool, float]], scale: float | None
+    ) -> tuple[bool, float]:
         """(whether iteration ``source``'s step was finite, the factor from its loss scale to the
         current one ``scale``): a stale gradient is shown at this step's scale (§3.8)."""
         finite, inverse_scale = scaling.get(source, (True, 1.0))
         factor = scale * inverse_scale if scale is not None and source in scaling else 1.0
         return finite, factor
 
-    def _arrive(self, bucket: Bucket, slot: int, source: int, exposed: ExposedGradient, finite: bool,
-                factor: float) -> float:
+    def _arrive(
+        self,
+        bucket: Bucket,
+        slot: int,
+        source: int,
+        exposed: ExposedGradient,
+        finite: bool,
+        factor: float,
+    ) -> float:
         """The summed gradient in ``slot`` (of iteration ``source``) waited for and made the mean, or
         None if its step was skipped as not finite; its globally unused parameters skipped. Seconds waited."""
         mean, waited = self._pipeline.take_mean(bucket, slot, source)
@@ -248,8 +272,10 @@ class GradientExposure:
     def check_exposed(self, iteration: int, what: str) -> None:
         """Raise unless ``p.grad`` holds ``iteration``'s gradients (its backward has ended)."""
         if self.iteration != iteration:
-            raise UsageError(f"sapipe: call {what} between loss.backward() and step(): p.grad holds "
-                             "the averaged gradients only once backward has ended")
+            raise UsageError(
+                f"sapipe: call {what} between loss.backward() and step(): p.grad holds "
+                "the averaged gradients only once backward has ended"
+            )
 
 
 __all__ = ["GradientExposure", "ExposedGradient", "PendingGradient"]

@@ -4,10 +4,11 @@ A sync bucket's update is applied in the forward pre-hook of the bucket's first 
 the bucket's all-reduce had the rest of backward and the forward of every earlier layer
 to arrive (docs/design.md §5). The same hooks feed the scheduler's profiler and the tracer.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional
+from typing import Callable
 
 import torch
 from torch import nn
@@ -15,10 +16,10 @@ from torch.utils.hooks import RemovableHandle
 
 from sapipe.errors import UsageError
 from sapipe.layout.layers import Layer
-from sapipe.tracing.tracer import Tracer
 from sapipe.runtime.buffers import BufferBroadcast
 from sapipe.runtime.engine import Runtime
 from sapipe.tracing.timeline import BackwardSpans
+from sapipe.tracing.tracer import Tracer
 
 
 class ForwardHooks:
@@ -28,16 +29,22 @@ class ForwardHooks:
     whether the scheduler times it; ``buffers``: rank 0's buffers before a forward, or None.
     """
 
-    def __init__(self, runtime: Runtime, tracer: Tracer, spans: Optional[BackwardSpans],
-                 next_iteration: Callable[[], int], profiling: Callable[[int], bool],
-                 buffers: Optional[BufferBroadcast] = None):
+    def __init__(
+        self,
+        runtime: Runtime,
+        tracer: Tracer,
+        spans: BackwardSpans | None,
+        next_iteration: Callable[[], int],
+        profiling: Callable[[int], bool],
+        buffers: BufferBroadcast | None = None,
+    ):
         self._runtime = runtime
         self._buffers = buffers
         self._tracer = tracer
         self._spans = spans
         self._next_iteration = next_iteration
         self._profiling = profiling
-        self.forward_start: Optional[float] = None  # this iteration's first forward began
+        self.forward_start: float | None = None  # this iteration's first forward began
         #: some layer ran inside a torch.compile'd region, whose pre-hooks apply nothing at run time
         self.compiled = False
         self._compiled_before = False  # as the current forward began
@@ -86,7 +93,7 @@ class ForwardHooks:
         if self._spans is not None:
             self._spans.forward_ended()
 
-    def hook_layers(self, layers: List[Layer]) -> List[RemovableHandle]:
+    def hook_layers(self, layers: list[Layer]) -> list[RemovableHandle]:
         """Install the per-layer hooks; the handles, to remove them at ``close()``."""
         handles = []
         for layer in layers:
@@ -104,7 +111,9 @@ class ForwardHooks:
 
         def hook(module: nn.Module, args) -> None:
             if not torch.compiler.is_compiling():
-                work(module, args)  # eager: no dynamo wrapper, a hook runs for every layer every step
+                work(
+                    module, args
+                )  # eager: no dynamo wrapper, a hook runs for every layer every step
                 return
             self.compiled = True  # a side effect dynamo replays each time the compiled code runs
             if self._layer_work():
@@ -125,7 +134,9 @@ class ForwardHooks:
                     updated += self._root_update
                 timer.layer_forward(index, waited, updated)
             if self._tracer.enabled:
-                self._tracer.record("layer_forward_start", layer=layer.name, iteration=self._next_iteration())
+                self._tracer.record(
+                    "layer_forward_start", layer=layer.name, iteration=self._next_iteration()
+                )
 
         compiled_work = torch.compiler.disable(work)  # a graph break, run eagerly
         return hook
@@ -150,7 +161,10 @@ class ForwardHooks:
     def after_layer(self, layer: Layer) -> Callable[[nn.Module, tuple, object], None]:
         @torch.compiler.disable
         def hook(module: nn.Module, args, output) -> None:
-            self._tracer.record("layer_forward_end", layer=layer.name, iteration=self._next_iteration())
+            self._tracer.record(
+                "layer_forward_end", layer=layer.name, iteration=self._next_iteration()
+            )
+
         return hook
 
 

@@ -35,20 +35,23 @@ step waits for the device. A check under a GradScaler, or covering a gradient of
 whose step ran under one, reports nothing. A gradient still unconsumed when the job ends (the
 last iteration's) is not checked, nor one that a checkpoint carried across a restart.
 """
+
 from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Collection, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from sapipe.layout.buckets import Bucket, StalenessBuffer
 from sapipe.errors import NonFiniteGradientError
+from sapipe.layout.buckets import Bucket, StalenessBuffer
 
-Verdict = Tuple[Tensor, Tensor]  # a rank's own (min·0, max·0) of what it sent: 0 where finite, NaN where not
+Verdict = tuple[
+    Tensor, Tensor
+]  # a rank's own (min·0, max·0) of what it sent: 0 where finite, NaN where not
 
 
 @dataclass
@@ -76,7 +79,11 @@ def judge(values: Sequence[Tensor], out: Tensor) -> Verdict:
         out.zero_()
         nothing = torch.zeros((), device=out.device)
         return nothing, nothing
-    low, high = (lows[0], highs[0]) if len(lows) == 1 else (torch.stack(lows).amin(), torch.stack(highs).amax())
+    low, high = (
+        (lows[0], highs[0])
+        if len(lows) == 1
+        else (torch.stack(lows).amin(), torch.stack(highs).amax())
+    )
     low, high = low.mul_(0), high.mul_(0)  # fresh tensors: changed in place
     torch.ne(low, high, out=out)  # 0 ≠ NaN, NaN ≠ NaN
     return low, high
@@ -96,7 +103,10 @@ def _read(total: Tensor) -> float:
 def _user_stacklevel() -> int:
     """The ``stacklevel`` of the first caller outside sapipe and torch (the script's ``opt.step()``)."""
     frame, level = sys._getframe(2), 2  # noqa: SLF001 - the caller of the caller: warnings.warn's stacklevel 1
-    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("sapipe", "torch"):
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
+        "sapipe",
+        "torch",
+    ):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -106,7 +116,7 @@ class Window:
     """What one check covers: the sums consumed for it, and how many ranks' gradients were not
     finite in all of them (a running total, on the gradients' device)."""
 
-    arrivals: List[Arrival]
+    arrivals: list[Arrival]
     total: Tensor
 
 
@@ -122,9 +132,9 @@ class NonFiniteGradients:
         self._rank, self._world = rank, world_size
         self._device = torch.device("cpu")
         self._next_check = 1  # the iteration whose step() runs the next check
-        self._windows: List[Window] = []  # the next check's, the one after (set by start)
+        self._windows: list[Window] = []  # the next check's, the one after (set by start)
         #: deferred: the last check's arrivals, its total (CUDA: on its way to the host, and the event after the copy)
-        self._in_transit: Optional[Tuple[List[Arrival], Tensor, Optional["torch.cuda.Event"]]] = None
+        self._in_transit: tuple[list[Arrival], Tensor, torch.cuda.Event | None] | None = None
         self.start(self._device)
 
     @property
@@ -132,7 +142,7 @@ class NonFiniteGradients:
         """Whether each slot's collective carries this rank's verdict (the layout allocates it)."""
         return self.mode != "ignore"
 
-    def start(self, device: torch.device, next_check: Optional[int] = None) -> None:
+    def start(self, device: torch.device, next_check: int | None = None) -> None:
         """Count afresh, with gradients on ``device``, from the check in ``step()`` of
         ``next_check`` on (None: the next one): at the first layout, and when a checkpoint is
         restored (nothing counted before is reported)."""
@@ -140,7 +150,9 @@ class NonFiniteGradients:
         #: read each total a check late (CUDA: copied to the host meanwhile, so no step waits for the device)
         self.deferred = device.type == "cuda"
         self._next_check = self._next_check if next_check is None else next_check
-        self._windows = [Window([], torch.zeros((), dtype=torch.float64, device=device)) for _ in range(2)]
+        self._windows = [
+            Window([], torch.zeros((), dtype=torch.float64, device=device)) for _ in range(2)
+        ]
         self._in_transit = None
 
     def launched(self, grads: StalenessBuffer, slot: int, values: Sequence[Tensor]) -> None:
@@ -163,7 +175,9 @@ class NonFiniteGradients:
         window.total.add_(grads.nonfinite[slot])
         window.arrivals.append(Arrival(iteration, bucket, mine))
 
-    def check(self, iteration: int, scaled: bool, scaled_iterations: Collection[int], control) -> None:
+    def check(
+        self, iteration: int, scaled: bool, scaled_iterations: Collection[int], control
+    ) -> None:
         """At ``step()`` of ``iteration``, once its gradients are taken: report the first non-finite
         sums consumed since the last check (on CUDA, those of the check before). Collective where
         there are some, on every rank alike. ``scaled``: this step runs under a GradScaler;
@@ -193,20 +207,23 @@ class NonFiniteGradients:
         if count:
             self._report(arrivals, control)
 
-    def _report(self, arrivals: List[Arrival], control) -> None:
+    def _report(self, arrivals: list[Arrival], control) -> None:
         """Warn or raise, on every rank alike, naming each bucket's ranks (agreed once)."""
         self.watching = False  # once per job
         self._windows = [Window([], w.total) for w in self._windows]
         self._in_transit = None
         ranks = self._which_ranks(arrivals, control)
-        bad = sorted((a.iteration, a.bucket.index, a.bucket.describe(), named)
-                     for a, named in zip(arrivals, ranks) if named)
+        bad = sorted(
+            (a.iteration, a.bucket.index, a.bucket.describe(), named)
+            for a, named in zip(arrivals, ranks)
+            if named
+        )
         message = describe(bad, self._world, self.mode)
         if self.mode == "raise":
             raise NonFiniteGradientError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=_user_stacklevel())
 
-    def _which_ranks(self, arrivals: List[Arrival], control) -> List[List[int]]:
+    def _which_ranks(self, arrivals: list[Arrival], control) -> list[list[int]]:
         """Per arrival, the ranks whose own gradient held NaN or inf: each rank puts its verdicts at
         its own place, so the maximum over ranks holds everyone's (one collective)."""
         world = self._world
@@ -217,25 +234,37 @@ class NonFiniteGradients:
         return [[r for r in range(world) if agreed[i * world + r]] for i in range(len(arrivals))]
 
 
-def describe(bad: List[Tuple[int, int, str, List[int]]], world: int, mode: str) -> str:
+def describe(bad: list[tuple[int, int, str, list[int]]], world: int, mode: str) -> str:
     """The report: the first non-finite sum (iteration, bucket index, bucket, ranks) in full, the
     others of the same check in brief."""
-    def whose(named: List[int]) -> str:
+
+    def whose(named: list[int]) -> str:
         ranks = ("rank " if len(named) == 1 else "ranks ") + ", ".join(map(str, named))
         return f"{ranks} ({len(named)} of {world} ranks)"
 
-    if not bad:  # counted, but no rank's verdict says so: cannot happen (each sum keeps every rank's)
+    if (
+        not bad
+    ):  # counted, but no rank's verdict says so: cannot happen (each sum keeps every rank's)
         text = "sapipe: an averaged gradient holds NaN or inf, but no rank's own gradient did."
     else:
         iteration, _, bucket, named = bad[0]
-        text = (f"sapipe: the averaged gradient of {bucket} in iteration {iteration} holds NaN or inf: the local "
-                f"gradient of {whose(named)} did. As under DDP, every rank's update applies it (no GradScaler "
-                "skips the step).")
+        text = (
+            f"sapipe: the averaged gradient of {bucket} in iteration {iteration} holds NaN or inf: the local "
+            f"gradient of {whose(named)} did. As under DDP, every rank's update applies it (no GradScaler "
+            "skips the step)."
+        )
     if bad[1:]:
-        text += " Also not finite: " + "; ".join(f"{b} in iteration {i} ({whose(n)})" for i, _, b, n in bad[1:]) + "."
+        text += (
+            " Also not finite: "
+            + "; ".join(f"{b} in iteration {i} ({whose(n)})" for i, _, b, n in bad[1:])
+            + "."
+        )
     if mode == "raise":
         return text + ' (nonfinite_gradients="raise"; "warn" reports it once and trains on)'
-    return text + ' Reported once per job; nonfinite_gradients="raise" raises instead, "ignore" checks nothing.'
+    return (
+        text
+        + ' Reported once per job; nonfinite_gradients="raise" raises instead, "ignore" checks nothing.'
+    )
 
 
 __all__ = ["NonFiniteGradients", "Arrival", "Window", "judge", "is_bad", "describe"]

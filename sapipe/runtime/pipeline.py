@@ -7,23 +7,24 @@ buckets rotate through ``staleness + 1`` slots (a gradient of iteration t is con
 t + s while newer ones fill the other slots); sync and stale traffic run on separate
 back-end instances, each with process groups of its own (docs/design.md §5).
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable
 
 import torch
 
 from sapipe import comm
-from sapipe.layout.buckets import Bucket
 from sapipe.comm.topology import Topology
 from sapipe.config import Settings
 from sapipe.errors import UsageError
-from sapipe.schedule.profiler import LayerTimer
-from sapipe.tracing.tracer import Tracer
+from sapipe.layout.buckets import Bucket
 from sapipe.runtime import unused
 from sapipe.runtime.layout import Layout
 from sapipe.runtime.nonfinite import NonFiniteGradients
+from sapipe.schedule.profiler import LayerTimer
+from sapipe.tracing.tracer import Tracer
 
 #: Mean elements per parameter from which backward writes a kept local gradient into both
 #: ``bucket.local`` and the communication slot (a second copy per parameter, its source still in
@@ -38,7 +39,9 @@ MIRROR_LOCAL_MIN_MEAN_NUMEL = 32768
 
 def mirrors_local(bucket: Bucket) -> bool:
     """Whether backward writes a kept local gradient into the communication slot too."""
-    return bucket.device.type == "cpu" and bucket.numel >= MIRROR_LOCAL_MIN_MEAN_NUMEL * len(bucket.params)
+    return bucket.device.type == "cpu" and bucket.numel >= MIRROR_LOCAL_MIN_MEAN_NUMEL * len(
+        bucket.params
+    )
 
 
 class GradientPipeline:
@@ -50,9 +53,16 @@ class GradientPipeline:
     sums are consumed (:mod:`sapipe.runtime.nonfinite`).
     """
 
-    def __init__(self, settings: Settings, group, world_size: int, tracer: Tracer,
-                 before_reuse: Callable[[Bucket], None], topology: Optional[Topology] = None,
-                 nonfinite: Optional[NonFiniteGradients] = None):
+    def __init__(
+        self,
+        settings: Settings,
+        group,
+        world_size: int,
+        tracer: Tracer,
+        before_reuse: Callable[[Bucket], None],
+        topology: Topology | None = None,
+        nonfinite: NonFiniteGradients | None = None,
+    ):
         self._world_size = world_size
         self._tracer = tracer
         self._before_reuse = before_reuse
@@ -61,25 +71,34 @@ class GradientPipeline:
         self.sync_comm = self._new_comm(settings, group, "sync")
         needs_stale = settings.auto or settings.stale_layers > 0
         self.stale_comm = self._new_comm(settings, group, "stale") if needs_stale else None
-        self.layout: Optional[Layout] = None
+        self.layout: Layout | None = None
         self.origin = settings.effective_warmup  # the pipeline starts after this iteration
-        self.timer: Optional[LayerTimer] = None  # the scheduler's profiler, while it profiles
+        self.timer: LayerTimer | None = None  # the scheduler's profiler, while it profiles
         self.waited = 0.0  # seconds this iteration waited for all-reduces so far
         self.waited_total = 0.0  # seconds waited since construction
         self._next_launch = 0
         # With expose_gradients=False: (parameter, its .grad, that tensor's version) as each
         # gradient was taken in, for check_gradients_untouched
         self._keeps_taken = not settings.expose_gradients
-        self._taken: List[Tuple[torch.Tensor, torch.Tensor, int]] = []
-        self._missing: Dict[int, List[int]] = {}  # bucket index -> parameters flush found without a gradient
+        self._taken: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._missing: dict[
+            int, list[int]
+        ] = {}  # bucket index -> parameters flush found without a gradient
 
     def _new_comm(self, settings: Settings, group, name: str) -> comm.CommBackend:
-        return comm.create(settings.backend, group, name, settings.timeout, self._tracer,
-                           partition_bytes=settings.partition_bytes, compression=settings.compression,
-                           topology=self._topology)
+        return comm.create(
+            settings.backend,
+            group,
+            name,
+            settings.timeout,
+            self._tracer,
+            partition_bytes=settings.partition_bytes,
+            compression=settings.compression,
+            topology=self._topology,
+        )
 
     @property
-    def buckets(self) -> List[Bucket]:
+    def buckets(self) -> list[Bucket]:
         return self.layout.buckets if self.layout is not None else []
 
     @property
@@ -97,7 +116,7 @@ class GradientPipeline:
         assert bucket.grads is not None
         return bucket.grads.index(iteration - self.origin)
 
-    def gradient_targets(self, bucket: Bucket, iteration: int) -> List[torch.Tensor]:
+    def gradient_targets(self, bucket: Bucket, iteration: int) -> list[torch.Tensor]:
         """Where backward's gradient of ``bucket`` goes: its communication slot, or, when this
         rank's own l_t is kept (wp1, wp3), ``bucket.local`` — and then also the slot if the
         bucket's parameters are large on average (:func:`mirrors_local`); else :meth:`_launch`
@@ -119,10 +138,13 @@ class GradientPipeline:
         the slot as well anyway (:func:`mirrors_local`): the messages take the slot's place.
         Else l_t goes to ``local`` alone, and the launch copies it to the slot to be encoded."""
         codec = bucket.grads.codec if bucket.grads is not None else None
-        return (codec is not None and codec.encodes_on_intake
-                and (not self._keeps_local(bucket, iteration) or mirrors_local(bucket)))
+        return (
+            codec is not None
+            and codec.encodes_on_intake
+            and (not self._keeps_local(bucket, iteration) or mirrors_local(bucket))
+        )
 
-    def intake_views(self, bucket: Bucket, iteration: int) -> List[List[object]]:
+    def intake_views(self, bucket: Bucket, iteration: int) -> list[list[object]]:
         """Per target of backward's gradients of ``bucket``, each parameter's place there (a
         view shaped like it, or its pieces across messages): the flat buffers of
         :meth:`gradient_targets`, or the outgoing messages (:meth:`encodes_on_intake`), after
@@ -130,7 +152,11 @@ class GradientPipeline:
         if not self.encodes_on_intake(bucket, iteration):
             return [bucket.param_views(t) for t in self.gradient_targets(bucket, iteration)]
         messages = bucket.message_views(self.slot(bucket, iteration))
-        return [bucket.param_views(bucket.local), messages] if self._keeps_local(bucket, iteration) else [messages]
+        return (
+            [bucket.param_views(bucket.local), messages]
+            if self._keeps_local(bucket, iteration)
+            else [messages]
+        )
 
     def take(self, param: torch.Tensor, iteration: int) -> None:
         """``param.grad`` of ``iteration`` into its bucket; launch what is complete."""
@@ -184,14 +210,20 @@ class GradientPipeline:
         codec = bucket.grads.codec
         encoded = codec is not None and self.encodes_on_intake(bucket, iteration)
         if self._nonfinite is not None:  # so does this rank's verdict on what it sends
-            self._nonfinite.launched(bucket.grads, slot, codec.intake_values(slot) if encoded else [buffer])
+            self._nonfinite.launched(
+                bucket.grads, slot, codec.intake_values(slot) if encoded else [buffer]
+            )
         # Priority: the forward index of the bucket's first layer (needed soonest when lowest).
         what, priority = f"{bucket.describe()} of iteration {iteration}", bucket.first_layer
         if codec is None:
-            bucket.grads.in_flight[slot] = backend.start(bucket.grads.wire[slot], what, priority=priority)
+            bucket.grads.in_flight[slot] = backend.start(
+                bucket.grads.wire[slot], what, priority=priority
+            )
         else:
             bound = codec.at(slot, encoded=encoded)
-            bucket.grads.in_flight[slot] = backend.start(bucket.grads.wire[slot], what, priority=priority, codec=bound)
+            bucket.grads.in_flight[slot] = backend.start(
+                bucket.grads.wire[slot], what, priority=priority, codec=bound
+            )
         if self.timer is not None:
             self.timer.comm_started(bucket.index, bucket.nbytes, bucket.grads.in_flight[slot])
 
@@ -249,7 +281,7 @@ class GradientPipeline:
                     "expose_gradients=True (the default) for p.grad to hold the averaged gradient step() applies"
                 )
 
-    def take_mean(self, bucket: Bucket, slot: int, iteration: int) -> Tuple[torch.Tensor, float]:
+    def take_mean(self, bucket: Bucket, slot: int, iteration: int) -> tuple[torch.Tensor, float]:
         """(the gradient of ``iteration`` in ``bucket``'s ``slot`` averaged over the ranks, seconds
         blocked on it); the slot is free after, its flags still counts of ranks."""
         assert bucket.grads is not None
@@ -262,7 +294,9 @@ class GradientPipeline:
         self.waited_total += waited
         if self._nonfinite is not None:
             self._nonfinite.arrived(bucket, slot, iteration)  # how many ranks sent NaN or inf
-        if bucket.grads.codec is None and self._world_size > 1:  # a sum; a compressed one arrives as the mean
+        if (
+            bucket.grads.codec is None and self._world_size > 1
+        ):  # a sum; a compressed one arrives as the mean
             mean.div_(self._world_size)
         return mean, waited
 
@@ -285,7 +319,7 @@ class GradientPipeline:
         release the back-ends and their process groups. A wait that fails (a dead peer; each is
         bounded by the groups' timeout) abandons that result but not the rest: everything is
         waited for and released, then the first failure is raised."""
-        failure: Optional[Exception] = None
+        failure: Exception | None = None
         for bucket in self.buckets:
             if bucket.grads is not None:
                 for i, handle in enumerate(bucket.grads.in_flight):

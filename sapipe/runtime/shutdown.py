@@ -34,6 +34,7 @@ Two ``atexit`` handlers, both run before finalisation, close that window:
   costs a few milliseconds where the workers are idle; it reads the threads' scheduler
   state from ``/proc`` and does nothing where there is none (only Linux is supported).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -41,9 +42,8 @@ import os
 import time
 import warnings
 import weakref
-from typing import Dict, Optional, Tuple
 
-_live: "weakref.WeakSet" = weakref.WeakSet()
+_live: weakref.WeakSet = weakref.WeakSet()
 _registered = False
 
 #: The longest the exit waits for Gloo's workers to settle (a worker still running then is
@@ -72,12 +72,14 @@ def close_all() -> None:
         try:
             optimizer.close()
         except Exception as exc:  # noqa: BLE001 - exit must go on; say what was abandoned
-            warnings.warn(f"at exit, sapipe abandoned the work still in flight: {exc}", RuntimeWarning)
+            warnings.warn(
+                f"at exit, sapipe abandoned the work still in flight: {exc}", RuntimeWarning
+            )
 
 
-def _gloo_workers() -> Dict[int, Tuple[str, int]]:
+def _gloo_workers() -> dict[int, tuple[str, int]]:
     """Each Gloo worker thread's (scheduler state, CPU time in ns so far), by thread id."""
-    workers: Dict[int, Tuple[str, int]] = {}
+    workers: dict[int, tuple[str, int]] = {}
     try:
         tids = os.listdir(_TASKS)
     except OSError:  # no /proc: nothing to look at
@@ -91,7 +93,7 @@ def _gloo_workers() -> Dict[int, Tuple[str, int]]:
                 stat = f.read()
             # "pid (comm) state ...": the state follows the last ')'; fields 14-15 are the
             # user and system time in clock ticks, too coarse, so schedstat's ns where there is one
-            fields = stat[stat.rindex(")") + 2:].split()
+            fields = stat[stat.rindex(")") + 2 :].split()
             state, ticks = fields[0], int(fields[11]) + int(fields[12])
             workers[int(tid)] = (state, _cpu_ns(tid, ticks))
         except (OSError, ValueError, IndexError):  # the thread ended meanwhile
@@ -107,7 +109,7 @@ def _cpu_ns(tid: str, ticks: int) -> int:
         return ticks * 10_000_000
 
 
-def settle_gloo_workers(limit: Optional[float] = None) -> bool:
+def settle_gloo_workers(limit: float | None = None) -> bool:
     """Wait until every Gloo worker thread is asleep and has not run for
     :data:`_SETTLED_LOOKS` looks in a row, the GIL released between looks; at most ``limit``
     seconds (default :data:`SETTLE_LIMIT_SECONDS`). True once settled (or none exists)."""

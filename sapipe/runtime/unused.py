@@ -20,13 +20,15 @@ seeded at a parameter's own first update). A segment keeps one count for all and
 any, or a parameter is skipped, the segment is updated in runs of consecutive parameters
 that share their counters (:func:`pieces`).
 """
+
 from __future__ import annotations
 
-from typing import Iterator, List, Sequence, Tuple
+from collections.abc import Iterator, Sequence
 
 from torch import Tensor
 
 from sapipe.layout.buckets import Bucket, Segment, StalenessBuffer
+
 
 def write_flags(flags: Tensor, missing: Sequence[int]) -> None:
     """This rank's contribution: 1 per parameter, 0 for the ``missing`` (bucket indices) ones."""
@@ -35,7 +37,7 @@ def write_flags(flags: Tensor, missing: Sequence[int]) -> None:
         flags[list(missing)] = 0
 
 
-def unused_everywhere(grads: StalenessBuffer, slot: int) -> List[int]:
+def unused_everywhere(grads: StalenessBuffer, slot: int) -> list[int]:
     """The parameters (bucket indices) no rank used in the gradient of ``slot``, which has
     arrived; ``[]`` without reading anything when this rank used them all."""
     mine = grads.unused_here[slot]
@@ -45,7 +47,7 @@ def unused_everywhere(grads: StalenessBuffer, slot: int) -> List[int]:
     return [i for i in mine if summed[i] == 0]
 
 
-def skipped_ranges(bucket: Bucket, skip: Sequence[int]) -> List[Tuple[int, int]]:
+def skipped_ranges(bucket: Bucket, skip: Sequence[int]) -> list[tuple[int, int]]:
     """[start, end) in ``bucket``'s flat buffers of each skipped parameter."""
     return [(bucket.offsets[i], bucket.offsets[i] + bucket.params[i].numel()) for i in skip]
 
@@ -56,16 +58,22 @@ def pieces(bucket: Bucket, skip: Sequence[int] = ()) -> Iterator[Segment]:
     skipped before); else runs of used parameters that share their counters, each with a state
     whose buffers are views of the segment's. Each run's counters are taken back into the
     segment once the caller has updated it (iterate to the end)."""
-    if not skip and not any(s.state is not None and s.state.param_counters for s in bucket.segments):
+    if not skip and not any(
+        s.state is not None and s.state.param_counters for s in bucket.segments
+    ):
         yield from bucket.segments
         return
     skipped = set(skip)
     for segment in bucket.segments:
         state = segment.state
         assert state is not None
-        members = [(i, off - segment.start) for i, off in enumerate(bucket.offsets) if segment.start <= off < segment.end]
+        members = [
+            (i, off - segment.start)
+            for i, off in enumerate(bucket.offsets)
+            if segment.start <= off < segment.end
+        ]
         counters = {rel: state.counters_at(rel) for _, rel in members}
-        runs: List[Tuple[tuple, List[Tuple[int, int]]]] = []
+        runs: list[tuple[tuple, list[tuple[int, int]]]] = []
         for i, rel in members:
             key = (i not in skipped, counters[rel])
             if runs and runs[-1][0] == key:

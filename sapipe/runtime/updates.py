@@ -9,38 +9,45 @@
   each gradient is unscaled with its own iteration's scale wherever it is consumed, and
   dropped there if it was not finite (docs/design.md §3).
 """
+
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 
-from sapipe.layout.buckets import Bucket, WeightHistory
-from sapipe.optim.compensation import Compensation, StaleStep
 from sapipe.config import Settings
 from sapipe.kernels.gradient_spec import GradientSpec
+from sapipe.layout.buckets import Bucket, WeightHistory
+from sapipe.optim.compensation import Compensation, StaleStep
 from sapipe.optim.fused import OptimizerRule
 from sapipe.runtime import unused
 from sapipe.runtime.exposure import ExposedGradient
 from sapipe.runtime.pipeline import GradientPipeline
 
-Hyperparams = List[Dict[str, Any]]  # one dict per param group, as the rule reads them
+Hyperparams = list[dict[str, Any]]  # one dict per param group, as the rule reads them
 
 
 class Updater:
     """Applies every update of the runtime, with the optimizer's own rule and state."""
 
-    def __init__(self, rule: OptimizerRule, compensation: Compensation, settings: Settings,
-                 world_size: int, pipeline: GradientPipeline):
+    def __init__(
+        self,
+        rule: OptimizerRule,
+        compensation: Compensation,
+        settings: Settings,
+        world_size: int,
+        pipeline: GradientPipeline,
+    ):
         self.rule = rule
         self.compensation = compensation
         self._settings = settings
         self._world_size = world_size
         self._pipeline = pipeline
         #: iteration -> (gradients finite on every rank, 1 / loss scale); only with a GradScaler
-        self.scaling: Dict[int, Tuple[bool, float]] = {}
+        self.scaling: dict[int, tuple[bool, float]] = {}
         #: with ``p.grad`` exposed: this step's gradients as exposed, by (bucket index, slot)
-        self.prepared: Optional[Dict[Tuple[int, int], ExposedGradient]] = None
+        self.prepared: dict[tuple[int, int], ExposedGradient] | None = None
 
     # ------------------------------------------------------------------ GradScaler
 
@@ -52,7 +59,7 @@ class Updater:
         """
         self._agree(iteration, grad_scaler, grad_scaler._check_inf_per_device(optimizer), control)  # noqa: SLF001
 
-    def _agree(self, iteration: int, grad_scaler, found: Dict[Any, torch.Tensor], control) -> bool:
+    def _agree(self, iteration: int, grad_scaler, found: dict[Any, torch.Tensor], control) -> bool:
         """Whether the gradients are finite on every rank (``found``: this rank's inf flags per
         device, overwritten with the verdict so every rank's scale evolves alike); recorded."""
         local = max((float(t.item()) for t in found.values()), default=0.0)
@@ -63,8 +70,14 @@ class Updater:
         self.scaling.pop(iteration - self._settings.staleness - 2, None)
         return flag == 0.0
 
-    def judge_exposed(self, iteration: int, grad_scaler, optimizer, control,
-                      prepared: Dict[Tuple[int, int], ExposedGradient]) -> None:
+    def judge_exposed(
+        self,
+        iteration: int,
+        grad_scaler,
+        optimizer,
+        control,
+        prepared: dict[tuple[int, int], ExposedGradient],
+    ) -> None:
         """With ``p.grad`` exposed (docs/design.md §3.11): the step is skipped when the gradient it
         applies is not finite, as GradScaler decides for any optimizer. ``p.grad`` is unscaled
         here unless the script did it (``scaler.unscale_(opt)``, e.g. before clipping)."""
@@ -79,18 +92,26 @@ class Updater:
             for exposed in prepared.values():
                 exposed.grad = None  # nothing of this step is applied
 
-    def _gradient(self, bucket: Bucket, slot: int, iteration: int) -> Tuple[Optional[torch.Tensor], List[int], float]:
+    def _gradient(
+        self, bucket: Bucket, slot: int, iteration: int
+    ) -> tuple[torch.Tensor | None, list[int], float]:
         """(the averaged, unscaled gradient of ``iteration`` in ``slot`` or None, the parameters it
         leaves alone, seconds waited): as ``p.grad`` exposed it, or as it arrives."""
-        exposed = self.prepared.pop((bucket.index, slot), None) if self.prepared is not None else None
+        exposed = (
+            self.prepared.pop((bucket.index, slot), None) if self.prepared is not None else None
+        )
         if exposed is not None:
             waited = exposed.settle()  # its all-reduce, if nothing read p.grad before
             return exposed.grad, exposed.skip, waited
         mean, waited = self._pipeline.take_mean(bucket, slot, iteration)
         grad = self._unscale(mean, iteration)
-        return grad, (unused.unused_everywhere(bucket.grads, slot) if grad is not None else []), waited
+        return (
+            grad,
+            (unused.unused_everywhere(bucket.grads, slot) if grad is not None else []),
+            waited,
+        )
 
-    def _unscale(self, grad: torch.Tensor, iteration: int) -> Optional[torch.Tensor]:
+    def _unscale(self, grad: torch.Tensor, iteration: int) -> torch.Tensor | None:
         """The averaged gradient of ``iteration`` unscaled; None if it was not finite."""
         finite, inverse_scale = self.scaling.get(iteration, (True, 1.0))
         if not finite:
@@ -113,8 +134,12 @@ class Updater:
         grad, skip, waited = self._gradient(bucket, 0, iteration)
         if grad is not None:  # else a step GradScaler skipped
             for segment in unused.pieces(bucket, skip):
-                self.rule.update(segment.of(bucket.weights), segment.state, hyperparams[segment.group],
-                                 GradientSpec.plain(segment.of(grad)))
+                self.rule.update(
+                    segment.of(bucket.weights),
+                    segment.state,
+                    hyperparams[segment.group],
+                    GradientSpec.plain(segment.of(grad)),
+                )
         return waited
 
     # ------------------------------------------------------------------ stale buckets
@@ -128,7 +153,9 @@ class Updater:
         return [dict(hp, lr=hp["lr"] / divisor) for hp in hyperparams]
 
     @torch.no_grad()
-    def stale_update(self, bucket: Bucket, t: int, hyperparams: Hyperparams, iteration: int) -> None:
+    def stale_update(
+        self, bucket: Bucket, t: int, hyperparams: Hyperparams, iteration: int
+    ) -> None:
         """``step()`` of pipeline step t (user iteration ``iteration``) for a stale bucket."""
         comp, s = self.compensation, self._settings.staleness
         assert bucket.grads is not None and bucket.weights is not None
@@ -136,7 +163,11 @@ class Updater:
             bucket.real = bucket.weights.clone() if comp.predicts else bucket.weights
             if comp.history_length:
                 bucket.history = WeightHistory(bucket.real, comp.history_length)
-        grad, skip = self._gradient(bucket, bucket.grads.index(t - s), iteration - s)[:2] if t > s else (None, [])
+        grad, skip = (
+            self._gradient(bucket, bucket.grads.index(t - s), iteration - s)[:2]
+            if t > s
+            else (None, [])
+        )
         view = self._stale_view(bucket, grad, iteration)
         hyperparams = self.stale_hyperparams(hyperparams, t)
         # x̃_{t+1} = OPT_peek(x_t, g̃); recipes only describe, so g̃ can be known up front
@@ -150,29 +181,39 @@ class Updater:
         if comp.needs_prev_local:
             bucket.local, bucket.prev_local = bucket.prev_local, bucket.local
 
-    def _stale_view(self, bucket: Bucket, grad: Optional[torch.Tensor], iteration: int) -> StaleStep:
+    def _stale_view(self, bucket: Bucket, grad: torch.Tensor | None, iteration: int) -> StaleStep:
         """What the compensation sees at this step: ĝ, x, this rank's l_t and l_{t−1}, Δx's reference."""
         local, prev_local = bucket.local, bucket.prev_local
         if local is not None and self.scaling:
             finite, inverse_scale = self.scaling.get(iteration, (True, 1.0))
             local = local.mul_(inverse_scale) if self._usable(local, finite) else None
-            if prev_local is not None and not self._usable(prev_local, self.scaling.get(iteration - 1, (True, 1.0))[0]):
+            if prev_local is not None and not self._usable(
+                prev_local, self.scaling.get(iteration - 1, (True, 1.0))[0]
+            ):
                 prev_local = None
         history, settings = bucket.history, self._settings
         return StaleStep(
-            g=grad, x=bucket.real, local=local, prev_local=prev_local,
+            g=grad,
+            x=bucket.real,
+            local=local,
+            prev_local=prev_local,
             x_oldest=history.oldest() if history else None,
-            world_size=self._world_size, lam=settings.dc_lambda, form=settings.dc_form,
+            world_size=self._world_size,
+            lam=settings.dc_lambda,
+            form=settings.dc_form,
         )
 
     def _usable(self, local: torch.Tensor, agreed_finite: bool) -> bool:
         """Whether this rank's own gradient l may enter a prediction under a GradScaler: its
         iteration's agreed verdict, and with ``p.grad`` exposed, where that verdict judged only
         what ``p.grad`` holds, l's own values too (docs/design.md §3.8)."""
-        return agreed_finite and (not self._settings.expose_gradients or bool(torch.isfinite(local).all()))
+        return agreed_finite and (
+            not self._settings.expose_gradients or bool(torch.isfinite(local).all())
+        )
 
-    def _real_update(self, bucket: Bucket, view: StaleStep, hyperparams: Hyperparams, predictor,
-                     skip: List[int]) -> None:
+    def _real_update(
+        self, bucket: Bucket, view: StaleStep, hyperparams: Hyperparams, predictor, skip: list[int]
+    ) -> None:
         """x_t = OPT(x_{t-1}, ĝ) in one pass over memory with what else this step writes: x_t
         into the history's oldest slot (the Δx reference it reads), and the prediction from
         the freshly updated weights and state. The ``skip`` parameters (no rank used them in
@@ -189,11 +230,17 @@ class Updater:
             if history is not None:
                 spec = spec.with_history(segment.of(history.oldest()))
             if predictor is None:
-                self.rule.update(segment.of(bucket.real), segment.state, hyperparams[segment.group], spec)
+                self.rule.update(
+                    segment.of(bucket.real), segment.state, hyperparams[segment.group], spec
+                )
             else:
                 self.rule.update_and_peek(
-                    segment.of(bucket.real), segment.state, hyperparams[segment.group], spec,
-                    predictor.slice(segment.start, segment.end, segment.lengths), out=segment.of(bucket.weights),
+                    segment.of(bucket.real),
+                    segment.state,
+                    hyperparams[segment.group],
+                    spec,
+                    predictor.slice(segment.start, segment.end, segment.lengths),
+                    out=segment.of(bucket.weights),
                 )
         if history is not None:
             history.advance()  # x_t is in the oldest slot: it becomes the newest
@@ -204,8 +251,11 @@ class Updater:
             assert not predictor.delta_is_step
             for segment in unused.pieces(bucket):
                 self.rule.peek(
-                    segment.of(bucket.real), segment.state, hyperparams[segment.group],
-                    predictor.slice(segment.start, segment.end, segment.lengths), out=segment.of(bucket.weights),
+                    segment.of(bucket.real),
+                    segment.state,
+                    hyperparams[segment.group],
+                    predictor.slice(segment.start, segment.end, segment.lengths),
+                    out=segment.of(bucket.weights),
                 )
         if bucket.history is not None:
             bucket.history.push(bucket.real)  # x_t = x_{t-1} joins; the oldest is dropped
@@ -223,11 +273,15 @@ class Updater:
                 continue
             for segment in unused.pieces(bucket, skip):
                 self.rule.update(
-                    segment.of(bucket.real), segment.state, hyperparams[segment.group],
+                    segment.of(bucket.real),
+                    segment.state,
+                    hyperparams[segment.group],
                     GradientSpec.plain(segment.of(grad)),
                 )
         if bucket.real is not bucket.weights:
-            bucket.weights.copy_(bucket.real)  # the parameters are views of weights: re-laid out next
+            bucket.weights.copy_(
+                bucket.real
+            )  # the parameters are views of weights: re-laid out next
 
 
 __all__ = ["Updater", "Hyperparams"]

@@ -14,6 +14,7 @@ this package imports; only the profiler, imported on its own, needs torch and a 
 group. The measured search on the running job is :mod:`sapipe.auto.search`; timelines for
 Perfetto, simulated or recorded, are :mod:`sapipe.tracing.chrome_trace`.
 """
+
 from sapipe.schedule.simulator import BucketPlan, SimResult, plan_buckets, simulate
 from sapipe.schedule.solver import Decision, LayerProfile, brute_force_k, choose_k, closed_form_k
 

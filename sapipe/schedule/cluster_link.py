@@ -52,15 +52,21 @@ aggregate rate is split among the ranks).
 
 Pure Python (no torch), like the simulator.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
 
 from sapipe.errors import ConfigurationError
 
-__all__ = ["ClusterLink", "LinkSpec", "intra_link_from_profile", "parse_link", "sapipe_hierarchical"]
+__all__ = [
+    "ClusterLink",
+    "LinkSpec",
+    "intra_link_from_profile",
+    "parse_link",
+    "sapipe_hierarchical",
+]
 
 
 @dataclass(frozen=True)
@@ -75,10 +81,12 @@ class LinkSpec:
         if not self.rate > 0 or math.isnan(self.rate):
             raise ConfigurationError(f"sapipe: a link's rate must be > 0 bytes/s; got {self.rate}")
         if not 0 <= self.latency < math.inf:
-            raise ConfigurationError(f"sapipe: a link's latency must be finite and >= 0 s; got {self.latency}")
+            raise ConfigurationError(
+                f"sapipe: a link's latency must be finite and >= 0 s; got {self.latency}"
+            )
 
     @classmethod
-    def parse(cls, text: str, what: str = "link") -> "LinkSpec":
+    def parse(cls, text: str, what: str = "link") -> LinkSpec:
         """``RATE[,LATENCY]`` as ``sapipe-launch --inter-node`` takes it (``100gbit,5us``;
         ``gbit`` is bits, ``gbps`` bytes per second; ``unlimited`` for no limit)."""
         from sapipe.launch.netns import parse_spec  # pure Python
@@ -90,7 +98,11 @@ class LinkSpec:
         return cls(math.inf if spec.rate_bits is None else spec.rate_bits / 8.0, spec.delay_s)
 
     def describe(self) -> str:
-        rate = "unlimited" if math.isinf(self.rate) else f"{self.rate * 8 / 1e9:.4g} Gbit/s ({self.rate / 1e9:.4g} GB/s)"
+        rate = (
+            "unlimited"
+            if math.isinf(self.rate)
+            else f"{self.rate * 8 / 1e9:.4g} Gbit/s ({self.rate / 1e9:.4g} GB/s)"
+        )
         return rate + (f", {self.latency * 1e6:.3g} us/step" if self.latency else "")
 
 
@@ -107,14 +119,16 @@ class ClusterLink:
     nodes: int
     ranks_per_node: int
     inter: LinkSpec
-    intra: Optional[LinkSpec] = None
+    intra: LinkSpec | None = None
     hierarchical: bool = False
 
     def __post_init__(self):
         for name in ("nodes", "ranks_per_node"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"sapipe: a cluster needs {name} >= 1 (an integer); got {value!r}")
+                raise ConfigurationError(
+                    f"sapipe: a cluster needs {name} >= 1 (an integer); got {value!r}"
+                )
 
     @property
     def world_size(self) -> int:
@@ -134,10 +148,11 @@ class ClusterLink:
             raise ConfigurationError(
                 f"sapipe: the sums of {self.nodes} node(s) of {self.ranks_per_node} ranks cross the links inside a "
                 "node, and no intra-node link was given (give one, or a profile measured on one node of several "
-                "ranks to derive it from)")
+                "ranks to derive it from)"
+            )
         return self.intra
 
-    def allreduce(self) -> Tuple[float, float]:
+    def allreduce(self) -> tuple[float, float]:
         """(α seconds, β seconds per byte) of one uncompressed sum (module docstring)."""
         n, g, p = self.nodes, self.ranks_per_node, self.world_size
         if p == 1:
@@ -145,18 +160,26 @@ class ClusterLink:
         if self.two_level:
             intra = self._intra()
             alpha = 2 * (g - 1) * intra.latency + 2 * (n - 1) * self.inter.latency
-            beta = 2 * (g - 1) / g * _per_byte(intra.rate) + 2 * (n - 1) / n * _per_byte(self.inter.rate)
+            beta = 2 * (g - 1) / g * _per_byte(intra.rate) + 2 * (n - 1) / n * _per_byte(
+                self.inter.rate
+            )
             return alpha, beta
-        edges = [self._intra()] if n == 1 else [self.inter] + ([self.intra] if g > 1 and self.intra else [])
+        edges = (
+            [self._intra()]
+            if n == 1
+            else [self.inter] + ([self.intra] if g > 1 and self.intra else [])
+        )
         latency, rate = max(e.latency for e in edges), min(e.rate for e in edges)
         return 2 * (p - 1) * latency, 2 * (p - 1) / p * _per_byte(rate)
 
-    def compressed_sum(self, wire_ratio: float, codec_per_byte: float) -> Tuple[float, float]:
+    def compressed_sum(self, wire_ratio: float, codec_per_byte: float) -> tuple[float, float]:
         """(α, β per byte of gradient) of one compressed sum (module docstring): node first
         where :attr:`two_level`, else flat."""
         if not wire_ratio > 0 or not codec_per_byte >= 0:
-            raise ConfigurationError(f"sapipe: compression needs wire_ratio > 0 and codec_per_byte >= 0; "
-                                     f"got {wire_ratio}, {codec_per_byte}")
+            raise ConfigurationError(
+                f"sapipe: compression needs wire_ratio > 0 and codec_per_byte >= 0; "
+                f"got {wire_ratio}, {codec_per_byte}"
+            )
         n, g = self.nodes, self.ranks_per_node
         if self.world_size == 1:
             return 0.0, 0.0
@@ -165,7 +188,9 @@ class ClusterLink:
             across = 2 * (n - 1) / n * _per_byte(self.inter.rate) * wire_ratio
             alpha = 2 * (g - 1) * intra.latency + 2 * 2 * (n - 1) * self.inter.latency
             return alpha, 2 * (g - 1) / g * _per_byte(intra.rate) + across + codec_per_byte / g
-        flat = ClusterLink(self.nodes, self.ranks_per_node, self.inter, self.intra, hierarchical=False)
+        flat = ClusterLink(
+            self.nodes, self.ranks_per_node, self.inter, self.intra, hierarchical=False
+        )
         alpha, beta = flat.allreduce()
         if n > 1 and g > 1:  # G ranks' all-to-all through the node's NIC: G times a ring's bytes
             beta = max(beta, 2 * g * (n - 1) / n * _per_byte(self.inter.rate))
@@ -174,8 +199,10 @@ class ClusterLink:
     def describe(self) -> str:
         intra = self.intra.describe() if self.intra is not None else "not given"
         how = "node first (two-level)" if self.two_level else "flat ring"
-        return (f"{self.nodes} node(s) x {self.ranks_per_node} ranks; between nodes {self.inter.describe()}, "
-                f"inside a node {intra}; sums {how}")
+        return (
+            f"{self.nodes} node(s) x {self.ranks_per_node} ranks; between nodes {self.inter.describe()}, "
+            f"inside a node {intra}; sums {how}"
+        )
 
 
 def intra_link_from_profile(profile) -> LinkSpec:
@@ -191,22 +218,29 @@ def intra_link_from_profile(profile) -> LinkSpec:
     if profile.nodes != 1:
         raise ConfigurationError(
             f"sapipe: the intra-node link cannot be derived from a profile of {profile.nodes} nodes (its link mixes "
-            "both levels); give the intra-node link")
+            "both levels); give the intra-node link"
+        )
     if w < 2:
         raise ConfigurationError(
             "sapipe: the intra-node link cannot be derived from a profile of 1 rank (nothing was sent); give the "
-            "intra-node link")
+            "intra-node link"
+        )
     alpha, beta = profile.alpha, profile.beta
-    if profile.compression is not None:  # the wire's own: the probes' full-precision sum where recorded
+    if (
+        profile.compression is not None
+    ):  # the wire's own: the probes' full-precision sum where recorded
         modelled = (beta - profile.codec_per_byte) / profile.wire_ratio
         alpha, beta = alpha / 2, profile.wire_beta if profile.wire_beta > 0 else modelled
     if not beta > 0:
         raise ConfigurationError(
-            f"sapipe: the profile's link has beta={profile.beta} s/byte, no rate to derive; give the intra-node link")
+            f"sapipe: the profile's link has beta={profile.beta} s/byte, no rate to derive; give the intra-node link"
+        )
     return LinkSpec(2 * (w - 1) / w / beta, alpha / (2 * (w - 1)))
 
 
-def sapipe_hierarchical(requested: Optional[bool], backend: str, nodes: int, ranks_per_node: int) -> bool:
+def sapipe_hierarchical(
+    requested: bool | None, backend: str, nodes: int, ranks_per_node: int
+) -> bool:
     """Whether sapipe sums node first on ``nodes`` × ``ranks_per_node``: the rule of
     :func:`sapipe.comm.hierarchical.resolve` (None: on where there are two levels, with
     ``backend="torch"``, compressed or not; True with another back-end: refused). Unlike a
@@ -216,12 +250,14 @@ def sapipe_hierarchical(requested: Optional[bool], backend: str, nodes: int, ran
     if requested is None:
         return backend == "torch" and two_level
     if requested and backend != "torch":
-        raise ConfigurationError(f"sapipe: hierarchical=True runs on backend='torch'; the profile has "
-                                 f"backend={backend!r}")
+        raise ConfigurationError(
+            f"sapipe: hierarchical=True runs on backend='torch'; the profile has "
+            f"backend={backend!r}"
+        )
     return bool(requested) and two_level
 
 
-def parse_link(value: Union[str, LinkSpec, None], what: str) -> Optional[LinkSpec]:
+def parse_link(value: str | LinkSpec | None, what: str) -> LinkSpec | None:
     """A :class:`LinkSpec` from ``RATE[,LATENCY]`` text, or one given as it is."""
     if value is None or isinstance(value, LinkSpec):
         return value

@@ -45,14 +45,16 @@ MAX for compute and the timed all-reduces (the slowest rank sets the pace of a s
 job), per iteration MIN for the observed link (a rank that issued an all-reduce early waits
 for its peers inside it; the one that issued last sees the link alone).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -64,16 +66,18 @@ from sapipe.errors import ConfigurationError
 class Profile:
     """Per-layer median times in forward order (seconds) and the link model."""
 
-    forward: List[float]
-    backward: List[float]
+    forward: list[float]
+    backward: list[float]
     step_time: float  # serial compute between backward and the next forward
     alpha: float  # seconds per all-reduce
     beta: float  # seconds per byte: the one the model uses (max of isolated and observed)
-    slowdown: float = 0.0  # σ: compute runs at 1/(1+σ) while a transfer is in flight (not measured: 0)
+    slowdown: float = (
+        0.0  # σ: compute runs at 1/(1+σ) while a transfer is in flight (not measured: 0)
+    )
     beta_isolated: float = math.nan  # from the timed blocking all-reduces alone
     beta_observed: float = math.nan  # from the profiled iterations' all-reduces (nan: none seen)
     update_time: float = 0.0  # deferred optimizer updates per iteration, all layers synchronous
-    raw: Dict[str, Any] = field(default_factory=dict)  # this rank's measurements (diagnostics)
+    raw: dict[str, Any] = field(default_factory=dict)  # this rank's measurements (diagnostics)
 
 
 class LayerTimer:
@@ -90,26 +94,36 @@ class LayerTimer:
     up, which makes it the GPU's completion time. Only the profiled iterations pay for it.
     """
 
-    def __init__(self, num_layers: int, executed: Optional[Sequence[bool]] = None,
-                 sync: Optional[Callable[[], None]] = None):
+    def __init__(
+        self,
+        num_layers: int,
+        executed: Sequence[bool] | None = None,
+        sync: Callable[[], None] | None = None,
+    ):
         self.num_layers = num_layers
         self.sync = sync
         self.executed = list(executed) if executed is not None else [True] * num_layers
-        self._forward: List[List[float]] = []
-        self._backward: List[List[float]] = []
-        self._comm: List[List[List[Any]]] = []  # per iteration: [bucket, nbytes, issue, done]
-        self._spans: List[Tuple[list, list]] = []  # per iteration: forward and backward (start, end) per layer
-        self._step_spans: List[Tuple[float, float, List[List[Any]]]] = []  # (start, end, comm then in flight)
-        self._last_comm: List[List[Any]] = []
-        self._starts: Dict[int, float] = {}
-        self._waits: Dict[int, float] = {}  # not layer i's compute: waits and deferred updates before it
-        self._updated: Dict[int, float] = {}  # deferred updates applied before layer i ran
-        self._updates: List[float] = []  # per profiled iteration: deferred update seconds
-        self._releases: Dict[int, float] = {}
-        self._forward_end: Optional[float] = None
-        self._iter_comm: List[List[Any]] = []
-        self._step_times: List[float] = []
-        self._last_release: Optional[float] = None  # of the previous profiled iteration
+        self._forward: list[list[float]] = []
+        self._backward: list[list[float]] = []
+        self._comm: list[list[list[Any]]] = []  # per iteration: [bucket, nbytes, issue, done]
+        self._spans: list[
+            tuple[list, list]
+        ] = []  # per iteration: forward and backward (start, end) per layer
+        self._step_spans: list[
+            tuple[float, float, list[list[Any]]]
+        ] = []  # (start, end, comm then in flight)
+        self._last_comm: list[list[Any]] = []
+        self._starts: dict[int, float] = {}
+        self._waits: dict[
+            int, float
+        ] = {}  # not layer i's compute: waits and deferred updates before it
+        self._updated: dict[int, float] = {}  # deferred updates applied before layer i ran
+        self._updates: list[float] = []  # per profiled iteration: deferred update seconds
+        self._releases: dict[int, float] = {}
+        self._forward_end: float | None = None
+        self._iter_comm: list[list[Any]] = []
+        self._step_times: list[float] = []
+        self._last_release: float | None = None  # of the previous profiled iteration
         self.active = False
 
     def now(self) -> float:
@@ -142,14 +156,16 @@ class LayerTimer:
             self._updated[layer] = updated
             if layer == 0 and self._last_release is not None:
                 self._step_times.append(max(0.0, now - self._last_release - waited - updated))
-                self._step_spans.append((self._last_release, now - waited - updated, self._last_comm))
+                self._step_spans.append(
+                    (self._last_release, now - waited - updated, self._last_comm)
+                )
                 self._last_release = None
 
     def comm_started(self, bucket: int, nbytes: int, handle: Any) -> None:
         """Bucket ``bucket`` (``nbytes``) was handed to the back-end; time it to completion."""
         if not self.active:
             return
-        record: List[Any] = [bucket, nbytes, time.perf_counter(), math.nan]
+        record: list[Any] = [bucket, nbytes, time.perf_counter(), math.nan]
         if _on_completion(handle, lambda: record.__setitem__(3, time.perf_counter())):
             self._iter_comm.append(record)
 
@@ -174,17 +190,22 @@ class LayerTimer:
         self._last_release = max(self._releases.values())
         self._last_comm = self._iter_comm
         forward = [0.0] * m
-        spans: List[Tuple[float, float]] = [(math.nan, math.nan)] * m  # forward [start, end), waits excluded
+        spans: list[tuple[float, float]] = [
+            (math.nan, math.nan)
+        ] * m  # forward [start, end), waits excluded
         for j, i in enumerate(ran):
             nxt = ran[j + 1] if j + 1 < len(ran) else None
             # Waits between two executed starts (layers hosted by the next one included) are stalls.
-            stalled = sum(self._waits.get(x, 0.0) for x in range(i + 1, (nxt if nxt is not None else m - 1) + 1))
+            stalled = sum(
+                self._waits.get(x, 0.0)
+                for x in range(i + 1, (nxt if nxt is not None else m - 1) + 1)
+            )
             end = self._starts[nxt] if nxt is not None else self._forward_end
             forward[i] = max(0.0, end - self._starts[i] - stalled)
             spans[i] = (self._starts[i], end - stalled)
         # Monotone releases: layer i's bucket can go once layers i+1..m are in. A layer that
         # got no gradient this iteration counts as released with the layer after it.
-        release: List[float] = [0.0] * m
+        release: list[float] = [0.0] * m
         for i in range(m - 1, -1, -1):
             after = release[i + 1] if i + 1 < m else self._forward_end
             release[i] = max(self._releases.get(i, after), after)
@@ -195,13 +216,21 @@ class LayerTimer:
         self._backward.append(backward)
         self._updates.append(math.fsum(self._updated.values()))
         self._comm.append(self._iter_comm)
-        self._spans.append((spans, [(release[i + 1] if i + 1 < m else self._forward_end, release[i]) for i in range(m)]))
+        self._spans.append(
+            (
+                spans,
+                [
+                    (release[i + 1] if i + 1 < m else self._forward_end, release[i])
+                    for i in range(m)
+                ],
+            )
+        )
 
     @property
     def samples(self) -> int:
         return len(self._forward)
 
-    def medians(self, slowdown: float = 0.0) -> Tuple[List[float], List[float], float]:
+    def medians(self, slowdown: float = 0.0) -> tuple[list[float], list[float], float]:
         """Median u_i, b_i and step time over the profiled iterations.
 
         Per-layer medians are rescaled so that they add up to the median per-iteration
@@ -219,12 +248,20 @@ class LayerTimer:
         if slowdown > 0:
             cut = slowdown / (1.0 + slowdown)
             forward, backward = [], []
-            for f, bw, comm, (fspans, bspans) in zip(self._forward, self._backward, self._comm, self._spans):
+            for f, bw, comm, (fspans, bspans) in zip(
+                self._forward, self._backward, self._comm, self._spans
+            ):
                 busy = _intervals(comm)
-                forward.append([max(0.0, x - cut * _overlap(span, busy)) for x, span in zip(f, fspans)])
-                backward.append([max(0.0, x - cut * _overlap(span, busy)) for x, span in zip(bw, bspans)])
-            steps = [max(0.0, x - cut * _overlap((lo, hi), _intervals(comm)))
-                     for x, (lo, hi, comm) in zip(self._step_times, self._step_spans)]
+                forward.append(
+                    [max(0.0, x - cut * _overlap(span, busy)) for x, span in zip(f, fspans)]
+                )
+                backward.append(
+                    [max(0.0, x - cut * _overlap(span, busy)) for x, span in zip(bw, bspans)]
+                )
+            steps = [
+                max(0.0, x - cut * _overlap((lo, hi), _intervals(comm)))
+                for x, (lo, hi, comm) in zip(self._step_times, self._step_spans)
+            ]
         u = _median_shares(forward)
         b = _median_shares(backward)
         step = statistics.median(steps) if steps else 0.0
@@ -234,7 +271,7 @@ class LayerTimer:
         """Median deferred-update seconds per profiled iteration (0 if none were seen)."""
         return statistics.median(self._updates) if self._updates else 0.0
 
-    def link_samples(self) -> List[Tuple[float, int, int]]:
+    def link_samples(self) -> list[tuple[float, int, int]]:
         """Per clean profiled iteration: (link busy seconds, all-reduces, bytes) of its timed
         all-reduces (see :func:`busy_time`); busy is nan where a completion was not seen."""
         out = []
@@ -245,29 +282,39 @@ class LayerTimer:
         return out
 
     @classmethod
-    def from_raw(cls, raw: Dict[str, Any], executed: Optional[Sequence[bool]] = None) -> "LayerTimer":
+    def from_raw(cls, raw: dict[str, Any], executed: Sequence[bool] | None = None) -> LayerTimer:
         """A timer holding the measurements of :meth:`raw` (for offline analysis)."""
         timer = cls(len(raw["forward"][0]) if raw["forward"] else 0, executed)
-        timer._forward, timer._backward, timer._step_times = raw["forward"], raw["backward"], raw["step_times"]
+        timer._forward, timer._backward, timer._step_times = (
+            raw["forward"],
+            raw["backward"],
+            raw["step_times"],
+        )
         timer._comm = raw["comm"]
         timer._updates = list(raw.get("updates", []))  # absent in raw files older than the field
         timer._spans = [tuple(x) for x in raw["spans"]]
         timer._step_spans = [tuple(x) for x in raw["step_spans"]]
         return timer
 
-    def raw(self) -> Dict[str, Any]:
+    def raw(self) -> dict[str, Any]:
         """Everything measured, for offline analysis (JSON-serialisable)."""
-        return {"forward": self._forward, "backward": self._backward, "step_times": self._step_times,
-                "comm": self._comm, "spans": self._spans, "step_spans": self._step_spans,
-                "updates": self._updates}
+        return {
+            "forward": self._forward,
+            "backward": self._backward,
+            "step_times": self._step_times,
+            "comm": self._comm,
+            "spans": self._spans,
+            "step_spans": self._step_spans,
+            "updates": self._updates,
+        }
 
 
-def _intervals(records: Sequence[Sequence[Any]]) -> List[Tuple[float, float]]:
+def _intervals(records: Sequence[Sequence[Any]]) -> list[tuple[float, float]]:
     """(issue, done) of timed all-reduce records whose completion was seen."""
     return [(r[-2], r[-1]) for r in records if not math.isnan(r[-1])]
 
 
-def _overlap(span: Tuple[float, float], intervals: Sequence[Tuple[float, float]]) -> float:
+def _overlap(span: tuple[float, float], intervals: Sequence[tuple[float, float]]) -> float:
     """Length of ``span`` covered by the union of ``intervals``."""
     lo, hi = span
     if math.isnan(lo) or hi <= lo:
@@ -296,7 +343,7 @@ def _on_completion(handle: Any, callback: Callable[[], None]) -> bool:
         return False
 
 
-def busy_time(intervals: Sequence[Tuple[float, float]]) -> float:
+def busy_time(intervals: Sequence[tuple[float, float]]) -> float:
     """Link busy time of transfers (issue, done) on a one-at-a-time (FIFO) link.
 
     Each transfer's service is ``done − max(issue, previous done)``: queueing behind an
@@ -309,26 +356,28 @@ def busy_time(intervals: Sequence[Tuple[float, float]]) -> float:
     return busy
 
 
-def _median_shares(samples: List[List[float]]) -> List[float]:
+def _median_shares(samples: list[list[float]]) -> list[float]:
     per_layer = [statistics.median(col) for col in zip(*samples)]
     total = statistics.median(sum(row) for row in samples)
     scale = total / sum(per_layer) if sum(per_layer) > 0 else 1.0
     return [value * scale for value in per_layer]
 
 
-def fit_alpha_beta(sizes_bytes: Sequence[int], seconds: Sequence[float]) -> Tuple[float, float]:
+def fit_alpha_beta(sizes_bytes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
     """Least-squares t = α + β·bytes, clamped to α, β ≥ 0."""
     n = len(sizes_bytes)
     mean_x = sum(sizes_bytes) / n
     mean_y = sum(seconds) / n
     var = sum((x - mean_x) ** 2 for x in sizes_bytes)
-    beta = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes_bytes, seconds)) / var if var else 0.0
+    beta = (
+        sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes_bytes, seconds)) / var if var else 0.0
+    )
     beta = max(beta, 0.0)
     alpha = max(mean_y - beta * mean_x, 0.0)
     return alpha, beta
 
 
-def observed_beta(alpha: float, per_rank: Sequence[Sequence[Tuple[float, int, int]]]) -> float:
+def observed_beta(alpha: float, per_rank: Sequence[Sequence[tuple[float, int, int]]]) -> float:
     """β of the link as the profiled iterations saw it; nan without usable data.
 
     ``per_rank[r][i]`` is rank r's :meth:`LayerTimer.link_samples` entry of iteration i.
@@ -350,9 +399,12 @@ def observed_beta(alpha: float, per_rank: Sequence[Sequence[Tuple[float, int, in
 
 
 def combine(
-    rows: Sequence[Sequence[float]], m: int, sizes: Sequence[int], link: Sequence[Sequence[Tuple[float, int, int]]],
+    rows: Sequence[Sequence[float]],
+    m: int,
+    sizes: Sequence[int],
+    link: Sequence[Sequence[tuple[float, int, int]]],
     slowdown: float = 0.0,
-) -> "Profile":
+) -> Profile:
     """The job's profile from every rank's ``u + b + [step] + probe times [+ [update]]`` row
     and link samples.
 
@@ -368,12 +420,21 @@ def combine(
     beta_seen = observed_beta(alpha, link)
     beta = beta_isolated if math.isnan(beta_seen) else max(beta_isolated, beta_seen)
     return Profile(
-        forward=values[:m], backward=values[m : 2 * m], step_time=values[2 * m], alpha=alpha, beta=beta,
-        slowdown=slowdown, beta_isolated=beta_isolated, beta_observed=beta_seen, update_time=update,
+        forward=values[:m],
+        backward=values[m : 2 * m],
+        step_time=values[2 * m],
+        alpha=alpha,
+        beta=beta,
+        slowdown=slowdown,
+        beta_isolated=beta_isolated,
+        beta_observed=beta_seen,
+        update_time=update,
     )
 
 
-def compressed(profile: Profile, wire_ratio: float, codec_per_byte: float, codec_share: float = 1.0) -> Profile:
+def compressed(
+    profile: Profile, wire_ratio: float, codec_per_byte: float, codec_share: float = 1.0
+) -> Profile:
     """``profile``'s link model for compressed sums (docs/design.md §5.9), per byte of gradient.
 
     The probes timed an all-reduce of the gradients' dtype. A compressed sum is two
@@ -385,9 +446,17 @@ def compressed(profile: Profile, wire_ratio: float, codec_per_byte: float, codec
     beta = profile.beta_isolated * wire_ratio + codec_per_byte * codec_share
     if not math.isnan(profile.beta_observed):
         beta = max(beta, profile.beta_observed)
-    return dataclasses.replace(profile, alpha=2 * profile.alpha, beta=beta,
-                               raw=dict(profile.raw, wire_ratio=wire_ratio, codec_per_byte=codec_per_byte,
-                                        codec_share=codec_share))
+    return dataclasses.replace(
+        profile,
+        alpha=2 * profile.alpha,
+        beta=beta,
+        raw=dict(
+            profile.raw,
+            wire_ratio=wire_ratio,
+            codec_per_byte=codec_per_byte,
+            codec_share=codec_share,
+        ),
+    )
 
 
 def time_codec(codec, wire: torch.Tensor, repeats: int = 3) -> float:
@@ -412,8 +481,14 @@ def time_codec(codec, wire: torch.Tensor, repeats: int = 3) -> float:
     return min(times[1:])
 
 
-def time_allreduce(group, nbytes: int, dtype: torch.dtype, device: torch.device, repeats: int = 5,
-                   sum_now: Optional[Callable[[torch.Tensor], None]] = None) -> float:
+def time_allreduce(
+    group,
+    nbytes: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    repeats: int = 5,
+    sum_now: Callable[[torch.Tensor], None] | None = None,
+) -> float:
     """Fastest wall time of a blocking all-reduce of ``nbytes`` on ``group`` (or of
     ``sum_now``: the back-end's own sum, where it is not one all-reduce on a group).
 
@@ -437,22 +512,28 @@ def time_allreduce(group, nbytes: int, dtype: torch.dtype, device: torch.device,
     return min(times)
 
 
-def probe_sizes(bucket_bytes: Sequence[int]) -> List[int]:
+def probe_sizes(bucket_bytes: Sequence[int]) -> list[int]:
     """A few message sizes spanning the job's buckets (for the α–β fit)."""
     largest = max(bucket_bytes)
     return sorted({4096, max(4096, largest // 16), max(8192, largest // 4), max(16384, largest)})
 
 
 def measure(
-    timer: LayerTimer, group, bucket_bytes: Sequence[int], dtype: torch.dtype, device: torch.device,
-    sum_now: Optional[Callable[[torch.Tensor], None]] = None,
+    timer: LayerTimer,
+    group,
+    bucket_bytes: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    sum_now: Callable[[torch.Tensor], None] | None = None,
 ) -> Profile:
     """The job's profile, identical on every rank (see the module docstring for reductions).
     The link is probed with ``sum_now`` where the back-end gives one (its own sum)."""
     world = dist.get_world_size(group)
 
-    def gather(values: List[float]) -> List[List[float]]:
-        local = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    def gather(values: list[float]) -> list[list[float]]:
+        local = torch.tensor(
+            values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu"
+        )
         out = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(out, local, group=group)
         return [t.cpu().tolist() for t in out]
@@ -462,7 +543,8 @@ def measure(
     if min(counts) == 0:  # raised on every rank, before collectives one rank would not join
         raise ConfigurationError(
             f"sapipe: stale_layers='auto' profiled no iteration with a whole forward and backward on rank(s) "
-            f"{[rank for rank, count in enumerate(counts) if count == 0]}; give stale_layers a number")
+            f"{[rank for rank, count in enumerate(counts) if count == 0]}; give stale_layers a number"
+        )
     u, b, step = timer.medians()
     sizes = probe_sizes(bucket_bytes)
     comm = [time_allreduce(group, s, dtype, device, sum_now=sum_now) for s in sizes]
@@ -470,8 +552,15 @@ def measure(
     longest = max(counts)
     padded = samples + [(math.nan, -1, -1)] * (longest - len(samples))
     flat = gather([x for sample in padded for x in sample])
-    link = [[(r[3 * i], int(r[3 * i + 1]), int(r[3 * i + 2])) for i in range(longest)] for r in flat]
+    link = [
+        [(r[3 * i], int(r[3 * i + 1]), int(r[3 * i + 2])) for i in range(longest)] for r in flat
+    ]
     profile = combine(rows, len(u), sizes, link)
-    profile.raw = dict(timer.raw(), probe_sizes=sizes, probe_times=comm, link_samples=samples,
-                       row=rows[dist.get_rank(group)])
+    profile.raw = dict(
+        timer.raw(),
+        probe_sizes=sizes,
+        probe_times=comm,
+        link_samples=samples,
+        row=rows[dist.get_rank(group)],
+    )
     return profile

@@ -8,13 +8,15 @@ compression, device), so a prediction can say which parts it keeps and which it 
 
 Pure Python, like the simulator: a profile can be read anywhere.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from sapipe.errors import ConfigurationError
 from sapipe.schedule.solver import LayerProfile
@@ -29,11 +31,11 @@ FORMAT = "sapipe-profile/1"
 class SavedProfile:
     """One job's measured profile (times in seconds, per rank; layers in forward order)."""
 
-    layers: Tuple[str, ...]  # names, as ``opt.layers`` gives them
-    numel: Tuple[int, ...]  # parameters per layer
+    layers: tuple[str, ...]  # names, as ``opt.layers`` gives them
+    numel: tuple[int, ...]  # parameters per layer
     element_size: int  # bytes per gradient element, as the buckets hold them
-    forward: Tuple[float, ...]  # u_i
-    backward: Tuple[float, ...]  # b_i
+    forward: tuple[float, ...]  # u_i
+    backward: tuple[float, ...]  # b_i
     step_time: float  # serial compute between backward and the next forward
     update_time: float  # the optimizer's updates per iteration, all layers together
     alpha: float  # seconds per sum of a bucket, as measured (one level, or the two-level sum)
@@ -44,9 +46,11 @@ class SavedProfile:
     ranks_per_node: int  # of the first node
     hierarchical: bool  # the job summed node first
     backend: str
-    compression: Optional[str]
+    compression: str | None
     wire_ratio: float  # bytes on the wire per byte of gradient (1 without compression)
-    codec_per_byte: float  # seconds of local (de)compression per byte of a bucket compressed whole (0 without)
+    codec_per_byte: (
+        float  # seconds of local (de)compression per byte of a bucket compressed whole (0 without)
+    )
     bucket_cap_bytes: int
     sync_at_step: bool  # the script read p.grad before step() (clipping, GradScaler.unscale_)
     device: str  # "cpu" or the GPU's name
@@ -59,34 +63,44 @@ class SavedProfile:
     # ------------------------------------------------------------------ derived
 
     @property
-    def layer_bytes(self) -> List[int]:
+    def layer_bytes(self) -> list[int]:
         return [n * self.element_size for n in self.numel]
 
     @property
     def compute_time(self) -> float:
         """One iteration's compute without communication: forward, backward, step and updates."""
-        return math.fsum(self.forward) + math.fsum(self.backward) + self.step_time + self.update_time
+        return (
+            math.fsum(self.forward) + math.fsum(self.backward) + self.step_time + self.update_time
+        )
 
-    def layer_profiles(self, alpha: float, beta: float) -> List[LayerProfile]:
+    def layer_profiles(self, alpha: float, beta: float) -> list[LayerProfile]:
         """The simulator's per-layer inputs under a link of ``alpha`` + ``beta`` × bytes."""
-        return [LayerProfile(name, u, b, alpha + beta * nbytes, n) for name, u, b, nbytes, n in
-                zip(self.layers, self.forward, self.backward, self.layer_bytes, self.numel)]
+        return [
+            LayerProfile(name, u, b, alpha + beta * nbytes, n)
+            for name, u, b, nbytes, n in zip(
+                self.layers, self.forward, self.backward, self.layer_bytes, self.numel
+            )
+        ]
 
     def check_model(self, layers: Sequence[str], numel: Sequence[int]) -> None:
         """Raise unless ``layers``/``numel`` (a model's, in forward order) are this profile's."""
         if list(layers) == list(self.layers) and list(numel) == list(self.numel):
             return
         if len(layers) != len(self.layers):
-            raise ConfigurationError(f"sapipe: the profile is of another model: it has {len(self.layers)} layers, "
-                                     f"the model {len(layers)}")
+            raise ConfigurationError(
+                f"sapipe: the profile is of another model: it has {len(self.layers)} layers, "
+                f"the model {len(layers)}"
+            )
         for i, (mine, theirs, a, b) in enumerate(zip(self.layers, layers, self.numel, numel)):
             if mine != theirs or a != b:
-                raise ConfigurationError(f"sapipe: the profile is of another model: its layer {i} is {mine!r} "
-                                         f"({a} parameters), the model's is {theirs!r} ({b} parameters)")
+                raise ConfigurationError(
+                    f"sapipe: the profile is of another model: its layer {i} is {mine!r} "
+                    f"({a} parameters), the model's is {theirs!r} ({b} parameters)"
+                )
 
     # ------------------------------------------------------------------ files
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, **dataclasses.asdict(self)}
 
     def save(self, path: str) -> None:
@@ -94,22 +108,29 @@ class SavedProfile:
             json.dump(self.to_dict(), f, indent=1)
 
     @classmethod
-    def from_dict(cls, data: Dict[str, Any], source: str = "the profile") -> "SavedProfile":
+    def from_dict(cls, data: dict[str, Any], source: str = "the profile") -> SavedProfile:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
-            raise ConfigurationError(f"sapipe: {source} is not a sapipe profile ({FORMAT!r}); found format {found!r}")
+            raise ConfigurationError(
+                f"sapipe: {source} is not a sapipe profile ({FORMAT!r}); found format {found!r}"
+            )
         fields = dataclasses.fields(cls)
-        missing = [f.name for f in fields if f.name not in data and f.default is dataclasses.MISSING]
+        missing = [
+            f.name for f in fields if f.name not in data and f.default is dataclasses.MISSING
+        ]
         if missing:
             raise ConfigurationError(f"sapipe: {source} lacks {', '.join(missing)}")
         present = [f.name for f in fields if f.name in data]
-        values = {name: tuple(data[name]) if isinstance(data[name], list) else data[name] for name in present}
+        values = {
+            name: tuple(data[name]) if isinstance(data[name], list) else data[name]
+            for name in present
+        }
         profile = cls(**values)
         profile._check(source)
         return profile
 
     @classmethod
-    def load(cls, path: str) -> "SavedProfile":
+    def load(cls, path: str) -> SavedProfile:
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
@@ -120,11 +141,19 @@ class SavedProfile:
     def _check(self, source: str) -> None:
         m = len(self.layers)
         if not (len(self.numel) == len(self.forward) == len(self.backward) == m) or m == 0:
-            raise ConfigurationError(f"sapipe: {source} is inconsistent: {m} layers, {len(self.numel)} sizes, "
-                                     f"{len(self.forward)} forward and {len(self.backward)} backward times")
-        times = list(self.forward) + list(self.backward) + [self.step_time, self.update_time, self.alpha, self.beta]
+            raise ConfigurationError(
+                f"sapipe: {source} is inconsistent: {m} layers, {len(self.numel)} sizes, "
+                f"{len(self.forward)} forward and {len(self.backward)} backward times"
+            )
+        times = (
+            list(self.forward)
+            + list(self.backward)
+            + [self.step_time, self.update_time, self.alpha, self.beta]
+        )
         if any(not math.isfinite(t) or t < 0 for t in times) or self.slowdown < 0:
             raise ConfigurationError(f"sapipe: {source} holds a negative or non-finite time")
         if not 1 <= self.nodes <= self.world_size or self.ranks_per_node < 1:
-            raise ConfigurationError(f"sapipe: {source} is inconsistent: {self.world_size} ranks on {self.nodes} "
-                                     f"node(s) of {self.ranks_per_node}")
+            raise ConfigurationError(
+                f"sapipe: {source} is inconsistent: {self.world_size} ranks on {self.nodes} "
+                f"node(s) of {self.ranks_per_node}"
+            )

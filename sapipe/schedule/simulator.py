@@ -56,11 +56,13 @@ overtake is from the previous iteration, and its deadline (this iteration's ``st
 comes before the sync one's (a forward of the next iteration; with ``sync_at_step`` the
 same ``step()``, which waits for both, so their order does not matter).
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING
 
 from sapipe.layout.packing import bucket_layout
 from sapipe.tracing.chrome_trace import TraceEvent
@@ -82,7 +84,7 @@ class BucketPlan:
     """One gradient bucket: its layers (0-based forward indices, in backward order)."""
 
     index: int
-    layers: Tuple[int, ...]
+    layers: tuple[int, ...]
     nbytes: int
     stale: bool
     comm_time: float
@@ -94,14 +96,14 @@ class BucketPlan:
 
 
 def plan_buckets(
-    profiles: Sequence["LayerProfile"],
+    profiles: Sequence[LayerProfile],
     k: int,
     *,
     bucket_cap_bytes: float,
-    alpha: Optional[float],
-    beta: Optional[float],
-    bytes_per_layer: Optional[Sequence[int]] = None,
-) -> List[BucketPlan]:
+    alpha: float | None,
+    beta: float | None,
+    bytes_per_layer: Sequence[int] | None = None,
+) -> list[BucketPlan]:
     """Buckets for k stale layers with their all-reduce times, laid out by
     :func:`sapipe.layout.packing.bucket_layout` as the runtime lays them out.
 
@@ -111,7 +113,9 @@ def plan_buckets(
     """
     nbytes = _bytes_per_layer(profiles, bytes_per_layer)
     if (alpha is None) != (beta is None):
-        raise ValueError("sapipe.schedule: give both alpha and beta (α–β model) or neither (use profiled comm)")
+        raise ValueError(
+            "sapipe.schedule: give both alpha and beta (α–β model) or neither (use profiled comm)"
+        )
     plans = []
     for index, layers in enumerate(bucket_layout(nbytes, k, bucket_cap_bytes)):
         size = sum(nbytes[i] for i in layers)
@@ -123,7 +127,9 @@ def plan_buckets(
     return plans
 
 
-def _bytes_per_layer(profiles: Sequence["LayerProfile"], bytes_per_layer: Optional[Sequence[int]]) -> List[int]:
+def _bytes_per_layer(
+    profiles: Sequence[LayerProfile], bytes_per_layer: Sequence[int] | None
+) -> list[int]:
     if bytes_per_layer is None:
         return [4 * p.numel for p in profiles]
     if len(bytes_per_layer) != len(profiles):
@@ -147,7 +153,7 @@ class Transfer:
     end: float = math.nan
 
     @property
-    def order(self) -> Tuple[int, int]:
+    def order(self) -> tuple[int, int]:
         """Launch order: iterations in turn, buckets by index within one."""
         return (self.iteration, self.bucket.index)
 
@@ -161,28 +167,28 @@ class Link:
     """
 
     def __init__(self) -> None:
-        self.placed: List[Transfer] = []  # in start order (= end order: the link is serial)
+        self.placed: list[Transfer] = []  # in start order (= end order: the link is serial)
 
     def submit(self, transfers: Sequence[Transfer]) -> None:
         if not transfers:
             return
         tau = min(t.issue for t in transfers)
-        redo: List[Transfer] = []
+        redo: list[Transfer] = []
         while self.placed and self.placed[-1].start >= tau:
             redo.append(self.placed.pop())
         free = self.placed[-1].end if self.placed else -math.inf
         self._place(sorted(redo + list(transfers), key=lambda t: t.order), free)
 
-    def busy_from(self, t: float) -> List[Tuple[float, float]]:
+    def busy_from(self, t: float) -> list[tuple[float, float]]:
         """Busy intervals of the link after ``t`` given the transfers submitted so far."""
-        out: List[Tuple[float, float]] = []
+        out: list[tuple[float, float]] = []
         for tr in reversed(self.placed):  # in start order, serial: ends increase too
             if tr.end <= t:
                 break
             out.append((max(tr.start, t), tr.end))
         return out[::-1]
 
-    def _place(self, waiting: List[Transfer], free: float) -> None:
+    def _place(self, waiting: list[Transfer], free: float) -> None:
         """List-schedule ``waiting`` (in launch order, hence in issue order) from time ``free``."""
         now = free
         while waiting:
@@ -211,10 +217,10 @@ class SharedLink:
     """
 
     def __init__(self) -> None:
-        self.placed: List[Transfer] = []  # every submitted transfer, in issue order
+        self.placed: list[Transfer] = []  # every submitted transfer, in issue order
         self.now = -math.inf  # the fluid state below is as of this time
-        self._queues: Tuple[List[Transfer], List[Transfer]] = ([], [])  # sync, stale: pending, FIFO
-        self._remaining: Dict[int, float] = {}  # id(transfer) -> link time left, for queue heads
+        self._queues: tuple[list[Transfer], list[Transfer]] = ([], [])  # sync, stale: pending, FIFO
+        self._remaining: dict[int, float] = {}  # id(transfer) -> link time left, for queue heads
         self._busy_until = -math.inf  # end of the projected busy period
 
     def submit(self, transfers: Sequence[Transfer]) -> None:
@@ -230,7 +236,7 @@ class SharedLink:
                 self._remaining[id(tr)] = tr.bucket.comm_time
         self._project()
 
-    def busy_from(self, t: float) -> List[Tuple[float, float]]:
+    def busy_from(self, t: float) -> list[tuple[float, float]]:
         lo = max(t, self.now)
         return [(lo, self._busy_until)] if self._busy_until > lo else []
 
@@ -244,8 +250,12 @@ class SharedLink:
         self._busy_until = self._run(queues, dict(self._remaining), self.now, math.inf)
 
     @staticmethod
-    def _run(queues: Tuple[List[Transfer], List[Transfer]], remaining: Dict[int, float], now: float,
-             until: float) -> float:
+    def _run(
+        queues: tuple[list[Transfer], list[Transfer]],
+        remaining: dict[int, float],
+        now: float,
+        until: float,
+    ) -> float:
         while True:
             heads = [q[0] for q in queues if q]
             if not heads:
@@ -297,18 +307,26 @@ class SimResult:
 
     k: int
     iteration_time: float  # between consecutive iteration starts, steady state
-    compute_time: float  # sum(u) + sum(b) + step + updates: the iteration time with no communication
+    compute_time: (
+        float  # sum(u) + sum(b) + step + updates: the iteration time with no communication
+    )
     stall: float  # iteration_time - compute_time: waits and, with a slow-down, compute lost to it
     comm_time: float  # link busy time per iteration (sum of bucket all-reduce times)
-    forward_wait: float  # of the stall: waiting for sync all-reduces before forwards (0 with sync_at_step)
+    forward_wait: (
+        float  # of the stall: waiting for sync all-reduces before forwards (0 with sync_at_step)
+    )
     step_wait: float  # of the stall: step() waiting for the previous iteration's stale all-reduces
     # (and, with sync_at_step, the end of backward waiting for this iteration's sync ones)
     converged: bool  # False: no repeat within `iterations`; iteration_time is an estimate
     cycle: int  # the steady state repeats every `cycle` iterations (0: not converged)
     iterations: int  # iterations simulated
-    buckets: List[BucketPlan] = field(default_factory=list)
-    events: List[TraceEvent] = field(default_factory=list)  # one steady-state iteration, starting at 0
-    wait: float = math.nan  # of the stall: time compute waited for communication (= stall without slow-down)
+    buckets: list[BucketPlan] = field(default_factory=list)
+    events: list[TraceEvent] = field(
+        default_factory=list
+    )  # one steady-state iteration, starting at 0
+    wait: float = (
+        math.nan
+    )  # of the stall: time compute waited for communication (= stall without slow-down)
 
 
 @dataclass
@@ -320,19 +338,19 @@ class _Iteration:
     step_end: float = math.nan  # = next iteration's start
     forward_wait: float = 0.0
     busy: float = 0.0  # time spent computing (slowed down or not)
-    events: List[TraceEvent] = field(default_factory=list)
+    events: list[TraceEvent] = field(default_factory=list)
 
 
 def _run_forward_backward(
     t: int,
     start: float,
-    profiles: Sequence["LayerProfile"],
+    profiles: Sequence[LayerProfile],
     buckets: Sequence[BucketPlan],
-    previous: Dict[int, Transfer],
+    previous: dict[int, Transfer],
     link,
     slowdown: float,
-    update_work: Dict[int, float],
-) -> Tuple[_Iteration, List[Transfer]]:
+    update_work: dict[int, float],
+) -> tuple[_Iteration, list[Transfer]]:
     """Forward (waiting for last iteration's sync all-reduces, then applying their updates)
     and backward of iteration t.
 
@@ -351,15 +369,29 @@ def _run_forward_backward(
         if bucket is not None and bucket.index in previous:
             done = previous[bucket.index].end
             if done > cursor:
-                it.events.append(TraceEvent(f"wait sync bucket {bucket.index}", "wait", cursor, done,
-                                            {"bucket": bucket.index, "before_layer": prof.name}))
+                it.events.append(
+                    TraceEvent(
+                        f"wait sync bucket {bucket.index}",
+                        "wait",
+                        cursor,
+                        done,
+                        {"bucket": bucket.index, "before_layer": prof.name},
+                    )
+                )
                 it.forward_wait += done - cursor
                 cursor = done
             work = update_work[bucket.index]
             if work > 0:
                 end = _compute_end(cursor, work, link, slowdown)
-                it.events.append(TraceEvent(f"update bucket {bucket.index}", "update", cursor, end,
-                                            {"bucket": bucket.index}))
+                it.events.append(
+                    TraceEvent(
+                        f"update bucket {bucket.index}",
+                        "update",
+                        cursor,
+                        end,
+                        {"bucket": bucket.index},
+                    )
+                )
                 it.busy += end - cursor
                 cursor = end
         end = _compute_end(cursor, prof.forward, link, slowdown)
@@ -369,7 +401,7 @@ def _run_forward_backward(
     incremental = slowdown > 0.0
     pending = {i: len(b.layers) for i, b in enumerate(buckets)}
     bucket_of = {layer: b.index for b in buckets for layer in b.layers}
-    transfers: List[Transfer] = []
+    transfers: list[Transfer] = []
     issue = -math.inf
     for i in reversed(range(len(profiles))):
         prof = profiles[i]
@@ -389,28 +421,39 @@ def _run_forward_backward(
     return it, transfers
 
 
-def _comm_events(link, lo: float, hi: float, t: int) -> List[TraceEvent]:
+def _comm_events(link, lo: float, hi: float, t: int) -> list[TraceEvent]:
     """Iteration t's all-reduces (even those running on into t+1) and any others running in [lo, hi)."""
     events = []
     for tr in link.placed:
         if tr.iteration == t or (tr.end > lo and tr.start < hi):
             kind = "stale" if tr.bucket.stale else "sync"
-            events.append(TraceEvent(
-                f"{kind} bucket {tr.bucket.index}", "comm", tr.start, tr.end,
-                {"iteration": tr.iteration - t, "bucket": tr.bucket.index, "stale": tr.bucket.stale,
-                 "bytes": tr.bucket.nbytes, "layers": list(tr.bucket.layers), "queued": tr.start - tr.issue},
-            ))
+            events.append(
+                TraceEvent(
+                    f"{kind} bucket {tr.bucket.index}",
+                    "comm",
+                    tr.start,
+                    tr.end,
+                    {
+                        "iteration": tr.iteration - t,
+                        "bucket": tr.bucket.index,
+                        "stale": tr.bucket.stale,
+                        "bytes": tr.bucket.nbytes,
+                        "layers": list(tr.bucket.layers),
+                        "queued": tr.start - tr.issue,
+                    },
+                )
+            )
     return events
 
 
 def simulate(
-    profiles: Sequence["LayerProfile"],
+    profiles: Sequence[LayerProfile],
     k: int,
     *,
     bucket_cap_bytes: float,
-    alpha: Optional[float],
-    beta: Optional[float],
-    bytes_per_layer: Optional[Sequence[int]] = None,
+    alpha: float | None,
+    beta: float | None,
+    bytes_per_layer: Sequence[int] | None = None,
     iterations: int = DEFAULT_ITERATIONS,
     record_events: bool = True,
     step_time: float = 0.0,
@@ -453,17 +496,40 @@ def simulate(
     those carried over from the previous one (negative start times).
     """
     _check_arguments(len(profiles), k, slowdown, update_per_element)
-    buckets = plan_buckets(profiles, k, bucket_cap_bytes=bucket_cap_bytes, alpha=alpha, beta=beta,
-                           bytes_per_layer=bytes_per_layer)
-    update_work = {b.index: update_per_element * sum(profiles[i].numel for i in b.layers) for b in buckets}
+    buckets = plan_buckets(
+        profiles,
+        k,
+        bucket_cap_bytes=bucket_cap_bytes,
+        alpha=alpha,
+        beta=beta,
+        bytes_per_layer=bytes_per_layer,
+    )
+    update_work = {
+        b.index: update_per_element * sum(profiles[i].numel for i in b.layers) for b in buckets
+    }
     # step() updates the stale buckets, and with sync_at_step the sync ones too
-    step_work = math.fsum(update_work[b.index] for b in buckets if b.stale or sync_at_step) + step_time
-    compute = (math.fsum(p.forward for p in profiles) + math.fsum(p.backward for p in profiles) + step_time
-               + update_per_element * sum(p.numel for p in profiles))
+    step_work = (
+        math.fsum(update_work[b.index] for b in buckets if b.stale or sync_at_step) + step_time
+    )
+    compute = (
+        math.fsum(p.forward for p in profiles)
+        + math.fsum(p.backward for p in profiles)
+        + step_time
+        + update_per_element * sum(p.numel for p in profiles)
+    )
     comm = math.fsum(b.comm_time for b in buckets)
     link = SharedLink() if shared_link else Link()
-    history, cycle = _run_iterations(profiles, buckets, link, update_work, step_work, slowdown,
-                                     max(iterations, 2), compute + comm, sync_at_step)
+    history, cycle = _run_iterations(
+        profiles,
+        buckets,
+        link,
+        update_work,
+        step_work,
+        slowdown,
+        max(iterations, 2),
+        compute + comm,
+        sync_at_step,
+    )
     iteration_time, busy = _period(history, cycle, comm)
     last = history[-1]
     return SimResult(
@@ -479,7 +545,9 @@ def simulate(
         iterations=len(history),
         buckets=buckets,
         events=_last_iteration_events(link, history) if record_events else [],
-        wait=max(iteration_time - busy, 0.0) if slowdown > 0.0 else max(iteration_time - compute, 0.0),
+        wait=max(iteration_time - busy, 0.0)
+        if slowdown > 0.0
+        else max(iteration_time - compute, 0.0),
     )
 
 
@@ -490,20 +558,22 @@ def _check_arguments(m: int, k: int, slowdown: float, update_per_element: float)
     if not slowdown >= 0.0 or math.isinf(slowdown):
         raise ValueError(f"sapipe.schedule: slowdown must be finite and >= 0; got {slowdown}")
     if not update_per_element >= 0.0 or math.isinf(update_per_element):
-        raise ValueError(f"sapipe.schedule: update_per_element must be finite and >= 0; got {update_per_element}")
+        raise ValueError(
+            f"sapipe.schedule: update_per_element must be finite and >= 0; got {update_per_element}"
+        )
 
 
 def _run_iterations(
-    profiles: Sequence["LayerProfile"],
+    profiles: Sequence[LayerProfile],
     buckets: Sequence[BucketPlan],
     link,
-    update_work: Dict[int, float],
+    update_work: dict[int, float],
     step_work: float,
     slowdown: float,
     iterations: int,
     scale: float,
     sync_at_step: bool = False,
-) -> Tuple[List[_Iteration], int]:
+) -> tuple[list[_Iteration], int]:
     """Simulate iterations until the pipeline repeats itself (or ``iterations`` of them).
 
     Returns the iterations' timelines and the cycle length (0: not converged). ``scale``
@@ -511,20 +581,30 @@ def _run_iterations(
     all-reduces are waited for at the end of backward (their updates are in ``step_work``),
     not by the next forward.
     """
-    history: List[_Iteration] = []
-    sent: List[Dict[int, Transfer]] = []  # per iteration: bucket index -> its all-reduce
-    states: List[Tuple[float, ...]] = []
+    history: list[_Iteration] = []
+    sent: list[dict[int, Transfer]] = []  # per iteration: bucket index -> its all-reduce
+    states: list[tuple[float, ...]] = []
     start = 0.0
     for t in range(iterations):
         previous = sent[t - 1] if t else {}
-        it, transfers = _run_forward_backward(t, start, profiles, buckets, {} if sync_at_step else previous, link,
-                                              slowdown, update_work)
+        it, transfers = _run_forward_backward(
+            t,
+            start,
+            profiles,
+            buckets,
+            {} if sync_at_step else previous,
+            link,
+            slowdown,
+            update_work,
+        )
         if slowdown <= 0.0:
             link.submit(transfers)  # with a slow-down they were submitted as issued
         sent.append({tr.bucket.index: tr for tr in transfers})
         # every all-reduce of iteration t is on the link now, so the ends step() waits for are final
         sync = [tr for tr in transfers if not tr.bucket.stale] if sync_at_step else []
-        _run_step(it, sync, [tr for tr in previous.values() if tr.bucket.stale], step_work, link, slowdown)
+        _run_step(
+            it, sync, [tr for tr in previous.values() if tr.bucket.stale], step_work, link, slowdown
+        )
         history.append(it)
         start = it.step_end
         states.append(_state(transfers, start))
@@ -534,8 +614,14 @@ def _run_iterations(
     return history, 0
 
 
-def _run_step(it: _Iteration, sync: Sequence[Transfer], stale: Sequence[Transfer], step_work: float, link,
-              slowdown: float) -> None:
+def _run_step(
+    it: _Iteration,
+    sync: Sequence[Transfer],
+    stale: Sequence[Transfer],
+    step_work: float,
+    link,
+    slowdown: float,
+) -> None:
     """The end of ``it``'s backward waits for ``sync`` (this iteration's sync all-reduces,
     with ``sync_at_step``), then ``step()`` for ``stale`` (the previous iteration's stale
     ones), then computes ``step_work``: the stale buckets' updates (and, with
@@ -557,7 +643,7 @@ def _run_step(it: _Iteration, sync: Sequence[Transfer], stale: Sequence[Transfer
         it.events.append(TraceEvent("step", "step", cursor, it.step_end, {}))
 
 
-def _period(history: Sequence[_Iteration], cycle: int, comm: float) -> Tuple[float, float]:
+def _period(history: Sequence[_Iteration], cycle: int, comm: float) -> tuple[float, float]:
     """Steady-state iteration time and compute-busy time per iteration."""
     starts = [history[0].start] + [it.step_end for it in history]
     if cycle:  # periodic: the mean period over one cycle (cycles longer than 1 are rare)
@@ -572,12 +658,17 @@ def _period(history: Sequence[_Iteration], cycle: int, comm: float) -> Tuple[flo
     return iteration_time, busy
 
 
-def _last_iteration_events(link, history: Sequence[_Iteration]) -> List[TraceEvent]:
+def _last_iteration_events(link, history: Sequence[_Iteration]) -> list[TraceEvent]:
     """The last iteration's compute and communication events, shifted to start at 0."""
     last = history[-1]
     raw = last.events + _comm_events(link, last.start, last.step_end, len(history) - 1)
-    return sorted((TraceEvent(e.name, e.category, e.start - last.start, e.end - last.start, e.args)
-                   for e in raw), key=lambda e: (e.start, e.end))
+    return sorted(
+        (
+            TraceEvent(e.name, e.category, e.start - last.start, e.end - last.start, e.args)
+            for e in raw
+        ),
+        key=lambda e: (e.start, e.end),
+    )
 
 
 def _step_wait(it: _Iteration, step_time: float, slowdown: float) -> float:
@@ -585,21 +676,23 @@ def _step_wait(it: _Iteration, step_time: float, slowdown: float) -> float:
     the end of its backward for its sync ones)."""
     if slowdown <= 0.0:
         return it.step_end - step_time - it.backward_end
-    return math.fsum(e.end - e.start for e in it.events if e.category == "wait" and e.name.startswith("step:"))
+    return math.fsum(
+        e.end - e.start for e in it.events if e.category == "wait" and e.name.startswith("step:")
+    )
 
 
-def _state(transfers: Sequence[Transfer], next_start: float) -> Tuple[float, ...]:
+def _state(transfers: Sequence[Transfer], next_start: float) -> tuple[float, ...]:
     """What the future depends on at an iteration start: the last iteration's all-reduces
     (issue, start, end), relative to that start. A repeated state means a periodic pipeline."""
     return tuple(x - next_start for tr in transfers for x in (tr.issue, tr.start, tr.end))
 
 
-def _same_state(a: Tuple[float, ...], b: Tuple[float, ...], scale: float) -> bool:
+def _same_state(a: tuple[float, ...], b: tuple[float, ...], scale: float) -> bool:
     eps = 1e-9 * max(scale, 1e-30)
     return len(a) == len(b) and all(abs(x - y) <= eps for x, y in zip(a, b))
 
 
-def _cycle(states: Sequence[Tuple[float, ...]], scale: float, longest: int = _LONGEST_CYCLE) -> int:
+def _cycle(states: Sequence[tuple[float, ...]], scale: float, longest: int = _LONGEST_CYCLE) -> int:
     """Length c of the cycle the pipeline has entered (last state == state c iterations ago), else 0."""
     for c in range(1, min(longest, len(states) - 1) + 1):
         if _same_state(states[-1], states[-1 - c], scale):

@@ -21,16 +21,24 @@ Two answers are kept side by side:
   bucketing, launch order and link (``simulator.simulate``) and take the smallest k whose
   predicted stall is within a tolerance.
 """
+
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Dict, Optional, Sequence
 
 from sapipe.schedule.simulator import DEFAULT_ITERATIONS, SimResult, simulate
 
-__all__ = ["LayerProfile", "Decision", "STALL_TOLERANCE", "closed_form_k", "brute_force_k", "choose_k"]
+__all__ = [
+    "LayerProfile",
+    "Decision",
+    "STALL_TOLERANCE",
+    "closed_form_k",
+    "brute_force_k",
+    "choose_k",
+]
 
 #: A predicted stall below this fraction of compute counts as none (docs/design.md §4.4).
 #: Profiles taken on a live job carry a few percent of noise, and staling a layer costs some
@@ -62,7 +70,7 @@ def _leq(a: float, b: float) -> bool:
 # --------------------------------------------------------------------------- closed form
 
 
-def closed_form_k(profiles: Sequence[LayerProfile]) -> Optional[int]:
+def closed_form_k(profiles: Sequence[LayerProfile]) -> int | None:
     """The paper's minimal k, or None when constraint (1) fails (communication-bound).
 
     O(m): the left side of (2) shrinks and its right side grows with k, so the feasible k
@@ -77,14 +85,16 @@ def closed_form_k(profiles: Sequence[LayerProfile]) -> Optional[int]:
         return None
     backward_but_last = math.fsum(b[: m - 1])
     prefix_u = list(itertools.accumulate(u, initial=0.0))  # prefix_u[k] = Σ_{i<=k} u_i
-    suffix_v = list(itertools.accumulate(reversed(v), initial=0.0))[::-1]  # suffix_v[k] = Σ_{i>k} v_i
+    suffix_v = list(itertools.accumulate(reversed(v), initial=0.0))[
+        ::-1
+    ]  # suffix_v[k] = Σ_{i>k} v_i
     for k in range(m + 1):
         if _leq(suffix_v[k], backward_but_last + prefix_u[k]):
             return k
     return m  # unreachable: (2) holds at k = m
 
 
-def brute_force_k(profiles: Sequence[LayerProfile]) -> Optional[int]:
+def brute_force_k(profiles: Sequence[LayerProfile]) -> int | None:
     """Reference for :func:`closed_form_k`: test every k with sums written out (O(m²))."""
     m = len(profiles)
     u = [p.forward for p in profiles]
@@ -92,8 +102,10 @@ def brute_force_k(profiles: Sequence[LayerProfile]) -> Optional[int]:
     v = [p.comm for p in profiles]
     for k in range(m + 1):
         overlap = _leq(math.fsum(v), math.fsum(b) + math.fsum(u))
-        sync_in_time = _leq(math.fsum(v[i] for i in range(k, m)),
-                            math.fsum(b[i] for i in range(m - 1)) + math.fsum(u[i] for i in range(k)))
+        sync_in_time = _leq(
+            math.fsum(v[i] for i in range(k, m)),
+            math.fsum(b[i] for i in range(m - 1)) + math.fsum(u[i] for i in range(k)),
+        )
         if overlap and sync_in_time:
             return k
     return None
@@ -117,8 +129,10 @@ class Decision:
     comm_time: float  # link busy time per iteration at k
     comm_bound: bool  # even k = m stalls: throughput is set by the link
     tolerance: float  # stall accepted as "no stall", seconds
-    closed_form_k: Optional[int]  # the paper's program (per-layer v_i from the same comm model), for reference
-    stalls: Dict[int, float] = field(default_factory=dict)  # every simulated k -> its stall
+    closed_form_k: (
+        int | None
+    )  # the paper's program (per-layer v_i from the same comm model), for reference
+    stalls: dict[int, float] = field(default_factory=dict)  # every simulated k -> its stall
 
     @property
     def throughput(self) -> float:
@@ -128,23 +142,31 @@ class Decision:
     def summary(self) -> str:
         """One line for the log."""
         cf = "infeasible" if self.closed_form_k is None else str(self.closed_form_k)
-        tail = (f"k=0: {_ms(self.iteration_time_sync)}, k={self.m}: {_ms(self.iteration_time_all_stale)}; "
-                f"closed form k={cf}")
+        tail = (
+            f"k=0: {_ms(self.iteration_time_sync)}, k={self.m}: {_ms(self.iteration_time_all_stale)}; "
+            f"closed form k={cf}"
+        )
         if self.comm_bound:
-            return (f"sapipe schedule: COMMUNICATION-BOUND (comm {_ms(self.comm_time)} vs compute "
-                    f"{_ms(self.compute_time)} per iteration; even all {self.m} layers stale stall): "
-                    f"k={self.k} (kappa={self.kappa:.1%}), predicted {_ms(self.iteration_time)}/iter "
-                    f"= {self.throughput:.3g} it/s, limited by communication; {tail}")
-        return (f"sapipe schedule: k={self.k} of {self.m} layers stale (kappa={self.kappa:.1%}), predicted "
-                f"{_ms(self.iteration_time)}/iter (compute {_ms(self.compute_time)}, stall {_ms(self.stall)}, "
-                f"comm {_ms(self.comm_time)}); {tail}")
+            return (
+                f"sapipe schedule: COMMUNICATION-BOUND (comm {_ms(self.comm_time)} vs compute "
+                f"{_ms(self.compute_time)} per iteration; even all {self.m} layers stale stall): "
+                f"k={self.k} (kappa={self.kappa:.1%}), predicted {_ms(self.iteration_time)}/iter "
+                f"= {self.throughput:.3g} it/s, limited by communication; {tail}"
+            )
+        return (
+            f"sapipe schedule: k={self.k} of {self.m} layers stale (kappa={self.kappa:.1%}), predicted "
+            f"{_ms(self.iteration_time)}/iter (compute {_ms(self.compute_time)}, stall {_ms(self.stall)}, "
+            f"comm {_ms(self.comm_time)}); {tail}"
+        )
 
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
 
-def _kappa(profiles: Sequence[LayerProfile], k: int, bytes_per_layer: Optional[Sequence[int]]) -> float:
+def _kappa(
+    profiles: Sequence[LayerProfile], k: int, bytes_per_layer: Sequence[int] | None
+) -> float:
     """Stale share of parameters: by numel, else by bytes, else by layer count."""
     for sizes in ([p.numel for p in profiles], list(bytes_per_layer or [])):
         total = sum(sizes)
@@ -154,8 +176,10 @@ def _kappa(profiles: Sequence[LayerProfile], k: int, bytes_per_layer: Optional[S
 
 
 def _with_model_comm(
-    profiles: Sequence[LayerProfile], alpha: Optional[float], beta: Optional[float],
-    bytes_per_layer: Optional[Sequence[int]],
+    profiles: Sequence[LayerProfile],
+    alpha: float | None,
+    beta: float | None,
+    bytes_per_layer: Sequence[int] | None,
 ) -> Sequence[LayerProfile]:
     """Profiles whose ``comm`` is the α–β time of each layer alone, when α and β are given."""
     if alpha is None or beta is None:
@@ -168,15 +192,15 @@ def choose_k(
     profiles: Sequence[LayerProfile],
     *,
     bucket_cap_bytes: float,
-    alpha: Optional[float] = None,
-    beta: Optional[float] = None,
-    bytes_per_layer: Optional[Sequence[int]] = None,
+    alpha: float | None = None,
+    beta: float | None = None,
+    bytes_per_layer: Sequence[int] | None = None,
     tolerance: float = STALL_TOLERANCE,
     iterations: int = DEFAULT_ITERATIONS,
     step_time: float = 0.0,
     slowdown: float = 0.0,
     shared_link: bool = False,
-    only_k: Optional[int] = None,
+    only_k: int | None = None,
     update_per_element: float = 0.0,
     sync_at_step: bool = False,
 ) -> Decision:
@@ -204,15 +228,25 @@ def choose_k(
     measured on the job (:mod:`sapipe.auto.search`).
     """
     m = len(profiles)
-    cache: Dict[int, SimResult] = {}
+    cache: dict[int, SimResult] = {}
 
     def sim(k: int) -> SimResult:
         if k not in cache:
-            cache[k] = simulate(profiles, k, bucket_cap_bytes=bucket_cap_bytes, alpha=alpha, beta=beta,
-                                bytes_per_layer=bytes_per_layer, iterations=iterations,
-                                record_events=False, step_time=step_time, slowdown=slowdown,
-                                shared_link=shared_link, update_per_element=update_per_element,
-                                sync_at_step=sync_at_step)
+            cache[k] = simulate(
+                profiles,
+                k,
+                bucket_cap_bytes=bucket_cap_bytes,
+                alpha=alpha,
+                beta=beta,
+                bytes_per_layer=bytes_per_layer,
+                iterations=iterations,
+                record_events=False,
+                step_time=step_time,
+                slowdown=slowdown,
+                shared_link=shared_link,
+                update_per_element=update_per_element,
+                sync_at_step=sync_at_step,
+            )
         return cache[k]
 
     compute = sim(0).compute_time  # the same for every k

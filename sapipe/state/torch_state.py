@@ -9,20 +9,24 @@
 parameter's state as it stands after the updates applied so far (the real weights'): what
 the same optimizer would hold under DDP, loadable into it there.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Dict, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from sapipe.layout.buckets import Bucket
 from sapipe.errors import UsageError
-from sapipe.optim.generic import rule_for
+from sapipe.layout.buckets import Bucket
 from sapipe.optim.fused import OptimizerRule
+from sapipe.optim.generic import rule_for
 
 
-def export(optimizer: torch.optim.Optimizer, rule: OptimizerRule, buckets: Sequence[Bucket]) -> Dict[str, Any]:
+def export(
+    optimizer: torch.optim.Optimizer, rule: OptimizerRule, buckets: Sequence[Bucket]
+) -> dict[str, Any]:
     """``optimizer.state_dict()`` with the state the fused segments hold put back per parameter."""
     table = defaultdict(dict, optimizer.state)  # the generic path's, and untrained parameters'
     for bucket in buckets:
@@ -36,7 +40,9 @@ def export(optimizer: torch.optim.Optimizer, rule: OptimizerRule, buckets: Seque
         optimizer.state = live
 
 
-def load(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any], stepped: bool) -> OptimizerRule:
+def load(
+    optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], stepped: bool
+) -> OptimizerRule:
     """``optimizer.load_state_dict(state_dict)`` into the wrapped optimizer before the first
     ``step()``, keeping the param-group dicts that sapipe and LR schedulers share; returns the
     rule for the loaded optimizer (its options decide it; state at any steps stays fused)."""

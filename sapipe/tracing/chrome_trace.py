@@ -13,14 +13,22 @@ Tracks: each category goes to a named thread of one process -- ``forward``/``bac
 nesting (e.g. several all-reduces queued in the background at once) are spread over extra
 lanes ("comm #2", ...).
 """
+
 from __future__ import annotations
 
 import json
 import os
 from collections import defaultdict, deque
-from typing import Any, Deque, Dict, Iterable, List, Mapping, NamedTuple, Sequence, Tuple, Union
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple, Union
 
-__all__ = ["TraceEvent", "CATEGORIES", "chrome_trace_dict", "write_chrome_trace", "events_from_tracer"]
+__all__ = [
+    "TraceEvent",
+    "CATEGORIES",
+    "chrome_trace_dict",
+    "write_chrome_trace",
+    "events_from_tracer",
+]
 
 
 class TraceEvent(NamedTuple):
@@ -30,11 +38,11 @@ class TraceEvent(NamedTuple):
     category: str  # one of CATEGORIES (others are accepted and get a track of their own)
     start: float
     end: float
-    args: Dict[str, Any]
+    args: dict[str, Any]
 
 
 #: Categories the simulator and the tracer conversion produce, and the track each goes to.
-CATEGORIES: Dict[str, str] = {
+CATEGORIES: dict[str, str] = {
     "forward": "compute",
     "backward": "compute",
     "step": "compute",
@@ -45,20 +53,22 @@ CATEGORIES: Dict[str, str] = {
 }
 _TRACK_ORDER = ("compute", "comm", "wait", "iteration")
 
-EventLike = Union[TraceEvent, Tuple[str, str, float, float, Mapping[str, Any]]]
+EventLike = Union[TraceEvent, tuple[str, str, float, float, Mapping[str, Any]]]
 
 
 # --------------------------------------------------------------------------- writing
 
 
-def _assign_lanes(events: Sequence[TraceEvent]) -> List[int]:
+def _assign_lanes(events: Sequence[TraceEvent]) -> list[int]:
     """Lane per event so that events within a lane are disjoint or properly nested.
 
     Greedy: sorted by (start, longest first), an event joins the first lane where it either
     starts after everything open has ended or fits inside the innermost open slice.
     """
-    order = sorted(range(len(events)), key=lambda i: (events[i].start, -(events[i].end - events[i].start)))
-    stacks: List[List[float]] = []  # per lane: end times of the currently open (nested) slices
+    order = sorted(
+        range(len(events)), key=lambda i: (events[i].start, -(events[i].end - events[i].start))
+    )
+    stacks: list[list[float]] = []  # per lane: end times of the currently open (nested) slices
     lanes = [0] * len(events)
     for i in order:
         ev = events[i]
@@ -86,18 +96,26 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
-def chrome_trace_dict(events: Iterable[EventLike], *, process_name: str, pid: int = 0) -> Dict[str, Any]:
+def chrome_trace_dict(
+    events: Iterable[EventLike], *, process_name: str, pid: int = 0
+) -> dict[str, Any]:
     """The Chrome trace-event JSON object for ``events`` (see :func:`write_chrome_trace`)."""
-    evs = [TraceEvent(str(e[0]), str(e[1]), float(e[2]), float(e[3]), dict(e[4] or {})) for e in events]
+    evs = [
+        TraceEvent(str(e[0]), str(e[1]), float(e[2]), float(e[3]), dict(e[4] or {})) for e in events
+    ]
     origin = min((e.start for e in evs), default=0.0)
-    origin = min(origin, 0.0)  # only shift when something starts before 0 (trace viewers want ts >= 0)
+    origin = min(
+        origin, 0.0
+    )  # only shift when something starts before 0 (trace viewers want ts >= 0)
 
-    by_track: Dict[str, List[TraceEvent]] = defaultdict(list)
+    by_track: dict[str, list[TraceEvent]] = defaultdict(list)
     for ev in evs:
         by_track[CATEGORIES.get(ev.category, ev.category)].append(ev)
-    tracks = [t for t in _TRACK_ORDER if t in by_track] + sorted(t for t in by_track if t not in _TRACK_ORDER)
+    tracks = [t for t in _TRACK_ORDER if t in by_track] + sorted(
+        t for t in by_track if t not in _TRACK_ORDER
+    )
 
-    trace: List[Dict[str, Any]] = [
+    trace: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": process_name}}
     ]
     tid = 0
@@ -108,8 +126,18 @@ def chrome_trace_dict(events: Iterable[EventLike], *, process_name: str, pid: in
         for lane in range(max(lanes) + 1):
             tid += 1
             thread = track if lane == 0 else f"{track} #{lane + 1}"
-            trace.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": thread}})
-            trace.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+            trace.append(
+                {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": thread}}
+            )
+            trace.append(
+                {
+                    "ph": "M",
+                    "name": "thread_sort_index",
+                    "pid": pid,
+                    "tid": tid,
+                    "args": {"sort_index": tid},
+                }
+            )
         for ev, lane in zip(track_events, lanes):
             trace.append(
                 {
@@ -127,7 +155,11 @@ def chrome_trace_dict(events: Iterable[EventLike], *, process_name: str, pid: in
 
 
 def write_chrome_trace(
-    path: Union[str, "os.PathLike[str]"], events: Iterable[EventLike], *, process_name: str, pid: int = 0
+    path: str | os.PathLike[str],
+    events: Iterable[EventLike],
+    *,
+    process_name: str,
+    pid: int = 0,
 ) -> None:
     """Write ``events`` as a Chrome trace JSON file, loadable in Perfetto or chrome://tracing.
 
@@ -166,7 +198,9 @@ def _event_name(start_kind: str, fields: Mapping[str, Any]) -> str:
     return f"iteration {fields.get('iteration', '?')}"
 
 
-def events_from_tracer(tracer_events: Iterable[Tuple[int, str, Mapping[str, Any]]]) -> List[TraceEvent]:
+def events_from_tracer(
+    tracer_events: Iterable[tuple[int, str, Mapping[str, Any]]],
+) -> list[TraceEvent]:
     """Convert the runtime's tracer log ``(time_ns, kind, fields)`` into :class:`TraceEvent` s.
 
     Start/end kinds are paired on their identifying fields, first-in first-out:
@@ -187,8 +221,10 @@ def events_from_tracer(tracer_events: Iterable[Tuple[int, str, Mapping[str, Any]
     if not log:
         return []
     origin = log[0][0]
-    open_starts: Dict[Tuple[str, Tuple[Any, ...]], Deque[Tuple[int, Mapping[str, Any]]]] = defaultdict(deque)
-    out: List[TraceEvent] = []
+    open_starts: dict[tuple[str, tuple[Any, ...]], deque[tuple[int, Mapping[str, Any]]]] = (
+        defaultdict(deque)
+    )
+    out: list[TraceEvent] = []
     for time_ns, kind, fields in log:
         fields = fields or {}
         if kind in _PAIRS:
@@ -201,10 +237,21 @@ def events_from_tracer(tracer_events: Iterable[Tuple[int, str, Mapping[str, Any]
                 if queue:
                     t0, start_fields = queue.popleft()
                     args = {**dict(start_fields), **dict(fields)}
-                    out.append(TraceEvent(_event_name(start_kind, args), category,
-                                          (t0 - origin) * 1e-9, (time_ns - origin) * 1e-9, args))
+                    out.append(
+                        TraceEvent(
+                            _event_name(start_kind, args),
+                            category,
+                            (t0 - origin) * 1e-9,
+                            (time_ns - origin) * 1e-9,
+                            args,
+                        )
+                    )
                 elif kind == "comm_wait":
                     t = (time_ns - origin) * 1e-9
-                    out.append(TraceEvent(f"wait {fields.get('what', 'all-reduce')}", "wait", t, t, dict(fields)))
+                    out.append(
+                        TraceEvent(
+                            f"wait {fields.get('what', 'all-reduce')}", "wait", t, t, dict(fields)
+                        )
+                    )
     out.sort(key=lambda e: (e.start, e.end))
     return out

@@ -4,11 +4,11 @@ Backward has no per-layer hooks that fire at a layer's start, so a layer's backw
 is taken to run from the previous layer's last gradient (or the end of forward) to its own
 last gradient. Only used while tracing is on.
 """
+
 from __future__ import annotations
 
 import os
 import time
-from typing import Dict, Optional, Tuple, Union
 
 from sapipe.errors import UsageError
 from sapipe.layout.layers import Layer
@@ -21,7 +21,7 @@ class BackwardSpans:
 
     def __init__(self, tracer: Tracer):
         self._tracer = tracer
-        self._pending: Dict[Tuple[int, int], int] = {}  # (iteration, layer) -> gradients to come
+        self._pending: dict[tuple[int, int], int] = {}  # (iteration, layer) -> gradients to come
         self._forward_end = 0
         self._last_release = 0
 
@@ -37,12 +37,16 @@ class BackwardSpans:
         if pending == 1:
             now = time.perf_counter_ns()
             start = max(self._last_release, self._forward_end)
-            self._tracer.record("layer_backward_start", at_ns=start, layer=layer.name, iteration=iteration)
-            self._tracer.record("layer_backward_end", at_ns=now, layer=layer.name, iteration=iteration)
+            self._tracer.record(
+                "layer_backward_start", at_ns=start, layer=layer.name, iteration=iteration
+            )
+            self._tracer.record(
+                "layer_backward_end", at_ns=now, layer=layer.name, iteration=iteration
+            )
             self._last_release = now
 
 
-def trace_argument(trace: Union[bool, str, None]) -> Union[bool, str]:
+def trace_argument(trace: bool | str | None) -> bool | str:
     """``trace=`` as given, or where it was not (None) ``$SAPIPE_TRACE``: 1/true/yes/on turn
     recording on, 0/false/no/off or unset leave it off, anything else is a path."""
     if trace is not None:
@@ -57,7 +61,7 @@ class TraceFiles:
     """Writes a rank's recorded timeline, and with ``"auto"`` the scheduler's predicted
     iteration beside it, as Chrome traces (Perfetto)."""
 
-    def __init__(self, tracer: Tracer, rank: int, world_size: int, path: Optional[str], auto):
+    def __init__(self, tracer: Tracer, rank: int, world_size: int, path: str | None, auto):
         self._tracer, self._rank, self._world_size = tracer, rank, world_size
         self.path = path
         self._auto = auto
@@ -67,7 +71,9 @@ class TraceFiles:
         if predicted:
             auto = self._auto
             if auto is None or auto.layer_profiles is None or auto.decision is None:
-                raise UsageError("sapipe: a predicted trace needs stale_layers='auto' after its decision")
+                raise UsageError(
+                    "sapipe: a predicted trace needs stale_layers='auto' after its decision"
+                )
             events = auto.predict(auto.decision.k).events
             name = f"rank {self._rank} predicted (k={auto.decision.k})"
         else:

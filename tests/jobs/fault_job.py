@@ -38,6 +38,7 @@ exited, whether the deadline killed it, its events and the tail of its output. E
 (wall time ``time``): ``failing`` right before it fails, ``raised`` when an exception
 leaves a training iteration (type and message; it then goes on, uncaught), ``done``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,15 +82,30 @@ def die(what: str) -> None:
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
-                         nn.Linear(64, 4))
+    return nn.Sequential(
+        nn.Linear(32, 64),
+        nn.Tanh(),
+        nn.Linear(64, 64),
+        nn.Tanh(),
+        nn.Linear(64, 64),
+        nn.Tanh(),
+        nn.Linear(64, 4),
+    )
 
 
 def options(case: str, timeout: float) -> dict:
     auto = dict(stale_layers="auto", profile_steps=PROFILE_STEPS, tune_steps=0)
-    return dict({"forward": dict(stale_layers=1), "backward": dict(stale_layers=1), "decide": auto,
-                 "relayout": auto, "restart": dict(auto, tune_steps=TUNE_STEPS),
-                 "compressed": dict(stale_layers=1, compression="int8")}[case], timeout=timeout)
+    return dict(
+        {
+            "forward": dict(stale_layers=1),
+            "backward": dict(stale_layers=1),
+            "decide": auto,
+            "relayout": auto,
+            "restart": dict(auto, tune_steps=TUNE_STEPS),
+            "compressed": dict(stale_layers=1, compression="int8"),
+        }[case],
+        timeout=timeout,
+    )
 
 
 class Fault:
@@ -102,7 +118,9 @@ class Fault:
         if case == "relayout":
             opt._runtime.relayout = lambda k: die("relayout")
         if case == "restart":
-            opt._runtime.restart = lambda k, iteration, hyperparams: die(f"restart to k={k} after {iteration}")
+            opt._runtime.restart = lambda k, iteration, hyperparams: die(
+                f"restart to k={k} after {iteration}"
+            )
         if case == "compressed":
             from sapipe.comm.compressed import TorchCollectives
 
@@ -144,7 +162,10 @@ def pin_the_search() -> None:
 
     real_choose = solver.choose_k
     solver.choose_k = lambda *a, **kw: dataclasses.replace(
-        real_choose(*a, **kw), k=kw["only_k"] if kw.get("only_k") is not None else 1, comm_bound=False)
+        real_choose(*a, **kw),
+        k=kw["only_k"] if kw.get("only_k") is not None else 1,
+        comm_bound=False,
+    )
     controller.TRIAL_MAX_ROUNDS = 1
 
     class Path(tuner.Tuner):
@@ -158,10 +179,15 @@ def train(rank: int, args) -> None:
     """The job's body, as a script's top level would run it; exceptions go uncaught."""
     if args.case == "restart":
         pin_the_search()
-    atexit.register(event, "closed")  # runs after sapipe's exit handler (registered later), before finalisation
+    atexit.register(
+        event, "closed"
+    )  # runs after sapipe's exit handler (registered later), before finalisation
     model = make_model()
-    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
-                                      **options(args.case, args.timeout))
+    opt = sapipe.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        model,
+        **options(args.case, args.timeout),
+    )
     fault = Fault(args.case, rank, args.fail_step, model, opt) if rank == args.fail_rank else None
     data = torch.Generator().manual_seed(rank)
     for t in range(1, args.steps + 1):
@@ -193,13 +219,17 @@ def start_rank(rank: int, args, pipes, logdir: str) -> int:
     os.dup2(log, 2)
     torch.set_num_threads(1)
     if args.rank0_store and rank == 0:  # rank 0 hosts the store (a plain init_process_group's way)
-        store = dist.TCPStore("127.0.0.1", 0, args.world, True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        store = dist.TCPStore(
+            "127.0.0.1", 0, args.world, True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
         for _, write_end in pipes[1:]:
             os.write(write_end, store.port.to_bytes(4, "little"))
     else:
         port = int.from_bytes(os.read(pipes[rank][0], 4), "little")
         store = dist.TCPStore("127.0.0.1", port, args.world, False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.world, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=args.world, timeout=timedelta(seconds=60)
+    )
     del store
     train(rank, args)
     raise SystemExit(0)  # out of the top level: atexit handlers, then finalisation
@@ -231,7 +261,15 @@ def report(exits: dict, logdir: str) -> list:
         os.remove(os.path.join(logdir, str(rank)))
         events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("EVENT ")]
         code, exited, killed = exits[rank]
-        ranks.append({"exit": code, "exited": exited, "killed": killed, "events": events, "output": text[-3000:]})
+        ranks.append(
+            {
+                "exit": code,
+                "exited": exited,
+                "killed": killed,
+                "events": events,
+                "output": text[-3000:],
+            }
+        )
     os.rmdir(logdir)
     return ranks
 
@@ -242,15 +280,25 @@ def parse(argv=None):
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--fail-step", type=int, default=4)
-    parser.add_argument("--rank0-store", action="store_true",
-                        help="rank 0 hosts the store (as a plain init_process_group does), not this process")
-    parser.add_argument("--jobs", default=None,
-                        help="several jobs, one after the other: CASE:WORLD:FAIL_RANK[:FAIL_STEP[:rank0-store]],... "
-                             "(instead of --case, --world, --fail-rank, --fail-step, --rank0-store)")
+    parser.add_argument(
+        "--rank0-store",
+        action="store_true",
+        help="rank 0 hosts the store (as a plain init_process_group does), not this process",
+    )
+    parser.add_argument(
+        "--jobs",
+        default=None,
+        help="several jobs, one after the other: CASE:WORLD:FAIL_RANK[:FAIL_STEP[:rank0-store]],... "
+        "(instead of --case, --world, --fail-rank, --fail-step, --rank0-store)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="default: a few past the failure")
     parser.add_argument("--timeout", type=float, default=4.0, help="sapipe's timeout=, seconds")
-    parser.add_argument("--deadline", type=float, default=60.0, help="seconds after which a job's ranks are killed")
-    parser.add_argument("--worker", action="store_true", help="run as a torchrun worker (env:// rendezvous)")
+    parser.add_argument(
+        "--deadline", type=float, default=60.0, help="seconds after which a job's ranks are killed"
+    )
+    parser.add_argument(
+        "--worker", action="store_true", help="run as a torchrun worker (env:// rendezvous)"
+    )
     return parser.parse_args(argv)
 
 
@@ -263,7 +311,9 @@ def job_arguments(args, spec: str = None):
         job.fail_step = int(more[0]) if more and more[0] else args.fail_step
         job.rank0_store = more[1:] == ["rank0-store"] or args.rank0_store
     assert job.case in CASES, job.case
-    last = {"decide": WARMUP, "relayout": WARMUP, "restart": RESTART_STEP}.get(job.case, job.fail_step)
+    last = {"decide": WARMUP, "relayout": WARMUP, "restart": RESTART_STEP}.get(
+        job.case, job.fail_step
+    )
     job.steps = args.steps or last + 4
     return job
 
@@ -275,7 +325,11 @@ def run_job(args) -> dict:
     pids = {start_rank(rank, args, pipes, logdir): rank for rank in range(args.world)}
     # The store, created after the forks (no rank holds the server), outlives every rank, as torchrun's agent's
     # does; dropped before the next job's forks.
-    store = None if args.rank0_store else dist.TCPStore("127.0.0.1", 0, args.world, True, wait_for_workers=False)
+    store = (
+        None
+        if args.rank0_store
+        else dist.TCPStore("127.0.0.1", 0, args.world, True, wait_for_workers=False)
+    )
     for read_end, write_end in pipes:
         if store is not None:
             os.write(write_end, store.port.to_bytes(4, "little"))
@@ -292,7 +346,9 @@ def main() -> None:
         dist.init_process_group("gloo", timeout=timedelta(seconds=60))
         train(dist.get_rank(), job_arguments(args))
         raise SystemExit(0)
-    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # imports torch's lazy optimizer modules once
+    torch.optim.SGD(
+        [nn.Parameter(torch.zeros(1))], lr=0.1
+    )  # imports torch's lazy optimizer modules once
     gc.freeze()
     specs = args.jobs.split(",") if args.jobs else [None]
     json.dump({"jobs": [run_job(job_arguments(args, spec)) for spec in specs]}, sys.stdout)
