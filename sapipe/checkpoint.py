@@ -76,12 +76,10 @@ class Checkpointer:
 
     def __init__(self, path: str, model: nn.Module, optimizer: DistributedOptimizer, keep: int = 2):
         if "{step}" not in path:
-            raise ConfigurationError(
-                f"sapipe: Checkpointer path must contain {{step}}; got {path!r}"
-            )
+            raise ConfigurationError(f"Checkpointer path must contain {{step}}; got {path!r}")
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 2:
             raise ConfigurationError(
-                f"sapipe: Checkpointer keep must be an int >= 2 (see its docstring); got {keep!r}"
+                f"Checkpointer keep must be an int >= 2 (see its docstring); got {keep!r}"
             )
         self.path, self.model, self.optimizer, self.keep = path, model, optimizer, keep
 

@@ -49,7 +49,7 @@ def _is_number(value: Any) -> bool:
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
-        raise ConfigurationError(f"sapipe: {message}")
+        raise ConfigurationError(f"{message}")
 
 
 def _int_at_least(low: int) -> Callable[[str, Any], int]:
@@ -119,7 +119,7 @@ def _compression(name: str, value: Any) -> str | None:
     try:
         return validate_compression(value)
     except ValueError as exc:
-        raise ConfigurationError(f"sapipe: {exc}") from None
+        raise ConfigurationError(f"{exc}") from None
 
 
 def _stale_layers(name: str, value: Any) -> int | str:

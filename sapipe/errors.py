@@ -4,9 +4,17 @@ Every error names its cause, so a user reading one line of a failed job's log kn
 argument, rank or peer to look at.
 """
 
+PREFIX = "sapipe: "
+
 
 class SapipeError(RuntimeError):
-    """Base class of every error sapipe raises on purpose."""
+    """Base class of every error sapipe raises on purpose. Its message starts with
+    ``"sapipe: "`` (added here, so that no message types it), which tells a user reading a
+    job's log which library raised it."""
+
+    def __init__(self, message: str = "", *args: object) -> None:
+        message = str(message)
+        super().__init__(message if message.startswith(PREFIX) else PREFIX + message, *args)
 
 
 class ConfigurationError(SapipeError, ValueError):

@@ -104,7 +104,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigurationError(
-                "sapipe: torch.distributed is not initialised; call "
+                "torch.distributed is not initialised; call "
                 "torch.distributed.init_process_group() (e.g. under torchrun) first"
             )
         arguments = {
@@ -209,9 +209,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def layers(self) -> list[Layer]:
         """The layers in forward-execution order (available after the first forward)."""
         if self._pipeline.layout is None:
-            raise UsageError(
-                "sapipe: the layer order is known only after the model's first forward"
-            )
+            raise UsageError("the layer order is known only after the model's first forward")
         return list(self._pipeline.layout.layers)
 
     @property
@@ -239,9 +237,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """With ``stale_layers="auto"``, once k is decided: write what the scheduler measured and chose
         (JSON), for ``python -m sapipe.schedule.predict`` at other scales (:mod:`sapipe.schedule.saved_profile`)."""
         if self.auto is None:
-            raise UsageError(
-                "sapipe: save_profile() needs stale_layers='auto': a fixed k profiles nothing"
-            )
+            raise UsageError("save_profile() needs stale_layers='auto': a fixed k profiles nothing")
         self.auto.saved_profile().save(path)
 
     @property
@@ -283,13 +279,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         step does (DDP's sends nothing): one rank's extra step leaves every rank's collectives in line.
         """
         if closure is not None:
-            raise UsageError(
-                "sapipe: step(closure) is not supported; call loss.backward() before step()"
-            )
+            raise UsageError("step(closure) is not supported; call loss.backward() before step()")
         if self._pipeline.layout is None:
-            raise UsageError(
-                "sapipe: step() was called before the model's first forward and backward"
-            )
+            raise UsageError("step() was called before the model's first forward and backward")
         if self._runtime.nothing_to_step():
             return
         iteration = self._iteration + 1
@@ -395,7 +387,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "_updater"):  # construction done: buckets are laid out
-            raise UsageError("sapipe: add param groups to the optimizer before wrapping it")
+            raise UsageError("add param groups to the optimizer before wrapping it")
         super().add_param_group(param_group)
 
     def __repr__(self) -> str:
@@ -413,11 +405,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (see :func:`sapipe.save_checkpoint`), between ``step()`` and the next forward.
         """
         if self._iteration == 0:
-            raise UsageError("sapipe: nothing to checkpoint before the first step()")
+            raise UsageError("nothing to checkpoint before the first step()")
         if self._pipeline.in_backward:
-            raise UsageError(
-                "sapipe: checkpoint between step() and the next forward, not during backward"
-            )
+            raise UsageError("checkpoint between step() and the next forward, not during backward")
         auto = (
             self.auto.state_dict() if self.auto is not None else {"decided": False, "search": None}
         )
@@ -452,7 +442,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_resumable(state, self._rank, self._world_size, self._settings_fingerprint())
         if self._pipeline.in_backward:
             raise UsageError(
-                "sapipe: load a checkpoint between step() and the next forward, not during backward"
+                "load a checkpoint between step() and the next forward, not during backward"
             )
         if self._pipeline.layout is None:
             self._build_layout(state["order"], k=state["k"])
@@ -495,7 +485,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         k = self._k if k is None else k
         if k > len(layers):
             raise ConfigurationError(
-                f"sapipe: stale_layers={k} exceeds the model's {len(layers)} layers "
+                f"stale_layers={k} exceeds the model's {len(layers)} layers "
                 "(modules owning trainable parameters not tied to an earlier layer)"
             )
         self._forward.compiled = self._recorder.compiled
@@ -511,7 +501,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         layout = self._pipeline.layout
         if layout is None:
             raise UsageError(
-                "sapipe: backward ran before the wrapped model's forward; call model(...) "
+                "backward ran before the wrapped model's forward; call model(...) "
                 "(the module given to DistributedOptimizer) for the forward pass"
             )
         iteration = self._iteration + 1

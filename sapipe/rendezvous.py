@@ -58,16 +58,14 @@ def check_locally(
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UnsupportedOptimizerError(
-            f"sapipe: optimizer must be a torch.optim.Optimizer instance; got {type(optimizer).__name__}"
+            f"optimizer must be a torch.optim.Optimizer instance; got {type(optimizer).__name__}"
         )
     if isinstance(optimizer, wrapper):
-        raise ConfigurationError(f"sapipe: the optimizer is already a sapipe.{wrapper.__name__}")
+        raise ConfigurationError(f"the optimizer is already a sapipe.{wrapper.__name__}")
     if not isinstance(model, nn.Module):
-        raise ConfigurationError(f"sapipe: model must be an nn.Module; got {type(model).__name__}")
+        raise ConfigurationError(f"model must be an nn.Module; got {type(model).__name__}")
     if isinstance(uncompiled(model), nn.parallel.DistributedDataParallel):
-        raise ConfigurationError(
-            "sapipe: pass the plain model, not a DistributedDataParallel wrapper"
-        )
+        raise ConfigurationError("pass the plain model, not a DistributedDataParallel wrapper")
     rule = rule_for(optimizer)
     params = _trainable_parameters(optimizer, model)
     recorder = LayerRecorder(model, params)
@@ -83,18 +81,18 @@ def _trainable_parameters(optimizer: torch.optim.Optimizer, model: nn.Module) ->
         for p in group["params"]:
             if id(p) not in model_params:
                 raise ConfigurationError(
-                    f"sapipe: the optimizer's param group {group_index} holds a parameter of shape "
+                    f"the optimizer's param group {group_index} holds a parameter of shape "
                     f"{tuple(p.shape)} that is not a parameter of the model"
                 )
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
     if not params:
-        raise ConfigurationError("sapipe: the optimizer holds no trainable parameters of the model")
+        raise ConfigurationError("the optimizer holds no trainable parameters of the model")
     kinds = {(p.dtype, p.device) for p in params}
     if len(kinds) > 1:
         raise ConfigurationError(
-            f"sapipe: all trainable parameters must share one dtype and device; found {sorted(map(str, kinds))}"
+            f"all trainable parameters must share one dtype and device; found {sorted(map(str, kinds))}"
         )
     return params
 
@@ -152,7 +150,7 @@ def agree(
     if differences:
         differences = _spelt_out(group, configuration, [fp for fp, _ in gathered], differences)
         raise ConfigurationError(
-            "sapipe: ranks were configured differently: " + "; ".join(differences[:10])
+            "ranks were configured differently: " + "; ".join(differences[:10])
         )
     if local_error is not None:
         raise local_error
@@ -255,8 +253,8 @@ def failure_named(what: str) -> Iterator[None]:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with context
         if not isinstance(exc, (RuntimeError, TimeoutError, OSError)):  # raised on this rank
-            raise CommunicationError(f"sapipe: {what} failed: {exc}") from exc
-        head = failures.with_first_failure(f"sapipe: {what} failed")
+            raise CommunicationError(f"{what} failed: {exc}") from exc
+        head = failures.with_first_failure(f"{what} failed")
         raise failures.symptom(CommunicationError(f"{head}: {exc}")) from exc
 
 
@@ -274,7 +272,7 @@ class ControlChannel:
         if (
             self.group is None
         ):  # given group=None, torch would run the collective on the default group
-            raise UsageError(f"sapipe: {what} after close()")
+            raise UsageError(f"{what} after close()")
         return self.group
 
     def agree_on_max(self, values: list[float], what: str) -> list[float]:

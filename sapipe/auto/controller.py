@@ -417,7 +417,7 @@ class AutoController:
         """What this job measured and decided, for :mod:`sapipe.schedule.predict`."""
         if not self.decided or self.profile is None or self.decision is None:
             raise UsageError(
-                "sapipe: no profile to save yet: stale_layers='auto' has not decided k in this run "
+                "no profile to save yet: stale_layers='auto' has not decided k in this run "
                 "(it profiles the warm-up, then measures; a job resumed after the decision has none)"
             )
         layers = self._pipeline.layout.layers

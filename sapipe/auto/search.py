@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import astuple, dataclass
 from typing import Any, Callable
 
+from sapipe.errors import ConfigurationError, SapipeError
+
 __all__ = ["LINK_SCALES", "SLOWDOWN_GRID", "Trial", "Tuner", "fit_link_scale", "fit_slowdown"]
 
 #: Candidate σ for :func:`fit_slowdown`: 0 (communication costs compute nothing) up to 8
@@ -74,9 +76,9 @@ class Tuner:
         suggest: Callable[[int, int], int] | None = None,
     ) -> None:
         if not 0 <= first_k <= m:
-            raise ValueError(f"sapipe.schedule: first k={first_k} outside 0..{m}")
+            raise ConfigurationError(f"first k={first_k} outside 0..{m}")
         if not 0.0 <= tolerance < 1.0:
-            raise ValueError(f"sapipe.schedule: tolerance must be in [0, 1); got {tolerance}")
+            raise ConfigurationError(f"tolerance must be in [0, 1); got {tolerance}")
         self.m = m
         self.first_k = first_k
         self.tolerance = tolerance
@@ -94,7 +96,7 @@ class Tuner:
     def record(self, iteration_time: float, waits: float) -> None:
         """The measurement of ``trial``; sets the next ``trial`` or ``final``."""
         if self.trial is None:
-            raise RuntimeError("sapipe.schedule: the search is over; nothing to record")
+            raise SapipeError("the search is over; nothing to record")
         self.trials.append(Trial(self.trial, iteration_time, waits))
         self.trial = self._next()
         if self.trial is None:
@@ -130,7 +132,7 @@ class Tuner:
         the threshold its verdict turns on (k₁'s waits against the tolerance, T(m) against
         T(k₁), a probe against T(m)): a trial noisier than this has not settled its verdict."""
         if self.trial is None:
-            raise RuntimeError("sapipe.schedule: the search is over; nothing to judge")
+            raise SapipeError("the search is over; nothing to judge")
         if not self.trials:
             return abs(waits - self.tolerance * iteration_time) / iteration_time
         if self.trial == self.m and len(self.trials) == 1:
@@ -142,7 +144,7 @@ class Tuner:
     def stop(self) -> None:
         """End the search now (its budget is spent) with the best k measured so far."""
         if self.trial is None:
-            raise RuntimeError("sapipe.schedule: the search is over already")
+            raise SapipeError("the search is over already")
         self.trial = self._finish(self._hi if self._hi >= 0 else self.first_k)
 
     def _finish(self, k: int) -> None:

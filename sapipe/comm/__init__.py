@@ -98,9 +98,7 @@ def create(
     """
     refusal = compression_refusal(backend, compression)
     if refusal is not None:
-        raise ConfigurationError(
-            f"sapipe: {refusal}"
-        )  # validated before; reached only by direct calls
+        raise ConfigurationError(f"{refusal}")  # validated before; reached only by direct calls
     if backend == "torch":
         if topology is not None:
             return hierarchical.create(process_group, topology, compression, name, timeout, tracer)
@@ -132,7 +130,7 @@ def create(
         from sapipe.comm.byteps_backend import BytePSPushPull
 
         return BytePSPushPull(new_group_like(process_group, timeout), name, timeout, tracer)
-    raise SapipeError(f"sapipe: unknown backend {backend!r}")  # validated before; a bug if reached
+    raise SapipeError(f"unknown backend {backend!r}")  # validated before; a bug if reached
 
 
 __all__ = [

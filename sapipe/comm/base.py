@@ -117,7 +117,7 @@ class CommBackend(abc.ABC):
         timeout or socket error; any other exception was raised by code on this rank, so it
         is not blamed on a peer. A lost peer's error names the rank that failed first and its
         exception where that rank published them (:mod:`sapipe.comm.failures`)."""
-        head = f"sapipe: {self.name} {operation} of {what} failed"
+        head = f"{self.name} {operation} of {what} failed"
         if isinstance(exc, (RuntimeError, TimeoutError, OSError)):
             cause = (
                 f"A peer rank has probably died, hung or lost its connection "
@@ -264,7 +264,7 @@ def require_whole_job(group, operation: str) -> None:
     """ConfigurationError unless ``group`` spans the whole job (libraries run on all ranks)."""
     if dist.get_world_size(group) != dist.get_world_size():
         raise ConfigurationError(
-            f"sapipe: {operation} back-ends work on the whole job only; process_group has "
+            f"{operation} back-ends work on the whole job only; process_group has "
             f"{dist.get_world_size(group)} of the {dist.get_world_size()} ranks"
         )
 
@@ -283,15 +283,15 @@ def import_library(
         lib = importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
         raise ConfigurationError(
-            f"sapipe: backend={backend!r} needs {module}, which does not import here "
+            f"backend={backend!r} needs {module}, which does not import here "
             f"({type(exc).__name__}: {exc}). {hint}"
         ) from exc
     reason = not_ready(lib)
     if reason:
-        raise ConfigurationError(f"sapipe: backend={backend!r}: {reason}")
+        raise ConfigurationError(f"backend={backend!r}: {reason}")
     if lib.size() != dist.get_world_size() or lib.rank() != dist.get_rank():
         raise ConfigurationError(
-            f"sapipe: backend={backend!r}: {module} numbers this rank {lib.rank()} of {lib.size()}, "
+            f"backend={backend!r}: {module} numbers this rank {lib.rank()} of {lib.size()}, "
             f"torch.distributed {dist.get_rank()} of {dist.get_world_size()}; launch both the same way"
         )
     return lib

@@ -92,13 +92,11 @@ def sum_compressed(
 def check_codec(codec: Slot | None, tensor: torch.Tensor, name: str, what: str) -> Slot:
     """``codec`` if it was handed over and covers ``tensor``; else UsageError (a bug upstream)."""
     if codec is None:
-        raise UsageError(
-            f"sapipe: the compressed {name} sum of {what} was started without its codec"
-        )
+        raise UsageError(f"the compressed {name} sum of {what} was started without its codec")
     end = codec.partitions()[-1][1]
     if end != tensor.numel():
         raise UsageError(
-            f"sapipe: the codec of {what} covers {end} values, its buffer holds {tensor.numel()}"
+            f"the codec of {what} covers {end} values, its buffer holds {tensor.numel()}"
         )
     return codec
 

@@ -67,11 +67,11 @@ def resolve(requested: bool | None, backend: str, topology: Topology) -> bool:
         return backend == "torch" and topology.two_level
     if backend != "torch":
         raise ConfigurationError(
-            f"sapipe: hierarchical=True runs on backend='torch'; got backend={backend!r}"
+            f"hierarchical=True runs on backend='torch'; got backend={backend!r}"
         )
     if not topology.two_level:
         raise ConfigurationError(
-            f"sapipe: hierarchical=True needs several nodes with the same number (> 1) of ranks each; this job "
+            f"hierarchical=True needs several nodes with the same number (> 1) of ranks each; this job "
             f"has {topology.describe()} (torchrun's GROUP_RANK, else the host name, tells a rank's node)"
         )
     return True
@@ -138,7 +138,7 @@ class HierarchicalAllReduce(InStartOrder):
     def _group(self, attr: str):
         group = getattr(self, attr)
         if group is None:  # given None, a collective would run on the default group
-            raise UsageError("sapipe: the hierarchical back-end was closed with work in flight")
+            raise UsageError("the hierarchical back-end was closed with work in flight")
         return group
 
 
@@ -166,7 +166,7 @@ class HierarchicalCompressedSum(HierarchicalAllReduce):
             or codec.codec.numel + codec.codec.nflags != tensor.numel()
         ):
             raise UsageError(
-                f"sapipe: the node-first compressed sum of {what} was started without its codec "
+                f"the node-first compressed sum of {what} was started without its codec "
                 f"(or with another bucket's)"
             )
         return self.enqueue(self.new_job(tensor, what, detail=codec))

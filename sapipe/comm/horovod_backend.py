@@ -113,7 +113,7 @@ def init_horovod_for_torch_job(group=None):
     from horovod.runner.http.http_server import RendezvousServer
 
     if not hvd.gloo_built():
-        raise ConfigurationError("sapipe: this Horovod build has no Gloo controller")
+        raise ConfigurationError("this Horovod build has no Gloo controller")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -155,6 +155,6 @@ def init_horovod_for_torch_job(group=None):
     hvd._sapipe_rendezvous = server  # keep rank 0's server alive as long as Horovod runs
     if hvd.size() != world or hvd.rank() != rank:
         raise ConfigurationError(
-            f"sapipe: Horovod numbered this rank {hvd.rank()} of {hvd.size()}, torch.distributed {rank} of {world}"
+            f"Horovod numbered this rank {hvd.rank()} of {hvd.size()}, torch.distributed {rank} of {world}"
         )
     return hvd

@@ -47,6 +47,7 @@ from sapipe.comm.compressed import TorchCollectives, check_codec, sum_compressed
 from sapipe.comm.groups import release_group
 from sapipe.comm.worker import Job, Scratch, WorkerBackend, sum_by_shards
 from sapipe.compression.codec import Slot, SlotCodec, partition_bounds
+from sapipe.errors import ConfigurationError
 from sapipe.tracing.tracer import Tracer
 
 DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024  # BytePS's default partition size
@@ -78,7 +79,7 @@ class PushPull(WorkerBackend):
     ):
         super().__init__(name, timeout, tracer)
         if partition_bytes <= 0:
-            raise ValueError(f"sapipe: partition_bytes must be > 0; got {partition_bytes}")
+            raise ConfigurationError(f"partition_bytes must be > 0; got {partition_bytes}")
         # Both groups belong to the worker thread alone; ``group`` stays None, so the
         # scheduler's link probes (main thread) never interleave with the worker's traffic.
         self._data = TorchCollectives(

@@ -31,9 +31,7 @@ class AllReduce(CommBackend):
 
     def start(self, tensor: torch.Tensor, what: str, priority: int = 0) -> Handle:
         if self.group is None:  # given group=None, torch would run it on the default group
-            raise UsageError(
-                f"sapipe: the {self.name} all-reduce of {what} was started after close()"
-            )
+            raise UsageError(f"the {self.name} all-reduce of {what} was started after close()")
         try:
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         except Exception as exc:  # noqa: BLE001 - re-raised with context

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from sapipe.comm.base import CommBackend, Handle
+from sapipe.errors import UsageError
 
 _JOIN_SECONDS = 10.0  # how long close() waits for an idle worker to exit
 
@@ -204,7 +205,7 @@ class WorkerBackend(CommBackend):
             if self.error is not None:
                 raise self.failure(self.operation, job.what, self.error) from self.error
             if self.closing:
-                raise RuntimeError(f"sapipe: the {self.name} back-end was used after close()")
+                raise UsageError(f"the {self.name} back-end was used after close()")
             job.sequence = self.num_started
             self.num_started += 1
             if self.tracer.enabled:  # before the worker can record the job's end

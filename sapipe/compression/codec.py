@@ -72,7 +72,7 @@ _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 def validate(compression: str | None) -> str | None:
     """``compression`` if it names a format (or is None); else ValueError listing them."""
     if compression is not None and compression not in COMPRESSIONS:
-        raise ValueError(
+        raise ConfigurationError(
             f"compression must be None or one of {', '.join(map(repr, COMPRESSIONS))}; got {compression!r}"
         )
     return compression
@@ -387,7 +387,7 @@ def partition_bounds(numel: int, per_partition: int) -> list[tuple[int, int]]:
     """[start, end) of each partition of ``numel`` values, ``per_partition`` values each (the
     last may be shorter)."""
     if per_partition <= 0:
-        raise ValueError(f"sapipe: a partition must hold at least one value; got {per_partition}")
+        raise ConfigurationError(f"a partition must hold at least one value; got {per_partition}")
     return [(lo, min(lo + per_partition, numel)) for lo in range(0, numel, per_partition)]
 
 
@@ -508,7 +508,7 @@ class PartitionedCodec:
         saved = state.get("server_residuals") or []
         if len(saved) != len(self.parts):
             raise ConfigurationError(
-                f"sapipe: the checkpoint holds {len(saved)} partitions of this bucket, "
+                f"the checkpoint holds {len(saved)} partitions of this bucket, "
                 f"this layout {len(self.parts)}"
             )
 
@@ -665,7 +665,7 @@ def _check_node_size(state: dict, node_size: int) -> None:
             return "flat" if n == 1 else f"node first over {n} ranks per node"
 
         raise ConfigurationError(
-            f"sapipe: the checkpoint's compressed sums went {how(saved)}, this job's go "
+            f"the checkpoint's compressed sums went {how(saved)}, this job's go "
             f"{how(node_size)}: their error-feedback residuals cover other values"
         )
 
@@ -692,7 +692,7 @@ def make_codec(
     if node_size > 1:
         if partition_bytes is not None or world % node_size:
             raise ConfigurationError(
-                f"sapipe: node-first sums need whole nodes and no partitions; got world {world}, "
+                f"node-first sums need whole nodes and no partitions; got world {world}, "
                 f"{node_size} ranks per node, partition_bytes={partition_bytes}"
             )
         return NodeFirstCodec(

@@ -22,6 +22,8 @@ from typing import Any
 
 from torch import Tensor
 
+from sapipe.errors import ConfigurationError
+
 DC_FORMS = ("outer", "diagonal")
 
 
@@ -60,13 +62,13 @@ class GradientSpec:
 
     def __post_init__(self) -> None:
         if self.form not in DC_FORMS:
-            raise ValueError(f"unknown delay-compensation form {self.form!r}")
+            raise ConfigurationError(f"unknown delay-compensation form {self.form!r}")
         if self.delta is None and self.delta_ref is not None:
-            raise ValueError("delta_ref given without delta")
+            raise ConfigurationError("delta_ref given without delta")
         if self.delta_is_step and self.delta is not None:
-            raise ValueError("delta_is_step: Δ is the update's own step, no delta is given")
+            raise ConfigurationError("delta_is_step: Δ is the update's own step, no delta is given")
         if self.dots is not None and self.lengths is None:
-            raise ValueError("per-tensor dots need the tensor lengths")
+            raise ConfigurationError("per-tensor dots need the tensor lengths")
 
     @classmethod
     def plain(cls, grad: Tensor) -> GradientSpec:
@@ -90,7 +92,7 @@ class GradientSpec:
         """The spec of the flat slice [start, end) (a segment), whose parameter tensors have
         ``lengths`` elements each."""
         if self.dots is not None:
-            raise ValueError("per-tensor dots cannot be sliced by elements")
+            raise ConfigurationError("per-tensor dots cannot be sliced by elements")
 
         def part(t: Tensor | None) -> Tensor | None:
             return None if t is None else t[start:end]

@@ -52,6 +52,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from sapipe.errors import ConfigurationError
 from sapipe.kernels import _ext
 from sapipe.kernels.gradient_spec import GradientSpec
 
@@ -160,14 +161,14 @@ _OFFSETS: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
 def _offsets(lengths: Sequence[int] | None, like: Tensor) -> Tensor:
     """int64 tensor boundaries [0, l0, l0+l1, ..., N] on ``like``'s device (cached)."""
     if lengths is None:
-        raise ValueError("the outer delay-compensation form needs the tensor lengths")
+        raise ConfigurationError("the outer delay-compensation form needs the tensor lengths")
     key = (tuple(int(n) for n in lengths), like.device)
     cached = _OFFSETS.get(key)
     if cached is None:
         if any(n < 0 for n in key[0]):
-            raise ValueError(f"negative tensor length in {list(key[0])}")
+            raise ConfigurationError(f"negative tensor length in {list(key[0])}")
         if sum(key[0]) != like.numel():
-            raise ValueError(
+            raise ConfigurationError(
                 f"tensor lengths sum to {sum(key[0])}, the segment has {like.numel()} elements"
             )
         bounds = [0]
@@ -192,27 +193,29 @@ def _check_update(spec: GradientSpec, peek: GradientSpec | None, out: Tensor | N
     ``peek=None``: OPT in place (``out=None``) or OPT_peek into ``out`` (no history write).
     """
     if spec.delta_is_step:
-        raise ValueError("only a peek's Δ can be the update's own step (delta_is_step)")
+        raise ConfigurationError("only a peek's Δ can be the update's own step (delta_is_step)")
     if peek is None:
         if out is not None and spec.hist is not None:
-            raise ValueError("hist needs an in-place update (out=None, or a peek)")
+            raise ConfigurationError("hist needs an in-place update (out=None, or a peek)")
         return
     if peek.delta is not None or peek.hist is not None:
-        raise ValueError(
+        raise ConfigurationError(
             "a fused peek's Δ is the update's own step and it writes no history; "
             "for an explicit delta, update, then peek"
         )
     if peek.dots is not None and not peek.delta_is_step:
-        raise ValueError("a peek's dots are those of the update's step: set delta_is_step")
+        raise ConfigurationError("a peek's dots are those of the update's step: set delta_is_step")
     if out is not None and peek.delta_is_step and peek.form == "outer":
-        raise ValueError(
+        raise ConfigurationError(
             "the outer form's peek needs every element's step first: the update "
             "fills peek.dots, then a second call peeks given them"
         )
     if out is None and peek.dots is None:
-        raise ValueError("a peek needs out (x̃) or dots (the step's dot products)")
+        raise ConfigurationError("a peek needs out (x̃) or dots (the step's dot products)")
     if peek.dots is not None and spec.compensates and spec.form == "outer":
-        raise ValueError("the step's dot products with an outer-form update are not supported")
+        raise ConfigurationError(
+            "the step's dot products with an outer-form update are not supported"
+        )
 
 
 def _native(mod, spec: GradientSpec | None):
@@ -363,7 +366,7 @@ def dc_dots(spec: GradientSpec) -> Tensor:
     (e.g. for the real update and the peek of the same gradient).
     """
     if spec.delta is None:
-        raise ValueError("dc_dots needs delta")
+        raise ConfigurationError("dc_dots needs delta")
     mod = _module(*spec.flat_tensors())
     if mod is None:
         return reference_dc_dots(spec)
@@ -448,7 +451,7 @@ def reference_delay_compensate(
         scale.mul_(grad).mul_(lam)
         return torch.add(grad, scale, out=out)
     if form != "outer":
-        raise ValueError(f"unknown delay-compensation form {form!r}")
+        raise ConfigurationError(f"unknown delay-compensation form {form!r}")
     if grad.numel() == 0:
         return out
     dots = torch.segment_reduce(

@@ -268,14 +268,14 @@ class Bucket:
             saved_bounds is not None and [list(b) for b in saved_bounds] != bounds
         ):
             raise ConfigurationError(
-                f"sapipe: the checkpoint's {self.describe()} splits into other param groups "
+                f"the checkpoint's {self.describe()} splits into other param groups "
                 "than this job's (the optimizer's param groups changed)"
             )
         for saved in state["segments"]:
             if ("buffers" in saved) != (path == "fused"):
                 kept = "fused" if "buffers" in saved else "generic"
                 raise UnsupportedOptimizerError(
-                    f"sapipe: the checkpoint's optimizer state was kept by the {kept} "
+                    f"the checkpoint's optimizer state was kept by the {kept} "
                     f"update path; this job takes the {path} one"
                 )
         if (

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from sapipe.errors import ConfigurationError
+
 
 @dataclass
 class Layer:
@@ -104,7 +106,7 @@ class LayerRecorder:
             known = {name for name, _ in self._owners}
             unknown = [name for name in order if name not in known]
             if unknown:
-                raise ValueError(
+                raise ConfigurationError(
                     f"modules {unknown} of the saved layer order are not layers of this model"
                 )
             self._seen = {id(dict(self._owners)[name]): i for i, name in enumerate(order)}

@@ -79,7 +79,7 @@ class SegmentState:
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         if "buffers" not in saved:
             raise UnsupportedOptimizerError(
-                "sapipe: the checkpoint's optimizer state was kept by the "
+                "the checkpoint's optimizer state was kept by the "
                 "generic update path; this job takes the fused one"
             )
         self.steps, self.momentum_started = saved["steps"], saved["momentum_started"]

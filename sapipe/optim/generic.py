@@ -104,7 +104,7 @@ class ParamState(SegmentState):
         assert self.optimizer is not None
         if "torch_state" not in saved:
             raise UnsupportedOptimizerError(
-                "sapipe: the checkpoint's optimizer state was kept by the fused "
+                "the checkpoint's optimizer state was kept by the fused "
                 "update path; this job takes the generic one"
             )
         step_on_device = _step_on_device(self.optimizer, self.places[0][0])

@@ -158,7 +158,7 @@ class Runtime:
         """Raise unless ``p.grad`` holds the averaged gradients of ``iteration`` (its backward ended)."""
         if self.exposure is None:
             raise UsageError(
-                f"sapipe: {what} needs p.grad to hold the averaged gradient; construct the "
+                f"{what} needs p.grad to hold the averaged gradient; construct the "
                 "optimizer with expose_gradients=True (the default)"
             )
         self.exposure.check_exposed(iteration, what)
@@ -246,15 +246,13 @@ class Runtime:
         fit it (layers, param groups, update path, residuals); else an error naming why, before
         anything of this job has changed."""
         if [layer.name for layer in self.layout.layers] != state["layers"]:
-            raise ConfigurationError(
-                "sapipe: the checkpoint's layer order differs from this model's"
-            )
+            raise ConfigurationError("the checkpoint's layer order differs from this model's")
         layout = self.layout.relaid(state["k"])
         if [[layer.name for layer in b.layers] for b in layout.buckets] != [
             b["layers"] for b in state["buckets"]
         ]:
             raise ConfigurationError(
-                "sapipe: the checkpoint's bucket layout differs (bucket_cap_mb or model changed)"
+                "the checkpoint's bucket layout differs (bucket_cap_mb or model changed)"
             )
         for bucket, saved in zip(layout.buckets, state["buckets"]):
             bucket.check_state_dict(saved, self.updater.rule.path)

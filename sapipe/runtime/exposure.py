@@ -273,7 +273,7 @@ class GradientExposure:
         """Raise unless ``p.grad`` holds ``iteration``'s gradients (its backward has ended)."""
         if self.iteration != iteration:
             raise UsageError(
-                f"sapipe: call {what} between loss.backward() and step(): p.grad holds "
+                f"call {what} between loss.backward() and step(): p.grad holds "
                 "the averaged gradients only once backward has ended"
             )
 

@@ -153,7 +153,7 @@ class ForwardHooks:
         missed = [b for b in self._runtime.pipeline.buckets if b.pending_update is not None]
         if missed:
             raise UsageError(
-                f"sapipe: this forward ran compiled layers (torch.compile) while {len(missed)} synchronous "
+                f"this forward ran compiled layers (torch.compile) while {len(missed)} synchronous "
                 "update(s) were still pending, so they used the weights before the last step(). Compile the "
                 "model before the first step(), or call opt.synchronize() before the first compiled forward"
             )

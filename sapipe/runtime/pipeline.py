@@ -167,7 +167,7 @@ class GradientPipeline:
         bucket, i = self.layout.slot_of[id(param)]
         if bucket.ready[i]:
             raise UsageError(
-                "sapipe: a parameter received a second gradient before step(). For gradient "
+                "a parameter received a second gradient before step(). For gradient "
                 "accumulation, run every backward but the last inside `with opt.no_sync():`"
             )
         if bucket.num_ready == 0:  # the bucket's first gradient of this iteration
@@ -273,7 +273,7 @@ class GradientPipeline:
             if param.grad is not grad or grad._version != version:
                 layer = self.layout.layers[self.layout.layer_of[id(param)]]
                 raise UsageError(
-                    f"sapipe: the gradient of a parameter of layer {layer.name or '<root>'!r} (shape "
+                    f"the gradient of a parameter of layer {layer.name or '<root>'!r} (shape "
                     f"{tuple(param.shape)}) was changed between backward() and step() (clip_grad_norm_, "
                     "clip_grad_value_, GradScaler.unscale_ or an assignment to p.grad). With "
                     "expose_gradients=False p.grad is this rank's own gradient, already sent to its "

@@ -79,10 +79,10 @@ class LinkSpec:
 
     def __post_init__(self):
         if not self.rate > 0 or math.isnan(self.rate):
-            raise ConfigurationError(f"sapipe: a link's rate must be > 0 bytes/s; got {self.rate}")
+            raise ConfigurationError(f"a link's rate must be > 0 bytes/s; got {self.rate}")
         if not 0 <= self.latency < math.inf:
             raise ConfigurationError(
-                f"sapipe: a link's latency must be finite and >= 0 s; got {self.latency}"
+                f"a link's latency must be finite and >= 0 s; got {self.latency}"
             )
 
     @classmethod
@@ -94,7 +94,7 @@ class LinkSpec:
         try:
             spec = parse_spec(text)
         except ValueError as exc:
-            raise ConfigurationError(f"sapipe: cannot read the {what} {text!r}: {exc}") from exc
+            raise ConfigurationError(f"cannot read the {what} {text!r}: {exc}") from exc
         return cls(math.inf if spec.rate_bits is None else spec.rate_bits / 8.0, spec.delay_s)
 
     def describe(self) -> str:
@@ -126,9 +126,7 @@ class ClusterLink:
         for name in ("nodes", "ranks_per_node"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(
-                    f"sapipe: a cluster needs {name} >= 1 (an integer); got {value!r}"
-                )
+                raise ConfigurationError(f"a cluster needs {name} >= 1 (an integer); got {value!r}")
 
     @property
     def world_size(self) -> int:
@@ -146,7 +144,7 @@ class ClusterLink:
     def _intra(self) -> LinkSpec:
         if self.intra is None:
             raise ConfigurationError(
-                f"sapipe: the sums of {self.nodes} node(s) of {self.ranks_per_node} ranks cross the links inside a "
+                f"the sums of {self.nodes} node(s) of {self.ranks_per_node} ranks cross the links inside a "
                 "node, and no intra-node link was given (give one, or a profile measured on one node of several "
                 "ranks to derive it from)"
             )
@@ -177,7 +175,7 @@ class ClusterLink:
         where :attr:`two_level`, else flat."""
         if not wire_ratio > 0 or not codec_per_byte >= 0:
             raise ConfigurationError(
-                f"sapipe: compression needs wire_ratio > 0 and codec_per_byte >= 0; "
+                f"compression needs wire_ratio > 0 and codec_per_byte >= 0; "
                 f"got {wire_ratio}, {codec_per_byte}"
             )
         n, g = self.nodes, self.ranks_per_node
@@ -217,12 +215,12 @@ def intra_link_from_profile(profile) -> LinkSpec:
     w = profile.world_size
     if profile.nodes != 1:
         raise ConfigurationError(
-            f"sapipe: the intra-node link cannot be derived from a profile of {profile.nodes} nodes (its link mixes "
+            f"the intra-node link cannot be derived from a profile of {profile.nodes} nodes (its link mixes "
             "both levels); give the intra-node link"
         )
     if w < 2:
         raise ConfigurationError(
-            "sapipe: the intra-node link cannot be derived from a profile of 1 rank (nothing was sent); give the "
+            "the intra-node link cannot be derived from a profile of 1 rank (nothing was sent); give the "
             "intra-node link"
         )
     alpha, beta = profile.alpha, profile.beta
@@ -233,7 +231,7 @@ def intra_link_from_profile(profile) -> LinkSpec:
         alpha, beta = alpha / 2, profile.wire_beta if profile.wire_beta > 0 else modelled
     if not beta > 0:
         raise ConfigurationError(
-            f"sapipe: the profile's link has beta={profile.beta} s/byte, no rate to derive; give the intra-node link"
+            f"the profile's link has beta={profile.beta} s/byte, no rate to derive; give the intra-node link"
         )
     return LinkSpec(2 * (w - 1) / w / beta, alpha / (2 * (w - 1)))
 
@@ -251,8 +249,7 @@ def sapipe_hierarchical(
         return backend == "torch" and two_level
     if requested and backend != "torch":
         raise ConfigurationError(
-            f"sapipe: hierarchical=True runs on backend='torch'; the profile has "
-            f"backend={backend!r}"
+            f"hierarchical=True runs on backend='torch'; the profile has backend={backend!r}"
         )
     return bool(requested) and two_level
 

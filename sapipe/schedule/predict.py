@@ -185,13 +185,13 @@ def predict(
     the profile's). ConfigurationError, naming the cause, for what cannot be predicted.
     """
     if not isinstance(profile, SavedProfile) or not profile.layers:
-        raise ConfigurationError("sapipe: predict needs a SavedProfile with at least one layer")
+        raise ConfigurationError("predict needs a SavedProfile with at least one layer")
     sigma = profile.slowdown if slowdown is None else slowdown
     if not 0 <= sigma < math.inf:
-        raise ConfigurationError(f"sapipe: the slow-down must be finite and >= 0; got {sigma}")
+        raise ConfigurationError(f"the slow-down must be finite and >= 0; got {sigma}")
     inter_link = parse_link(inter, "inter-node link")
     if inter_link is None:
-        raise ConfigurationError("sapipe: predict needs the inter-node link (RATE[,LATENCY])")
+        raise ConfigurationError("predict needs the inter-node link (RATE[,LATENCY])")
     cluster, flat = _links(
         profile,
         nodes,
@@ -330,13 +330,9 @@ def _counts(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ConfigurationError(
-            f"sapipe: --nodes takes node counts like 1,2,4,8; got {text!r}"
-        ) from None
+        raise ConfigurationError(f"--nodes takes node counts like 1,2,4,8; got {text!r}") from None
     if not values or min(values) < 1:
-        raise ConfigurationError(
-            f"sapipe: --nodes takes node counts >= 1, like 1,2,4,8; got {text!r}"
-        )
+        raise ConfigurationError(f"--nodes takes node counts >= 1, like 1,2,4,8; got {text!r}")
     return values
 
 
@@ -392,12 +388,12 @@ def run(args: argparse.Namespace) -> str:
     """What the command prints (ConfigurationError for anything it cannot predict)."""
     profile = SavedProfile.load(args.profile)
     if args.gpus_per_node < 1:
-        raise ConfigurationError(f"sapipe: --gpus-per-node must be >= 1; got {args.gpus_per_node}")
+        raise ConfigurationError(f"--gpus-per-node must be >= 1; got {args.gpus_per_node}")
     if args.batch is not None and not args.batch > 0:
-        raise ConfigurationError(f"sapipe: --batch must be > 0; got {args.batch}")
+        raise ConfigurationError(f"--batch must be > 0; got {args.batch}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ConfigurationError(
-            "sapipe: --plot needs matplotlib (pip install matplotlib); the table needs nothing"
+            "--plot needs matplotlib (pip install matplotlib); the table needs nothing"
         )
     hierarchical = {"auto": None, "on": True, "off": False}[args.hierarchical]
     predictions = [

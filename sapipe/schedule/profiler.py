@@ -242,7 +242,7 @@ class LayerTimer:
         (the simulator puts it back wherever its timeline has a transfer in flight).
         """
         if not self._forward:
-            raise RuntimeError("sapipe: no complete iteration was profiled")
+            raise RuntimeError("no complete iteration was profiled")
         forward, backward = self._forward, self._backward
         steps = self._step_times
         if slowdown > 0:
@@ -542,7 +542,7 @@ def measure(
     counts = [int(count) for (count,) in gather([float(len(samples))])]
     if min(counts) == 0:  # raised on every rank, before collectives one rank would not join
         raise ConfigurationError(
-            f"sapipe: stale_layers='auto' profiled no iteration with a whole forward and backward on rank(s) "
+            f"stale_layers='auto' profiled no iteration with a whole forward and backward on rank(s) "
             f"{[rank for rank, count in enumerate(counts) if count == 0]}; give stale_layers a number"
         )
     u, b, step = timer.medians()

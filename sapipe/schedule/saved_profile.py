@@ -88,13 +88,13 @@ class SavedProfile:
             return
         if len(layers) != len(self.layers):
             raise ConfigurationError(
-                f"sapipe: the profile is of another model: it has {len(self.layers)} layers, "
+                f"the profile is of another model: it has {len(self.layers)} layers, "
                 f"the model {len(layers)}"
             )
         for i, (mine, theirs, a, b) in enumerate(zip(self.layers, layers, self.numel, numel)):
             if mine != theirs or a != b:
                 raise ConfigurationError(
-                    f"sapipe: the profile is of another model: its layer {i} is {mine!r} "
+                    f"the profile is of another model: its layer {i} is {mine!r} "
                     f"({a} parameters), the model's is {theirs!r} ({b} parameters)"
                 )
 
@@ -112,14 +112,14 @@ class SavedProfile:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise ConfigurationError(
-                f"sapipe: {source} is not a sapipe profile ({FORMAT!r}); found format {found!r}"
+                f"{source} is not a sapipe profile ({FORMAT!r}); found format {found!r}"
             )
         fields = dataclasses.fields(cls)
         missing = [
             f.name for f in fields if f.name not in data and f.default is dataclasses.MISSING
         ]
         if missing:
-            raise ConfigurationError(f"sapipe: {source} lacks {', '.join(missing)}")
+            raise ConfigurationError(f"{source} lacks {', '.join(missing)}")
         present = [f.name for f in fields if f.name in data]
         values = {
             name: tuple(data[name]) if isinstance(data[name], list) else data[name]
@@ -135,14 +135,14 @@ class SavedProfile:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
         except (OSError, ValueError) as exc:
-            raise ConfigurationError(f"sapipe: cannot read the profile {path}: {exc}") from exc
+            raise ConfigurationError(f"cannot read the profile {path}: {exc}") from exc
         return cls.from_dict(data, path)
 
     def _check(self, source: str) -> None:
         m = len(self.layers)
         if not (len(self.numel) == len(self.forward) == len(self.backward) == m) or m == 0:
             raise ConfigurationError(
-                f"sapipe: {source} is inconsistent: {m} layers, {len(self.numel)} sizes, "
+                f"{source} is inconsistent: {m} layers, {len(self.numel)} sizes, "
                 f"{len(self.forward)} forward and {len(self.backward)} backward times"
             )
         times = (
@@ -151,9 +151,9 @@ class SavedProfile:
             + [self.step_time, self.update_time, self.alpha, self.beta]
         )
         if any(not math.isfinite(t) or t < 0 for t in times) or self.slowdown < 0:
-            raise ConfigurationError(f"sapipe: {source} holds a negative or non-finite time")
+            raise ConfigurationError(f"{source} holds a negative or non-finite time")
         if not 1 <= self.nodes <= self.world_size or self.ranks_per_node < 1:
             raise ConfigurationError(
-                f"sapipe: {source} is inconsistent: {self.world_size} ranks on {self.nodes} "
+                f"{source} is inconsistent: {self.world_size} ranks on {self.nodes} "
                 f"node(s) of {self.ranks_per_node}"
             )

@@ -64,6 +64,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from sapipe.errors import ConfigurationError
 from sapipe.layout.packing import bucket_layout
 from sapipe.tracing.chrome_trace import TraceEvent
 
@@ -113,8 +114,8 @@ def plan_buckets(
     """
     nbytes = _bytes_per_layer(profiles, bytes_per_layer)
     if (alpha is None) != (beta is None):
-        raise ValueError(
-            "sapipe.schedule: give both alpha and beta (α–β model) or neither (use profiled comm)"
+        raise ConfigurationError(
+            "give both alpha and beta (α–β model) or neither (use profiled comm)"
         )
     plans = []
     for index, layers in enumerate(bucket_layout(nbytes, k, bucket_cap_bytes)):
@@ -133,8 +134,8 @@ def _bytes_per_layer(
     if bytes_per_layer is None:
         return [4 * p.numel for p in profiles]
     if len(bytes_per_layer) != len(profiles):
-        raise ValueError(
-            f"sapipe.schedule: bytes_per_layer has {len(bytes_per_layer)} entries for {len(profiles)} layers"
+        raise ConfigurationError(
+            f"bytes_per_layer has {len(bytes_per_layer)} entries for {len(profiles)} layers"
         )
     return list(bytes_per_layer)
 
@@ -226,7 +227,7 @@ class SharedLink:
     def submit(self, transfers: Sequence[Transfer]) -> None:
         for tr in transfers:
             if tr.issue < self.now:
-                raise ValueError("sapipe.schedule: transfers must be submitted in issue order")
+                raise ConfigurationError("transfers must be submitted in issue order")
             self._advance(tr.issue)
             queue = self._queues[tr.bucket.stale]
             queue.append(tr)
@@ -554,12 +555,12 @@ def simulate(
 def _check_arguments(m: int, k: int, slowdown: float, update_per_element: float) -> None:
     """Reject what :func:`simulate` cannot model (k outside 0..m, a negative or infinite σ or update cost)."""
     if not 0 <= k <= m:
-        raise ValueError(f"sapipe.schedule: k={k} outside 0..{m}")
+        raise ConfigurationError(f"k={k} outside 0..{m}")
     if not slowdown >= 0.0 or math.isinf(slowdown):
-        raise ValueError(f"sapipe.schedule: slowdown must be finite and >= 0; got {slowdown}")
+        raise ConfigurationError(f"slowdown must be finite and >= 0; got {slowdown}")
     if not update_per_element >= 0.0 or math.isinf(update_per_element):
-        raise ValueError(
-            f"sapipe.schedule: update_per_element must be finite and >= 0; got {update_per_element}"
+        raise ConfigurationError(
+            f"update_per_element must be finite and >= 0; got {update_per_element}"
         )
 
 

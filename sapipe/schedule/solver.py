@@ -29,6 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from sapipe.errors import ConfigurationError
 from sapipe.schedule.simulator import DEFAULT_ITERATIONS, SimResult, simulate
 
 __all__ = [
@@ -254,7 +255,7 @@ def choose_k(
     comm_bound = sim(m).wait > tol  # = its stall without a slow-down
     if only_k is not None:
         if not 0 <= only_k <= m:
-            raise ValueError(f"sapipe.schedule: k={only_k} outside 0..{m}")
+            raise ConfigurationError(f"k={only_k} outside 0..{m}")
         chosen = only_k
     elif sim(m).stall <= tol:
         chosen = next(k for k in range(m + 1) if sim(k).stall <= tol)

@@ -18,20 +18,18 @@ CHECKPOINT_FORMAT = "sapipe-checkpoint/2"  # /2: pipeline restarts and the searc
 def check_resumable(state: Any, rank: int, world_size: int, fingerprint: dict[str, str]) -> None:
     """Refuse, naming the difference, a checkpoint this rank cannot continue."""
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ConfigurationError(
-            f"sapipe: not a sapipe checkpoint (expected format {CHECKPOINT_FORMAT!r})"
-        )
+        raise ConfigurationError(f"not a sapipe checkpoint (expected format {CHECKPOINT_FORMAT!r})")
     if state["world_size"] != world_size:
         raise ConfigurationError(
-            f"sapipe: the checkpoint was written by a job of {state['world_size']} ranks; this job has "
+            f"the checkpoint was written by a job of {state['world_size']} ranks; this job has "
             f"{world_size}. Stale gradients and per-rank predictions cannot be re-partitioned"
         )
     if state["rank"] != rank:
-        raise ConfigurationError(f"sapipe: rank {rank} was given rank {state['rank']}'s checkpoint")
+        raise ConfigurationError(f"rank {rank} was given rank {state['rank']}'s checkpoint")
     differences = config.mismatches([_as_acting(state["settings"]), fingerprint])
     if differences:
         raise ConfigurationError(
-            "sapipe: the checkpoint's configuration differs from this optimizer's: "
+            "the checkpoint's configuration differs from this optimizer's: "
             + "; ".join(
                 d.replace("rank 1", "this job").replace("rank 0", "the checkpoint")
                 for d in differences

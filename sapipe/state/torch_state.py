@@ -48,7 +48,7 @@ def load(
     rule for the loaded optimizer (its options decide it; state at any steps stays fused)."""
     if stepped:
         raise UsageError(
-            "sapipe: load a torch.optim state dict before the first step() (or into the optimizer before "
+            "load a torch.optim state dict before the first step() (or into the optimizer before "
             "wrapping it); to resume a sapipe job mid-training, load its own state_dict()"
         )
     groups = optimizer.param_groups

@@ -71,9 +71,7 @@ class TraceFiles:
         if predicted:
             auto = self._auto
             if auto is None or auto.layer_profiles is None or auto.decision is None:
-                raise UsageError(
-                    "sapipe: a predicted trace needs stale_layers='auto' after its decision"
-                )
+                raise UsageError("a predicted trace needs stale_layers='auto' after its decision")
             events = auto.predict(auto.decision.k).events
             name = f"rank {self._rank} predicted (k={auto.decision.k})"
         else:
@@ -84,7 +82,7 @@ class TraceFiles:
     def write_files(self) -> None:
         """This rank's trace (and auto's prediction) at the ``trace`` path given at construction."""
         if not self.path:
-            raise UsageError("sapipe: no trace path was given (trace=PATH or SAPIPE_TRACE)")
+            raise UsageError("no trace path was given (trace=PATH or SAPIPE_TRACE)")
         path = per_rank_path(self.path, self._rank, self._world_size)
         self.write(path)
         if self._auto is not None and self._auto.decision is not None:
