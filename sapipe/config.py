@@ -18,16 +18,10 @@ from numbers import Real
 from typing import Any, Callable
 
 from sapipe.comm import BACKENDS, compression_refusal
-from sapipe.compression.codec import (
-    COMPRESSIONS,
-    Compression,
-    wire_constants,
-)
-from sapipe.compression.codec import (
-    validate as validate_compression,
-)
+from sapipe.compression.codec import COMPRESSIONS, Compression, resolve
 from sapipe.errors import ConfigurationError
-from sapipe.optim.compensation import MODES
+from sapipe.optim.compensation import MODES, Compensation
+from sapipe.optim.compensation import resolve as resolve_compensation
 
 DC_FORMS = ("outer", "diagonal")
 #: what a non-finite gradient without a GradScaler does (sapipe.runtime.nonfinite)
@@ -115,11 +109,23 @@ def _optional_int_at_least(low: int) -> Callable[[str, Any], int | None]:
     return check
 
 
-def _compression(name: str, value: Any) -> str | None:
-    try:
-        return validate_compression(value)
-    except ValueError as exc:
-        raise ConfigurationError(f"{exc}") from None
+def _compression(name: str, value: Any) -> str | Compression | None:
+    _require(
+        value is None
+        or isinstance(value, Compression)
+        or (isinstance(value, str) and value in COMPRESSIONS),
+        f"{name} must be None, a sapipe.compression.Compression or one of "
+        f"{', '.join(map(repr, COMPRESSIONS))}; got {value!r}",
+    )
+    return value
+
+
+def _compensation(name: str, value: Any) -> str | Compensation:
+    _require(
+        isinstance(value, Compensation) or (isinstance(value, str) and value in MODES),
+        f"{name} must be a sapipe.optim.compensation.Compensation or one of {sorted(MODES)}; got {value!r}",
+    )
+    return value
 
 
 def _stale_layers(name: str, value: Any) -> int | str:
@@ -160,10 +166,10 @@ class Settings:
         _stale_layers,
         'k, the leading layers (forward order) on stale gradients: 0 equals DDP, m is Pipe-SGD; ``"auto"``: the scheduler picks k (:mod:`sapipe.auto`).',
     )
-    compensation: str = _setting(
+    compensation: str | Compensation = _setting(
         "none",
-        _one_of(MODES),
-        '``"none"``, ``"dc"``, ``"wp1"``, ``"wp2"`` or ``"wp3"`` for the stale layers (see :mod:`sapipe.optim.compensation`).',
+        _compensation,
+        'the stale layers\' compensation: a registered name, ``"none"``, ``"dc"``, ``"wp1"``, ``"wp2"`` or ``"wp3"``, or a :class:`sapipe.optim.compensation.Compensation` (one of your own: a subclass).',
     )
     dc_lambda: float = _setting(
         0.2,
@@ -183,7 +189,7 @@ class Settings:
     warmup_steps: int = _setting(
         0,
         _int_at_least(0),
-        "iterations run fully synchronously before the stale layers switch.",
+        "iterations run fully synchronously (every layer, as DDP) before the stale layers take stale gradients.",
     )
     bucket_cap_mb: float = _setting(
         25.0,
@@ -211,15 +217,15 @@ class Settings:
         _one_of(BACKENDS),
         """how buckets are summed (:mod:`sapipe.comm`): ``"torch"`` (one all-reduce per bucket, NCCL or Gloo), ``"pushpull"`` (BytePS's chunked reduce-scatter/all-gather, most urgent first), ``"horovod"`` (``hvd.init()`` first) or ``"byteps"``.""",
     )
-    compression: str | None = _setting(
+    compression: str | Compression | None = _setting(
         None,
         _compression,
-        """how bucket gradients travel (:mod:`sapipe.compression.codec`): ``None`` (their own dtype), ``"fp16"``, ``"bf16"`` (16-bit), or ``"int8"`` (per-block scaled, with error feedback); every bucket, sync and stale; summed in the gradients' own dtype.""",
+        """how bucket gradients travel: ``None`` (their own dtype), a :class:`sapipe.compression.Compression` (``FP16()``, ``BF16()``, ``Int8()``, or a format of your own), or a registered name: ``"fp16"``, ``"bf16"`` (16-bit), ``"int8"`` (per-block scaled, with error feedback); every bucket, sync and stale; summed in the gradients' own dtype.""",
     )
     error_feedback: bool | None = _setting(
         None,
         _optional_boolean,
-        """with ``compression``: whether each rank keeps what rounding dropped and adds it to its next gradient (:mod:`sapipe.compression.codec`); ``None``: on for ``"int8"``, off for ``"fp16"``/``"bf16"``.""",
+        """with ``compression`` given by name: whether each rank keeps what rounding dropped and adds it to its next gradient; ``None``: the format's default (on for ``"int8"``, off for ``"fp16"``/``"bf16"``). A :class:`~sapipe.compression.Compression` object carries its own.""",
     )
     hierarchical: bool | None = _setting(
         None,
@@ -229,12 +235,12 @@ class Settings:
     partition_mb: float = _setting(
         4.0,
         _mebibytes,
-        """chunk size of ``backend="pushpull"`` (BytePS's default: 4 MB).""",
+        """chunk size of ``backend="pushpull"``, in MiB (BytePS's default: 4 MiB).""",
     )
     tune_steps: int = _setting(
         4,
         _int_at_least(0),
-        """with ``"auto"``, iterations measured per trial of the search for k (:mod:`sapipe.auto.controller`), more while too noisy to tell 3% apart; 0 keeps the model's k unmeasured.""",
+        """with ``"auto"``, iterations measured per trial of the search for k (:mod:`sapipe.auto.search`), more while too noisy to tell 3% apart; 0 keeps the model's k unmeasured.""",
         resume=False,
     )
     auto_budget: int | None = _setting(
@@ -259,7 +265,7 @@ class Settings:
     nonfinite_gradients: str = _setting(
         "warn",
         _one_of(NONFINITE_GRADIENTS),
-        """what a NaN or inf in a rank's own gradient does without a GradScaler (the average, and the update that applies it, then turn non-finite on every rank, as under DDP; :mod:`sapipe.runtime.nonfinite`): ``"warn"``: every rank emits one ``RuntimeWarning``, the first time only, naming the iteration, the bucket and the rank(s) whose gradient it was; ``"raise"``: :class:`~sapipe.errors.NonFiniteGradientError` instead, on every rank in the same ``step()`` (for a sync layer's gradient the next one; for a stale layer's the one that applies it, or the next with ``expose_gradients=False``; on CUDA one step later); ``"ignore"``: nothing is checked, and nothing more travels. Each rank judges what it sends with one reduction per bucket; the verdict travels behind the gradient in the same collective. Under ``scaler.step(opt)`` the GradScaler skips such steps, and nothing is reported.""",
+        """what a NaN or inf in a rank's own gradient does without a GradScaler (the average, and the update that applies it, then turn non-finite on every rank, as under DDP; :mod:`sapipe.runtime.nonfinite`): ``"warn"``: every rank emits one ``RuntimeWarning``, the first time only, naming the iteration, the bucket and the rank(s) whose gradient it was; ``"raise"``: :class:`~sapipe.errors.NonFiniteGradientError` instead, on every rank in the same ``step()``: the ``step()`` after the one whose sync gradient was not finite, the one that applies a stale gradient (or the next, with ``expose_gradients=False``), one step later on CUDA; ``"ignore"``: nothing is checked, and nothing more travels. Each rank judges what it sends with one reduction per bucket; the verdict travels behind the gradient in the same collective. Under ``scaler.step(opt)`` the GradScaler skips such steps, and nothing is reported.""",
         resume=False,
     )
 
@@ -292,15 +298,21 @@ class Settings:
         refusal = compression_refusal(self.backend, self.compression)
         _require(refusal is None, str(refusal))
         _require(
-            self.error_feedback is None or self.compression is not None,
-            f"error_feedback={self.error_feedback!r} needs a compression; got compression=None",
+            self.error_feedback is None or isinstance(self.compression, str),
+            f"error_feedback={self.error_feedback!r} goes with a compression name; got "
+            f"compression={self.compression!r}"
+            + (
+                " (give error_feedback to the Compression object)"
+                if self.compression is not None
+                else ""
+            ),
         )
         _require(
             self.auto_budget is None or not self.auto or self.auto_budget >= self.effective_warmup,
             f"auto_budget={self.auto_budget} ends before the warm-up does ({self.effective_warmup} iterations: "
             f"max(warmup_steps, profile_steps + {UNPROFILED_STEPS})); raise it or profile fewer steps",
         )
-        limit = MODES[self.compensation].max_staleness
+        limit = resolve_compensation(self.compensation).max_staleness
         _require(
             limit is None or self.staleness <= limit,
             f"compensation={self.compensation!r} is defined for staleness 1 only (docs/design.md §3); "
@@ -314,7 +326,7 @@ class Settings:
     @property
     def wire_compression(self) -> Compression | None:
         """The compression, with error feedback resolved (None: uncompressed)."""
-        return Compression.of(self.compression, self.error_feedback)
+        return resolve(self.compression, self.error_feedback)
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -344,8 +356,9 @@ class Settings:
         settings = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["resume"]
         }
-        settings["error_feedback"] = effective_error_feedback(self.compression, self.error_feedback)
-        return describe(dict(settings, **wire_constants(self.compression)))
+        return describe(
+            dict(settings, **compression_identity(self.compression, self.error_feedback))
+        )
 
 
 def settings_help(indent: int = 0) -> str:
@@ -358,12 +371,38 @@ def settings_help(indent: int = 0) -> str:
     return "\n".join(lines) + "\n"
 
 
-def effective_error_feedback(compression: Any, error_feedback: Any) -> Any:
-    """``error_feedback`` as it acts: None (the default) is on for int8 and off for the 16-bit
-    formats, so ranks and checkpoints that differ only in spelling the default agree."""
-    if error_feedback is None and compression in COMPRESSIONS:
-        return compression == "int8"
-    return error_feedback
+def compensation_identity(compensation: Any) -> Any:
+    """What ranks and checkpoints compare of the compensation (:meth:`Compensation.describe`);
+    an invalid value as given (its own check raises)."""
+    try:
+        return resolve_compensation(compensation).describe()
+    except (KeyError, TypeError):
+        return compensation
+
+
+def compression_identity(compression: Any, error_feedback: Any) -> dict[str, Any]:
+    """What ranks and checkpoints compare of the compression: its format (by name; a format of
+    a user's own also by its class), its error feedback as it acts (a name with
+    ``error_feedback=None`` and the format's object alike), and the format's fixed constants
+    (int8's block). Never raises: an invalid value is compared as given (its own check raises)."""
+    try:
+        resolved = resolve(compression, error_feedback)
+    except ConfigurationError:
+        return {"compression": compression, "error_feedback": error_feedback}
+    if resolved is None:
+        return {"compression": None, "error_feedback": None}
+    kind = type(resolved)
+    name = (
+        resolved.name
+        if COMPRESSIONS.get(resolved.name) is kind
+        else f"{kind.__module__}.{kind.__qualname__}:{resolved.name}"
+    )
+    settings = {k: v for k, v in vars(resolved).items() if k != "error_feedback"}
+    return {
+        "compression": name + (f" {settings}" if settings else ""),
+        "error_feedback": resolved.error_feedback,
+        **resolved.wire_constants(),
+    }
 
 
 def describe(args: dict[str, Any]) -> dict[str, str]:

@@ -386,6 +386,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._trace_files.write_files()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused once wrapped (:class:`~sapipe.errors.UsageError`): the buckets are laid out over
+        the param groups given at construction; add groups to the optimizer before wrapping it."""
         if hasattr(self, "_updater"):  # construction done: buckets are laid out
             raise UsageError("add param groups to the optimizer before wrapping it")
         super().add_param_group(param_group)

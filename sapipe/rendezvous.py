@@ -30,7 +30,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from sapipe import comm, config
 from sapipe.comm import failures
 from sapipe.comm.topology import Topology, node_name
-from sapipe.compression.codec import wire_constants
 from sapipe.errors import (
     CommunicationError,
     ConfigurationError,
@@ -134,14 +133,11 @@ def agree(
     unavailable = comm.availability(backend) if backend in comm.BACKENDS else None
     if local_error is None and unavailable is not None:
         local_error = ConfigurationError(unavailable)
-    job = dict(
-        describe_job(optimizer, model),
-        backend_available=unavailable is None,
-        **wire_constants(arguments.get("compression")),
-    )  # e.g. two sapipe versions' int8 blocks
+    job = dict(describe_job(optimizer, model), backend_available=unavailable is None)
     settings = {k: _by_value(v) for k, v in arguments.items()}
-    settings["error_feedback"] = config.effective_error_feedback(
-        arguments.get("compression"), arguments.get("error_feedback")
+    # the format by name, error feedback as it acts, its constants (two sapipe versions' int8 blocks)
+    settings.update(
+        config.compression_identity(arguments.get("compression"), arguments.get("error_feedback"))
     )
     configuration = dict(settings, **job)
     gathered: list[Any] = [None] * dist.get_world_size(group)

@@ -24,7 +24,9 @@ between two collectives of compressed bytes, whichever back-end carries them, so
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, Callable
 
 from sapipe.comm import hierarchical
 from sapipe.comm.base import CommBackend, Handle
@@ -33,10 +35,144 @@ from sapipe.comm.groups import new_group_like, release_group
 from sapipe.comm.pushpull import DEFAULT_PARTITION_BYTES, PushPull
 from sapipe.comm.topology import Topology
 from sapipe.comm.torch_backend import AllReduce
-from sapipe.errors import ConfigurationError, SapipeError
+from sapipe.errors import ConfigurationError
 from sapipe.tracing.tracer import Tracer
 
-BACKENDS = ("torch", "pushpull", "horovod", "byteps")
+
+@dataclass(frozen=True)
+class BackendRequest:
+    """What one back-end instance is built for: the job's group (the instance makes groups of
+    its own over its ranks), the traffic it carries (``name``: "sync" or "stale"), sapipe's
+    ``timeout``, the tracer, and the compression, partition size and nodes of the settings."""
+
+    process_group: Any
+    name: str
+    timeout: timedelta | None
+    tracer: Tracer
+    partition_bytes: int = DEFAULT_PARTITION_BYTES
+    compression: Any = None
+    topology: Topology | None = None
+
+
+def _always_available() -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A back-end under a name (:func:`register_backend`): how to build an instance, and what
+    it can carry. ``compresses``: its ``start`` takes ``codec=`` (compression); ``partitions``:
+    it compresses a bucket partition by partition (``partition_mb``), as push-pull does;
+    ``availability``: why it cannot run in this process (None if it can), asked on every rank
+    before anything is built."""
+
+    build: Callable[[BackendRequest], CommBackend]
+    compresses: bool = False
+    partitions: bool = False
+    availability: Callable[[], str | None] = _always_available
+
+
+def _torch(request: BackendRequest) -> CommBackend:
+    group, name, timeout, tracer = (
+        request.process_group,
+        request.name,
+        request.timeout,
+        request.tracer,
+    )
+    if request.topology is not None:
+        return hierarchical.create(
+            group, request.topology, request.compression, name, timeout, tracer
+        )
+    if request.compression is not None:
+        return CompressedSum(
+            TorchCollectives(new_group_like(group, timeout)), name, timeout, tracer
+        )
+    return AllReduce(new_group_like(group, timeout), name, timeout, tracer)
+
+
+def _pushpull(request: BackendRequest) -> CommBackend:
+    # The per-chunk agreement is one CPU integer: Gloo, whatever carries the data. Push-pull is
+    # handed a codec with each bucket when compressed, and needs nothing else.
+    group, timeout = request.process_group, request.timeout
+    return PushPull(
+        new_group_like(group, timeout),
+        new_group_like(group, timeout, "gloo"),
+        request.name,
+        timeout,
+        request.tracer,
+        request.partition_bytes,
+    )
+
+
+def _horovod(request: BackendRequest) -> CommBackend:
+    from sapipe.comm.horovod_backend import HorovodAllReduce, HorovodCollectives
+
+    group, name, timeout, tracer = (
+        request.process_group,
+        request.name,
+        request.timeout,
+        request.tracer,
+    )
+    if request.compression is not None:
+        return CompressedSum(HorovodCollectives(group, name, timeout), name, timeout, tracer)
+    return HorovodAllReduce(new_group_like(group, timeout), name, timeout, tracer)
+
+
+def _byteps(request: BackendRequest) -> CommBackend:
+    from sapipe.comm.byteps_backend import BytePSPushPull
+
+    return BytePSPushPull(
+        new_group_like(request.process_group, request.timeout),
+        request.name,
+        request.timeout,
+        request.tracer,
+    )
+
+
+def _horovod_availability() -> str | None:
+    from sapipe.comm.horovod_backend import import_horovod
+
+    return _unavailable_because(import_horovod)
+
+
+def _byteps_availability() -> str | None:
+    from sapipe.comm.byteps_backend import import_byteps
+
+    return _unavailable_because(import_byteps)
+
+
+def _unavailable_because(check: Callable[[], Any]) -> str | None:
+    try:
+        check()
+    except ConfigurationError as exc:
+        return str(exc)
+    return None
+
+
+#: ``backend=`` names and the back-end each builds (:func:`register_backend` adds one)
+BACKENDS: dict[str, Backend] = {
+    "torch": Backend(_torch, compresses=True),
+    "pushpull": Backend(_pushpull, compresses=True, partitions=True),
+    "horovod": Backend(_horovod, compresses=True, availability=_horovod_availability),
+    "byteps": Backend(_byteps, availability=_byteps_availability),
+}
+
+
+def register_backend(
+    name: str,
+    build: Callable[[BackendRequest], CommBackend],
+    *,
+    compresses: bool = False,
+    partitions: bool = False,
+    availability: Callable[[], str | None] = _always_available,
+) -> None:
+    """Let ``backend=name`` build its back-ends with ``build(request)``: a :class:`CommBackend`
+    (sapipe.comm.base says what it must do) for the :class:`BackendRequest`'s traffic."""
+    if not isinstance(name, str) or not name or name in BACKENDS:
+        raise ConfigurationError(
+            f"backend {name!r} is not a new name (registered: {sorted(BACKENDS)})"
+        )
+    BACKENDS[name] = Backend(build, compresses, partitions, availability)
 
 
 def availability(backend: str) -> str | None:
@@ -45,30 +181,20 @@ def availability(backend: str) -> str | None:
     Ranks compare this before building anything, so a library missing on one rank
     fails every rank at once instead of leaving the others waiting.
     """
-    try:
-        if backend == "horovod":
-            from sapipe.comm.horovod_backend import import_horovod
-
-            import_horovod()
-        elif backend == "byteps":
-            from sapipe.comm.byteps_backend import import_byteps
-
-            import_byteps()
-    except ConfigurationError as exc:
-        return str(exc)
-    return None
+    return BACKENDS[backend].availability()
 
 
-COMPRESSING_BACKENDS = ("torch", "pushpull", "horovod")
+def compressing_backends() -> list[str]:
+    return [name for name, b in BACKENDS.items() if b.compresses]
 
 
-def compression_refusal(backend: str, compression: str | None) -> str | None:
+def compression_refusal(backend: str, compression: Any) -> str | None:
     """Why ``backend`` cannot carry ``compression`` (None if it can)."""
-    if compression is None or backend in COMPRESSING_BACKENDS:
+    if compression is None or BACKENDS[backend].compresses:
         return None
     return (
         f"backend={backend!r} cannot carry compression={compression!r}; compressed sums run on "
-        + ", ".join(f"backend={b!r}" for b in COMPRESSING_BACKENDS)
+        + ", ".join(f"backend={b!r}" for b in compressing_backends())
     )
 
 
@@ -76,72 +202,29 @@ def compression_partition(backend: str, partition_bytes: int) -> int | None:
     """The bytes of uncompressed gradient ``backend`` compresses and sums as one unit:
     push-pull's partitions (BytePS compresses each partition it pushes); None: the whole
     bucket. A bucket's codec is built to match (sapipe.compression.codec.make_codec)."""
-    return partition_bytes if backend == "pushpull" else None
+    return partition_bytes if BACKENDS[backend].partitions else None
 
 
-def create(
-    backend: str,
-    process_group,
-    name: str,
-    timeout: timedelta | None,
-    tracer: Tracer,
-    partition_bytes: int = DEFAULT_PARTITION_BYTES,
-    compression: str | None = None,
-    topology: Topology | None = None,
-) -> CommBackend:
-    """A back-end instance for one kind of traffic (``name``: "sync" or "stale").
-
-    Every instance gets process groups of its own over ``process_group``'s ranks. With
-    ``compression``, each start is handed the bucket's codec (see :func:`compression_refusal`).
-    With ``topology`` (``backend="torch"``), buckets are summed hierarchically over its nodes
-    (:mod:`sapipe.comm.hierarchical`), compressed across nodes with ``compression``.
-    """
-    refusal = compression_refusal(backend, compression)
-    if refusal is not None:
-        raise ConfigurationError(f"{refusal}")  # validated before; reached only by direct calls
-    if backend == "torch":
-        if topology is not None:
-            return hierarchical.create(process_group, topology, compression, name, timeout, tracer)
-        if compression is not None:
-            return CompressedSum(
-                TorchCollectives(new_group_like(process_group, timeout)), name, timeout, tracer
-            )
-        return AllReduce(new_group_like(process_group, timeout), name, timeout, tracer)
-    if backend == "pushpull":
-        # The per-chunk agreement is one CPU integer: Gloo, whatever carries the data. Push-pull
-        # is handed a codec with each bucket when compressed, and needs nothing else.
-        return PushPull(
-            new_group_like(process_group, timeout),
-            new_group_like(process_group, timeout, "gloo"),
-            name,
-            timeout,
-            tracer,
-            partition_bytes,
-        )
-    if backend == "horovod":
-        from sapipe.comm.horovod_backend import HorovodAllReduce, HorovodCollectives
-
-        if compression is not None:
-            return CompressedSum(
-                HorovodCollectives(process_group, name, timeout), name, timeout, tracer
-            )
-        return HorovodAllReduce(new_group_like(process_group, timeout), name, timeout, tracer)
-    if backend == "byteps":
-        from sapipe.comm.byteps_backend import BytePSPushPull
-
-        return BytePSPushPull(new_group_like(process_group, timeout), name, timeout, tracer)
-    raise SapipeError(f"unknown backend {backend!r}")  # validated before; a bug if reached
+def create(backend: str, request: BackendRequest) -> CommBackend:
+    """A back-end instance for one kind of traffic (``request.name``: "sync" or "stale"):
+    every instance makes process groups of its own over the job's ranks. With compression,
+    each start is handed the bucket's codec; with ``request.topology`` (``backend="torch"``),
+    buckets are summed hierarchically over its nodes (:mod:`sapipe.comm.hierarchical`)."""
+    return BACKENDS[backend].build(request)
 
 
 __all__ = [
     "BACKENDS",
-    "COMPRESSING_BACKENDS",
+    "Backend",
+    "BackendRequest",
     "CommBackend",
     "Handle",
     "availability",
     "compression_partition",
     "compression_refusal",
+    "compressing_backends",
     "create",
     "new_group_like",
+    "register_backend",
     "release_group",
 ]

@@ -4,9 +4,13 @@ The engine hands a back-end one flat bucket at a time and later waits for it; wh
 back-end does in between (one all-reduce, chunked push-pull, Horovod's or BytePS's own
 queue) is its business. Every back-end must:
 
-* **sum** the tensor over the ranks of the job, in place (a compressed sum, started with a
-  ``codec``, leaves the gradient's values as their mean and the flags behind them as their
-  sum: its decode divides by the world size at no extra pass, sapipe.compression.codec);
+* **average** the tensor over the ranks of the job, in place: its first ``values`` elements
+  (the gradient) arrive as their mean, the rest (the flags behind it: which ranks used each
+  parameter, whose gradient held NaN) as their sum. A back-end that sums divides the values
+  by the world size as it starts (:meth:`CommBackend.divide_for_mean`, DDP's way: a sum of
+  the ranks' shares is their mean, exactly so on 2, 4, 8... ranks); a compressed sum, started
+  with a ``codec``, averages by itself (its decode divides at no extra pass,
+  sapipe.compression.codec);
 * be **deterministic across ranks**: the engine calls ``start`` in the same order on every
   rank, and the back-end must turn that into the same collectives in the same order;
 * **fail loudly within a bounded time**: a dead or hung peer surfaces as a
@@ -47,9 +51,10 @@ class Handle:
     tensor: torch.Tensor
     what: str
     owner: CommBackend
+    values: int | None = None  # the leading elements that arrive as their mean (None: all)
 
     def wait(self) -> torch.Tensor:
-        """Block until the reduction is done; the summed tensor."""
+        """Block until the reduction is done; the tensor, averaged (see the module docstring)."""
         return self.owner.wait(self)
 
 
@@ -70,22 +75,35 @@ class CommBackend(abc.ABC):
     #: None: the scheduler times all-reduces on ``group`` (or its own control group).
     sum_now: Callable[[torch.Tensor], None] | None = None
 
+    #: The ranks it averages over (set by a back-end that sums, for :meth:`divide_for_mean`).
+    world_size: int = 1
+
     def __init__(self, name: str, timeout: timedelta | None, tracer: Tracer):
         self.name = name
         self.timeout = timeout
         self.tracer = tracer
 
     @abc.abstractmethod
-    def start(self, tensor: torch.Tensor, what: str, priority: int = 0) -> Handle:
-        """Begin summing ``tensor`` over the ranks, in place.
+    def start(
+        self, tensor: torch.Tensor, what: str, priority: int = 0, *, values: int | None = None
+    ) -> Handle:
+        """Begin averaging ``tensor`` over the ranks, in place: its first ``values`` elements
+        (None: all) as their mean, the rest as their sum.
 
         ``priority``: lower is needed sooner (the engine passes the forward index of the
         bucket's first layer). Back-ends that can reorder traffic use it; others ignore it.
+        A back-end that carries compression also takes ``codec=`` (the bucket's slot codec).
         """
 
     @abc.abstractmethod
     def wait(self, handle: Handle) -> torch.Tensor:
-        """Block until ``handle``'s reduction is done; return its tensor."""
+        """Block until ``handle``'s reduction is done; return its tensor, averaged."""
+
+    def divide_for_mean(self, tensor: torch.Tensor, values: int | None) -> None:
+        """Before a sum over :attr:`world_size` ranks: the first ``values`` elements of
+        ``tensor`` (None: all) divided by the world size, so that the sum is their mean."""
+        if self.world_size > 1:
+            (tensor if values is None else tensor[:values]).div_(self.world_size)
 
     def close(self) -> None:
         """Release what the back-end owns (threads, process groups). Call after every wait.
@@ -188,6 +206,7 @@ class LibraryBackend(CommBackend):
         super().__init__(name, timeout, tracer)
         require_whole_job(group, self.operation)
         self.group = group  # carries no bucket data; the scheduler times the link on it
+        self.world_size = dist.get_world_size(group)
         self._limit = library_limit(timeout)
         self._names = StableNames(instance_prefix(name))
 
@@ -203,14 +222,17 @@ class LibraryBackend(CommBackend):
     def _finish(self, token: Any) -> None:
         """Collect a finished ``token`` (raises the library's error, if any)."""
 
-    def start(self, tensor: torch.Tensor, what: str, priority: int = 0) -> Handle:
+    def start(
+        self, tensor: torch.Tensor, what: str, priority: int = 0, *, values: int | None = None
+    ) -> Handle:
+        self.divide_for_mean(tensor, values)
         try:
             token = self._submit(tensor, self._names(tensor), priority)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
             raise self.failure(self.operation, what, exc) from exc
         if self.tracer.enabled:
             self.trace_start(what)
-        return Handle(token, tensor, what, self)
+        return Handle(token, tensor, what, self, values)
 
     def wait(self, handle: Handle) -> torch.Tensor:
         self.trace_wait_start(handle.what)

@@ -113,10 +113,16 @@ class CompressedSum(InStartOrder):
         self._collectives = collectives
 
     def start(
-        self, tensor: torch.Tensor, what: str, priority: int = 0, codec: Slot | None = None
+        self,
+        tensor: torch.Tensor,
+        what: str,
+        priority: int = 0,
+        *,
+        values: int | None = None,
+        codec: Slot | None = None,
     ) -> Handle:
         detail = check_codec(codec, tensor, self.name, what)
-        return self.enqueue(self.new_job(tensor, what, detail=detail))
+        return self.enqueue(self.new_job(tensor, what, detail=detail, values=values))
 
     def close(self) -> None:
         self.stop_worker()

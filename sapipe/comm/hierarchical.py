@@ -87,6 +87,7 @@ class HierarchicalAllReduce(InStartOrder):
     ):
         super().__init__(name, timeout, tracer)
         self._intra, self._inter = intra, inter  # the worker's alone: ``group`` stays None
+        self.world_size = dist.get_world_size(intra) * dist.get_world_size(inter)
         self.local_size = local_size
         self._scratch = Scratch()  # a bucket padded to L equal shards, and this rank's shard
 
@@ -108,8 +109,11 @@ class HierarchicalAllReduce(InStartOrder):
         inter = new_subgroup([ranks[r] for r in topology.peers_across(me)], backend, timeout)
         return cls(intra, inter, topology.local_size, name, timeout, tracer)
 
-    def start(self, tensor: torch.Tensor, what: str, priority: int = 0) -> Handle:
-        return self.enqueue(self.new_job(tensor, what))
+    def start(
+        self, tensor: torch.Tensor, what: str, priority: int = 0, *, values: int | None = None
+    ) -> Handle:
+        self.divide_for_mean(tensor, values)
+        return self.enqueue(self.new_job(tensor, what, values=values))
 
     def sum_now(self, tensor: torch.Tensor) -> None:
         """``tensor`` summed now, as a bucket is: the scheduler's probe of this two-level link."""
@@ -159,6 +163,8 @@ class HierarchicalCompressedSum(HierarchicalAllReduce):
         tensor: torch.Tensor,
         what: str,
         priority: int = 0,
+        *,
+        values: int | None = None,
         codec: NodeFirstSlot | None = None,
     ) -> Handle:
         if (
@@ -169,7 +175,7 @@ class HierarchicalCompressedSum(HierarchicalAllReduce):
                 f"the node-first compressed sum of {what} was started without its codec "
                 f"(or with another bucket's)"
             )
-        return self.enqueue(self.new_job(tensor, what, detail=codec))
+        return self.enqueue(self.new_job(tensor, what, detail=codec, values=values))
 
     def sum_now(self, tensor: torch.Tensor) -> None:
         """``tensor`` summed now at full precision over the two levels, in start order with

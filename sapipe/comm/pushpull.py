@@ -96,11 +96,18 @@ class PushPull(WorkerBackend):
     # ------------------------------------------------------------------ engine side
 
     def start(
-        self, tensor: torch.Tensor, what: str, priority: int = 0, codec: Slot | None = None
+        self,
+        tensor: torch.Tensor,
+        what: str,
+        priority: int = 0,
+        *,
+        values: int | None = None,
+        codec: Slot | None = None,
     ) -> Handle:
         """Begin the chunked sum of ``tensor``; with ``codec`` (compression), its partitions are
         the chunks, each a compressed sum."""
         if codec is None:
+            self.divide_for_mean(tensor, values)
             per_chunk = max(1, self.partition_bytes // tensor.element_size())
             chunks = Chunks(priority, partition_bounds(tensor.numel(), per_chunk))
         else:
@@ -109,7 +116,7 @@ class PushPull(WorkerBackend):
                 priority, [(lo, hi) for lo, hi, _ in parts], [part for _, _, part in parts]
             )
         return self.submit(
-            self.new_job(tensor, what, units=len(chunks.bounds), detail=chunks),
+            self.new_job(tensor, what, units=len(chunks.bounds), detail=chunks, values=values),
             self._started.append,
         )
 

@@ -28,10 +28,14 @@ class AllReduce(CommBackend):
     def __init__(self, group, name: str, timeout: timedelta | None, tracer: Tracer):
         super().__init__(name, timeout, tracer)
         self.group = group
+        self.world_size = dist.get_world_size(group)
 
-    def start(self, tensor: torch.Tensor, what: str, priority: int = 0) -> Handle:
+    def start(
+        self, tensor: torch.Tensor, what: str, priority: int = 0, *, values: int | None = None
+    ) -> Handle:
         if self.group is None:  # given group=None, torch would run it on the default group
             raise UsageError(f"the {self.name} all-reduce of {what} was started after close()")
+        self.divide_for_mean(tensor, values)
         try:
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
@@ -39,7 +43,7 @@ class AllReduce(CommBackend):
         if self.tracer.enabled:
             self.trace_start(what)
             work.get_future().then(lambda _: self.trace_done(what))
-        return Handle(work, tensor, what, self)
+        return Handle(work, tensor, what, self, values)
 
     def wait(self, handle: Handle) -> torch.Tensor:
         self.trace_wait_start(handle.what)

@@ -169,6 +169,7 @@ class Job:
     finished_event: object | None = None  # CUDA: the side stream finished the last unit
     error: BaseException | None = None
     detail: Any = None  # the back-end's own (push-pull: chunks and priority; compressed: the codec)
+    values: int | None = None  # the leading elements that arrive as their mean (None: all)
 
 
 class WorkerBackend(CommBackend):
@@ -192,8 +193,15 @@ class WorkerBackend(CommBackend):
 
     # ------------------------------------------------------------------ engine side
 
-    def new_job(self, tensor: torch.Tensor, what: str, units: int = 1, detail: Any = None) -> Job:
-        job = Job(0, tensor, what, remaining=units, detail=detail)
+    def new_job(
+        self,
+        tensor: torch.Tensor,
+        what: str,
+        units: int = 1,
+        detail: Any = None,
+        values: int | None = None,
+    ) -> Job:
+        job = Job(0, tensor, what, remaining=units, detail=detail, values=values)
         if tensor.is_cuda:
             job.ready_event = torch.cuda.Event()
             job.ready_event.record(torch.cuda.current_stream(tensor.device))
@@ -221,7 +229,7 @@ class WorkerBackend(CommBackend):
                 )
                 self._worker.start()
             self.lock.notify_all()
-        return Handle(job, job.tensor, job.what, self)
+        return Handle(job, job.tensor, job.what, self, job.values)
 
     def wait(self, handle: Handle) -> torch.Tensor:
         job: Job = handle.token

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Union
+from typing import ClassVar, Union
 
 import torch
 from torch import Tensor
@@ -64,66 +64,285 @@ from torch import Tensor
 from sapipe.errors import ConfigurationError
 from sapipe.kernels import codec as codec_kernels
 
-COMPRESSIONS = ("fp16", "bf16", "int8")
 INT8_BLOCK = codec_kernels.BLOCK  # values per int8 scale: 1/16 byte of scale per value
-_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def validate(compression: str | None) -> str | None:
-    """``compression`` if it names a format (or is None); else ValueError listing them."""
-    if compression is not None and compression not in COMPRESSIONS:
-        raise ConfigurationError(
-            f"compression must be None or one of {', '.join(map(repr, COMPRESSIONS))}; got {compression!r}"
-        )
-    return compression
-
-
-def wire_constants(kind: str | None) -> dict[str, int]:
-    """The format's fixed constants that ranks, and a checkpoint and the job resuming it, must
-    share although no setting names them: int8's block size (it decides the bytes on the wire
-    and the shards a server residual covers). Empty for the other formats, whose bytes and
-    checkpoints do not depend on it."""
-    return {"int8_block": INT8_BLOCK} if kind == "int8" else {}
-
-
-@dataclass(frozen=True)
 class Compression:
-    """A wire format and whether it keeps error feedback (on by default for int8 only)."""
+    """How bucket gradients travel: a wire format, and whether it keeps error feedback.
 
-    kind: str
-    error_feedback: bool
+    ``compression=`` takes one of these (``sapipe.compression.BF16()``, ``Int8(error_feedback=False)``)
+    or a registered name (``"bf16"``; :func:`register_compression`). A format of your own is a
+    subclass that names itself (``name``), says how a value travels (``value_dtype``, and
+    ``block`` > 0 where ``block`` values share one float32 scale), and defines two pure
+    functions on rows of values: :meth:`compress` and :meth:`decompress`. sapipe does the rest
+    as for its own formats: the messages and their headers, the all-to-all and all-gather, the
+    sum in the gradient's dtype, the mean, error feedback, checkpoints. The built-in formats
+    override the three stages (:meth:`encode`, :meth:`sum_encode`, :meth:`decode`) with fused
+    kernels; a subclass may too. Every rank must give an equal compression (the same class,
+    ``name`` and settings).
+    """
+
+    #: the format's name: in checkpoints and in the comparison of the ranks' settings
+    name: ClassVar[str] = ""
+    #: the dtype of one value on the wire (1 or 2 bytes for the built-in formats)
+    value_dtype: ClassVar[torch.dtype] = torch.float16
+    #: values that share one float32 scale (0: no scales)
+    block: ClassVar[int] = 0
+    #: error feedback when ``error_feedback=None``
+    default_error_feedback: ClassVar[bool] = False
+
+    def __init__(self, error_feedback: bool | None = None):
+        if error_feedback is not None and not isinstance(error_feedback, bool):
+            raise ConfigurationError(
+                f"error_feedback must be None, True or False; got {error_feedback!r}"
+            )
+        if not type(self).name:
+            raise ConfigurationError(
+                f"{type(self).__qualname__} must set a name (its class attribute)"
+            )
+        self.error_feedback = (
+            self.default_error_feedback if error_feedback is None else error_feedback
+        )
 
     @classmethod
-    def of(cls, kind: str | None, error_feedback: bool | None = None) -> Compression | None:
-        """The compression the settings ask for (None: the gradients travel as they are)."""
-        if kind is None:
-            return None
-        return cls(validate(kind), kind == "int8" if error_feedback is None else error_feedback)
+    def of(
+        cls, compression: str | Compression | None, error_feedback: bool | None = None
+    ) -> Compression | None:
+        """:func:`resolve`: a registered name (or an object, or None) as the compression it stands for."""
+        return resolve(compression, error_feedback)
 
-    def __str__(self) -> str:
-        default = self.kind == "int8"
-        return (
-            self.kind
-            if self.error_feedback == default
-            else f"{self.kind} ({'with' if self.error_feedback else 'without'} error feedback)"
+    # ---------------------------------------------------------------- the format
+
+    def compress(self, rows: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``rows`` [R, S] (the gradient's dtype; S a multiple of ``block``) as the wire carries
+        them: values [R, S] of ``value_dtype``, and scales [R, S / block] (float32) or None."""
+        raise NotImplementedError(f"{type(self).__qualname__} must define compress()")
+
+    def decompress(self, values: Tensor, scales: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """What :meth:`compress`'s ``values`` and ``scales`` stand for, as [R, S] in ``dtype``."""
+        raise NotImplementedError(f"{type(self).__qualname__} must define decompress()")
+
+    @property
+    def mean_in_scales(self) -> bool:
+        """Whether the sum is averaged by dividing its scales (one division per block, int8's
+        way) instead of being sent as its mean."""
+        return False
+
+    @property
+    def casts_on_intake(self) -> bool:
+        """Whether compressing a value is torch's cast to ``value_dtype``, value by value, so
+        that backward may write gradients straight into the messages (docs/design.md §5.9)."""
+        return False
+
+    def wire_constants(self) -> dict[str, int]:
+        """Fixed constants of the format that ranks, and a checkpoint and the job resuming it,
+        must share although no setting names them (int8's block size)."""
+        return {}
+
+    # ---------------------------------------------------------------- the three stages
+
+    def encode(
+        self,
+        src: Tensor,
+        residual: Tensor | None,
+        values: Tensor,
+        scales: Tensor | None,
+        divide: float = 1.0,
+    ) -> None:
+        """Stage 1: ``values`` (and ``scales``), rows of S, <- ``src`` (+ ``residual``) / ``divide``
+        compressed, zero-padded; ``residual`` <- what rounding dropped where it decodes finite."""
+        rows, width = values.shape
+        v = torch.zeros(rows * width, dtype=src.dtype, device=src.device)
+        v[: src.numel()] = src if residual is None else src + residual
+        decoded = self._compress_into(v.view(rows, width), values, scales, divide).reshape(-1)
+        if residual is not None:
+            _feed_back(residual, v[: src.numel()], decoded[: src.numel()])
+
+    def sum_encode(
+        self,
+        values: Tensor,
+        scales: Tensor | None,
+        residual: Tensor | None,
+        out_values: Tensor,
+        out_scales: Tensor | None,
+        divide: float,
+        dtype: torch.dtype,
+    ) -> None:
+        """Stage 2: the received rows decoded and added in rank order in ``dtype`` (+
+        ``residual``), divided by ``divide`` and compressed into one row."""
+        rows = self.decompress(values, scales, dtype)
+        v = rows[0].clone()
+        for row in rows[1:]:
+            v += row
+        if residual is not None:
+            v = v + residual
+        decoded = self._compress_into(v.view(1, -1), out_values, out_scales, divide).view(-1)
+        if residual is not None:
+            _feed_back(residual, v, decoded)
+
+    def decode(
+        self, values: Tensor, scales: Tensor | None, out: Tensor, multiply: float = 1.0
+    ) -> None:
+        """Stage 3: ``out`` <- the rows decoded, row after row, times ``multiply``."""
+        decoded = self.decompress(values, scales, out.dtype).reshape(-1)[: out.numel()]
+        out.copy_(decoded if multiply == 1.0 else decoded * multiply)
+
+    def _compress_into(
+        self, v: Tensor, values: Tensor, scales: Tensor | None, divide: float
+    ) -> Tensor:
+        """``v`` / ``divide`` compressed into ``values`` / ``scales``; what they decode to, times ``divide``."""
+        q, s = self.compress(v if divide == 1.0 else v / divide)
+        values.copy_(q)
+        if scales is not None:
+            scales.copy_(s)
+        decoded = self.decompress(values, scales, v.dtype)
+        return decoded if divide == 1.0 else decoded * divide
+
+    # ---------------------------------------------------------------- identity
+
+    def describe(self) -> str:
+        """What ranks and checkpoints compare: the name, and error feedback if not the default."""
+        if self.error_feedback == self.default_error_feedback:
+            return self.name
+        return f"{self.name} ({'with' if self.error_feedback else 'without'} error feedback)"
+
+    __str__ = describe
+
+    def __repr__(self) -> str:
+        return f"{type(self).__qualname__}(error_feedback={self.error_feedback})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.__dict__ == self.__dict__
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.name, self.error_feedback))
+
+
+class _Kernels(Compression):
+    """The built-in formats: the three stages run sapipe's fused codec kernels
+    (:mod:`sapipe.kernels.codec`), the same bits as :meth:`Compression.compress` would give."""
+
+    def encode(self, src, residual, values, scales, divide=1.0):
+        codec_kernels.encode(src, residual, values, scales, divide)
+
+    def sum_encode(self, values, scales, residual, out_values, out_scales, divide, dtype):
+        codec_kernels.sum_encode(values, scales, residual, out_values, out_scales, divide, dtype)
+
+    def decode(self, values, scales, out, multiply=1.0):
+        codec_kernels.decode(values, scales, out, multiply)
+
+    def compress(self, rows):
+        values = torch.empty(rows.shape, dtype=self.value_dtype, device=rows.device)
+        scales = (
+            torch.empty(rows.shape[0], rows.shape[1] // self.block, device=rows.device)
+            if self.block
+            else None
         )
+        codec_kernels.reference_encode(rows.reshape(-1), None, values, scales)
+        return values, scales
+
+    def decompress(self, values, scales, dtype):
+        out = torch.empty(values.numel(), dtype=dtype, device=values.device)
+        codec_kernels.reference_decode(values, scales, out)
+        return out.view(values.shape)
+
+
+class FP16(_Kernels):
+    """float16 values (round to nearest even); the sum travels as its mean, in range wherever
+    each rank's gradient was. Error feedback off by default."""
+
+    name = "fp16"
+    value_dtype = torch.float16
+
+    @property
+    def casts_on_intake(self) -> bool:
+        return not self.error_feedback
+
+
+class BF16(FP16):
+    """bfloat16 values (round to nearest even): float32's range, 8 bits of mantissa."""
+
+    name = "bf16"
+    value_dtype = torch.bfloat16
+
+
+class Int8(_Kernels):
+    """int8 values, one float32 scale per block of :data:`INT8_BLOCK` (max|v| / 127), with
+    error feedback by default."""
+
+    name = "int8"
+    value_dtype = torch.int8
+    block = INT8_BLOCK
+    default_error_feedback = True
+
+    @property
+    def mean_in_scales(self) -> bool:
+        return True
+
+    def wire_constants(self) -> dict[str, int]:
+        return {"int8_block": INT8_BLOCK}
+
+
+#: names ``compression=`` accepts, and the format each stands for (:func:`register_compression`)
+COMPRESSIONS: dict[str, type[Compression]] = {"fp16": FP16, "bf16": BF16, "int8": Int8}
+
+
+def register_compression(cls: type[Compression]) -> type[Compression]:
+    """Let ``compression=cls.name`` stand for ``cls()`` (usable as a class decorator)."""
+    if not (isinstance(cls, type) and issubclass(cls, Compression) and cls.name):
+        raise ConfigurationError(
+            f"register_compression takes a named Compression subclass; got {cls!r}"
+        )
+    if COMPRESSIONS.get(cls.name, cls) is not cls:
+        raise ConfigurationError(
+            f"compression {cls.name!r} is registered already ({COMPRESSIONS[cls.name]})"
+        )
+    COMPRESSIONS[cls.name] = cls
+    return cls
+
+
+def resolve(
+    compression: str | Compression | None, error_feedback: bool | None = None
+) -> Compression | None:
+    """The compression the settings ask for (None: the gradients travel as they are): a
+    :class:`Compression` as given, or the one a registered name stands for, with
+    ``error_feedback`` (which a given object carries itself)."""
+    if compression is None or isinstance(compression, Compression):
+        if compression is not None and error_feedback is not None:
+            raise ConfigurationError(
+                f"error_feedback= goes with a compression name; {compression!r} carries its own "
+                f"(give error_feedback to {type(compression).__qualname__}(...))"
+            )
+        return compression
+    if not isinstance(compression, str) or compression not in COMPRESSIONS:
+        raise ConfigurationError(
+            "compression must be None, a sapipe.compression.Compression or one of "
+            f"{', '.join(map(repr, COMPRESSIONS))}; got {compression!r}"
+        )
+    return COMPRESSIONS[compression](error_feedback)
+
+
+def _feed_back(residual: Tensor, v: Tensor, decoded: Tensor) -> None:
+    """residual <- v − decoded where decoded is finite (elsewhere it keeps its value)."""
+    residual.copy_(torch.where(torch.isfinite(decoded), v - decoded, residual))
 
 
 @dataclass(frozen=True)
 class WireFormat:
     """The bytes one bucket of ``numel`` values and ``nflags`` flags takes on the wire,
-    compressed as ``kind`` over ``world`` ranks: W messages of ``message_bytes`` each way."""
+    compressed by ``compression`` over ``world`` ranks: W messages of ``message_bytes`` each way."""
 
-    kind: str
+    compression: Compression
     numel: int
     nflags: int
     world: int
 
     @property
     def shard(self) -> int:
-        """Values per shard (the bucket padded with zeros to W equal shards)."""
+        """Values per shard (the bucket padded with zeros to W equal shards of whole blocks)."""
         per_rank = math.ceil(self.numel / self.world)
-        return math.ceil(per_rank / INT8_BLOCK) * INT8_BLOCK if self.kind == "int8" else per_rank
+        block = self.compression.block
+        return math.ceil(per_rank / block) * block if block else per_rank
 
     @property
     def flag_shard(self) -> int:
@@ -131,7 +350,8 @@ class WireFormat:
 
     @property
     def blocks(self) -> int:
-        return self.shard // INT8_BLOCK if self.kind == "int8" else 0
+        block = self.compression.block
+        return self.shard // block if block else 0
 
     @property
     def header_floats(self) -> int:
@@ -139,7 +359,7 @@ class WireFormat:
 
     @property
     def value_bytes(self) -> int:
-        return 1 if self.kind == "int8" else 2
+        return torch.empty((), dtype=self.compression.value_dtype).element_size()
 
     @property
     def message_bytes(self) -> int:
@@ -159,9 +379,9 @@ class Messages:
         rows = buffer.view(-1, fmt.message_bytes)
         header = rows[:, : 4 * fmt.header_floats].view(torch.float32)
         self.flags = header[:, : fmt.flag_shard]
-        self.scales = header[:, fmt.flag_shard :] if fmt.kind == "int8" else None
+        self.scales = header[:, fmt.flag_shard :] if fmt.compression.block else None
         body = rows[:, 4 * fmt.header_floats : 4 * fmt.header_floats + fmt.value_bytes * fmt.shard]
-        self.values = body.view(torch.int8 if fmt.kind == "int8" else _HALF[fmt.kind])
+        self.values = body.view(fmt.compression.value_dtype)
 
 
 class BucketCodec:
@@ -192,7 +412,7 @@ class BucketCodec:
         ranks_per_message: int = 1,
     ):
         self.compression = compression
-        self.format = fmt = WireFormat(compression.kind, numel, nflags, world)
+        self.format = fmt = WireFormat(compression, numel, nflags, world)
         self.dtype = dtype
         self.ranks_per_message = ranks_per_message
         size = world * fmt.message_bytes
@@ -231,7 +451,7 @@ class BucketCodec:
         out.flags.copy_(self._flags_rows)
         if not encoded:
             # 16-bit: a node's sum travels as its mean over the node's ranks, in range as one rank's is
-            codec_kernels.encode(
+            self.compression.encode(
                 wire[:numel], self.residual, out.values, out.scales, divide=self.ranks_per_message
             )
         return self.outbox[slot]
@@ -242,8 +462,7 @@ class BucketCodec:
         are copied, instead of into the bucket for stage 1 to encode: fp16 and bf16 without
         error feedback, each rank's own gradient (not a node's sum to divide). Each value is then
         rounded alone, as torch's cast rounds it, bit for bit the encode's (docs/design.md §5.9)."""
-        kind = self.compression.kind
-        return kind in _HALF and not self.compression.error_feedback and self.ranks_per_message == 1
+        return self.compression.casts_on_intake and self.ranks_per_message == 1
 
     def intake_values(self, slot: int) -> list[Tensor]:
         """Slot ``slot``'s outgoing values as backward wrote them (:attr:`encodes_on_intake`
@@ -269,7 +488,7 @@ class BucketCodec:
         the gradient's dtype (in rank order) and compressed again as one message (16-bit: as
         the mean, which stays in fp16's range wherever each rank's values were)."""
         received, message = self._inbox_views[slot], self._own_views[slot]
-        codec_kernels.sum_encode(
+        self.compression.sum_encode(
             received.values,
             received.scales,
             self.server_residual,
@@ -287,13 +506,11 @@ class BucketCodec:
         scales are divided in place."""
         fmt = self.format
         gathered = self._gathered_views[slot]
-        if (
-            gathered.scales is not None
-        ):  # int8 carries the sum: dividing one scale per block costs no pass
+        if self.compression.mean_in_scales:  # the sum travelled: one division per block, no pass
             gathered.scales.div_(fmt.world * self.ranks_per_message)
-        codec_kernels.decode(
+        self.compression.decode(
             gathered.values, gathered.scales, wire[: fmt.numel]
-        )  # 16-bit: the mean as sent
+        )  # else the mean
         wire[fmt.numel :].copy_(gathered.flags.reshape(-1)[: fmt.nflags])
 
     def at(self, slot: int, encoded: bool = False) -> SlotCodec:
@@ -728,6 +945,9 @@ __all__ = [
     "intake_views",
     "make_codec",
     "partition_bounds",
-    "validate",
-    "wire_constants",
+    "FP16",
+    "BF16",
+    "Int8",
+    "register_compression",
+    "resolve",
 ]

@@ -20,10 +20,12 @@ optimizer rule.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from torch import Tensor
 
+from sapipe.errors import ConfigurationError
 from sapipe.kernels.gradient_spec import GradientSpec
 
 
@@ -49,7 +51,23 @@ class StaleStep:
 
 
 class Compensation:
-    """Base strategy: ĝ = g (no compensation), no prediction."""
+    """A staleness compensation: which gradients the stale layers' updates use. The base is
+    ``"none"``: ĝ = g, no prediction.
+
+    ``compensation=`` takes a registered name (``"dc"``, :func:`register_compensation`) or an
+    instance. A compensation of your own is a subclass that names itself (``name``), declares
+    what it reads (``predicts``, ``needs_local``, ``needs_prev_local``, ``history_length``,
+    ``max_staleness``), and overrides the two hooks, each returning a
+    :class:`~sapipe.kernels.gradient_spec.GradientSpec` built from the :class:`StaleStep` it
+    is given (``DC_λ(grad − prev_local/n, Δ) + local/n``, any term left out), which the
+    fused update kernels evaluate in one pass:
+
+    * :meth:`real_gradient`: ĝ, the gradient the real update of a stale layer applies;
+    * :meth:`prediction_gradient`: g̃, for weight prediction x̃ = OPT_peek(x, g̃) (or None).
+
+    The runtime binds a copy of it to the job's staleness (:meth:`for_staleness`); every rank
+    must give an equal compensation (the same class, ``name`` and attributes).
+    """
 
     name = "none"
     predicts = False  # the model holds predicted weights x̃ for the stale layers
@@ -57,9 +75,33 @@ class Compensation:
     needs_prev_local = False  # ... and l_{t-1}
     history_length = 0  # past real weights kept (the newest is x_{t-1} during step t)
     max_staleness: int | None = None  # None: any staleness
+    staleness = 1  # s, set by for_staleness()
 
-    def __init__(self, staleness: int):
-        self.staleness = staleness
+    def for_staleness(self, staleness: int) -> Compensation:
+        """A copy of this compensation for a job whose stale layers use g_{t-s}, s = ``staleness``."""
+        bound = copy.copy(self)
+        bound.staleness = staleness
+        return bound
+
+    def describe(self) -> str:
+        """What ranks and checkpoints compare: the name; a compensation of a user's own also its
+        class and attributes."""
+        cls = type(self)
+        if MODES.get(self.name) is cls and not vars(self):
+            return self.name
+        settings = {k: v for k, v in vars(self).items() if k != "staleness"}
+        return f"{cls.__module__}.{cls.__qualname__}:{self.name}" + (
+            f" {settings}" if settings else ""
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.name))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__qualname__}()"
 
     def real_gradient(self, step: StaleStep) -> GradientSpec:
         """ĝ for the real update; ``step.g`` is not None here."""
@@ -72,6 +114,8 @@ class Compensation:
 
 
 class DelayCompensation(Compensation):
+    """``"dc"``: ĝ = DC_λ(g_{t-s}, x_{t-1} − x_{t-1-s}), SAPipe-DC (Alg. 2)."""
+
     name = "dc"
 
     @property
@@ -87,6 +131,8 @@ class DelayCompensation(Compensation):
 
 
 class PredictFromLocal(Compensation):
+    """``"wp1"``: weight prediction from this rank's fresh gradient, g̃ = l_t (SAPipe-WP option 1)."""
+
     name = "wp1"
     predicts = True
     needs_local = True
@@ -97,6 +143,8 @@ class PredictFromLocal(Compensation):
 
 
 class PredictFromSynchronised(Compensation):
+    """``"wp2"``: weight prediction from the latest averaged gradient, g̃ = g_{t-1} (option 2)."""
+
     name = "wp2"
     predicts = True
     max_staleness = 1
@@ -106,6 +154,9 @@ class PredictFromSynchronised(Compensation):
 
 
 class PredictMixed(Compensation):
+    """``"wp3"``: g̃ = DC_λ(g_{t-1} − l_{t-1}/n, x_t − x_{t-1}) + l_t/n, the others' part
+    delay-compensated plus this rank's fresh one (option 3)."""
+
     name = "wp3"
     predicts = True
     needs_local = True
@@ -129,6 +180,7 @@ class PredictMixed(Compensation):
         )
 
 
+#: names ``compensation=`` accepts, and the strategy each stands for (:func:`register_compensation`)
 MODES: dict[str, type[Compensation]] = {
     cls.name: cls
     for cls in (
@@ -139,3 +191,35 @@ MODES: dict[str, type[Compensation]] = {
         PredictMixed,
     )
 }
+
+
+def register_compensation(cls: type[Compensation]) -> type[Compensation]:
+    """Let ``compensation=cls.name`` stand for ``cls()`` (usable as a class decorator)."""
+    if not (isinstance(cls, type) and issubclass(cls, Compensation) and cls.name):
+        raise ConfigurationError(
+            f"register_compensation takes a named Compensation subclass; got {cls!r}"
+        )
+    if MODES.get(cls.name, cls) is not cls:
+        raise ConfigurationError(
+            f"compensation {cls.name!r} is registered already ({MODES[cls.name]})"
+        )
+    MODES[cls.name] = cls
+    return cls
+
+
+def resolve(compensation: str | Compensation) -> Compensation:
+    """The compensation a registered name stands for, or the one given."""
+    return compensation if isinstance(compensation, Compensation) else MODES[compensation]()
+
+
+__all__ = [
+    "MODES",
+    "Compensation",
+    "DelayCompensation",
+    "PredictFromLocal",
+    "PredictFromSynchronised",
+    "PredictMixed",
+    "StaleStep",
+    "register_compensation",
+    "resolve",
+]

@@ -18,7 +18,7 @@ from sapipe.config import Settings
 from sapipe.errors import ConfigurationError, UsageError
 from sapipe.layout.buckets import Bucket
 from sapipe.layout.layers import Layer
-from sapipe.optim.compensation import MODES
+from sapipe.optim import compensation
 from sapipe.optim.fused import OptimizerRule
 from sapipe.runtime.exposure import GradientExposure
 from sapipe.runtime.layout import CompressedSums, Layout
@@ -79,7 +79,7 @@ class Runtime:
         )
         self.updater = Updater(
             rule,
-            MODES[settings.compensation](settings.staleness),
+            compensation.resolve(settings.compensation).for_staleness(settings.staleness),
             settings,
             world_size,
             self.pipeline,

@@ -86,8 +86,7 @@ class GradientPipeline:
         ] = {}  # bucket index -> parameters flush found without a gradient
 
     def _new_comm(self, settings: Settings, group, name: str) -> comm.CommBackend:
-        return comm.create(
-            settings.backend,
+        request = comm.BackendRequest(
             group,
             name,
             settings.timeout,
@@ -96,6 +95,7 @@ class GradientPipeline:
             compression=settings.compression,
             topology=self._topology,
         )
+        return comm.create(settings.backend, request)
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -215,15 +215,11 @@ class GradientPipeline:
             )
         # Priority: the forward index of the bucket's first layer (needed soonest when lowest).
         what, priority = f"{bucket.describe()} of iteration {iteration}", bucket.first_layer
-        if codec is None:
-            bucket.grads.in_flight[slot] = backend.start(
-                bucket.grads.wire[slot], what, priority=priority
-            )
-        else:
-            bound = codec.at(slot, encoded=encoded)
-            bucket.grads.in_flight[slot] = backend.start(
-                bucket.grads.wire[slot], what, priority=priority, codec=bound
-            )
+        # the gradient's values arrive as their mean, the flags behind them as their sum
+        options = {} if codec is None else {"codec": codec.at(slot, encoded=encoded)}
+        bucket.grads.in_flight[slot] = backend.start(
+            bucket.grads.wire[slot], what, priority=priority, values=bucket.numel, **options
+        )
         if self.timer is not None:
             self.timer.comm_started(bucket.index, bucket.nbytes, bucket.grads.in_flight[slot])
 
@@ -287,17 +283,13 @@ class GradientPipeline:
         assert bucket.grads is not None
         handle, bucket.grads.in_flight[slot] = bucket.grads.in_flight[slot], None
         start = self.clock()
-        handle.wait()  # reduced in place (the back-end contract), flags behind the gradient
+        handle.wait()  # averaged in place (the back-end contract), the flags behind it summed
         mean = bucket.grads.slots[slot]
         waited = self.clock() - start
         self.waited += waited
         self.waited_total += waited
         if self._nonfinite is not None:
             self._nonfinite.arrived(bucket, slot, iteration)  # how many ranks sent NaN or inf
-        if (
-            bucket.grads.codec is None and self._world_size > 1
-        ):  # a sum; a compressed one arrives as the mean
-            mean.div_(self._world_size)
         return mean, waited
 
     def clock(self) -> float:
