@@ -44,7 +44,8 @@ def save_checkpoint(
 
 
 def checkpoint_exists(path: str, optimizer: DistributedOptimizer) -> bool:
-    """Whether :func:`save_checkpoint` wrote this rank's file of ``path`` (each rank has its own)."""
+    """Whether :func:`save_checkpoint` wrote this rank's file of ``path`` (each rank has its
+    own)."""
     return os.path.exists(_path(path, optimizer))
 
 
@@ -101,7 +102,8 @@ class Checkpointer:
         return sorted(found)
 
     def save(self, step: int, **extra: Any) -> str:
-        """Save ``step`` (call between ``step()`` and the next forward); drop the oldest beyond ``keep``."""
+        """Save ``step`` (call between ``step()`` and the next forward); drop the oldest beyond
+        ``keep``."""
         written = save_checkpoint(
             self.path.replace("{step}", str(step)),
             self.model,
@@ -114,7 +116,8 @@ class Checkpointer:
         return written
 
     def resume(self) -> tuple[int, dict[str, Any]]:
-        """Load the newest step every rank has; ``(step, extra)``, or ``(0, {})`` if there is none."""
+        """Load the newest step every rank has; ``(step, extra)``, or ``(0, {})`` if there is
+        none."""
         mine = set(self.steps())
         everyone: list[Any] = [None] * self.optimizer.world_size
         dist.all_gather_object(everyone, mine, group=self.optimizer.process_group)

@@ -15,7 +15,10 @@ import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from numbers import Real
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # typing.TypeGuard is Python 3.10+; torch brings typing_extensions
+    from typing_extensions import TypeGuard
 
 from sapipe.comm import BACKENDS, compression_refusal
 from sapipe.compression.codec import COMPRESSIONS, Compression, resolve
@@ -33,7 +36,7 @@ AUTO = "auto"
 UNPROFILED_STEPS = 5
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -123,7 +126,8 @@ def _compression(name: str, value: Any) -> str | Compression | None:
 def _compensation(name: str, value: Any) -> str | Compensation:
     _require(
         isinstance(value, Compensation) or (isinstance(value, str) and value in MODES),
-        f"{name} must be a sapipe.optim.compensation.Compensation or one of {sorted(MODES)}; got {value!r}",
+        f"{name} must be a sapipe.optim.compensation.Compensation or one of {sorted(MODES)}; got "
+        f"{value!r}",
     )
     return value
 
@@ -159,17 +163,21 @@ def _setting(
 
 @dataclass(frozen=True)
 class Settings:
-    """The validated keyword arguments of :class:`sapipe.DistributedOptimizer` (defaults included)."""
+    """The validated keyword arguments of :class:`sapipe.DistributedOptimizer` (defaults
+    included)."""
 
     stale_layers: int | str = _setting(
         0,
         _stale_layers,
-        'k, the leading layers (forward order) on stale gradients: 0 equals DDP, m is Pipe-SGD; ``"auto"``: the scheduler picks k (:mod:`sapipe.auto`).',
+        "k, the leading layers (forward order) on stale gradients: 0 equals DDP, m is Pipe-SGD; "
+        '``"auto"``: the scheduler picks k (:mod:`sapipe.auto`).',
     )
     compensation: str | Compensation = _setting(
         "none",
         _compensation,
-        'the stale layers\' compensation: a registered name, ``"none"``, ``"dc"``, ``"wp1"``, ``"wp2"`` or ``"wp3"``, or a :class:`sapipe.optim.compensation.Compensation` (one of your own: a subclass).',
+        'the stale layers\' compensation: a registered name, ``"none"``, ``"dc"``, ``"wp1"``, '
+        '``"wp2"`` or ``"wp3"``, or a :class:`sapipe.optim.compensation.Compensation` (one of your '
+        "own: a subclass).",
     )
     dc_lambda: float = _setting(
         0.2,
@@ -189,7 +197,8 @@ class Settings:
     warmup_steps: int = _setting(
         0,
         _int_at_least(0),
-        "iterations run fully synchronously (every layer, as DDP) before the stale layers take stale gradients.",
+        "iterations run fully synchronously (every layer, as DDP) before the stale layers take "
+        "stale gradients.",
     )
     bucket_cap_mb: float = _setting(
         25.0,
@@ -199,38 +208,55 @@ class Settings:
     timeout: timedelta | None = _setting(
         None,
         parse_timeout,
-        "seconds (or a ``timedelta``) after which a collective a peer never joins raises :class:`~sapipe.errors.CommunicationError`; default: the group's.",
+        "seconds (or a ``timedelta``) after which a collective a peer never joins raises "
+        ":class:`~sapipe.errors.CommunicationError`; default: the group's.",
         resume=False,
     )
     lr_ramp_steps: int = _setting(
         0,
         _int_at_least(0),
-        "PipeMare's T1 for staleness > 1: the stale layers' LR is divided by ``s ** (1 - min(t / K, 1))`` over the first K steps of each start of the pipeline.",
+        "PipeMare's T1 for staleness > 1: the stale layers' LR is divided by ``s ** (1 - min(t / "
+        "K, 1))`` over the first K steps of each start of the pipeline.",
     )
     profile_steps: int = _setting(
         5,
         _int_at_least(1),
-        'with ``"auto"``, warm-up iterations profiled (warm-up then lasts ``max(warmup_steps, profile_steps + 5)``: the first 5 are never profiled).',
+        'with ``"auto"``, warm-up iterations profiled (warm-up then lasts ``max(warmup_steps, '
+        "profile_steps + 5)``: the first 5 are never profiled).",
     )
     backend: str = _setting(
         "torch",
         _one_of(BACKENDS),
-        """how buckets are summed (:mod:`sapipe.comm`): ``"torch"`` (one all-reduce per bucket, NCCL or Gloo), ``"pushpull"`` (BytePS's chunked reduce-scatter/all-gather, most urgent first), ``"horovod"`` (``hvd.init()`` first) or ``"byteps"``.""",
+        """how buckets are summed (:mod:`sapipe.comm`): ``"torch"`` (one all-reduce per bucket, """
+        """NCCL or Gloo), ``"pushpull"`` (BytePS's chunked reduce-scatter/all-gather, most """
+        """urgent first), ``"horovod"`` (``hvd.init()`` first) or ``"byteps"``.""",
     )
     compression: str | Compression | None = _setting(
         None,
         _compression,
-        """how bucket gradients travel: ``None`` (their own dtype), a :class:`sapipe.compression.Compression` (``FP16()``, ``BF16()``, ``Int8()``, or a format of your own), or a registered name: ``"fp16"``, ``"bf16"`` (16-bit), ``"int8"`` (per-block scaled, with error feedback); every bucket, sync and stale; summed in the gradients' own dtype.""",
+        """how bucket gradients travel: ``None`` (their own dtype), a """
+        """:class:`sapipe.compression.Compression` (``FP16()``, ``BF16()``, ``Int8()``, or a """
+        """format of your own), or a registered name: ``"fp16"``, ``"bf16"`` (16-bit), """
+        """``"int8"`` (per-block scaled, with error feedback); every bucket, sync and stale; """
+        """summed in the gradients' own dtype.""",
     )
     error_feedback: bool | None = _setting(
         None,
         _optional_boolean,
-        """with ``compression`` given by name: whether each rank keeps what rounding dropped and adds it to its next gradient; ``None``: the format's default (on for ``"int8"``, off for ``"fp16"``/``"bf16"``). A :class:`~sapipe.compression.Compression` object carries its own.""",
+        """with ``compression`` given by name: whether each rank keeps what rounding dropped and """
+        """adds it to its next gradient; ``None``: the format's default (on for ``"int8"``, off """
+        """for ``"fp16"``/``"bf16"``). A :class:`~sapipe.compression.Compression` object carries """
+        """its own.""",
     )
     hierarchical: bool | None = _setting(
         None,
         _optional_boolean,
-        """with ``backend="torch"``: sum each bucket inside each node first, then across nodes, then inside the node again (Horovod's hierarchical all-reduce; :mod:`sapipe.comm.hierarchical`); with ``compression``, only the sum across nodes is compressed; ``None``: wherever the job spans several nodes of the same number (> 1) of ranks (torchrun's ``GROUP_RANK``, else the host name, tells a rank's node); ``True``: required; ``False``: one flat all-reduce.""",
+        """with ``backend="torch"``: sum each bucket inside each node first, then across nodes, """
+        """then inside the node again (Horovod's hierarchical all-reduce; """
+        """:mod:`sapipe.comm.hierarchical`); with ``compression``, only the sum across nodes is """
+        """compressed; ``None``: wherever the job spans several nodes of the same number (> 1) """
+        """of ranks (torchrun's ``GROUP_RANK``, else the host name, tells a rank's node); """
+        """``True``: required; ``False``: one flat all-reduce.""",
     )
     partition_mb: float = _setting(
         4.0,
@@ -240,32 +266,56 @@ class Settings:
     tune_steps: int = _setting(
         4,
         _int_at_least(0),
-        """with ``"auto"``, iterations measured per trial of the search for k (:mod:`sapipe.auto.search`), more while too noisy to tell 3% apart; 0 keeps the model's k unmeasured.""",
+        """with ``"auto"``, iterations measured per trial of the search for k """
+        """(:mod:`sapipe.auto.search`), more while too noisy to tell 3% apart; 0 keeps the """
+        """model's k unmeasured.""",
         resume=False,
     )
     auto_budget: int | None = _setting(
         30,
         _optional_int_at_least(1),
-        """with ``"auto"``, the iteration by which k is final, warm-up included: the search probes where the model, calibrated on its trials, points, and stops with the best k it measured when the next trial would not fit; ``None``: no limit (trials lengthened while noisy, a bisection between the model's k and m).""",
+        """with ``"auto"``, the iteration by which k is final, warm-up included: the search """
+        """probes where the model, calibrated on its trials, points, and stops with the best k """
+        """it measured when the next trial would not fit; ``None``: no limit (trials lengthened """
+        """while noisy, a bisection between the model's k and m).""",
         resume=False,
     )
     broadcast_buffers: bool = _setting(
         True,
         _boolean,
-        """as DDP's: rank 0's module buffers (BatchNorm running statistics, ...) are copied to every rank before a forward whose previous forward ran with gradients outside ``no_sync()`` (:mod:`sapipe.runtime.buffers`); ``False``: each rank keeps its own.""",
+        """as DDP's: rank 0's module buffers (BatchNorm running statistics, ...) are copied to """
+        """every rank before a forward whose previous forward ran with gradients outside """
+        """``no_sync()`` (:mod:`sapipe.runtime.buffers`); ``False``: each rank keeps its own.""",
         resume=False,
     )
 
     expose_gradients: bool = _setting(
         True,
         _boolean,
-        """as DDP's contract: once backward ends, ``p.grad`` holds the averaged gradient ``step()`` applies (sync layers' g_t, stale layers' g_{t-s}), so clipping, ``GradScaler.unscale_``, logging and edits of ``p.grad`` act on it (:mod:`sapipe.runtime.exposure`). A sync layer's all-reduce is waited for only when its ``p.grad`` is first read (its update then runs in ``step()``); unread, it keeps overlapping ``step()`` and the next forward. ``False``: ``p.grad`` keeps this rank's own gradient and a change to it raises at ``step()``.""",
+        """as DDP's contract: once backward ends, ``p.grad`` holds the averaged gradient """
+        """``step()`` applies (sync layers' g_t, stale layers' g_{t-s}), so clipping, """
+        """``GradScaler.unscale_``, logging and edits of ``p.grad`` act on it """
+        """(:mod:`sapipe.runtime.exposure`). A sync layer's all-reduce is waited for only when """
+        """its ``p.grad`` is first read (its update then runs in ``step()``); unread, it keeps """
+        """overlapping ``step()`` and the next forward. ``False``: ``p.grad`` keeps this rank's """
+        """own gradient and a change to it raises at ``step()``.""",
         resume=False,
     )
     nonfinite_gradients: str = _setting(
         "warn",
         _one_of(NONFINITE_GRADIENTS),
-        """what a NaN or inf in a rank's own gradient does without a GradScaler (the average, and the update that applies it, then turn non-finite on every rank, as under DDP; :mod:`sapipe.runtime.nonfinite`): ``"warn"``: every rank emits one ``RuntimeWarning``, the first time only, naming the iteration, the bucket and the rank(s) whose gradient it was; ``"raise"``: :class:`~sapipe.errors.NonFiniteGradientError` instead, on every rank in the same ``step()``: the ``step()`` after the one whose sync gradient was not finite, the one that applies a stale gradient (or the next, with ``expose_gradients=False``), one step later on CUDA; ``"ignore"``: nothing is checked, and nothing more travels. Each rank judges what it sends with one reduction per bucket; the verdict travels behind the gradient in the same collective. Under ``scaler.step(opt)`` the GradScaler skips such steps, and nothing is reported.""",
+        """what a NaN or inf in a rank's own gradient does without a GradScaler (the average, """
+        """and the update that applies it, then turn non-finite on every rank, as under DDP; """
+        """:mod:`sapipe.runtime.nonfinite`): ``"warn"``: every rank emits one """
+        """``RuntimeWarning``, the first time only, naming the iteration, the bucket and the """
+        """rank(s) whose gradient it was; ``"raise"``: """
+        """:class:`~sapipe.errors.NonFiniteGradientError` instead, on every rank in the same """
+        """``step()``: the ``step()`` after the one whose sync gradient was not finite, the one """
+        """that applies a stale gradient (or the next, with ``expose_gradients=False``), one """
+        """step later on CUDA; ``"ignore"``: nothing is checked, and nothing more travels. Each """
+        """rank judges what it sends with one reduction per bucket; the verdict travels behind """
+        """the gradient in the same collective. Under ``scaler.step(opt)`` the GradScaler skips """
+        """such steps, and nothing is reported.""",
         resume=False,
     )
 
@@ -292,7 +342,8 @@ class Settings:
         k = self.stale_layers
         _require(
             k == AUTO or (_is_int(k) and 0 <= k <= num_layers),
-            f"stale_layers must be 'auto' or an int in [0, m] where m={num_layers} is the number of "
+            f"stale_layers must be 'auto' or an int in [0, m] where m={num_layers} is the number "
+            "of "
             f"layers (modules that directly own trainable parameters); got {self.stale_layers!r}",
         )
         refusal = compression_refusal(self.backend, self.compression)
@@ -309,13 +360,16 @@ class Settings:
         )
         _require(
             self.auto_budget is None or not self.auto or self.auto_budget >= self.effective_warmup,
-            f"auto_budget={self.auto_budget} ends before the warm-up does ({self.effective_warmup} iterations: "
-            f"max(warmup_steps, profile_steps + {UNPROFILED_STEPS})); raise it or profile fewer steps",
+            f"auto_budget={self.auto_budget} ends before the warm-up does ({self.effective_warmup} "
+            "iterations: "
+            f"max(warmup_steps, profile_steps + {UNPROFILED_STEPS})); raise it or profile fewer "
+            "steps",
         )
         limit = resolve_compensation(self.compensation).max_staleness
         _require(
             limit is None or self.staleness <= limit,
-            f"compensation={self.compensation!r} is defined for staleness 1 only (docs/design.md §3); "
+            f"compensation={self.compensation!r} is defined for staleness 1 only (docs/design.md "
+            "§3); "
             f"got staleness={self.staleness}. Use 'none' or 'dc' for staleness > 1",
         )
 

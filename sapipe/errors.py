@@ -34,4 +34,5 @@ class UsageError(SapipeError):
 
 
 class NonFiniteGradientError(SapipeError):
-    """A rank's own gradient held NaN or inf, so every rank's average did (``nonfinite_gradients="raise"``)."""
+    """A rank's own gradient held NaN or inf, so every rank's average did
+    (``nonfinite_gradients="raise"``)."""

@@ -55,7 +55,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` for partial-staleness data-parallel training of ``model``.
 
     Args:
-        optimizer: any ``torch.optim.Optimizer`` over ``model``'s parameters, state kept (design §3.10).
+        optimizer: any ``torch.optim.Optimizer`` over ``model``'s parameters, state kept (design
+        §3.10).
             Its ``param_groups`` are shared with this object (LR schedulers keep working);
             every update uses the hyper-parameters of the step it belongs to.
         model: the plain ``nn.Module`` (not DDP); its first forward defines the layers. It may be
@@ -67,7 +68,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             exit as Chrome traces, ``{rank}`` replaced by the rank (else ``.rank<r>`` added).
             Default: ``$SAPIPE_TRACE`` (1/true: record; a path: also write).
 
-    The other keyword arguments are sapipe's settings (:class:`sapipe.config.Settings`), listed below.
+    The other keyword arguments are sapipe's settings (:class:`sapipe.config.Settings`), listed
+    below.
 
     Construction is collective: every rank of ``process_group`` must call it. It checks that
     all ranks were configured identically (else raises on every rank, naming the
@@ -121,6 +123,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 exc  # reported after the ranks compared notes: raising alone would hang them
             )
         topology = rendezvous.agree(group, arguments, optimizer, model, local_error)
+        # agree() raised on every rank unless every rank's local checks passed
+        assert rule is not None and params is not None and recorder is not None
+        assert settings is not None
 
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups  # shared, so schedulers see one truth
@@ -175,7 +180,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
         recorder.start()
         close_at_exit(self)  # a job that never calls close() still exits cleanly (design §5.4)
-        failures.install()  # an uncaught exception on this rank is named to its peers (sapipe/comm/failures.py)
+        # an uncaught exception on this rank is named to its peers (sapipe/comm/failures.py)
+        failures.install()
 
     # ------------------------------------------------------------------ public API
 
@@ -189,13 +195,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def _k(self) -> int:
         layout = self._pipeline.layout
-        return (
-            layout.k
-            if layout is not None
-            else 0
-            if self.settings.auto
-            else self.settings.stale_layers
-        )
+        if layout is not None:
+            return layout.k
+        k = self.settings.stale_layers
+        return k if isinstance(k, int) else 0  # "auto" trains synchronously until it decides
 
     @property
     def num_layers(self) -> int:
@@ -230,12 +233,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def decision(self) -> solver.Decision | None:
-        """With ``"auto"``: the scheduler's decision (its prediction for the chosen k), once made."""
+        """With ``"auto"``: the scheduler's decision (its prediction for the chosen k), once
+        made."""
         return self.auto.decision if self.auto is not None else None
 
     def save_profile(self, path: str) -> None:
-        """With ``stale_layers="auto"``, once k is decided: write what the scheduler measured and chose
-        (JSON), for ``python -m sapipe.schedule.predict`` at other scales (:mod:`sapipe.schedule.saved_profile`)."""
+        """With ``stale_layers="auto"``, once k is decided: write what the scheduler measured and
+        chose
+        (JSON), for ``python -m sapipe.schedule.predict`` at other scales
+        (:mod:`sapipe.schedule.saved_profile`)."""
         if self.auto is None:
             raise UsageError("save_profile() needs stale_layers='auto': a fixed k profiles nothing")
         self.auto.saved_profile().save(path)
@@ -257,7 +263,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def update_path(self) -> str:
-        """ "fused" (sapipe's kernels) or "generic" (the wrapped optimizer's own step()); design §3.10."""
+        """ "fused" (sapipe's kernels) or "generic" (the wrapped optimizer's own step()); design
+        §3.10."""
         return self._updater.rule.path
 
     _step_supports_amp_scaling = (
@@ -275,8 +282,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         dropped wherever they would be used — now, at a deferred update, or one
         ``staleness`` later — without disturbing the staleness pipeline.
 
-        With no backward since the last step and no ``p.grad`` held it does nothing, as ``torch.optim``'s
-        step does (DDP's sends nothing): one rank's extra step leaves every rank's collectives in line.
+        With no backward since the last step and no ``p.grad`` held it does nothing, as
+        ``torch.optim``'s
+        step does (DDP's sends nothing): one rank's extra step leaves every rank's collectives in
+        line.
         """
         if closure is not None:
             raise UsageError("step(closure) is not supported; call loss.backward() before step()")
@@ -292,9 +301,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._runtime.take_gradients(iteration, grad_scaler, self, self._control)
         self._runtime.end_step(iteration, hyperparams)
         self._iteration = iteration
-        self.optimizer._opt_called = (
-            True  # what an LR scheduler built on it checks: "its step() ran"
-        )
+        # What an LR scheduler built on the wrapped optimizer checks to tell that its step()
+        # ran (torch.optim.lr_scheduler warns otherwise). torch has no public API for it: its
+        # own wrapper of step() sets this attribute; tests/unit/test_torch_internals.py fails
+        # loudly if torch stops reading it.
+        setattr(self.optimizer, "_opt_called", True)  # noqa: B010 - not an attribute of Optimizer's type
         if self.auto is not None:
             self.auto.end_step(iteration, hyperparams, self._forward.forward_start)
         self._pipeline.end_iteration()
@@ -355,14 +366,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Finish cleanly: wait for every collective in flight (the last stale all-reduce is never
-        consumed), remove sapipe's hooks and destroy the process groups sapipe created. The model keeps
+        consumed), remove sapipe's hooks and destroy the process groups sapipe created. The model
+        keeps
         its weights (under weight prediction the predicted ones: close outside ``real_weights()``).
-        Collective: every rank calls it. Idempotent; run at exit if the job did not (design §5.4)."""
+        Collective: every rank calls it. Idempotent; run at exit if the job did not (design
+        §5.4)."""
         if self._closed:
             return
         self._closed = True
         try:
-            self._pipeline.close()  # raises, after releasing everything, if a wait failed (a dead peer)
+            # raises, after releasing everything, if a wait failed (a dead peer)
+            self._pipeline.close()
         finally:
             for hook in self._hooks:
                 hook.remove()
@@ -394,13 +408,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (
-            f"sapipe.DistributedOptimizer({type(self.optimizer).__name__}, stale_layers={self.stale_layers!r}, "
-            f"compensation={self.settings.compensation!r}, staleness={self.settings.staleness}, world_size={self._world_size})"
+            f"sapipe.DistributedOptimizer({type(self.optimizer).__name__}, "
+            f"stale_layers={self.stale_layers!r}, "
+            f"compensation={self.settings.compensation!r}, staleness={self.settings.staleness}, "
+            f"world_size={self._world_size})"
         )
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-exactly: in-flight and pending gradients (their
         all-reduces are waited for), optimizer state, real vs predicted weights, Δx history,
         step counters and the scheduler's k. Save it with ``model.state_dict()``, per rank
@@ -426,7 +442,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ],
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (this rank's) into a freshly constructed optimizer.
 
         Refuses, naming the difference, a checkpoint of another world size, rank or
@@ -458,8 +474,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._iteration = state["iteration"]
 
     def torch_state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's plain ``state_dict()`` of the real weights, for it under DDP (pending sync
-        updates applied first; stale gradients in flight are not in it). Reverse: :meth:`load_state_dict`."""
+        """The wrapped optimizer's plain ``state_dict()`` of the real weights, for it under DDP
+        (pending sync
+        updates applied first; stale gradients in flight are not in it). Reverse:
+        :meth:`load_state_dict`."""
         self.synchronize()
         return torch_state.export(self.optimizer, self._updater.rule, self._pipeline.buckets)
 
@@ -471,7 +489,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ hooks
 
-    @torch.compiler.disable  # eagerly under torch.compile, as the other forward hooks (runtime/forward.py)
+    # eagerly under torch.compile, as the other forward hooks (runtime/forward.py)
+    @torch.compiler.disable
     def _after_model_forward(self, module: nn.Module, args, output) -> None:
         if self._pipeline.layout is None:
             self._build_layout()
@@ -479,7 +498,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _build_layout(self, order: list[str] | None = None, k: int | None = None) -> None:
         """After the first forward (rank 0's order, so a layer unused on some rank cannot split the
-        layouts) or from a checkpoint's ``order``: fix the layer order, hook the layers, lay out buckets."""
+        layouts) or from a checkpoint's ``order``: fix the layer order, hook the layers, lay out
+        buckets."""
         assert self._recorder is not None
         layers = self._recorder.finish(
             order or self._control.from_first_rank(self._recorder.executed(), "layer order")
@@ -514,6 +534,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._spans.gradient_arrived(layout.layers[layout.layer_of[id(param)]], iteration)
 
 
-DistributedOptimizer.__doc__ += config.settings_help(indent=4)
+DistributedOptimizer.__doc__ = (DistributedOptimizer.__doc__ or "") + config.settings_help(indent=4)
 
 __all__ = ["DistributedOptimizer", "CHECKPOINT_FORMAT"]

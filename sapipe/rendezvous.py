@@ -91,7 +91,8 @@ def _trainable_parameters(optimizer: torch.optim.Optimizer, model: nn.Module) ->
     kinds = {(p.dtype, p.device) for p in params}
     if len(kinds) > 1:
         raise ConfigurationError(
-            f"all trainable parameters must share one dtype and device; found {sorted(map(str, kinds))}"
+            "all trainable parameters must share one dtype and device; found "
+            f"{sorted(map(str, kinds))}"
         )
     return params
 
@@ -135,7 +136,8 @@ def agree(
         local_error = ConfigurationError(unavailable)
     job = dict(describe_job(optimizer, model), backend_available=unavailable is None)
     settings = {k: _by_value(v) for k, v in arguments.items()}
-    # the format by name, error feedback as it acts, its constants (two sapipe versions' int8 blocks)
+    # the format by name, error feedback as it acts, its constants (two sapipe versions' int8
+    # blocks)
     settings.update(
         config.compression_identity(arguments.get("compression"), arguments.get("error_feedback"))
     )
@@ -230,7 +232,8 @@ def _scratch(
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """``scratch[key]``, a flat tensor of ``numel`` elements, (re)allocated when it has another size."""
+    """``scratch[key]``, a flat tensor of ``numel`` elements, (re)allocated when it has another
+    size."""
     flat = scratch.get(key)
     if flat is None or flat.numel() != numel:
         flat = scratch[key] = torch.empty(numel, dtype=dtype, device=device)
@@ -293,13 +296,15 @@ class ControlChannel:
         return box[0]
 
     def broadcast(self, tensors: list[torch.Tensor], what: str) -> None:
-        """Rank 0's ``tensors`` into every rank's, in place (one collective per dtype and device)."""
+        """Rank 0's ``tensors`` into every rank's, in place (one collective per dtype and
+        device)."""
         group = self._open_group(f"broadcasting {what}")
         with failure_named(f"broadcasting {what}"):
             broadcast_coalesced(tensors, group, self._scratch)
 
     def close(self) -> None:
-        """Destroy the group now, joining its threads (:func:`sapipe.comm.release_group`); idempotent."""
+        """Destroy the group now, joining its threads (:func:`sapipe.comm.release_group`);
+        idempotent."""
         comm.release_group(self)
 
 

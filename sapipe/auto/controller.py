@@ -112,7 +112,8 @@ class AutoController:
     def end_step(
         self, iteration: int, hyperparams: list[dict[str, Any]], forward_start: float | None
     ) -> None:
-        """After ``step()`` of ``iteration``: profile, decide at warm-up's end, or measure a trial."""
+        """After ``step()`` of ``iteration``: profile, decide at warm-up's end, or measure a
+        trial."""
         if self.timer is not None:
             self.timer.end_iteration()
             if iteration == self._pipeline.origin:
@@ -239,7 +240,8 @@ class AutoController:
         }
 
     def simulator_arguments(self) -> dict[str, Any]:
-        """The simulator's and solver's keyword arguments besides the profiles (one builder for both).
+        """The simulator's and solver's keyword arguments besides the profiles (one builder for
+        both).
 
         ``sync_at_step``: whether the job's script reads the exposed ``p.grad`` before ``step()``
         (on any rank, during the warm-up). That decides where the runtime waits for the sync
@@ -280,7 +282,8 @@ class AutoController:
         self.decided_at = iteration
         if self._rank == 0 and self.decision is not None:
             tuned = (
-                f"; {self.tuner.summary()}; predictions with the compute slow-down that fits them best, "
+                f"; {self.tuner.summary()}; predictions with the compute slow-down that fits them "
+                "best, "
                 f"sigma={self.sim_options['slowdown']:g}"
                 if self.tuner is not None
                 else ""
@@ -290,7 +293,8 @@ class AutoController:
     # ------------------------------------------------------------------ the measured search
 
     def _begin_trial(self, iteration: int) -> None:
-        """The pipeline (re)started after ``iteration``: measure the trial's iterations from here."""
+        """The pipeline (re)started after ``iteration``: measure the trial's iterations from
+        here."""
         self._trial_start = iteration
         self._trial_times = []
         self._trial_waits = []
@@ -394,7 +398,8 @@ class AutoController:
         return self._within_budget(iteration + self._trial_head(first) + self._settings.tune_steps)
 
     def _search_guide(self):
-        """With a budget, the search probes where the calibrated model points; without, it bisects."""
+        """With a budget, the search probes where the calibrated model points; without, it
+        bisects."""
         return None if self._settings.auto_budget is None else self._suggest
 
     def _suggest(self, lo: int, hi: int) -> int:
@@ -418,7 +423,8 @@ class AutoController:
         if not self.decided or self.profile is None or self.decision is None:
             raise UsageError(
                 "no profile to save yet: stale_layers='auto' has not decided k in this run "
-                "(it profiles the warm-up, then measures; a job resumed after the decision has none)"
+                "(it profiles the warm-up, then measures; a job resumed after the decision has "
+                "none)"
             )
         layers = self._pipeline.layout.layers
         first = self._pipeline.buckets[0]
@@ -460,7 +466,8 @@ class AutoController:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """Whether k is final, and, while the search runs, where it stands and the model's inputs."""
+        """Whether k is final, and, while the search runs, where it stands and the model's
+        inputs."""
         searching = not self.decided and self.tuner is not None
         return {
             "decided": self.decided,
@@ -476,7 +483,8 @@ class AutoController:
                 "link": self.link,
                 "sim_options": dict(self.sim_options),
                 "decision": dataclasses.asdict(self.decision),
-                # what the warm-up measured: for save_profile() once decided, and the model's sync_at_step
+                # what the warm-up measured: for save_profile() once decided, and the model's
+                # sync_at_step
                 "profile": dataclasses.asdict(self.profile),
                 "sync_at_step": self.sync_at_step,
             },

@@ -86,7 +86,8 @@ class Tuner:
         self.trial: int | None = first_k
         self.final: int | None = None
         self._lo = self._hi = -1  # bisection: lo is known slow, hi known good
-        #: ``suggest(lo, hi)``: the k in (lo, hi] to probe next (not checkpointed: the caller's model)
+        #: ``suggest(lo, hi)``: the k in (lo, hi] to probe next (not checkpointed: the caller's
+        #: model)
         self.suggest = suggest
 
     @property

@@ -105,7 +105,7 @@ class CommBackend(abc.ABC):
         if self.world_size > 1:
             (tensor if values is None else tensor[:values]).div_(self.world_size)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a back-end that owns nothing has nothing to do
         """Release what the back-end owns (threads, process groups). Call after every wait.
 
         Process groups are destroyed here, not left to the garbage collector
@@ -117,7 +117,7 @@ class CommBackend(abc.ABC):
         back-end cannot tell (the scheduler then times the link with probes only)."""
         return False
 
-    def new_buffers(self) -> None:
+    def new_buffers(self) -> None:  # noqa: B027 - optional: most back-ends do not name buffers
         """The engine laid its buckets out anew (nothing in flight): buffers started from
         now on are new ones. Back-ends that name buffers across ranks start naming afresh."""
 
@@ -314,6 +314,7 @@ def import_library(
     if lib.size() != dist.get_world_size() or lib.rank() != dist.get_rank():
         raise ConfigurationError(
             f"backend={backend!r}: {module} numbers this rank {lib.rank()} of {lib.size()}, "
-            f"torch.distributed {dist.get_rank()} of {dist.get_world_size()}; launch both the same way"
+            f"torch.distributed {dist.get_rank()} of {dist.get_world_size()}; launch both the same "
+            "way"
         )
     return lib

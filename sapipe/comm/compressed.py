@@ -1,4 +1,5 @@
-"""Compressed sums (sapipe.compression.codec, docs/design.md §5.9): the two collectives of compressed
+"""Compressed sums (sapipe.compression.codec, docs/design.md §5.9): the two collectives of
+compressed
 bytes, and the back-end that runs one per bucket (``backend="torch"`` and ``"horovod"``).
 
 A compressed sum is an all-to-all (each rank's shards, compressed, to the ranks that sum
@@ -48,7 +49,7 @@ class Collectives(abc.ABC):
     def all_gather(self, gathered: torch.Tensor, own: torch.Tensor, tag: str) -> None:
         """Every rank's ``own``, in rank order, into ``gathered``."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: collectives that own nothing
         """Release what the collectives own (a process group); no collective runs afterwards."""
 
 
@@ -102,7 +103,8 @@ def check_codec(codec: Slot | None, tensor: torch.Tensor, name: str, what: str) 
 
 
 class CompressedSum(InStartOrder):
-    """Compressed sums of flat buffers over ``collectives``, run in start order by a worker thread."""
+    """Compressed sums of flat buffers over ``collectives``, run in start order by a worker
+    thread."""
 
     operation = "compressed sum"
 

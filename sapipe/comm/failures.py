@@ -41,7 +41,7 @@ import sys
 import threading
 import weakref
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
@@ -50,6 +50,7 @@ STORE_SECONDS = 2.0
 #: The longest description published (characters); a longer message is cut.
 MAX_CHARS = 400
 _KEY = "sapipe/first_failure"
+_E = TypeVar("_E", bound=BaseException)
 
 
 class _State:
@@ -123,7 +124,7 @@ def describe(exc: BaseException) -> str:
     return text if len(text) <= MAX_CHARS else text[: MAX_CHARS - 3] + "..."
 
 
-def symptom(error: BaseException) -> BaseException:
+def symptom(error: _E) -> _E:
     """Mark ``error`` (a CommunicationError blaming a lost peer) as the consequence of another
     rank's failure: the hook does not publish it as a cause. Returns it."""
     error.sapipe_lost_peer = True

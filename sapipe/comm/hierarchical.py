@@ -71,14 +71,17 @@ def resolve(requested: bool | None, backend: str, topology: Topology) -> bool:
         )
     if not topology.two_level:
         raise ConfigurationError(
-            f"hierarchical=True needs several nodes with the same number (> 1) of ranks each; this job "
-            f"has {topology.describe()} (torchrun's GROUP_RANK, else the host name, tells a rank's node)"
+            "hierarchical=True needs several nodes with the same number (> 1) of ranks each; this "
+            "job "
+            f"has {topology.describe()} (torchrun's GROUP_RANK, else the host name, tells a rank's "
+            "node)"
         )
     return True
 
 
 class HierarchicalAllReduce(InStartOrder):
-    """Sums of flat buffers inside the node, across nodes, inside the node again (module docstring)."""
+    """Sums of flat buffers inside the node, across nodes, inside the node again (module
+    docstring)."""
 
     operation = "hierarchical all-reduce"
 
@@ -213,7 +216,8 @@ def create(
     timeout: timedelta | None,
     tracer: Tracer,
 ) -> HierarchicalAllReduce:
-    """The node-first back-end over ``topology``: compressed across nodes when ``compression`` is set."""
+    """The node-first back-end over ``topology``: compressed across nodes when ``compression`` is
+    set."""
     kind = HierarchicalAllReduce if compression is None else HierarchicalCompressedSum
     return kind.create(process_group, topology, name, timeout, tracer)
 

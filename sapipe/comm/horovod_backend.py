@@ -42,7 +42,8 @@ def import_horovod():
     return import_library(
         "horovod.torch",
         "horovod",
-        "Install Horovod with PyTorch support (HOROVOD_WITH_PYTORCH=1 pip install horovod; in a checkout of sapipe, `make peers`)",
+        "Install Horovod with PyTorch support (HOROVOD_WITH_PYTORCH=1 pip install horovod; in a "
+        "checkout of sapipe, `make peers`)",
         lambda hvd: None if hvd.is_initialized() else "call hvd.init() before DistributedOptimizer",
     )
 
@@ -155,6 +156,7 @@ def init_horovod_for_torch_job(group=None):
     hvd._sapipe_rendezvous = server  # keep rank 0's server alive as long as Horovod runs
     if hvd.size() != world or hvd.rank() != rank:
         raise ConfigurationError(
-            f"Horovod numbered this rank {hvd.rank()} of {hvd.size()}, torch.distributed {rank} of {world}"
+            f"Horovod numbered this rank {hvd.rank()} of {hvd.size()}, torch.distributed {rank} of "
+            f"{world}"
         )
     return hvd

@@ -17,7 +17,8 @@ coordinator and BytePS's scheduler), and then picks, from the chunks of those bu
 only, the one with the lowest ``priority`` (ties: first started, then first chunk). The
 choice is a function of agreed values only, so every rank makes the same one.
 
-With ``compression=``, each bucket arrives with a :class:`~sapipe.compression.codec.PartitionedCodec`
+With ``compression=``, each bucket arrives with a
+:class:`~sapipe.compression.codec.PartitionedCodec`
 slot, whose partitions are the chunks (``partition_mb`` of the uncompressed bucket, as
 BytePS compresses each partition it pushes). A chunk is then summed as the two-stage
 compressed sum of :mod:`sapipe.comm.compressed` (all-to-all of its compressed shards, a sum

@@ -312,7 +312,8 @@ class WorkerBackend(CommBackend):
             if self.tracer.enabled:
                 self.trace_done(job.what)
             if job.callbacks and job.finished_event is not None:
-                # the profiler's completion time is when the GPU finished, not when the work was queued
+                # the profiler's completion time is when the GPU finished, not when the work was
+                # queued
                 job.finished_event.synchronize()
             for callback in job.callbacks:
                 callback()

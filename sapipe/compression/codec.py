@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Union
+from typing import Any, ClassVar, Union
 
 import torch
 from torch import Tensor
@@ -70,7 +70,8 @@ INT8_BLOCK = codec_kernels.BLOCK  # values per int8 scale: 1/16 byte of scale pe
 class Compression:
     """How bucket gradients travel: a wire format, and whether it keeps error feedback.
 
-    ``compression=`` takes one of these (``sapipe.compression.BF16()``, ``Int8(error_feedback=False)``)
+    ``compression=`` takes one of these (``sapipe.compression.BF16()``,
+    ``Int8(error_feedback=False)``)
     or a registered name (``"bf16"``; :func:`register_compression`). A format of your own is a
     subclass that names itself (``name``), says how a value travels (``value_dtype``, and
     ``block`` > 0 where ``block`` values share one float32 scale), and defines two pure
@@ -108,7 +109,8 @@ class Compression:
     def of(
         cls, compression: str | Compression | None, error_feedback: bool | None = None
     ) -> Compression | None:
-        """:func:`resolve`: a registered name (or an object, or None) as the compression it stands for."""
+        """:func:`resolve`: a registered name (or an object, or None) as the compression it stands
+        for."""
         return resolve(compression, error_feedback)
 
     # ---------------------------------------------------------------- the format
@@ -190,10 +192,11 @@ class Compression:
     def _compress_into(
         self, v: Tensor, values: Tensor, scales: Tensor | None, divide: float
     ) -> Tensor:
-        """``v`` / ``divide`` compressed into ``values`` / ``scales``; what they decode to, times ``divide``."""
+        """``v`` / ``divide`` compressed into ``values`` / ``scales``; what they decode to, times
+        ``divide``."""
         q, s = self.compress(v if divide == 1.0 else v / divide)
         values.copy_(q)
-        if scales is not None:
+        if scales is not None and s is not None:
             scales.copy_(s)
         decoded = self.decompress(values, scales, v.dtype)
         return decoded if divide == 1.0 else decoded * divide
@@ -431,7 +434,8 @@ class BucketCodec:
         self._gathered_views = [Messages(fmt, b) for b in self.gathered]
         self._own_views = [Messages(fmt, b) for b in self.own]
         feedback = compression.error_feedback
-        #: e of this rank's gradients (one per bucket value), and of the sums of its own shard it sent
+        #: e of this rank's gradients (one per bucket value), and of the sums of its own shard it
+        #: sent
         if feedback and residual is None:
             residual = torch.zeros(numel, dtype=dtype, device=device)
         self.residual = residual if feedback else None
@@ -450,7 +454,8 @@ class BucketCodec:
         out = self._outbox_views[slot]
         out.flags.copy_(self._flags_rows)
         if not encoded:
-            # 16-bit: a node's sum travels as its mean over the node's ranks, in range as one rank's is
+            # 16-bit: a node's sum travels as its mean over the node's ranks, in range as one rank's
+            # is
             self.compression.encode(
                 wire[:numel], self.residual, out.values, out.scales, divide=self.ranks_per_message
             )
@@ -507,6 +512,7 @@ class BucketCodec:
         fmt = self.format
         gathered = self._gathered_views[slot]
         if self.compression.mean_in_scales:  # the sum travelled: one division per block, no pass
+            assert gathered.scales is not None, "a format that averages in its scales has scales"
             gathered.scales.div_(fmt.world * self.ranks_per_message)
         self.compression.decode(
             gathered.values, gathered.scales, wire[: fmt.numel]
@@ -524,7 +530,8 @@ class BucketCodec:
         return {"residual": _clone(self.residual), "server_residual": _clone(self.server_residual)}
 
     def check_state_dict(self, state: dict[str, Tensor | None]) -> None:
-        """ConfigurationError where ``state``'s residuals cover other values (they went node first)."""
+        """ConfigurationError where ``state``'s residuals cover other values (they went node
+        first)."""
         _check_node_size(state, 1)
 
     def load_state_dict(self, state: dict[str, Tensor | None]) -> None:
@@ -564,7 +571,8 @@ class SlotCodec:
         self.codec.decode_mean(wire, self.slot)
 
     def partitions(self) -> list[tuple[int, int, SlotCodec]]:
-        """The units summed one by one: [start, end) of the wire and the unit's codec (one: all of it)."""
+        """The units summed one by one: [start, end) of the wire and the unit's codec (one: all of
+        it)."""
         fmt = self.format
         return [(0, fmt.numel + fmt.nflags, self)]
 
@@ -587,7 +595,9 @@ class SpanningGradient:
             view.zero_()
 
 
-def intake_views(codec: Codec, slot: int, offsets: list[int], params: list[Tensor]) -> list[object]:
+def intake_views(
+    codec: BucketCodec | PartitionedCodec, slot: int, offsets: list[int], params: list[Tensor]
+) -> list[object]:
     """Each parameter's place in ``slot``'s outgoing messages of a codec that
     ``encodes_on_intake``, for backward to copy its gradient into (cast to the wire's 16 bits):
     a view shaped like the parameter, or a :class:`SpanningGradient`."""
@@ -712,13 +722,13 @@ class PartitionedCodec:
                 ]
         return pieces
 
-    def state_dict(self) -> dict[str, object]:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "residual": _clone(self.residual),
             "server_residuals": [_clone(r) for r in self.server_residuals],
         }
 
-    def check_state_dict(self, state: dict[str, object]) -> None:
+    def check_state_dict(self, state: dict[str, Any]) -> None:
         """ConfigurationError where ``state``'s residuals cover other values: sums that went node
         first, or another number of partitions."""
         _check_node_size(state, 1)
@@ -729,7 +739,7 @@ class PartitionedCodec:
                 f"this layout {len(self.parts)}"
             )
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state_dict(state)
         if self.residual is not None and state.get("residual") is not None:
             self.residual.copy_(state["residual"])
@@ -828,7 +838,8 @@ class NodeFirstCodec:
         rows[:, size:].copy_(wire[self.numel :].expand(self.node_size, self.nflags))
 
     def unpack(self, rows: Tensor, wire: Tensor) -> None:
-        """The summed ``rows`` back into ``wire``: each shard's values, and the flags (alike in every row)."""
+        """The summed ``rows`` back into ``wire``: each shard's values, and the flags (alike in
+        every row)."""
         size, rows = self.shard_numel, rows.view(self.node_size, self.row_numel)
         for j, (lo, hi) in enumerate(self.shard_bounds()):
             wire[lo:hi].copy_(rows[j, : hi - lo])
@@ -840,15 +851,15 @@ class NodeFirstCodec:
         assert not encoded, "a node-first sum encodes its shard of the node's sum"
         return NodeFirstSlot(self, slot)
 
-    def state_dict(self) -> dict[str, object]:
+    def state_dict(self) -> dict[str, Any]:
         return {"node_size": self.node_size, **self.shard.state_dict()}
 
-    def check_state_dict(self, state: dict[str, object]) -> None:
+    def check_state_dict(self, state: dict[str, Any]) -> None:
         """ConfigurationError unless ``state``'s sums went node first over as many ranks per node
         (the same buckets, checked before, then give the same shards)."""
         _check_node_size(state, self.node_size)
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state_dict(state)
         self.shard.load_state_dict({k: v for k, v in state.items() if k != "node_size"})
 

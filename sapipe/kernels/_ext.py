@@ -6,7 +6,8 @@
 :func:`module_for` gives the module that handles tensors on a device, or None; the first
 time a kernel needs a module that is absent, ONE warning says the pure-PyTorch path runs
 instead. ``SAPIPE_DISABLE_EXT=1`` in the environment disables both modules (no warning).
-``SAPIPE_CPU_ISA=base|avx2|avx512`` caps the CPU kernels' instruction set (csrc/cpu/cpu_dispatch.cpp);
+``SAPIPE_CPU_ISA=base|avx2|avx512`` caps the CPU kernels' instruction set
+(csrc/cpu/cpu_dispatch.cpp);
 another value is ignored, with a warning.
 """
 

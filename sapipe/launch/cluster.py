@@ -80,7 +80,8 @@ class ClusterSpec:
         )
         return (
             f"{self.nodes} nodes × {self.ranks_per_node} ranks; between nodes "
-            f"{netns.format_rate(self.inter.rate_bits)} per NIC and direction{delay}; within a node {intra}"
+            f"{netns.format_rate(self.inter.rate_bits)} per NIC and direction{delay}; within a "
+            f"node {intra}"
         )
 
 

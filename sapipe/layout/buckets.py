@@ -69,7 +69,8 @@ class StalenessBuffer:
         self.nonfinite: list[Tensor] | None = (
             [w[numel + flags] for w in self.wire] if verdict else None
         )
-        #: per slot, this rank's own verdict on the gradient in flight there, as launched (None: not judged)
+        #: per slot, this rank's own verdict on the gradient in flight there, as launched (None: not
+        #: judged)
         self.verdicts: list[tuple | None] = [None] * depth
         self.unused_here: list[list[int]] = [
             [] for _ in range(depth)
@@ -131,7 +132,8 @@ class WeightHistory:
 
 class Bucket:
     """One flat unit of communication and update: whole layers, adjacent in forward order,
-    held in backward order (``layers``, as :func:`sapipe.layout.packing.bucket_layout` packs them)."""
+    held in backward order (``layers``, as :func:`sapipe.layout.packing.bucket_layout` packs
+    them)."""
 
     def __init__(self, index: int, layers: Sequence[Layer], stale: bool, group_of: dict[int, int]):
         self.index = index

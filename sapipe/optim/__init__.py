@@ -1,1 +1,2 @@
-"""The update rules: the fused path (SGD, Adam, AdamW on flat segments), the generic path, staleness compensation."""
+"""The update rules: the fused path (SGD, Adam, AdamW on flat segments), the generic path, staleness
+compensation."""

@@ -78,7 +78,8 @@ class Compensation:
     staleness = 1  # s, set by for_staleness()
 
     def for_staleness(self, staleness: int) -> Compensation:
-        """A copy of this compensation for a job whose stale layers use g_{t-s}, s = ``staleness``."""
+        """A copy of this compensation for a job whose stale layers use g_{t-s}, s =
+        ``staleness``."""
         bound = copy.copy(self)
         bound.staleness = staleness
         return bound
@@ -131,7 +132,8 @@ class DelayCompensation(Compensation):
 
 
 class PredictFromLocal(Compensation):
-    """``"wp1"``: weight prediction from this rank's fresh gradient, g̃ = l_t (SAPipe-WP option 1)."""
+    """``"wp1"``: weight prediction from this rank's fresh gradient, g̃ = l_t (SAPipe-WP option
+    1)."""
 
     name = "wp1"
     predicts = True

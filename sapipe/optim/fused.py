@@ -1,4 +1,5 @@
-"""OPT and OPT_peek (docs/design.md §2) as rules on flat segments; the fused ones for SGD/Adam/AdamW.
+"""OPT and OPT_peek (docs/design.md §2) as rules on flat segments; the fused ones for
+SGD/Adam/AdamW.
 
 sapipe applies updates itself, per bucket, at the moment the staleness rules demand
 (deferred to a layer's pre-forward, or with a stale gradient at ``step()``). A rule reads
@@ -88,7 +89,8 @@ class SegmentState:
             buffer.copy_(saved["buffers"][name])
 
     def move_from(self, old: SegmentState, old_start: int, start: int, numel: int) -> None:
-        """One parameter's state, at ``old_start`` in ``old``, moves to ``start`` here (relayout)."""
+        """One parameter's state, at ``old_start`` in ``old``, moves to ``start`` here
+        (relayout)."""
         self.steps, self.momentum_started = self.param_counters[start] = old.counters_at(
             old_start
         )  # settled at the next update
@@ -270,7 +272,8 @@ class AdamRule(OptimizerRule):
     def _torch_counters(self, state):
         if state.steps == 0:
             return None
-        # torch.optim's scalar dtype for "step" (load_state_dict moves it where fused/capturable want it)
+        # torch.optim's scalar dtype for "step" (load_state_dict moves it where fused/capturable
+        # want it)
         dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         return {"step": torch.tensor(float(state.steps), dtype=dtype)}
 

@@ -35,13 +35,20 @@ logger = logging.getLogger("sapipe")
 
 #: optimizers whose update sapipe cannot drive one bucket at a time, and why
 REFUSED: dict[str, str] = {
-    "torch.optim.LBFGS": "its step() needs a closure that re-evaluates the loss, and its line search "
-    "couples all parameters; sapipe updates each bucket on its own, at its own time",
-    "torch.optim.SparseAdam": "it takes sparse gradients only; sapipe averages gradients in dense buckets",
-    "FusedLAMB": "its step() scales updates by the gradient norm over all parameters (apex); sapipe "
-    "updates each bucket on its own, at its own time",
+    "torch.optim.LBFGS": (
+        "its step() needs a closure that re-evaluates the loss, and its line search couples all "
+        "parameters; sapipe updates each bucket on its own, at its own time"
+    ),
+    "torch.optim.SparseAdam": (
+        "it takes sparse gradients only; sapipe averages gradients in dense buckets"
+    ),
+    "FusedLAMB": (
+        "its step() scales updates by the gradient norm over all parameters (apex); sapipe "
+        "updates each bucket on its own, at its own time"
+    ),
 }
-#: modules of optimizers that communicate in step() themselves (ZeroRedundancyOptimizer, Horovod's, ...)
+#: modules of optimizers that communicate in step() themselves (ZeroRedundancyOptimizer, Horovod's,
+#: ...)
 DISTRIBUTED_MODULES = ("torch.distributed", "horovod", "byteps", "deepspeed")
 
 
@@ -60,7 +67,10 @@ def _refusal(optimizer: torch.optim.Optimizer) -> str | None:
             return REFUSED[public] if cls is type(optimizer) else f"a {public}: {REFUSED[public]}"
     module = type(optimizer).__module__
     if any(module == name or module.startswith(name + ".") for name in DISTRIBUTED_MODULES):
-        return "it is a distributed optimizer itself (it communicates in step()); wrap the local optimizer"
+        return (
+            "it is a distributed optimizer itself (it communicates in step()); "
+            "wrap the local optimizer"
+        )
     return None
 
 
@@ -73,7 +83,8 @@ def rule_for(optimizer: torch.optim.Optimizer) -> OptimizerRule:
         raise UnsupportedOptimizerError(f"sapipe cannot wrap {name}: {why}")
     if any(group.get("differentiable") for group in optimizer.param_groups):
         raise UnsupportedOptimizerError(
-            f"sapipe does not support differentiable=True ({name}): updates are applied outside autograd"
+            f"sapipe does not support differentiable=True ({name}): updates are applied outside "
+            "autograd"
         )
     for fused in FUSED_RULES:
         if type(optimizer) in fused.classes:
@@ -153,7 +164,8 @@ class TorchStepRule(OptimizerRule):
         return None
 
     def hyperparams(self, group):
-        """The whole group but its parameters (tensors copied: schedulers may change them in place)."""
+        """The whole group but its parameters (tensors copied: schedulers may change them in
+        place)."""
         return {
             k: v.clone() if isinstance(v, Tensor) else v for k, v in group.items() if k != "params"
         }
@@ -192,7 +204,8 @@ class TorchStepRule(OptimizerRule):
         self.peek(weights, state, hp, peek, out)
 
     def _composed(self, spec: GradientSpec) -> Tensor:
-        """g̃ of ``spec`` in the work buffer (a copy even when plain: a step() may change its .grad)."""
+        """g̃ of ``spec`` in the work buffer (a copy even when plain: a step() may change its
+        .grad)."""
         numel = spec.grad.numel()
         if self._grad is None or self._grad.numel() < numel:
             self._grad = torch.empty_like(spec.grad)
@@ -237,9 +250,12 @@ class TorchStepRule(OptimizerRule):
             where = "in its state outside any parameter's"
         if changed:
             raise UnsupportedOptimizerError(
-                f"sapipe cannot wrap {_qualified(type(optimizer))}: its step() changed {changed} {where}. "
-                "State kept per param group or per optimizer would advance once per bucket (sapipe runs step() "
-                "over each bucket's parameters), not once per step; only per-parameter state can be kept"
+                f"sapipe cannot wrap {_qualified(type(optimizer))}: its step() changed {changed} "
+                f"{where}. "
+                "State kept per param group or per optimizer would advance once per bucket (sapipe "
+                "runs step() "
+                "over each bucket's parameters), not once per step; only per-parameter state can "
+                "be kept"
             )
 
 

@@ -45,7 +45,8 @@ class Runtime:
         self._settings = settings
         self._group_of = group_of
         self.job_topology = topology  # which ranks share a node (None: not learnt)
-        #: the nodes a hierarchical sum spans (None: flat sums); raises when hierarchical=True cannot be met
+        #: the nodes a hierarchical sum spans (None: flat sums); raises when hierarchical=True
+        #: cannot be met
         self.topology = (
             topology
             if topology is not None
@@ -155,7 +156,8 @@ class Runtime:
         self.nonfinite.check(iteration, grad_scaler is not None, self.updater.scaling, control)
 
     def check_exposed(self, iteration: int, what: str) -> None:
-        """Raise unless ``p.grad`` holds the averaged gradients of ``iteration`` (its backward ended)."""
+        """Raise unless ``p.grad`` holds the averaged gradients of ``iteration`` (its backward
+        ended)."""
         if self.exposure is None:
             raise UsageError(
                 f"{what} needs p.grad to hold the averaged gradient; construct the "
@@ -165,7 +167,8 @@ class Runtime:
 
     def end_step(self, iteration: int, hyperparams: list[dict[str, Any]]) -> None:
         """``step()``'s updates: stale buckets now; sync buckets deferred to their next forward,
-        unless the script read their exposed ``p.grad`` (its all-reduce has arrived: applied now)."""
+        unless the script read their exposed ``p.grad`` (its all-reduce has arrived: applied
+        now)."""
         pipeline_step = iteration - self.pipeline.origin
         exposure = self.exposure
         for bucket in self.pipeline.buckets:
@@ -185,7 +188,8 @@ class Runtime:
         return self.exposure is not None and self.exposure.read_before_step
 
     def relayout(self, k: int) -> None:
-        """Buckets and optimizer state for ``k`` stale layers; every pending update applied first."""
+        """Buckets and optimizer state for ``k`` stale layers; every pending update applied
+        first."""
         self.synchronize()  # every pending update uses the old layout's buffers
         if self.exposure is not None:
             self.exposure.reset()  # nothing exposed refers to the new buckets
@@ -197,7 +201,8 @@ class Runtime:
                 backend.new_buffers()
 
     def restart(self, k: int, iteration: int, hyperparams: list[dict[str, Any]]) -> None:
-        """Back to the synchronous state after ``iteration``, then the pipeline anew with k stale layers.
+        """Back to the synchronous state after ``iteration``, then the pipeline anew with k stale
+        layers.
 
         The stale gradients still in flight are applied now, oldest first, as plain updates,
         and the weights the model holds become the real ones: the state at the end of
@@ -261,7 +266,8 @@ class Runtime:
     def _restore_buckets(
         self, layout: Layout, saved_buckets: list[dict[str, Any]], state_allocated: bool
     ) -> None:
-        """A checkpoint's buckets (see ``Bucket.state_dict``) into ``layout``, which becomes the job's."""
+        """A checkpoint's buckets (see ``Bucket.state_dict``) into ``layout``, which becomes the
+        job's."""
         previous = self.layout if state_allocated else None
         self.pipeline.layout = layout
         layout.allocate_state(self.updater.rule, previous)

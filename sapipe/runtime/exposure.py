@@ -1,4 +1,5 @@
-"""``p.grad`` after backward: the averaged gradient ``step()`` applies, as under DDP (docs/design.md §3.11).
+"""``p.grad`` after backward: the averaged gradient ``step()`` applies, as under DDP (docs/design.md
+§3.11).
 
 Scripts read and change ``p.grad`` between ``backward()`` and ``step()``: gradient clipping,
 ``GradScaler.unscale_``, gradient-norm logging, hand-made edits. Under DDP they see the
@@ -104,7 +105,8 @@ class GradientExposure:
         self.waited = (
             0.0  # seconds waited for all-reduces because p.grad was read, since last taken
         )
-        #: whether the script read a sync layer's p.grad before the last step(): its update then ran in step()
+        #: whether the script read a sync layer's p.grad before the last step(): its update then ran
+        #: in step()
         self.read_before_step = False
         #: (bucket index, slot) -> the gradient exposed from that slot, for step() (or the
         #: deferred update) to apply; popped as it is consumed
@@ -170,7 +172,8 @@ class GradientExposure:
         self.read_before_step = False
 
     def _source(self, bucket: Bucket, iteration: int) -> tuple[int, int | None]:
-        """(the slot this step applies from, the iteration its gradient belongs to; None: no gradient)."""
+        """(the slot this step applies from, the iteration its gradient belongs to; None: no
+        gradient)."""
         pipeline = self._pipeline
         if not pipeline.in_pipeline(bucket, iteration):
             return 0, iteration
@@ -197,8 +200,10 @@ class GradientExposure:
         finite: bool,
         factor: float,
     ) -> float:
-        """The summed gradient in ``slot`` (of iteration ``source``) waited for and made the mean, or
-        None if its step was skipped as not finite; its globally unused parameters skipped. Seconds waited."""
+        """The summed gradient in ``slot`` (of iteration ``source``) waited for and made the mean,
+        or
+        None if its step was skipped as not finite; its globally unused parameters skipped. Seconds
+        waited."""
         mean, waited = self._pipeline.take_mean(bucket, slot, source)
         if not finite:
             exposed.grad = None
@@ -263,8 +268,10 @@ class GradientExposure:
         if not self._warned:
             self._warned = True
             warnings.warn(
-                f"sapipe: a gradient was given to a parameter (shape {tuple(param.shape)}) that this step() "
-                "does not update (no rank used it, or it is a stale layer's while the pipeline fills: its "
+                f"sapipe: a gradient was given to a parameter (shape {tuple(param.shape)}) that "
+                "this step() "
+                "does not update (no rank used it, or it is a stale layer's while the pipeline "
+                "fills: its "
                 "p.grad was None after backward); the gradient is ignored. Reported once.",
                 stacklevel=4,
             )

@@ -106,7 +106,8 @@ class ForwardHooks:
         return handles
 
     def before_layer(self, layer: Layer) -> Callable[[nn.Module, tuple], None]:
-        """The pre-hook of ``layer`` (or of its host, for a layer that never runs its own forward)."""
+        """The pre-hook of ``layer`` (or of its host, for a layer that never runs its own
+        forward)."""
         index = layer.index
 
         def hook(module: nn.Module, args) -> None:
@@ -154,8 +155,10 @@ class ForwardHooks:
         if missed:
             raise UsageError(
                 f"this forward ran compiled layers (torch.compile) while {len(missed)} synchronous "
-                "update(s) were still pending, so they used the weights before the last step(). Compile the "
-                "model before the first step(), or call opt.synchronize() before the first compiled forward"
+                "update(s) were still pending, so they used the weights before the last step(). "
+                "Compile the "
+                "model before the first step(), or call opt.synchronize() before the first "
+                "compiled forward"
             )
 
     def after_layer(self, layer: Layer) -> Callable[[nn.Module, tuple, object], None]:

@@ -82,7 +82,9 @@ class Layout:
                 self.bucket_of_layer[layer.index] = bucket
         # Buckets with a layer no layer's pre-forward covers are updated when the model starts.
         self.eager = [
-            b for b in self.buckets if any(not l.executed and l.host is None for l in b.layers)
+            b
+            for b in self.buckets
+            if any(not layer.executed and layer.host is None for layer in b.layers)
         ]
 
     def _add_buffers(self, bucket: Bucket) -> None:

@@ -101,7 +101,8 @@ def _read(total: Tensor) -> float:
 
 
 def _user_stacklevel() -> int:
-    """The ``stacklevel`` of the first caller outside sapipe and torch (the script's ``opt.step()``)."""
+    """The ``stacklevel`` of the first caller outside sapipe and torch (the script's
+    ``opt.step()``)."""
     frame, level = sys._getframe(2), 2  # noqa: SLF001 - the caller of the caller: warnings.warn's stacklevel 1
     while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
         "sapipe",
@@ -133,7 +134,8 @@ class NonFiniteGradients:
         self._device = torch.device("cpu")
         self._next_check = 1  # the iteration whose step() runs the next check
         self._windows: list[Window] = []  # the next check's, the one after (set by start)
-        #: deferred: the last check's arrivals, its total (CUDA: on its way to the host, and the event after the copy)
+        #: deferred: the last check's arrivals, its total (CUDA: on its way to the host, and the
+        #: event after the copy)
         self._in_transit: tuple[list[Arrival], Tensor, torch.cuda.Event | None] | None = None
         self.start(self._device)
 
@@ -147,7 +149,8 @@ class NonFiniteGradients:
         ``next_check`` on (None: the next one): at the first layout, and when a checkpoint is
         restored (nothing counted before is reported)."""
         self._device = device
-        #: read each total a check late (CUDA: copied to the host meanwhile, so no step waits for the device)
+        #: read each total a check late (CUDA: copied to the host meanwhile, so no step waits for
+        #: the device)
         self.deferred = device.type == "cuda"
         self._next_check = self._next_check if next_check is None else next_check
         self._windows = [
@@ -157,14 +160,16 @@ class NonFiniteGradients:
 
     def launched(self, grads: StalenessBuffer, slot: int, values: Sequence[Tensor]) -> None:
         """At launch: this rank's verdict on ``values``, what it sends of its gradient in ``slot``,
-        kept and written behind the flags (1: NaN or inf here), so that the sum counts such ranks."""
+        kept and written behind the flags (1: NaN or inf here), so that the sum counts such
+        ranks."""
         if not self.watching or self.scaled or grads.nonfinite is None:
             grads.verdicts[slot] = None  # the sum's count is not read
             return
         grads.verdicts[slot] = judge(values, grads.nonfinite[slot])
 
     def arrived(self, bucket: Bucket, slot: int, iteration: int) -> None:
-        """The sum in ``bucket``'s ``slot``, of ``iteration``, has arrived and is consumed: its count
+        """The sum in ``bucket``'s ``slot``, of ``iteration``, has arrived and is consumed: its
+        count
         added to the total of the first check every rank is sure to have consumed it by (the next,
         unless it is of the current iteration)."""
         grads = bucket.grads
@@ -249,8 +254,10 @@ def describe(bad: list[tuple[int, int, str, list[int]]], world: int, mode: str) 
     else:
         iteration, _, bucket, named = bad[0]
         text = (
-            f"sapipe: the averaged gradient of {bucket} in iteration {iteration} holds NaN or inf: the local "
-            f"gradient of {whose(named)} did. As under DDP, every rank's update applies it (no GradScaler "
+            f"sapipe: the averaged gradient of {bucket} in iteration {iteration} holds NaN or inf: "
+            "the local "
+            f"gradient of {whose(named)} did. As under DDP, every rank's update applies it (no "
+            "GradScaler "
             "skips the step)."
         )
     if bad[1:]:
@@ -263,7 +270,8 @@ def describe(bad: list[tuple[int, int, str, list[int]]], world: int, mode: str) 
         return text + ' (nonfinite_gradients="raise"; "warn" reports it once and trains on)'
     return (
         text
-        + ' Reported once per job; nonfinite_gradients="raise" raises instead, "ignore" checks nothing.'
+        + ' Reported once per job; nonfinite_gradients="raise" raises instead, "ignore" checks '
+        "nothing."
     )
 
 

@@ -107,7 +107,8 @@ class GradientPipeline:
         return any(b.num_ready for b in self.buckets)
 
     def in_pipeline(self, bucket: Bucket, iteration: int) -> bool:
-        """Whether ``bucket``'s gradient of ``iteration`` is stale (consumed ``staleness`` later)."""
+        """Whether ``bucket``'s gradient of ``iteration`` is stale (consumed ``staleness``
+        later)."""
         return bucket.stale and iteration > self.origin
 
     def slot(self, bucket: Bucket, iteration: int) -> int:
@@ -180,6 +181,8 @@ class GradientPipeline:
         bucket.ready[i] = True
         bucket.num_ready += 1
         if self._keeps_taken:
+            # a tensor's version counter, bumped by every in-place op: how autograd itself tells a
+            # tensor changed; torch has no public equivalent (tests/unit/test_torch_internals.py)
             self._taken.append((param, grad, grad._version))
         if self.timer is not None:
             self.timer.gradient_released(self.layout.layer_of[id(param)])
@@ -270,11 +273,15 @@ class GradientPipeline:
                 layer = self.layout.layers[self.layout.layer_of[id(param)]]
                 raise UsageError(
                     f"the gradient of a parameter of layer {layer.name or '<root>'!r} (shape "
-                    f"{tuple(param.shape)}) was changed between backward() and step() (clip_grad_norm_, "
+                    f"{tuple(param.shape)}) was changed between backward() and step() "
+                    "(clip_grad_norm_, "
                     "clip_grad_value_, GradScaler.unscale_ or an assignment to p.grad). With "
-                    "expose_gradients=False p.grad is this rank's own gradient, already sent to its "
-                    "all-reduce, so the change cannot reach the update; construct the optimizer with "
-                    "expose_gradients=True (the default) for p.grad to hold the averaged gradient step() applies"
+                    "expose_gradients=False p.grad is this rank's own gradient, already sent to "
+                    "its "
+                    "all-reduce, so the change cannot reach the update; construct the optimizer "
+                    "with "
+                    "expose_gradients=True (the default) for p.grad to hold the averaged gradient "
+                    "step() applies"
                 )
 
     def take_mean(self, bucket: Bucket, slot: int, iteration: int) -> tuple[torch.Tensor, float]:
@@ -299,7 +306,8 @@ class GradientPipeline:
         return timer.now() if timer is not None else time.perf_counter()
 
     def wait_for_communication(self) -> None:
-        """Block until every all-reduce in flight has arrived (each stays pending for its consumer)."""
+        """Block until every all-reduce in flight has arrived (each stays pending for its
+        consumer)."""
         for bucket in self.buckets:
             if bucket.grads is not None:
                 for handle in bucket.grads.in_flight:

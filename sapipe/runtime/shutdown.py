@@ -73,7 +73,9 @@ def close_all() -> None:
             optimizer.close()
         except Exception as exc:  # noqa: BLE001 - exit must go on; say what was abandoned
             warnings.warn(
-                f"at exit, sapipe abandoned the work still in flight: {exc}", RuntimeWarning
+                f"at exit, sapipe abandoned the work still in flight: {exc}",
+                RuntimeWarning,
+                stacklevel=1,
             )
 
 

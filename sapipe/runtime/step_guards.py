@@ -20,7 +20,8 @@ def require_scaler_in_step(optimizer) -> None:
     ):
         raise UsageError(
             "a GradScaler stepped this optimizer without passing itself as step(grad_scaler=...) "
-            "(it set optimizer.grad_scale / found_inf instead, a protocol of newer torch); sapipe needs "
+            "(it set optimizer.grad_scale / found_inf instead, a protocol of newer torch); sapipe "
+            "needs "
             "the scaler itself to agree on skipped steps over ranks"
         )
 
@@ -31,8 +32,10 @@ def require_shared_groups(optimizer) -> None:
     and sapipe would go on with the old hyper-parameters, silently."""
     if optimizer.optimizer.param_groups is not optimizer.param_groups:
         raise UsageError(
-            "the wrapped optimizer's param_groups were replaced after wrapping (by its own load_state_dict?); "
-            "load a torch.optim state dict through the sapipe optimizer's load_state_dict, or into the torch "
+            "the wrapped optimizer's param_groups were replaced after wrapping (by its own "
+            "load_state_dict?); "
+            "load a torch.optim state dict through the sapipe optimizer's load_state_dict, or into "
+            "the torch "
             "optimizer before wrapping it"
         )
 

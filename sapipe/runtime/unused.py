@@ -1,4 +1,5 @@
-"""Parameters no rank used: told apart on the wire, left untouched by the update (docs/design.md §3.9).
+"""Parameters no rank used: told apart on the wire, left untouched by the update (docs/design.md
+§3.9).
 
 As with ``DistributedDataParallel(find_unused_parameters=True)``, a parameter that got no
 gradient on any rank in an iteration is not updated with that iteration's gradient: its

@@ -55,7 +55,10 @@ class Updater:
         """Decide over all ranks whether ``iteration``'s gradients are finite; tell the scaler.
 
         The scaler's private per-device check is the one it uses itself for optimizers that
-        handle scaling: it records whether this rank's ``p.grad`` holds inf/NaN.
+        handle scaling: it records whether this rank's ``p.grad`` holds inf/NaN. No public API
+        serves: ``GradScaler.step`` hands an optimizer with ``_step_supports_amp_scaling`` the
+        decision to make, and the verdict must land in the scaler's own per-optimizer state
+        for ``update()`` to read it. tests/unit/test_torch_internals.py fails if torch changes it.
         """
         self._agree(iteration, grad_scaler, grad_scaler._check_inf_per_device(optimizer), control)  # noqa: SLF001
 
@@ -81,6 +84,9 @@ class Updater:
         """With ``p.grad`` exposed (docs/design.md §3.11): the step is skipped when the gradient it
         applies is not finite, as GradScaler decides for any optimizer. ``p.grad`` is unscaled
         here unless the script did it (``scaler.unscale_(opt)``, e.g. before clipping)."""
+        # the scaler's record of this optimizer (its unscale stage, its inf flags per device):
+        # private, the state GradScaler.update() reads; no public API exposes it
+        # (tests/unit/test_torch_internals.py)
         per_optimizer = grad_scaler._per_optimizer_states[id(optimizer)]  # noqa: SLF001
         if per_optimizer["stage"].name == "READY":
             grad_scaler.unscale_(optimizer)
@@ -182,7 +188,8 @@ class Updater:
             bucket.local, bucket.prev_local = bucket.prev_local, bucket.local
 
     def _stale_view(self, bucket: Bucket, grad: torch.Tensor | None, iteration: int) -> StaleStep:
-        """What the compensation sees at this step: ĝ, x, this rank's l_t and l_{t−1}, Δx's reference."""
+        """What the compensation sees at this step: ĝ, x, this rank's l_t and l_{t−1}, Δx's
+        reference."""
         local, prev_local = bucket.local, bucket.prev_local
         if local is not None and self.scaling:
             finite, inverse_scale = self.scaling.get(iteration, (True, 1.0))
@@ -246,7 +253,8 @@ class Updater:
             history.advance()  # x_t is in the oldest slot: it becomes the newest
 
     def _no_update(self, bucket: Bucket, hyperparams: Hyperparams, predictor) -> None:
-        """A step without a gradient yet (t ≤ s): only a prediction (wp1/wp2 at t = 1), and x_t = x_{t-1}."""
+        """A step without a gradient yet (t ≤ s): only a prediction (wp1/wp2 at t = 1), and x_t =
+        x_{t-1}."""
         if predictor is not None:
             assert not predictor.delta_is_step
             for segment in unused.pieces(bucket):

@@ -144,8 +144,10 @@ class ClusterLink:
     def _intra(self) -> LinkSpec:
         if self.intra is None:
             raise ConfigurationError(
-                f"the sums of {self.nodes} node(s) of {self.ranks_per_node} ranks cross the links inside a "
-                "node, and no intra-node link was given (give one, or a profile measured on one node of several "
+                f"the sums of {self.nodes} node(s) of {self.ranks_per_node} ranks cross the links "
+                "inside a "
+                "node, and no intra-node link was given (give one, or a profile measured on one "
+                "node of several "
                 "ranks to derive it from)"
             )
         return self.intra
@@ -198,7 +200,8 @@ class ClusterLink:
         intra = self.intra.describe() if self.intra is not None else "not given"
         how = "node first (two-level)" if self.two_level else "flat ring"
         return (
-            f"{self.nodes} node(s) x {self.ranks_per_node} ranks; between nodes {self.inter.describe()}, "
+            f"{self.nodes} node(s) x {self.ranks_per_node} ranks; between nodes "
+            f"{self.inter.describe()}, "
             f"inside a node {intra}; sums {how}"
         )
 
@@ -215,12 +218,14 @@ def intra_link_from_profile(profile) -> LinkSpec:
     w = profile.world_size
     if profile.nodes != 1:
         raise ConfigurationError(
-            f"the intra-node link cannot be derived from a profile of {profile.nodes} nodes (its link mixes "
+            f"the intra-node link cannot be derived from a profile of {profile.nodes} nodes (its "
+            "link mixes "
             "both levels); give the intra-node link"
         )
     if w < 2:
         raise ConfigurationError(
-            "the intra-node link cannot be derived from a profile of 1 rank (nothing was sent); give the "
+            "the intra-node link cannot be derived from a profile of 1 rank (nothing was sent); "
+            "give the "
             "intra-node link"
         )
     alpha, beta = profile.alpha, profile.beta
@@ -231,7 +236,8 @@ def intra_link_from_profile(profile) -> LinkSpec:
         alpha, beta = alpha / 2, profile.wire_beta if profile.wire_beta > 0 else modelled
     if not beta > 0:
         raise ConfigurationError(
-            f"the profile's link has beta={profile.beta} s/byte, no rate to derive; give the intra-node link"
+            f"the profile's link has beta={profile.beta} s/byte, no rate to derive; give the "
+            "intra-node link"
         )
     return LinkSpec(2 * (w - 1) / w / beta, alpha / (2 * (w - 1)))
 

@@ -256,7 +256,8 @@ def format_table(predictions: Sequence[Prediction], batch: float | None = None) 
     """A markdown table: per cluster, each mode's iteration time, sapipe's k, the speed-ups
     over DDP, and efficiency (compute / iteration time); samples/s with ``batch``."""
     head = (
-        "| nodes | ranks | sapipe sums | DDP ms | Pipe-SGD ms | sapipe ms | sapipe k | Pipe-SGD × DDP "
+        "| nodes | ranks | sapipe sums | DDP ms | Pipe-SGD ms | sapipe ms | sapipe k | Pipe-SGD × "
+        "DDP "
         "| sapipe × DDP | efficiency DDP / Pipe-SGD / sapipe |"
     )
     rule = "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
@@ -267,8 +268,10 @@ def format_table(predictions: Sequence[Prediction], batch: float | None = None) 
     for p in predictions:
         t = {mode: p.modes[mode].iteration_time * 1e3 for mode in MODES}
         row = (
-            f"| {p.nodes} | {p.world_size} | {'two-level' if p.modes['sapipe'].two_level else 'flat'} "
-            f"| {t['ddp']:.4g} | {t['pipesgd']:.4g} | {t['sapipe']:.4g} | {p.modes['sapipe'].k} of {p.m} "
+            f"| {p.nodes} | {p.world_size} | "
+            f"{'two-level' if p.modes['sapipe'].two_level else 'flat'} "
+            f"| {t['ddp']:.4g} | {t['pipesgd']:.4g} | {t['sapipe']:.4g} | {p.modes['sapipe'].k} of "
+            f"{p.m} "
             f"| {p.speedup('pipesgd'):.2f} | {p.speedup('sapipe'):.2f} | "
             + " / ".join(f"{p.efficiency(mode):.0%}" for mode in MODES)
             + " |"
@@ -428,14 +431,16 @@ def run(args: argparse.Namespace) -> str:
     sigma = profile.slowdown if args.slowdown is None else args.slowdown
     return (
         f"{args.profile}: {len(profile.layers)} layers measured on {profile.world_size} rank(s) "
-        f"({profile.device}), compute {profile.compute_time * 1e3:.4g} ms/iteration, sigma={sigma:g}\n"
+        f"({profile.device}), compute {profile.compute_time * 1e3:.4g} ms/iteration, "
+        f"sigma={sigma:g}\n"
         f"{predictions[-1].link}\n{_slow_intra_note(profile, args)}\n"
         + format_table(predictions, args.batch)
     )
 
 
 def _slow_intra_note(profile: SavedProfile, args: argparse.Namespace) -> str:
-    """A line of warning where the link inside a node (given or derived) is slower than the network."""
+    """A line of warning where the link inside a node (given or derived) is slower than the
+    network."""
     inter, intra = (
         parse_link(args.inter_node, "--inter-node"),
         parse_link(args.intra_node, "--intra-node"),
@@ -447,8 +452,10 @@ def _slow_intra_note(profile: SavedProfile, args: argparse.Namespace) -> str:
     if intra.rate >= inter.rate:
         return ""
     return (
-        f"note: the link inside a node ({intra.describe()}) is slower than between nodes; a profile taken on a "
-        "CPU host's loopback gives such a link. For GPU nodes give --intra-node (NVLink: e.g. 1800gbit,1us)\n"
+        f"note: the link inside a node ({intra.describe()}) is slower than between nodes; a "
+        "profile taken on a "
+        "CPU host's loopback gives such a link. For GPU nodes give --intra-node (NVLink: e.g. "
+        "1800gbit,1us)\n"
     )
 
 

@@ -542,8 +542,10 @@ def measure(
     counts = [int(count) for (count,) in gather([float(len(samples))])]
     if min(counts) == 0:  # raised on every rank, before collectives one rank would not join
         raise ConfigurationError(
-            f"stale_layers='auto' profiled no iteration with a whole forward and backward on rank(s) "
-            f"{[rank for rank, count in enumerate(counts) if count == 0]}; give stale_layers a number"
+            "stale_layers='auto' profiled no iteration with a whole forward and backward on "
+            "rank(s) "
+            f"{[rank for rank, count in enumerate(counts) if count == 0]}; give stale_layers a "
+            "number"
         )
     u, b, step = timer.medians()
     sizes = probe_sizes(bucket_bytes)

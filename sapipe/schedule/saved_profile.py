@@ -40,7 +40,8 @@ class SavedProfile:
     update_time: float  # the optimizer's updates per iteration, all layers together
     alpha: float  # seconds per sum of a bucket, as measured (one level, or the two-level sum)
     beta: float  # seconds per byte of gradient, as measured (compression included)
-    slowdown: float  # σ: compute runs at 1/(1+σ) while the link is busy (fitted by auto's trials; 0 if none)
+    # σ: compute runs at 1/(1+σ) while the link is busy (fitted by auto's trials; 0 if none)
+    slowdown: float
     world_size: int
     nodes: int
     ranks_per_node: int  # of the first node

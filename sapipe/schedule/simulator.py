@@ -423,7 +423,8 @@ def _run_forward_backward(
 
 
 def _comm_events(link, lo: float, hi: float, t: int) -> list[TraceEvent]:
-    """Iteration t's all-reduces (even those running on into t+1) and any others running in [lo, hi)."""
+    """Iteration t's all-reduces (even those running on into t+1) and any others running in [lo,
+    hi)."""
     events = []
     for tr in link.placed:
         if tr.iteration == t or (tr.end > lo and tr.start < hi):
@@ -553,7 +554,8 @@ def simulate(
 
 
 def _check_arguments(m: int, k: int, slowdown: float, update_per_element: float) -> None:
-    """Reject what :func:`simulate` cannot model (k outside 0..m, a negative or infinite σ or update cost)."""
+    """Reject what :func:`simulate` cannot model (k outside 0..m, a negative or infinite σ or update
+    cost)."""
     if not 0 <= k <= m:
         raise ConfigurationError(f"k={k} outside 0..{m}")
     if not slowdown >= 0.0 or math.isinf(slowdown):
@@ -694,7 +696,8 @@ def _same_state(a: tuple[float, ...], b: tuple[float, ...], scale: float) -> boo
 
 
 def _cycle(states: Sequence[tuple[float, ...]], scale: float, longest: int = _LONGEST_CYCLE) -> int:
-    """Length c of the cycle the pipeline has entered (last state == state c iterations ago), else 0."""
+    """Length c of the cycle the pipeline has entered (last state == state c iterations ago), else
+    0."""
     for c in range(1, min(longest, len(states) - 1) + 1):
         if _same_state(states[-1], states[-1 - c], scale):
             return c

@@ -144,7 +144,8 @@ class Decision:
         """One line for the log."""
         cf = "infeasible" if self.closed_form_k is None else str(self.closed_form_k)
         tail = (
-            f"k=0: {_ms(self.iteration_time_sync)}, k={self.m}: {_ms(self.iteration_time_all_stale)}; "
+            f"k=0: {_ms(self.iteration_time_sync)}, k={self.m}: "
+            f"{_ms(self.iteration_time_all_stale)}; "
             f"closed form k={cf}"
         )
         if self.comm_bound:
@@ -155,8 +156,10 @@ class Decision:
                 f"= {self.throughput:.3g} it/s, limited by communication; {tail}"
             )
         return (
-            f"sapipe schedule: k={self.k} of {self.m} layers stale (kappa={self.kappa:.1%}), predicted "
-            f"{_ms(self.iteration_time)}/iter (compute {_ms(self.compute_time)}, stall {_ms(self.stall)}, "
+            f"sapipe schedule: k={self.k} of {self.m} layers stale (kappa={self.kappa:.1%}), "
+            "predicted "
+            f"{_ms(self.iteration_time)}/iter (compute {_ms(self.compute_time)}, stall "
+            f"{_ms(self.stall)}, "
             f"comm {_ms(self.comm_time)}); {tail}"
         )
 

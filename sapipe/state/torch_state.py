@@ -1,8 +1,10 @@
-"""State in and out: the wrapped optimizer's plain ``torch.optim`` state dict (docs/design.md §3.10).
+"""State in and out: the wrapped optimizer's plain ``torch.optim`` state dict (docs/design.md
+§3.10).
 
 *In.* A wrapped optimizer that already holds state (trained before, or given a DDP job's
 ``optimizer.state_dict()``: its own ``load_state_dict`` before wrapping, or sapipe's
-:meth:`~sapipe.DistributedOptimizer.load_state_dict` after) continues from it: the fused rules take each parameter's state into their flat segments at the first
+:meth:`~sapipe.DistributedOptimizer.load_state_dict` after) continues from it: the fused rules take
+each parameter's state into their flat segments at the first
 ``step()`` (it leaves ``optimizer.state``); the generic path uses it where it is.
 
 *Out.* :func:`export` is the wrapped optimizer's own ``state_dict()`` with every
