@@ -7,12 +7,16 @@ Each family comes in two sizes:
   order, which is what decides how much communication partial staleness can hide;
 * ``full`` — the paper's model (VGG-16, ResNet-50, GPT-2 small, Transformer-base) for GPUs.
 
-| family | shape of the parameter distribution (forward order) |
-| --- | --- |
-| ``vgg16`` | 13 small 3x3 convolutions, then three large fully connected layers (~75-90 % of the parameters) last |
-| ``resnet50`` | stem, bottleneck stages [3, 4, 6, 3] growing in width (most parameters in the last stage), a small classifier; GroupNorm |
-| ``gpt2`` | tied token embedding first — the largest layer, ~30 % of the parameters, executed first, its gradient ready last — then uniform decoder blocks |
-| ``transformer`` | encoder-decoder; one shared embedding (source, target, output projection) first, then encoder and decoder layers |
+The shape of each family's parameter distribution, in forward order:
+
+* ``vgg16``: 13 small 3x3 convolutions, then three large fully connected layers (~75-90 % of
+  the parameters) last;
+* ``resnet50``: stem, bottleneck stages [3, 4, 6, 3] growing in width (most parameters in the
+  last stage), a small classifier; GroupNorm;
+* ``gpt2``: tied token embedding first — the largest layer, ~30 % of the parameters, executed
+  first, its gradient ready last — then uniform decoder blocks;
+* ``transformer``: encoder-decoder; one shared embedding (source, target, output projection)
+  first, then encoder and decoder layers.
 
 Normalisation: ResNet uses GroupNorm, which has no running statistics. sapipe broadcasts
 buffers only at construction (README, known limitations), so BatchNorm's running stats
@@ -418,11 +422,13 @@ def describe_layers(model: nn.Module, example_input) -> list:
 
 
 if __name__ == "__main__":  # python benchmarks/bench_models.py [size]: sizes and step times
-    import sys
+    import argparse
     import time
 
+    parser = argparse.ArgumentParser(description="Each family's size, layers and step time.")
+    parser.add_argument("size", nargs="?", default="small", choices=SIZES)
+    size = parser.parse_args().size
     torch.set_num_threads(1)
-    size = sys.argv[1] if len(sys.argv) > 1 else "small"
     for fam in FAMILIES:
         spec = build(fam, size)
         model = spec.make_model()
@@ -432,7 +438,7 @@ if __name__ == "__main__":  # python benchmarks/bench_models.py [size]: sizes an
         total = sum(n for _, n in layers)
         opt = spec.make_optimizer(model.parameters())
         times = []
-        for i in range(6):
+        for _ in range(6):
             t0 = time.perf_counter()
             opt.zero_grad()
             spec.loss_fn(model(x), y).backward()
@@ -440,7 +446,9 @@ if __name__ == "__main__":  # python benchmarks/bench_models.py [size]: sizes an
             times.append(time.perf_counter() - t0)
         top = sorted(range(len(layers)), key=lambda i: -layers[i][1])[:3]
         print(
-            f"{fam:12s} {size}: {total / 1e6:7.2f} M params, m={len(layers):3d}, batch {spec.batch_size}, "
-            f"step {1e3 * sorted(times[1:])[len(times[1:]) // 2]:7.1f} ms; largest layers (forward index, share): "
+            f"{fam:12s} {size}: {total / 1e6:7.2f} M params, m={len(layers):3d}, batch "
+            f"{spec.batch_size}, "
+            f"step {1e3 * sorted(times[1:])[len(times[1:]) // 2]:7.1f} ms; largest layers (forward "
+            "index, share): "
             + ", ".join(f"#{i + 1} {layers[i][0]} {layers[i][1] / total:.0%}" for i in top)
         )

@@ -29,7 +29,6 @@ work), and the pass is timed on the device alike.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -37,10 +36,8 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import hostenv  # noqa: E402
+import harness
+from harness import init_one_rank_group, synchronize
 
 #: The baseline without sapipe: the same model and torch optimizer (``fused=True``), one process.
 TORCH_FUSED = "torch fused=True, no sapipe"
@@ -68,8 +65,8 @@ def label_of(mode: str, form: str, compression: str = "") -> str:
 
 def floor_streams(label: str, optimizer: str) -> float:
     """The fewest extra passes over the stale parameters (float32 reads + writes per element,
-    per step) that a mode needs beyond ``none``'s update, by its definition (docs/design.md §3, s = 1),
-    for any implementation, however fused:
+    per step) that a mode needs beyond ``none``'s update, by its definition (docs/design.md §3,
+    s = 1), for any implementation, however fused:
 
     * ``dc`` diagonal: Δ's reference — read it, and store this step's for the next (+2);
     * ``dc`` outer: also the per-tensor dot products <g, Δ>, a pass of their own before the
@@ -92,32 +89,6 @@ def floor_streams(label: str, optimizer: str) -> float:
     return {"none": 0, "wp1": 3, "wp2": 1, "wp3": 9 if optimizer == "adam" else 8, TORCH_FUSED: 0}[
         mode
     ]
-
-
-def synchronize(device) -> None:
-    """Wait for the device's queued work (a no-op on CPU), so a host clock times it."""
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def init_one_rank_group(device) -> None:
-    """A process group of this process alone, on a free loopback port: NCCL for a GPU, Gloo
-    for the CPU (sapipe's optimizer runs in a group, even of one rank)."""
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=0,
-        world_size=1,
-    )
 
 
 class PassTimer:
@@ -189,7 +160,7 @@ def worker(args) -> None:
         plain_model = spec.make_model().to(device)
         runs.append((TORCH_FUSED, plain_model, spec.make_optimizer(plain_model.parameters()), []))
         for round_ in range(args.rounds + 1):
-            for label, model, opt, rounds in runs:
+            for _label, model, opt, rounds in runs:
                 times = []
                 for _ in range(args.steps):
                     synchronize(device)
@@ -208,7 +179,8 @@ def worker(args) -> None:
             label: {
                 "median_ms": statistics.median(r) * 1e3,
                 "overhead": statistics.median(t / b for t, b in zip(r, base)) - 1,
-                # the mode's floor in the same round: its inherent extra passes, relative to none's step
+                # the mode's floor in the same round: its inherent extra passes, relative to none's
+                # step
                 "floor": statistics.median(
                     floor_streams(label, spec.optimizer) * p / b for p, b in zip(stream, base)
                 ),
@@ -225,13 +197,19 @@ def worker(args) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = harness.Parser(
+        __doc__,
+        quick=dict(models="gpt2", size="tiny", rounds=2, steps=2, fused_only=True),
+        device=("cpu", "cuda"),
+        size="small",
+        out=harness.result_path("compensation_overhead.md"),
+        out_help="the report: a dated section is appended",
+        worker=True,
+    )
     p.add_argument("--models", default="gpt2,resnet50,vgg16")
-    p.add_argument("--size", default="small")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
         "--kappa",
         type=float,
@@ -247,13 +225,12 @@ def main() -> None:
     p.add_argument(
         "--compressions",
         default="",
-        help="also none with each of these compressions on the wire (fp16, bf16, int8): the codec's cost",
+        help="also none with each of these compressions on the wire (fp16, bf16, int8): the "
+        "codec's cost",
     )
     p.add_argument(
         "--fused-only", action="store_true", help="skip the pure-PyTorch run (SAPIPE_DISABLE_EXT=1)"
     )
-    p.add_argument("--output", default=os.path.join(HERE, "results", "compensation_overhead.md"))
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -265,7 +242,7 @@ def main() -> None:
     for label, env in implementations[:1] if args.fused_only else implementations:
         print(f"[compensation_overhead] {label} ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker"] + sys.argv[1:]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=hostenv.worker_env(**env))
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=harness.worker_env(**env))
         if proc.returncode != 0:
             sys.exit(proc.stderr[-3000:])
         results[label] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -283,22 +260,30 @@ def main() -> None:
             t = plain["models"].get(name, {}).get(label)
             lines.append(
                 f"| {name} (k={per_mode['k']} of {per_mode['m']}, κ={per_mode['kappa']:.2f}; "
-                f"{per_mode['stream_ms']:.2f} ms) | {label} | {f['floor']:+.1%} | {f['median_ms']:.1f} | "
+                f"{per_mode['stream_ms']:.2f} ms) | {label} | {f['floor']:+.1%} | "
+                f"{f['median_ms']:.1f} | "
                 f"{f['overhead']:+.1%} | "
                 + (f"{t['median_ms']:.1f} | {t['overhead']:+.1%} |" if t else "— | — |")
             )
     table = "\n".join(lines)
     print(f"backends: {fused['backend']} vs {plain['backend']}\n{table}")
-    command = "python benchmarks/compensation_overhead.py " + " ".join(sys.argv[1:])
-    os.makedirs(os.path.dirname(args.output), exist_ok=True)
-    with open(args.output, "a") as f:
+    if not args.out:
+        return
+    command = harness.command()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "a") as f:
         f.write(
-            f"\n## {time.strftime('%Y-%m-%d %H:%M')} — `{command}`\n\nbackends: `{fused['backend']}` vs "
+            f"\n## {time.strftime('%Y-%m-%d %H:%M')} — `{command}`\n\nbackends: "
+            f"`{fused['backend']}` vs "
             f"`{plain['backend']}`; base optimizer: torch's with `fused=True` (bench_models); "
-            f"k for κ ≥ {args.kappa}, one process, {args.rounds} interleaved rounds of {args.steps} steps "
-            f"per mode (ms/step: median of the rounds' medians; overhead: median over rounds of the "
-            f"ratio to `none` in the same round; floor: the mode's inherent extra passes over the stale "
-            f"parameters (`floor_streams`) × one pass (a cold `torch` copy's time / 2, timed in each round), "
+            f"k for κ ≥ {args.kappa}, one process, {args.rounds} interleaved rounds of "
+            f"{args.steps} steps "
+            "per mode (ms/step: median of the rounds' medians; overhead: median over rounds of "
+            "the "
+            "ratio to `none` in the same round; floor: the mode's inherent extra passes over the "
+            "stale "
+            "parameters (`floor_streams`) × one pass (a cold `torch` copy's time / 2, timed in "
+            "each round), "
             f"relative to `none`'s step); load average before / after: {load_before} / "
             f"{os.getloadavg()[0]:.1f}\n\n{table}\n"
         )

@@ -1,4 +1,4 @@
-"""What compression buys on a GPU cluster, summed node first or flat: a prediction from H100 profiles.
+"""What compression buys on a GPU cluster, node first or flat: predicted from H100 profiles.
 
 The profiles of ``benchmarks/results/scaling_h100/`` (one H100, each scaled to its measured
 iteration as ``scaling_measured.py`` scales them) are put on N nodes of 8 GPUs with the
@@ -14,22 +14,18 @@ What is assumed beyond ``scaling_measured.py``: each format's wire ratio (bytes 
 per gradient byte: bf16 1/2, int8 (1 + 4/64)/4), and the codec's time ``--codec-ns-per-byte``
 per gradient byte (default 0: not measured on a GPU yet; node first it works on 1/8 of it).
 
-    python benchmarks/compression_cluster.py [--nodes 8] [--models gpt2,vgg16] [--codec-ns-per-byte 0]
+    python benchmarks/compression_cluster.py [--nodes 8] [--models gpt2,vgg16]
+        [--codec-ns-per-byte 0]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import harness
+import scaling_measured
 
-import scaling_measured  # noqa: E402
-
-from sapipe.schedule.predict import predict  # noqa: E402
+from sapipe.schedule.predict import predict
 
 WIRE_RATIO = {None: 1.0, "bf16": 0.5, "int8": (1 + 4 / 64) / 4}
 GPUS_PER_NODE = 8
@@ -69,9 +65,7 @@ def rows(profiles, nodes: int, codec_per_byte: float):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = harness.Parser(__doc__, quick=dict(nodes=2, models="gpt2"))
     p.add_argument("--profiles", default=scaling_measured.PROFILES)
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument(
@@ -87,15 +81,16 @@ def main() -> None:
         f"{args.codec_ns_per_byte} ns per gradient byte\n"
     )
     print(
-        "| model | setting | between nodes | compression | DDP | sapipe node first (k) | sapipe flat (k) | flat / node first |"
+        "| model | setting | between nodes | compression | DDP | sapipe node first (k) "
+        "| sapipe flat (k) | flat / node first |"
     )
     print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
     for model, setting, link, kind, ddp, (first, k1), (flat, k2) in rows(
         profiles, args.nodes, args.codec_ns_per_byte * 1e-9
     ):
         print(
-            f"| {model} | {setting} | {link} | {kind} | {ddp * 1e3:.1f} ms | {first * 1e3:.1f} ms ({k1}) | "
-            f"{flat * 1e3:.1f} ms ({k2}) | {flat / first:.2f} |"
+            f"| {model} | {setting} | {link} | {kind} | {ddp * 1e3:.1f} ms "
+            f"| {first * 1e3:.1f} ms ({k1}) | {flat * 1e3:.1f} ms ({k2}) | {flat / first:.2f} |"
         )
 
 

@@ -52,11 +52,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
+import harness
 
-import hostenv  # noqa: E402
+HERE = Path(harness.BENCH_DIR)
+REPO = Path(harness.REPO)
 
 MAIN_MODES = ["sync", "pipesgd", "none", "dc", "wp1", "wp2", "wp3"]
 SAPIPE_MODES = ["dc", "wp1", "wp2", "wp3"]
@@ -122,7 +121,8 @@ def main_specs(k_arg: str, sweep: bool, lambdas: list[float]) -> list[dict[str, 
 
 
 def compressed_name(best: str, variant: str) -> str:
-    """Report name of ``best`` run with a wire format of ``COMPRESSED_VARIANTS``, e.g. ``wp1+int8``."""
+    """Report name of ``best`` run with a wire format of ``COMPRESSED_VARIANTS``, e.g.
+    ``wp1+int8``."""
     return f"{best}+{variant}"
 
 
@@ -363,7 +363,7 @@ def run_all(args) -> None:
         cpus=os.cpu_count(),
     )
     t0 = time.perf_counter()
-    env = hostenv.worker_env(OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
+    env = harness.worker_env(OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     failures: list[str] = []
     for task in tasks:
         study = task_study(known[task], args.study)
@@ -613,7 +613,8 @@ def _ordered_tasks(by_task: dict[str, list[dict]]) -> list[str]:
 
 
 def _has_main_study(recs: list[dict]) -> bool:
-    """Whether a task's launches ran the main study (records without ``study`` predate the option)."""
+    """Whether a task's launches ran the main study (records without ``study`` predate the
+    option)."""
     return any(r.get("study", "all") in ("all", "main") for r in recs)
 
 
@@ -744,7 +745,8 @@ def _main_table_lines(by_task: dict[str, list[dict]], tasks: list[str]) -> tuple
     lines += [
         "",
         f"Seeds per cell: {', '.join(map(str, n_seeds))}. Bold: the best sapipe option per task. "
-        '↑ higher is better, ↓ lower is better. "diverged": a seed\'s training loss was not finite.',
+        '↑ higher is better, ↓ lower is better. "diverged": a seed\'s training loss was not '
+        "finite.",
         "",
     ]
     return lines, verdicts
@@ -894,7 +896,10 @@ def _diverged_note(recs: list[dict], mode: str) -> str:
 
 def _compression_table_lines(by_task: dict[str, list[dict]], tasks: list[str]) -> tuple:
     """The compression table (mean ± std per mode) and the per-seed table; verdicts per task."""
-    header = "| task | metric | best mode (k / m) | `sync` | uncompressed | `+bf16` | `+int8` | `+int8-noEF` |"
+    header = (
+        "| task | metric | best mode (k / m) | `sync` | uncompressed | `+bf16` | `+int8` "
+        "| `+int8-noEF` |"
+    )
     lines = [header, "|" + " --- |" * 8]
     seeds = _seeds(by_task, tasks)
     per_seed = [
@@ -1051,7 +1056,8 @@ def _timing_lines(
     lines = [
         "## Time and machine load",
         "",
-        "| task | seeds | launch time per seed (s) | per mode: train s (mean) | 1-min load avg during runs |",
+        "| task | seeds | launch time per seed (s) | per mode: train s (mean) | 1-min load avg "
+        "during runs |",
         "| --- | --- | --- | --- | --- |",
     ]
     for task in tasks:
@@ -1118,11 +1124,7 @@ def main() -> None:
     sub = argv[0] if argv and argv[0] in ("run", "worker", "report") else "run"
     if argv and argv[0] == sub:
         argv = argv[1:]
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
-    )
+    p = harness.Parser(__doc__, quick="1 seed, few steps (under 2 minutes)")
     p.add_argument(
         "--out",
         default=None,
@@ -1132,9 +1134,9 @@ def main() -> None:
     p.add_argument(
         "--results",
         default=None,
-        help="where convergence.md and the PNGs go (default benchmarks/results; --quick: the --out dir)",
+        help="where convergence.md and the PNGs go (default benchmarks/results; --quick: the "
+        "--out dir)",
     )
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 seed, few steps")
     p.add_argument(
         "--k",
         default="half",

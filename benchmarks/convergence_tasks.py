@@ -11,9 +11,10 @@ Tasks
             1437/360 train/test split, ``random_state=0``), SGD with momentum 0.9.
             Metric: test accuracy (%).
 ``lm``      byte-level Transformer language model (2 pre-LN blocks, width 64, context 64)
-            on the source of the standard-library modules in ``STDLIB_FILES`` of ``examples/demo.py`` (read from
-            ``sysconfig.get_paths()["stdlib"]``, concatenated in that order, first 90 % for
-            training, last 10 % held out). Adam. Metric: held-out perplexity per byte.
+            on the source of the standard-library modules in ``STDLIB_FILES`` of
+            ``examples/demo.py`` (read from ``sysconfig.get_paths()["stdlib"]``, concatenated
+            in that order, first 90 % for training, last 10 % held out). Adam. Metric:
+            held-out perplexity per byte.
 ``deepmlp`` the "staleness hurts" task: an 8-layer ReLU MLP (width 128) on the same digits
             split (flattened pixels), SGD with momentum 0.9 at a high learning rate, so a
             one-step-stale gradient sits near the edge of momentum SGD's stability region.
@@ -38,20 +39,18 @@ tuned per mode.
 from __future__ import annotations
 
 import math
-import os
-import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
+import harness
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 # The character-level LM task trains the demo's model on the demo's text (standard-library
 # source, byte-level): one definition of both, in examples/demo.py.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from demo import STDLIB_FILES, VOCAB, CharLM  # noqa: E402,F401 - STDLIB_FILES/VOCAB: re-exported
-from demo import load_text as load_stdlib_text  # noqa: E402
+_demo = harness.load_example("demo")
+VOCAB, CharLM, load_stdlib_text = _demo.VOCAB, _demo.CharLM, _demo.load_text
 
 
 def count_layers(model: nn.Module) -> int:

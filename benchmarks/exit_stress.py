@@ -1,7 +1,7 @@
-"""Exit stress: many short sapipe jobs, each ending the way real scripts end, counted for aborts.
+"""Exit stress: many short sapipe jobs, each ending as real scripts end, counted for aborts.
 
-    python benchmarks/exit_stress.py --runs 500 [--load 2] [--parallel 2] [--endings a,b] [--setups a,b]
-                                     [--peer ok|dies|hangs|raises] [--emulate-net 3.5gbit] [--json out.json]
+    python benchmarks/exit_stress.py --runs 500 [--load 2] [--parallel 2] [--endings a,b]
+        [--setups a,b] [--peer ok|dies|hangs|raises] [--emulate-net 3.5gbit] [--json out.json]
 
 A job that aborts at its end is reported failed by the cluster's scheduler, whatever it
 trained. This benchmark runs many jobs and counts the ones that do not exit 0: every
@@ -22,12 +22,11 @@ handler had run (the ones finalisation meets: a thread that asks for the GIL the
 by ``pthread_exit``, which aborts the process when it unwinds a ``noexcept`` C++ frame), and,
 for a rank that dumped core, every thread's backtrace (``gdb``), so that an abort names its
 thread, object and destructor. Prints a table by set-up and ending; ``--json`` writes every
-job's record. ``tests/test_exit.py`` runs samples of it.
+job's record. ``tests/system/test_exit.py`` runs samples of it.
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import collections
 import gc
@@ -46,6 +45,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
+import harness
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -53,7 +53,6 @@ from torch import nn
 import sapipe
 
 STEPS = 4
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # ---------------------------------------------------------------------------- in a rank
@@ -335,7 +334,8 @@ SETUPS: dict[str, Setup] = {
     ),
     "auto": Setup(
         lambda job: _auto_job(job, None, "wp3"),
-        'stale_layers="auto", wp3, on a GPT: ends once k is final (profiling callbacks, trials, relayouts done)',
+        'stale_layers="auto", wp3, on a GPT: ends once k is final (profiling callbacks, trials, '
+        "relayouts done)",
     ),
     "auto-searching": Setup(
         lambda job: _auto_job(job, 3, "wp1"),
@@ -645,11 +645,8 @@ def summary(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="set-ups:\n" + "\n".join(f"  {k}: {v.doc}" for k, v in SETUPS.items()),
-    )
+    parser = harness.Parser(__doc__, quick=dict(runs=4))
+    parser.epilog = "set-ups:\n" + "\n".join(f"  {k}: {v.doc}" for k, v in SETUPS.items())
     parser.add_argument("--runs", type=int, default=100, help="jobs in all (default 100)")
     parser.add_argument("--parallel", type=int, default=2, help="jobs at a time (default 2)")
     parser.add_argument(
@@ -724,16 +721,18 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(results, f, indent=1)
     print(summary(results))
     print(
-        f"{len(results)} jobs, load {args.load}, peer {args.peer}{', starved' if args.starve else ''}"
+        f"{len(results)} jobs, load {args.load}, peer {args.peer}"
+        f"{', starved' if args.starve else ''}"
         f"{', without the exit guard' if not args.guard else ''}"
-        f"{', link ' + args.emulate_net if args.emulate_net else ''}, {time.monotonic() - start:.0f} s"
+        f"{', link ' + args.emulate_net if args.emulate_net else ''}, "
+        f"{time.monotonic() - start:.0f} s"
     )
     for record in [r for r in results if any(crashed(rank) for rank in r["ranks"])][:3]:
         for r, rank in enumerate(record["ranks"]):
             if crashed(rank):
                 print(
-                    f"\njob {record['run']} ({record['setup']}, {record['ending']}) rank {r}: exit {rank['exit']}\n"
-                    f"{str(rank['output'])[-1500:]}"
+                    f"\njob {record['run']} ({record['setup']}, {record['ending']}) rank {r}: "
+                    f"exit {rank['exit']}\n{str(rank['output'])[-1500:]}"
                 )
         for core, text in record.get("backtraces", {}).items():
             print(f"\n{core}:\n{text[-6000:]}")

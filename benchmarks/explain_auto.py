@@ -12,7 +12,8 @@ each it splits the iteration time (rank 0) into
 
 and sets the same split of the scheduler's simulated iteration beside it. A gap in
 *compute* is the CPU that communication takes from computation on this host
-(docs/design.md §6), which the scheduler's model does not charge; a gap in *waits* is the link model.
+(docs/design.md §6), which the scheduler's model does not charge; a gap in *waits* is the link
+model.
 
     python benchmarks/explain_auto.py --model vgg16 --size small --rate 25gbit
 """
@@ -27,16 +28,14 @@ import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import harness
 
-import hostenv  # noqa: E402
-
-from sapipe.launch import netns  # noqa: E402
+from sapipe.launch import netns
 
 
 def _split(events, first_iteration: int):
-    """Median per-iteration (total, compute, forward waits, step waits) in ms of a recorded trace."""
+    """Median per-iteration (total, compute, forward waits, step waits) in ms of a recorded
+    trace."""
     iterations = [
         e
         for e in events
@@ -62,9 +61,17 @@ def _predicted(events):
     compute = sum(
         e.end - e.start for e in events if e.category in ("forward", "backward", "update", "step")
     )
-    forward = sum(e.end - e.start for e in events if e.category == "wait" and "wait sync" in e.name)
-    step = sum(e.end - e.start for e in events if e.category == "wait" and "wait stale" in e.name)
+    waits = [e for e in events if e.category == "wait"]
+    forward = sum(e.end - e.start for e in waits if "wait sync" in e.name)
+    step = sum(e.end - e.start for e in waits if "wait stale" in e.name)
     return [1e3 * x for x in (compute + forward + step, compute, forward, step)]
+
+
+def _train(spec, model, opt, batch, steps: int) -> None:
+    for _ in range(steps):
+        opt.zero_grad()
+        spec.loss_fn(model(batch[0]), batch[1]).backward()
+        opt.step()
 
 
 def worker(args) -> None:
@@ -95,19 +102,12 @@ def worker(args) -> None:
             bucket_cap_mb=args.bucket_cap_mb,
             trace=True,
         )
-
-        def train(steps):
-            for _ in range(steps):
-                opt.zero_grad()
-                spec.loss_fn(model(batch[0]), batch[1]).backward()
-                opt.step()
-
-        train(opt.settings.effective_warmup)
+        _train(spec, model, opt, batch, opt.settings.effective_warmup)
         while opt.stale_layers == "auto":  # profiled; now measuring its k on the job
-            train(1)
-        train(3)
+            _train(spec, model, opt, batch, 1)
+        _train(spec, model, opt, batch, 3)
         opt.tracer.clear()
-        train(args.steps)
+        _train(spec, model, opt, batch, args.steps)
         measured = _split(chrome_trace.events_from_tracer(opt.tracer.events()), 0)
         row = {"k": opt.stale_layers, "measured": measured}
         auto = opt.auto  # None for the k = m run
@@ -124,16 +124,15 @@ def worker(args) -> None:
         k = opt.num_layers  # the second run: every layer stale (Pipe-SGD)
         opt.close()
     if rank == 0:
-        with open(args.out, "w") as f:
+        with open(args.result, "w") as f:
             json.dump(out, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.Parser(__doc__, quick=dict(size="tiny", steps=3), size="small", worker=True)
     p.add_argument("--model", default="vgg16")
-    p.add_argument("--size", default="small")
     p.add_argument(
         "--rate",
         default="25gbit",
@@ -141,20 +140,16 @@ def main() -> None:
     )
     p.add_argument("--steps", type=int, default=20, help="timed iterations per run")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    p.add_argument("--result", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        cmd = [
-            torchrun,
-            "--standalone",
-            "--nproc_per_node=2",
-            os.path.abspath(__file__),
+        cmd = harness.torchrun(
+            2,
+            __file__,
             "--worker",
             "--model",
             args.model,
@@ -164,10 +159,10 @@ def main() -> None:
             str(args.steps),
             "--bucket-cap-mb",
             str(args.bucket_cap_mb),
-            "--out",
+            "--result",
             out,
-        ]
-        env = hostenv.worker_env(OMP_NUM_THREADS="1")
+        )
+        env = harness.worker_env(OMP_NUM_THREADS="1")
         proc = subprocess.run(
             netns.wrap(cmd, netns.parse_spec(args.rate)), capture_output=True, text=True, env=env
         )
@@ -175,10 +170,7 @@ def main() -> None:
             sys.exit(f"job failed:\n{proc.stderr[-3000:]}")
         with open(out) as f:
             result = json.load(f)
-    print(
-        f"`python benchmarks/explain_auto.py --model {args.model} --size {args.size} --rate {args.rate}` "
-        f"(rank 0, median of {args.steps} iterations, ms)\n"
-    )
+    print(f"`{harness.command()}` (rank 0, median of {args.steps} iterations, ms)\n")
     print("| run | k | | iteration | compute | forward waits | step waits |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     for label, row in result.items():

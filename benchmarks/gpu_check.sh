@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# Everything this project checks on a GPU, in one command (`make gpu-check`): build the
-# extensions in place against the machine's own torch (no venv: a GPU image ships a CUDA
-# torch, and `make venv` would install the CPU one), then the CUDA kernel tests (update and
-# compression kernels), the CUDA end-to-end tests (compressed sums and the profile on a GPU
-# included), the kernel bandwidth benchmark (float32, with the codec's stages, and bfloat16),
-# the profiles of scaling.py's models (benchmarks/gpu_profiles.py, for
-# `scaling.py --measured`), what a compression costs a compute-bound step, sapipe's host time
-# per iteration (benchmarks/host_overhead.py), and the compensation overhead of the full-size
-# models. Logs and tables go to $GPU_OUT (default
-# gpu-results/); the last lines printed are the summaries.
+# Every check of this project that needs a GPU, in one command (`make gpu-check`).
+#
+# Builds the extensions in place against the machine's own torch (no venv: a GPU image ships a
+# CUDA torch, and `make venv` would install the CPU one), then runs the CUDA kernel tests
+# (update and compression kernels), the CUDA end-to-end tests (compressed sums and the profile
+# on a GPU included), the kernel bandwidth benchmark (float32, with the codec's stages, and
+# bfloat16), the profiles of scaling.py's models (benchmarks/gpu_profiles.py, for
+# scaling_measured.py), what a compression costs a compute-bound step, sapipe's host time per
+# iteration (benchmarks/studies/host_overhead.py), and the compensation overhead of the
+# full-size models. Logs and tables go to $GPU_OUT (default gpu-results/); the last lines
+# printed are the summaries.
 #
 #   GPU_OUT=/some/dir PYTHON=python3 bash benchmarks/gpu_check.sh [quick|compression]
 #
 # `quick` skips the compensation-overhead run (the longest part, ~4 min on an H100).
 # `compression` runs only what the compression needs checked: the build, the codec's CUDA
-# kernels and compressed end-to-end tests, the codec's bandwidth, what a compression costs
-# a compute-bound step, the 16-bit intake (benchmarks/codec_intake.py) and sapipe's host
+# kernels and compressed end-to-end tests, the codec's bandwidth, what a compression costs a
+# compute-bound step, the 16-bit intake (benchmarks/studies/codec_intake.py) and sapipe's host
 # time compressed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +37,7 @@ $PY -c "from sapipe.kernels import _ext, ops; print('backends:', ops.backend('cu
 # The CPU cases of the kernel tests run on every host; here the CUDA ones. The codec, the
 # compressed sums and the profile first: the 63 mode cases of test_cuda take ~3 minutes.
 echo "== tests"
-$PY -m pytest -q -rs tests/test_codec_kernels.py tests/test_cuda.py -k "codec or compressed or profile" \
+$PY -m pytest -q -rs tests/unit/test_codec_kernels.py tests/gpu/test_cuda.py -k "codec or compressed or profile" \
   >"$OUT/tests_codec.log" 2>&1 || status=1
 tail -3 "$OUT/tests_codec.log"
 # What a compression costs a compute-bound step, and sapipe's host time per iteration
@@ -44,33 +45,32 @@ tail -3 "$OUT/tests_codec.log"
 compression_cost() {
   echo "== what a compression costs a compute-bound step (one NCCL rank, full-size models)"
   $PY benchmarks/compensation_overhead.py --device cuda --size full --models gpt2,resnet50,vgg16 --modes none \
-    --compressions bf16,int8 --fused-only --rounds 8 --output "$OUT/compression_cost_cuda.md" \
+    --compressions bf16,int8 --fused-only --rounds 8 --out "$OUT/compression_cost_cuda.md" \
     >"$OUT/compression_cost.log" 2>&1 || status=1
   tail -12 "$OUT/compression_cost.log"
   echo "== backward's intake + a 16-bit sum's stage 1: via the float32 bucket, or cast on intake (full-size models)"
-  $PY benchmarks/codec_intake.py --device cuda --size full >"$OUT/codec_intake.md" 2>&1 || status=1
+  $PY benchmarks/studies/codec_intake.py --device cuda --size full >"$OUT/codec_intake.md" 2>&1 || status=1
   tail -8 "$OUT/codec_intake.md"
   echo "== sapipe's host time per iteration, and DDP's (107 tiny layers, one NCCL rank: the step is the host's)"
-  $PY benchmarks/host_overhead.py --device cuda --compressions bf16,int8 >"$OUT/host_overhead.md" 2>&1 || status=1
+  $PY benchmarks/studies/host_overhead.py --device cuda --compressions bf16,int8 >"$OUT/host_overhead.md" 2>&1 || status=1
   tail -8 "$OUT/host_overhead.md"
 }
 if [ "${1:-}" = compression ]; then
   echo "== the codec's bandwidth"
-  $PY benchmarks/kernels.py --device cuda --only codec --json "$OUT/kernels_codec.json" >"$OUT/kernels_codec.md" 2>&1 \
-    || status=1
+  $PY benchmarks/kernels.py --device cuda --only codec >"$OUT/kernels_codec.md" 2>&1 || status=1
   compression_cost
   cat "$OUT/kernels_codec.md"
   exit $status
 fi
-$PY -m pytest -q -rs tests/test_kernels.py -k cuda >"$OUT/tests_kernels.log" 2>&1 || status=1
+$PY -m pytest -q -rs tests/unit/test_kernels.py -k cuda >"$OUT/tests_kernels.log" 2>&1 || status=1
 tail -1 "$OUT/tests_kernels.log"
-$PY -m pytest -q -rs tests/test_cuda.py -k "not compressed and not profile" >"$OUT/tests_modes.log" 2>&1 || status=1
+$PY -m pytest -q -rs tests/gpu/test_cuda.py -k "not compressed and not profile" >"$OUT/tests_modes.log" 2>&1 || status=1
 tail -1 "$OUT/tests_modes.log"
 
 echo "== kernel bandwidth"
-$PY benchmarks/kernels.py --device cuda --json "$OUT/kernels_f32.json" >"$OUT/kernels_f32.md" 2>&1 || status=1
-$PY benchmarks/kernels.py --device cuda --dtype bfloat16 --n 33554432 --json "$OUT/kernels_bf16.json" \
-  >"$OUT/kernels_bf16.md" 2>&1 || status=1
+$PY benchmarks/kernels.py --device cuda >"$OUT/kernels_f32.md" 2>&1 || status=1
+$PY benchmarks/kernels.py --device cuda --dtype bfloat16 --n 33554432 >"$OUT/kernels_bf16.md" 2>&1 \
+  || status=1
 
 echo "== profiles of scaling.py's models (one NCCL rank, fp32 and amp)"
 $PY benchmarks/gpu_profiles.py --out "$OUT/profiles" >"$OUT/profiles.log" 2>&1 || status=1
@@ -81,7 +81,7 @@ compression_cost
 if [ "${1:-}" != quick ]; then
   echo "== compensation overhead (full-size models, one NCCL rank)"
   $PY benchmarks/compensation_overhead.py --device cuda --size full --models gpt2,resnet50,vgg16 \
-    --rounds 8 --output "$OUT/compensation_overhead_cuda.md" >"$OUT/compensation_overhead.log" 2>&1 || status=1
+    --rounds 8 --out "$OUT/compensation_overhead_cuda.md" >"$OUT/compensation_overhead.log" 2>&1 || status=1
   tail -18 "$OUT/compensation_overhead.log"
 fi
 cat "$OUT/kernels_f32.md" "$OUT/kernels_bf16.md"

@@ -1,7 +1,7 @@
-"""Record, on this machine's GPU, the profile each model of ``scaling.py`` saves (``opt.save_profile``).
+"""Record, on this machine's GPU, the profile (``opt.save_profile``) of each ``scaling.py`` model.
 
-``python benchmarks/scaling.py --measured DIR`` predicts the paper's scaling figure from these
-instead of from FLOP counts. Each model trains on one NCCL rank with the per-GPU batch of
+``python benchmarks/scaling_measured.py --profiles DIR`` predicts the paper's scaling figure
+from these instead of from FLOP counts. Each model trains on one NCCL rank with the per-GPU batch of
 ``scaling.py``, torch's ``fused=True`` optimizer (SGD with momentum or Adam, as
 ``bench_models``), random data, under ``stale_layers="auto"`` until k is final; then
 its profile is saved: per-layer forward and backward times as the GPU runs them (the
@@ -15,25 +15,24 @@ iteration time timed after the decision (the device synchronised around 10 itera
 against the profile's own compute (forward + backward + update + step), to show how
 complete the profile is.
 
-    python benchmarks/gpu_profiles.py --out gpu-results/profiles [--models vgg16_cifar,gpt2] [--settings fp32,amp]
+    python benchmarks/gpu_profiles.py --out gpu-results/profiles [--models vgg16_cifar,gpt2]
+        [--settings fp32,amp]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import bench_models  # noqa: E402
-import scaling  # noqa: E402
-from compensation_overhead import init_one_rank_group, synchronize  # noqa: E402
+import bench_models
+import harness
+import scaling
+from harness import init_one_rank_group, synchronize
 
 #: the loss and learning rate each model trains with (bench_models' choices)
 LM_MODELS = {"gpt2"}
@@ -127,19 +126,25 @@ def record(name: str, setting: str, out: str, device, batch: int = 0) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--out", required=True, help="folder for <model>_<setting>.json and summary.json"
+    p = harness.Parser(
+        __doc__,
+        quick=dict(device="cpu", models="vgg16_cifar", settings="fp32", batch=2),
+        device=("cuda", "cpu"),
+        out=None,
+        out_help="folder for <model>_<setting>.json and summary.json (required)",
     )
     p.add_argument("--models", default=",".join(scaling.MODELS))
     p.add_argument("--settings", default="fp32,amp")
     p.add_argument(
-        "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of this script"
-    )
-    p.add_argument(
-        "--batch", type=int, default=0, help="samples per iteration (0: scaling.py's per-GPU batch)"
+        "--batch",
+        type=int,
+        default=0,
+        help="samples per iteration (0: scaling.py's per-GPU batch)",
     )
     args = p.parse_args()
+    if args.out is None and not args.quick:
+        p.error("--out is required")
+    args.out = args.out or tempfile.mkdtemp(prefix="sapipe-profiles-")
     import torch
     import torch.distributed as dist
 

@@ -18,7 +18,7 @@ basis, so the two columns compare times.
 
     python benchmarks/kernels.py [--n 16777216] [--reps 10] [--threads T] [--only update|codec]
     python benchmarks/kernels.py --device cuda [--dtype {float32,bfloat16,float16}] [--reps 50]
-    ... [--json results.json]   # also write the rows as JSON (for collecting remote runs)
+    ... [--json] [--out FILE]   # the rows as JSON instead of the table; also write it to FILE
 
 Prints a markdown table. The copy bandwidth is re-measured next to each kernel and each row
 is compared with its neighbouring copy. Timings come after a warm-up call:
@@ -40,7 +40,6 @@ A case that raises for the chosen device/dtype is printed as n/a with the reason
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -49,6 +48,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+import harness
 import torch
 
 from sapipe.kernels import codec as codec_kernels
@@ -134,8 +134,8 @@ def codec_cases(
             )
         cases[f"codec {kind}: decode"] = (
             value + 4,
-            lambda rows=rows, s=scales: codec_kernels.decode(rows, s, out, world),
-            lambda rows=rows, s=scales: codec_kernels.reference_decode(rows, s, out, world),
+            lambda rows=rows, s=scales, o=out: codec_kernels.decode(rows, s, o, world),
+            lambda rows=rows, s=scales, o=out: codec_kernels.reference_decode(rows, s, o, world),
         )
     return cases
 
@@ -168,30 +168,34 @@ def check_device(device: torch.device, dtype: torch.dtype) -> None:
 
 
 def _cpu_isa() -> str:
-    """ ", instruction set X" of the compiled CPU kernels in use (SAPIPE_CPU_ISA caps it), if built."""
+    """ ", instruction set X" of the compiled CPU kernels in use (SAPIPE_CPU_ISA caps it), if
+    built."""
     from sapipe.kernels import _ext
 
     return f", instruction set {_ext.cpu.cpu_isa()}" if _ext.cpu is not None else ""
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ap = harness.Parser(
+        __doc__,
+        quick=dict(n=1 << 20, reps=3),
+        device=("cpu", "cuda"),
+        json=True,
+        out=None,
+        out_help="also write the table (or the JSON) to this file",
     )
     ap.add_argument("--n", type=int, default=16 * 1024 * 1024, help="elements per buffer")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     ap.add_argument(
         "--reps", type=int, default=None, help="timed runs (default: 10 on CPU, 50 on CUDA)"
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
-    ap.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file")
     ap.add_argument(
         "--only",
         choices=("all", "update", "codec"),
         default="all",
-        help="time only the update kernels or only the compression codec's stages (which run on one "
-        "thread by design: time them with --threads 1, so the copy beside them has one too)",
+        help="time only the update kernels or only the compression codec's stages (which run on "
+        "one thread by design: time them with --threads 1, so the copy beside them has one too)",
     )
     args = ap.parse_args()
     if args.threads:
@@ -383,25 +387,26 @@ def main() -> None:
         if dtype != torch.float32:
             sys.exit("kernels.py: the codec's stages take float32 gradients here (--dtype float32)")
         cases = {}
-    if (
-        dtype == torch.float32 and args.only != "update"
-    ):  # the codec's gradients are float32 (or float64)
+    if dtype == torch.float32 and args.only != "update":  # the codec's gradients are float32
         cases.update(codec_cases(n, device))
+    report: list[str] = []
 
     mib = n * E / 2**20
     if cuda:
         l2: int | None = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
         l2_text = f"L2 {l2 / 2**20:.0f} MiB" if l2 else "L2 size unknown"
-        print(
+        report.append(
             f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, backend "
             f"{ops.backend('cuda')}, {args.dtype}, n = {n:,} ({mib:.0f} MiB per buffer), "
             f"{l2_text}, median of {reps} CUDA-event-timed calls"
         )
         if l2 and n * E <= l2:
-            print(f"WARNING: a buffer ({mib:.0f} MiB) fits in L2; raise --n to time DRAM traffic")
+            report.append(
+                f"WARNING: a buffer ({mib:.0f} MiB) fits in L2; raise --n to time DRAM traffic"
+            )
     else:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-        print(
+        report.append(
             f"n = {n:,} {args.dtype} ({mib:.0f} MiB per buffer), torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {load:.1f}, "
             f"backend {ops.backend('cpu')}{_cpu_isa()}"
@@ -432,35 +437,38 @@ def main() -> None:
             )
         )
     copy_bws = sorted(r.copy_gbps for r in rows)
-    print(
+    report.append(
         f"copy bandwidth (torch copy_, {2 * E} bytes/elem read+write), measured next to each "
         f"kernel: best {copy_bws[-1]:.1f} GB/s, median {copy_bws[len(copy_bws) // 2]:.1f} GB/s\n"
     )
-    print(
+    report.append(
         "| kernel | bytes/elem | torch ms | ext ms | speed-up | ext GB/s | copy GB/s | ext / copy |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    report.append("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         ratio = fmt(None if r.ext_over_copy is None else 100 * r.ext_over_copy, ".0f", "%")
-        print(
-            f"| {r.name} | {r.bytes_per_elem:g} | {fmt(r.torch_ms, '.3f')} | {fmt(r.ext_ms, '.3f')} | "
-            f"{fmt(r.speedup, '.1f', 'x')} | {fmt(r.ext_gbps, '.1f')} | {r.copy_gbps:.1f} | "
-            f"{ratio}{f' ({r.error})' if r.error else ''} |"
+        report.append(
+            f"| {r.name} | {r.bytes_per_elem:g} | {fmt(r.torch_ms, '.3f')} "
+            f"| {fmt(r.ext_ms, '.3f')} | {fmt(r.speedup, '.1f', 'x')} | {fmt(r.ext_gbps, '.1f')} "
+            f"| {r.copy_gbps:.1f} | {ratio}{f' ({r.error})' if r.error else ''} |"
         )
-    if args.json:
-        meta = dict(
-            device=torch.cuda.get_device_name(device) if cuda else "cpu",
-            torch=torch.__version__,
-            backend=ops.backend(device),
-            dtype=args.dtype,
-            n=n,
-            reps=reps,
-            timing="median of CUDA events" if cuda else "best wall clock",
-        )
-        with open(args.json, "w") as f:
-            json.dump(
-                dict(meta=meta, rows=[asdict(r) for r in rows]), f, indent=1, ensure_ascii=False
-            )
+    if not args.json:
+        harness.emit("\n".join(report), args.out)
+        return
+    meta = dict(
+        device=torch.cuda.get_device_name(device) if cuda else "cpu",
+        torch=torch.__version__,
+        backend=ops.backend(device),
+        dtype=args.dtype,
+        n=n,
+        reps=reps,
+        timing="median of CUDA events" if cuda else "best wall clock",
+        header=report[: -2 - len(rows)],
+    )
+    harness.emit(
+        json.dumps(dict(meta=meta, rows=[asdict(r) for r in rows]), indent=1, ensure_ascii=False),
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""A lossy link changes only time: the same short 2-rank sapipe job at 0%, 1% and 5% packet loss.
+"""A lossy link changes only time: one short 2-rank sapipe job at 0%, 1% and 5% packet loss.
 
     python benchmarks/lossy_link.py [--drops 0,0.01,0.05] [--steps 30] [--json]   # as root
-    python benchmarks/lossy_link.py --check   # exit 0 if this host can run it, else print why and exit 1
+    python benchmarks/lossy_link.py --check   # exit 0 if this host can run it, else say why
 
 **Needs root, network namespaces and nftables or iptables** (``apt-get install nftables
 iptables``). Where any is missing it says which and exits 2 (``--check``: 1), running nothing.
@@ -41,6 +41,8 @@ import sys
 import tempfile
 import time
 import traceback
+
+import harness
 
 UNAVAILABLE = 2
 TABLE = "sapipe_lossy"
@@ -140,7 +142,10 @@ def why_unavailable() -> str:
         return "lossy_link needs unshare and ip (apt-get install util-linux iproute2)"
     tool = dropper()
     if not tool:
-        return "lossy_link needs nftables or iptables to drop packets (apt-get install nftables iptables)"
+        return (
+            "lossy_link needs nftables or iptables to drop packets "
+            "(apt-get install nftables iptables)"
+        )
     script = " && ".join(
         shlex.join(c) for c in [["ip", "link", "set", "lo", "up"]] + rule_commands(tool, 0.01)
     )
@@ -151,7 +156,10 @@ def why_unavailable() -> str:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"lossy_link cannot create a network namespace: {exc}"
     if out.returncode != 0:
-        return f"lossy_link cannot drop packets in a network namespace with {tool}: {out.stderr.strip()}"
+        return (
+            f"lossy_link cannot drop packets in a network namespace with {tool}: "
+            f"{out.stderr.strip()}"
+        )
     return ""
 
 
@@ -227,9 +235,8 @@ def run_job(steps: int, outdir: str) -> float:
                 sys.stderr.flush()
                 os._exit(code)
         pids.append(pid)
-    store = dist.TCPStore(
-        "127.0.0.1", 0, 2, True, wait_for_workers=False
-    )  # after the forks: no rank holds it
+    # after the forks: no rank holds it
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
     for _ in pids:
         os.write(write_end, store.port.to_bytes(4, "little"))
     codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
@@ -246,9 +253,8 @@ def measure(drops: list, steps: int) -> list:
 
     import sapipe  # noqa: F401 - imported once, before the forks
 
-    torch.optim.SGD(
-        [torch.nn.Parameter(torch.zeros(1))], lr=0.1
-    )  # torch's lazy optimizer modules, once
+    # torch's lazy optimizer modules, once
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     gc.freeze()
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     run([["ip", "link", "set", "lo", "up"]])
@@ -282,33 +288,33 @@ def measure(drops: list, steps: int) -> list:
 
 
 def report(results: list, as_json: bool) -> None:
-    print(
-        f"{'drop':>6} {'dropped':>8} {'median step':>12} {'max step':>10} {'job':>7}  weights vs the clean link"
-    )
-    for r in results:
-        print(
-            f"{r['drop']:>6.1%} {r['dropped_packets']:>8} {r['step_ms_median']:>9.1f} ms {r['step_ms_max']:>7.0f} ms "
-            f"{r['wall_s']:>5.1f} s  {'bit-identical' if r['identical_to_clean'] else 'DIFFERENT'}"
-        )
+    """The table, or with ``as_json`` the results as one JSON line."""
     if as_json:
         print(json.dumps(results))
+        return
+    print(
+        f"{'drop':>6} {'dropped':>8} {'median step':>12} {'max step':>10} {'job':>7}  "
+        "weights vs the clean link"
+    )
+    for r in results:
+        same = "bit-identical" if r["identical_to_clean"] else "DIFFERENT"
+        print(
+            f"{r['drop']:>6.1%} {r['dropped_packets']:>8} {r['step_ms_median']:>9.1f} ms "
+            f"{r['step_ms_max']:>7.0f} ms {r['wall_s']:>5.1f} s  {same}"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.Parser(__doc__, quick=dict(drops="0,0.05", steps=6), json=True)
     parser.add_argument(
         "--drops", default="0,0.01,0.05", help="drop probabilities, the clean link first"
     )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument(
-        "--json", action="store_true", help="also print the results as one JSON line"
-    )
-    parser.add_argument(
         "--check", action="store_true", help="only say whether this host can run it"
     )
-    parser.add_argument(
-        "--inside", action="store_true", help=argparse.SUPPRESS
-    )  # already in the namespace
+    # already in the namespace
+    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     drops = [float(d) for d in args.drops.split(",")]
     if args.inside:

@@ -26,7 +26,7 @@ pointed ``p.grad`` into its slots; DDP's reducer runs C++ hooks of its own at th
 may already have moved gradients into its buckets, so DDP's figure there is that instant's).
 Cross-checks: the change of the process's RSS over the mode (model built to after the
 steps) less G and the optimizer state, with glibc returning freed blocks of 64 KiB and
-more (``MALLOC_MMAP_THRESHOLD_``; the other benchmarks keep them, :mod:`hostenv`); and, on
+more (``MALLOC_MMAP_THRESHOLD_``; the other benchmarks keep them, :mod:`harness`); and, on
 CUDA, ``torch.cuda.max_memory_allocated`` over the mode less its start.
 
 The *model* column is the multiple of G each mode is expected to hold, from its buffers:
@@ -39,7 +39,7 @@ residual (1) and the residual of this rank's shard of the sums (1/W). Flags, pad
 headers are small and not modelled; a measured extra more than 2% of G off the model is
 marked ``!``.
 
-    python benchmarks/memory.py                              # gpt2, resnet50 (small), every mode (~3 min)
+    python benchmarks/memory.py              # gpt2, resnet50 (small), every mode (~3 min)
     python benchmarks/memory.py --models gpt2 --modes ddp,k0,km-none --out memory.md
     python benchmarks/memory.py --json                       # the numbers as JSON
 """
@@ -53,10 +53,7 @@ import os
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import hostenv  # noqa: E402
+import harness
 
 MiB = 2.0**20
 # name -> settings: "ddp" (None or "view"), else sapipe's keyword arguments ("k": 0 or "m")
@@ -122,7 +119,8 @@ def model_multiple(mode: dict, world: int) -> float:
 
 
 def _category(path: str) -> str:
-    """What a tensor found at ``path`` (from the sapipe optimizer) is, by the attributes that lead to it."""
+    """What a tensor found at ``path`` (from the sapipe optimizer) is, by the attributes that lead
+    to it."""
     if ".segments[" in path and ".state" in path:
         return "update scratch" if ".scratch" in path else "optimizer state"
     if path.startswith(("opt.optimizer.state", "opt.state")):
@@ -299,7 +297,8 @@ def _ddp(model, base, mode, device):
 
 
 def _sapipe(model, base, mode, layers):
-    """sapipe over ``model`` in ``mode``; its tensors by category (found from the optimizer object)."""
+    """sapipe over ``model`` in ``mode``; its tensors by category (found from the optimizer
+    object)."""
     import sapipe
 
     settings = {k: v for k, v in mode.items() if k != "k"}
@@ -310,7 +309,8 @@ def _sapipe(model, base, mode, layers):
 
 
 def measure(spec, name: str, args, device, world: int) -> dict:
-    """Train ``name`` for ``args.steps`` steps on a fresh model; what it holds, in and between steps."""
+    """Train ``name`` for ``args.steps`` steps on a fresh model; what it holds, in and between
+    steps."""
     import bench_models
     import torch
 
@@ -417,9 +417,11 @@ def table(result: dict) -> str:
     cuda = rows[0]["cuda_peak_delta"] is not None
     lines = [
         (
-            f"**{result['model']} ({result['size']})**: {rows[0]['numel']:,} parameters in {rows[0]['params']} "
+            f"**{result['model']} ({result['size']})**: {rows[0]['numel']:,} parameters in "
+            f"{rows[0]['params']} "
             f"tensors, {rows[0]['layers']} layers; G = {_mib(g)} MiB; {result['world']} ranks on "
-            f"{result['device']}; counted after {result['steps']} steps, on rank 0. MiB, and multiples of G.\n"
+            f"{result['device']}; counted after {result['steps']} steps, on rank 0. MiB, and "
+            "multiples of G.\n"
         ),
         (
             "| mode | extra between steps | model | in backward | "
@@ -450,7 +452,8 @@ def table(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append(
         "\n*extra*: held beyond the parameters and the optimizer state, less one gradient (G); "
-        "*in backward*: the same at the last gradient of a step (DDP: the instant among its reducer's "
+        "*in backward*: the same at the last gradient of a step (DDP: the instant among its "
+        "reducer's "
         "own hooks); *RSS check*: the process's RSS "
         "change over the mode less G and the optimizer state"
         + (
@@ -474,12 +477,9 @@ def launch(model: str, args) -> dict:
     )
     with tempfile.TemporaryDirectory(prefix="sapipe-memory-") as tmp:
         out = os.path.join(tmp, "result.json")
-        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        cmd = [
-            torchrun,
-            "--standalone",
-            f"--nproc_per_node={ranks}",
-            os.path.abspath(__file__),
+        cmd = harness.torchrun(
+            ranks,
+            __file__,
             "--worker",
             "--model",
             model,
@@ -493,20 +493,29 @@ def launch(model: str, args) -> dict:
             args.device,
             "--result",
             out,
-        ]
+        )
         # glibc returns freed blocks of 64 KiB and more, so that RSS follows what is held
-        env = hostenv.worker_env(
+        env = harness.worker_env(
             OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536"
         )
-        return hostenv.run_job(f"memory ({model})", cmd, env, args.timeout, out)
+        return harness.run_job(f"memory ({model})", cmd, env, args.timeout, out)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.Parser(
+        __doc__,
+        quick=dict(models="gpt2", size="tiny", modes="ddp,k0,km-none,km-wp1", steps=3),
+        device=("auto", "cpu"),
+        size="small",
+        json=True,
+        out=None,
+        out_help="also write the report (or the JSON) to this file",
+        timeout=1800.0,
+        worker=True,
+    )
     p.add_argument(
         "--models", default="gpt2,resnet50", help="bench_models families, comma-separated"
     )
-    p.add_argument("--size", default="small", help="tiny, small or full")
     p.add_argument(
         "--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}"
     )
@@ -516,13 +525,6 @@ def main(argv=None) -> int:
         default=5,
         help="steps before counting (s = 2 needs 4 for a full pipeline)",
     )
-    p.add_argument(
-        "--device", default="auto", choices=("auto", "cpu"), help="auto: CUDA where there is one"
-    )
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a job is killed")
-    p.add_argument("--json", action="store_true", help="print the counts as JSON, not the tables")
-    p.add_argument("--out", help="also write the report (or the JSON) to this file")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -533,16 +535,13 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     results = [launch(model, args) for model in args.models.split(",")]
-    command = "python benchmarks/memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = harness.command(argv)
     text = (
-        json.dumps({"command": command.strip(), "results": results})
+        json.dumps({"command": command, "results": results})
         if args.json
-        else f"`{command.strip()}`\n\n" + "\n\n".join(table(r) for r in results)
+        else f"`{command}`\n\n" + "\n\n".join(table(r) for r in results)
     )
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    harness.emit(text, args.out)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Does a one-node profile predict the cluster? ``sapipe.schedule.predict`` against emulated nodes.
+"""Does a one-node profile predict the cluster? ``sapipe.schedule.predict`` vs emulated nodes.
 
 As root, on one host (docs/design.md §6, ``sapipe-launch --emulate-cluster``; Gloo on the CPU,
 one thread per rank, ``OMP_NUM_THREADS=1``):
@@ -20,7 +20,7 @@ one thread per rank, ``OMP_NUM_THREADS=1``):
    4x1's for 2x2: compute measured under the same emulated network, a different layout).
 
 Output: a table (measured vs predicted per mode and topology, error) on stdout and in
-``--output`` (default ``benchmarks/results/predict_validation.md``) with the command.
+``--out`` (default ``benchmarks/results/predict_validation.md``) with the command.
 Target: within 10 %. Not root (or no emulated cluster here): a message, exit status 0.
 
     python benchmarks/predict_validation.py --steps 40 --rounds 4
@@ -39,12 +39,9 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import harness
 
-import hostenv  # noqa: E402
-
-from sapipe.launch import cluster  # noqa: E402
+from sapipe.launch import cluster
 
 MODES = ("ddp", "pipesgd", "sapipe")
 MAX_SETTLE_STEPS = 500  # untimed steps "auto" may take to profile and measure its k
@@ -186,11 +183,12 @@ def launch(topology: str, args, role: str, profile_out: str, result_out: str) ->
         result_out,
     ]
     print(
-        f"[predict_validation] {topology} ({role}), load {os.getloadavg()[0]:.2f}: {shlex.join(cmd)}",
+        f"[predict_validation] {topology} ({role}), load {os.getloadavg()[0]:.2f}: "
+        f"{shlex.join(cmd)}",
         file=sys.stderr,
         flush=True,
     )
-    env = hostenv.worker_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = harness.worker_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(
@@ -210,7 +208,8 @@ def table(args, reference, jobs) -> str:
     from sapipe.schedule.simulator import simulate
 
     lines = [
-        "| topology | mode | k measured / predicted | measured ms | predicted ms (1x4 profile) | error "
+        "| topology | mode | k measured / predicted | measured ms "
+        "| predicted ms (1x4 profile) | error "
         "| at the measured k | predicted ms (the other topology's profile) | error "
         "| predicted ms (own profile) | error |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -242,16 +241,23 @@ def table(args, reference, jobs) -> str:
             c = cross.modes[mode].iteration_time * 1e3 if cross is not None else math.nan
             lines.append(
                 f"| {topology} | {mode} | {k} | {measured:.1f} | {p.iteration_time * 1e3:.1f} "
-                f"| {_err(p.iteration_time * 1e3, measured)} | {at_k} | {c:.1f} | {_err(c, measured)} "
+                f"| {_err(p.iteration_time * 1e3, measured)} | {at_k} | {c:.1f} "
+                f"| {_err(c, measured)} "
                 f"| {r.iteration_time * 1e3:.1f} | {_err(r.iteration_time * 1e3, measured)} |"
             )
     return "\n".join(lines)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = harness.Parser(
+        __doc__,
+        quick=dict(size="tiny", topologies="2x2", steps=4, rounds=2),
+        size="small",
+        out=harness.result_path("predict_validation.md"),
+        out_help="the report: a dated section is appended",
+        worker=True,
+    )
     p.add_argument("--model", default="gpt2")
-    p.add_argument("--size", default="small")
     p.add_argument("--topologies", default="2x2,4x1")
     p.add_argument("--inter-node", default="1gbit")
     p.add_argument("--steps", type=int, default=40, help="timed steps per mode")
@@ -261,8 +267,6 @@ def main() -> None:
         default=4,
         help="the timed steps are split into this many interleaved rounds",
     )
-    p.add_argument("--output", default=os.path.join(HERE, "results", "predict_validation.md"))
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--role", default="measure", help=argparse.SUPPRESS)
     p.add_argument("--profile-out", help=argparse.SUPPRESS)
     p.add_argument("--result-out", help=argparse.SUPPRESS)
@@ -293,20 +297,21 @@ def main() -> None:
             launch(topology, args, "measure", profile, result)
             with open(result) as f:
                 jobs[topology] = (json.load(f), SavedProfile.load(profile))
-    command = "python benchmarks/predict_validation.py " + " ".join(sys.argv[1:])
     text = (
-        f"## {time.strftime('%Y-%m-%d %H:%M')} — `{command}`\n\n"
-        f"{args.model}/{args.size}, Gloo on CPU, one thread per rank; `--inter-node {args.inter_node}`, each "
-        f"node's loopback unshaped. The 1x4 profile: k = {reference.stale_layers} of {len(reference.layers)}, "
-        f"compute {reference.compute_time * 1e3:.1f} ms, sigma = {reference.slowdown:g}, link alpha = "
-        f"{reference.alpha * 1e3:.3g} ms + {reference.beta * 1e9:.3g} ns/byte. Target: |error| <= 10 %.\n\n"
-        + table(args, reference, jobs)
-        + "\n"
+        f"## {time.strftime('%Y-%m-%d %H:%M')} — `{harness.command()}`\n\n"
+        f"{args.model}/{args.size}, Gloo on CPU, one thread per rank; "
+        f"`--inter-node {args.inter_node}`, each node's loopback unshaped. The 1x4 profile: "
+        f"k = {reference.stale_layers} of {len(reference.layers)}, "
+        f"compute {reference.compute_time * 1e3:.1f} ms, sigma = {reference.slowdown:g}, "
+        f"link alpha = {reference.alpha * 1e3:.3g} ms + {reference.beta * 1e9:.3g} ns/byte. "
+        "Target: |error| <= 10 %.\n\n" + table(args, reference, jobs) + "\n"
     )
     print(text)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    fresh = not os.path.exists(args.output)
-    with open(args.output, "a") as f:
+    if not args.out:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    fresh = not os.path.exists(args.out)
+    with open(args.out, "a") as f:
         f.write("# A one-node profile's predictions against emulated nodes\n" if fresh else "")
         f.write("\n" + text)
 

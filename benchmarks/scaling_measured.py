@@ -1,4 +1,4 @@
-"""The scaling figure of ``scaling.py``, predicted from profiles recorded on a GPU instead of FLOP counts.
+"""The scaling figure of ``scaling.py``, predicted from profiles recorded on a GPU, not FLOPs.
 
 ``benchmarks/gpu_profiles.py`` trained each model of ``scaling.py`` (same layers, same
 per-GPU batch) on one GPU under ``stale_layers="auto"`` and saved its profile
@@ -21,25 +21,23 @@ What is measured and what is assumed:
   paper's 100 Gbit/s per node (and 400 Gbit/s, one current NIC, for comparison), 5 µs per
   ring step. Gradients float32, 25 MiB buckets, σ = 0, no clipping.
 
-    python benchmarks/scaling_measured.py [--profiles benchmarks/results/scaling_h100] [--nodes 1,2,4,8]
+    python benchmarks/scaling_measured.py [--profiles benchmarks/results/scaling_h100]
+        [--nodes 1,2,4,8]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
-import sys
+import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import harness
+import scaling
 
-import scaling  # noqa: E402
-
-from sapipe.schedule.cluster_link import LinkSpec  # noqa: E402
-from sapipe.schedule.predict import MODES, Prediction, format_table, predict  # noqa: E402
-from sapipe.schedule.saved_profile import SavedProfile  # noqa: E402
+from sapipe.schedule.cluster_link import LinkSpec
+from sapipe.schedule.predict import MODES, Prediction, format_table, predict
+from sapipe.schedule.saved_profile import SavedProfile
 
 PROFILES = os.path.join(scaling.RESULTS, "scaling_h100")
 NVLINK_H100 = LinkSpec(360e9, 1e-6)
@@ -79,8 +77,9 @@ def headline(results: dict[tuple[str, str, str], list[Prediction]], keys, link: 
     for setting, name in keys:
         p = results[(setting, name, link)][-1]
         lines.append(
-            f"| {scaling.MODELS[name].title} | {setting} | {p.world_size} | {p.compute_time * 1e3:.1f} "
-            f"| {p.speedup('sapipe'):.2f} | {p.speedup('pipesgd'):.2f} | {p.modes['sapipe'].k} of {p.m} | "
+            f"| {scaling.MODELS[name].title} | {setting} | {p.world_size} "
+            f"| {p.compute_time * 1e3:.1f} | {p.speedup('sapipe'):.2f} "
+            f"| {p.speedup('pipesgd'):.2f} | {p.modes['sapipe'].k} of {p.m} | "
             + " / ".join(f"{p.efficiency(mode):.0%}" for mode in MODES)
             + " |"
         )
@@ -88,11 +87,17 @@ def headline(results: dict[tuple[str, str, str], list[Prediction]], keys, link: 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = harness.Parser(
+        __doc__,
+        quick=dict(nodes="1,2"),
+        out=harness.RESULTS,
+        out_help="folder for scaling_h100.md and scaling_h100.png",
+    )
     p.add_argument("--profiles", default=PROFILES)
     p.add_argument("--nodes", default="1,2,4,8")
-    p.add_argument("--out", default=scaling.RESULTS)
     args = p.parse_args()
+    if args.out is None:  # --quick: not over the committed figure
+        args.out = tempfile.mkdtemp(prefix="sapipe-scaling-")
     nodes = [int(n) for n in args.nodes.split(",")]
     profiles, seen, device = load(args.profiles)
     keys = [(s, n) for n in scaling.MODELS for s in SETTINGS if (s, n) in profiles]
@@ -115,11 +120,10 @@ def main() -> None:
         SETTINGS,
         "CIFAR-10, GPT-2 and ImageNet",
         f"predicted from profiles recorded on one {device} (sapipe.schedule.predict)\n"
-        f"8 GPUs per node, NVLink inside ({NVLINK_H100.rate / 1e9:g} GB/s), {LINKS[0]} between nodes",
+        f"8 GPUs per node, NVLink inside ({NVLINK_H100.rate / 1e9:g} GB/s), "
+        f"{LINKS[0]} between nodes",
     )
-    command = "python benchmarks/scaling_measured.py" + (
-        "" if len(sys.argv) == 1 else " " + " ".join(sys.argv[1:])
-    )
+    command = harness.command()
     measured = [
         "| model | compute | layers | iteration (timed) ms | profile's compute ms | scaled by |",
         "| --- | --- | ---: | ---: | ---: | ---: |",
@@ -139,9 +143,10 @@ def main() -> None:
     text = (
         f"# Predicted scaling from profiles recorded on one {device}\n\n```\n{command}\n```\n\n"
         f"Profiles: `{os.path.relpath(args.profiles, scaling.REPO)}`, recorded by "
-        "`python benchmarks/gpu_profiles.py` (one NCCL rank, torch's `fused=True` optimizers, random data, "
-        "`scaling.py`'s models and per-GPU batches; fp32 is float32 without TF32, amp is bfloat16 autocast). "
-        "How they are used, and the assumed links: the docstring of `benchmarks/scaling_measured.py`.\n\n"
+        "`python benchmarks/gpu_profiles.py` (one NCCL rank, torch's `fused=True` optimizers, "
+        "random data, `scaling.py`'s models and per-GPU batches; fp32 is float32 without TF32, "
+        "amp is bfloat16 autocast). How they are used, and the assumed links: the docstring of "
+        "`benchmarks/scaling_measured.py`.\n\n"
         "## What was measured\n\n"
         + "\n".join(measured)
         + "\n\n"

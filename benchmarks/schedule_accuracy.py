@@ -38,12 +38,9 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import harness
 
-import hostenv  # noqa: E402
-
-from sapipe.launch import netns  # noqa: E402
+from sapipe.launch import netns
 
 
 def worker(args) -> None:
@@ -73,7 +70,9 @@ def worker(args) -> None:
             last = now
         return times
 
-    comm_log = {}  # k -> (start, done, stream, bytes-free name) of the timed iterations' all-reduces (--trace-comm)
+    # k -> (start, done, stream, bytes-free name) of the timed iterations' all-reduces
+    # (--trace-comm)
+    comm_log = {}
     t0 = time.perf_counter_ns()  # the origin of those times
 
     def setup(stale_layers, **search):
@@ -98,7 +97,8 @@ def worker(args) -> None:
         return opt, model
 
     def timed_chunk(opt, model, steps):
-        """``steps`` timed iterations after one untimed one; the run's stale traffic finished after."""
+        """``steps`` timed iterations after one untimed one; the run's stale traffic finished
+        after."""
         timed(opt, model, 1)  # caches and the link were another run's
         opt.tracer.clear()
         times = timed(opt, model, steps)
@@ -112,7 +112,8 @@ def worker(args) -> None:
                 elif kind == "comm_done" and key in begun:
                     spans.append(((begun.pop(key) - t0) / 1e9, (at - t0) / 1e9, key[1], key[0]))
             spans += [((s - t0) / 1e9, math.nan, key[1], key[0]) for key, s in begun.items()]
-        opt.wait_for_communication()  # the last stale all-reduce must not overlap the next run's steps
+        # the last stale all-reduce must not overlap the next run's steps
+        opt.wait_for_communication()
         return times
 
     auto_run = setup("auto")
@@ -160,7 +161,8 @@ def worker(args) -> None:
     for r in range(args.rounds):
         for key in list(runs) if r % 2 == 0 else list(runs)[::-1]:
             times[key] += timed_chunk(*runs[key], per_round)
-    # The mean: a saturated link often alternates long and short iterations; only the mean is the rate.
+    # The mean: a saturated link often alternates long and short iterations; only the mean is the
+    # rate.
     mean = {key: statistics.fmean(ts) for key, ts in times.items()}
     results["measured"] = {"0": mean["0"], "auto": mean[str(d.k)], "m": mean[str(d.m)]}
     if args.compare_search:
@@ -192,7 +194,7 @@ def worker(args) -> None:
         "load_before": os.getloadavg(),
     }
     if rank == 0:
-        with open(args.out, "w") as f:
+        with open(args.result, "w") as f:
             json.dump(results, f, default=_jsonable)
     dist.barrier()
     # Each run leaves its last stale all-reduce in flight, never waited for (as a training
@@ -313,8 +315,10 @@ def search_table(jobs) -> str:
             f"{again_t * 1e3:.1f} | {'yes' if ok else 'NO'} | {'yes' if same else 'NO'} |"
         )
     lines.append(
-        f"\nThe budgeted search agrees with the unbudgeted one in {agreed} of {len(jobs)} jobs; the "
-        f"unbudgeted one with its own second run in {consistent} of {len(jobs)} (agree: the same k, "
+        f"\nThe budgeted search agrees with the unbudgeted one in {agreed} of {len(jobs)} jobs; "
+        "the "
+        f"unbudgeted one with its own second run in {consistent} of {len(jobs)} (agree: the same "
+        "k, "
         "or one within 3% of the first unbudgeted pick's measured time)."
     )
     return "\n".join(lines)
@@ -327,33 +331,28 @@ def _jsonable(value):
 def launch(model: str, size: str, rate: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        cmd = (
-            [
-                torchrun,
-                "--standalone",
-                f"--nproc_per_node={args.ranks}",
-                os.path.abspath(__file__),
-                "--worker",
-                "--model",
-                model,
-                "--size",
-                size,
-                "--out",
-                out,
-                "--steps",
-                str(args.steps),
-                "--profile-steps",
-                str(args.profile_steps),
-                "--sweep-k",
-                args.sweep_k,
-                "--rounds",
-                str(args.rounds),
-            ]
-            + (["--trace-comm"] if args.trace_comm else [])
-            + (["--compare-search"] if args.compare_search else [])
+        cmd = harness.torchrun(
+            args.ranks,
+            __file__,
+            "--worker",
+            "--model",
+            model,
+            "--size",
+            size,
+            "--result",
+            out,
+            "--steps",
+            str(args.steps),
+            "--profile-steps",
+            str(args.profile_steps),
+            "--sweep-k",
+            args.sweep_k,
+            "--rounds",
+            str(args.rounds),
+            *(["--trace-comm"] if args.trace_comm else []),
+            *(["--compare-search"] if args.compare_search else []),
         )
-        env = hostenv.worker_env(OMP_NUM_THREADS="1")
+        env = harness.worker_env(OMP_NUM_THREADS="1")
         proc = subprocess.run(
             netns.wrap(cmd, netns.parse_spec(rate)), capture_output=True, text=True, env=env
         )
@@ -364,9 +363,15 @@ def launch(model: str, size: str, rate: str, args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = harness.Parser(
+        __doc__,
+        quick=dict(models="gpt2", size="tiny", rates="unlimited", steps=8, rounds=2, raw=""),
+        size="small",
+        out=harness.result_path("schedule_accuracy.md"),
+        out_help="the report: a dated section is appended",
+        worker=True,
+    )
     p.add_argument("--models", default="gpt2,vgg16")
-    p.add_argument("--size", default="small")
     p.add_argument("--rates", default="unlimited,100mbit")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
@@ -377,16 +382,16 @@ def main() -> None:
         help="timed steps are split into this many interleaved rounds",
     )
     p.add_argument("--profile-steps", type=int, default=5)
-    p.add_argument("--output", default=os.path.join(HERE, "results", "schedule_accuracy.md"))
     p.add_argument(
         "--raw",
-        default=os.path.join(HERE, "results", "schedule_accuracy_raw.json"),
+        default=harness.result_path("schedule_accuracy_raw.json"),
         help="where to write every job's raw profile and measured times (JSON); '' for nowhere",
     )
     p.add_argument(
         "--trace-comm",
         action="store_true",
-        help="record every timed all-reduce (start, done) into the raw file (adds tracing overhead)",
+        help="record every timed all-reduce (start, done) into the raw file (adds tracing "
+        "overhead)",
     )
     p.add_argument(
         "--sweep-k", default="", help="extra k to time, for the raw file: e.g. '1,m/4,m/2'"
@@ -394,11 +399,11 @@ def main() -> None:
     p.add_argument(
         "--compare-search",
         action="store_true",
-        help="also run auto without a budget (auto_budget=None, tune_steps=10) and compare the two picks",
+        help="also run auto without a budget (auto_budget=None, tune_steps=10) and compare the "
+        "two picks",
     )
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument(
         "--replay",
         metavar="RAW_JSON",
@@ -419,14 +424,12 @@ def main() -> None:
     if not ok:
         sys.exit(f"cannot emulate a network here: {why}")
     rows = []
-    raw = {
-        "command": "python benchmarks/schedule_accuracy.py " + " ".join(sys.argv[1:]),
-        "jobs": {},
-    }
+    raw = {"command": harness.command(), "jobs": {}}
     for model in args.models.split(","):
         for rate in args.rates.split(","):
             print(
-                f"[schedule_accuracy] {model}/{args.size} @ {rate} (load {os.getloadavg()[0]:.2f}) ...",
+                f"[schedule_accuracy] {model}/{args.size} @ {rate} "
+                f"(load {os.getloadavg()[0]:.2f}) ...",
                 file=sys.stderr,
                 flush=True,
             )
@@ -459,17 +462,19 @@ def main() -> None:
     for model, rate, label, pred, meas, err, kappa in rows:
         kap = f"{kappa:.1%}" if kappa is not None else ""
         lines.append(
-            f"| {model} | {rate} | {label} | {pred * 1e3:.1f} | {meas * 1e3:.1f} | {err:+.1%} | {kap} |"
+            f"| {model} | {rate} | {label} | {pred * 1e3:.1f} | {meas * 1e3:.1f} | {err:+.1%} "
+            f"| {kap} |"
         )
     table = "\n".join(lines)
     if args.compare_search:
         table += "\n\n" + search_table(raw["jobs"])
     print(table)
-    command = "python benchmarks/schedule_accuracy.py " + " ".join(sys.argv[1:])
-    os.makedirs(os.path.dirname(args.output), exist_ok=True)
-    with open(args.output, "a") as f:
+    if not args.out:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "a") as f:
         f.write(
-            f"\n## {time.strftime('%Y-%m-%d %H:%M')} — `{command}`\n\n"
+            f"\n## {time.strftime('%Y-%m-%d %H:%M')} — `{harness.command()}`\n\n"
             f"Optimizers: torch's with `fused=True` (bench_models).\n\n{table}\n"
         )
 

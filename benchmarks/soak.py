@@ -1,9 +1,10 @@
 """Soak: a long sapipe run whose memory, threads and step times must stay flat.
 
-One ``torchrun`` job of 2 Gloo ranks (CPU, one thread each, :mod:`hostenv`'s environment
-but for the allocator, below) trains a small embedding-first model (an ``nn.Embedding`` of 8192 x 128, the
-largest layer, runs first, as GPT-2's does; then two MLP blocks and a 64-way head: 1.4 M
-parameters, most of its time is communication, so ``"auto"`` stales layers on loopback)
+One ``torchrun`` job of 2 Gloo ranks (CPU, one thread each, :func:`harness.worker_env`
+but for the allocator, below) trains a small embedding-first model (an ``nn.Embedding`` of
+8192 x 128, the largest layer, runs first, as GPT-2's does; then two MLP blocks and a 64-way
+head: 1.4 M parameters, most of its time is communication, so ``"auto"`` stales layers on
+loopback)
 with ``sapipe.DistributedOptimizer(Adam, stale_layers="auto", compensation="wp1",
 compression="int8")`` for ``--steps`` steps. Every ``--sample-every`` steps each rank
 samples its resident memory (``VmRSS``), its thread count (``/proc/self/task``) and the
@@ -28,8 +29,8 @@ local gradient and real weights, optimizer state, hyper-parameters, counters). T
 contract (docs/design.md §5.7: a job resumed from a checkpoint continues bit-identically)
 says B == A bit for bit: the relayouts and the detour leave no trace. (A pipeline restart,
 §3.7, is not such an identity: it applies the stale gradients in flight as plain updates and
-refills the pipeline, which ``tests/test_auto.py`` holds to the float64 reference; here the
-restarts happen inside the detour, and C's reload undoes them.)
+refills the pipeline, which ``tests/distributed/test_auto.py`` holds to the float64
+reference; here the restarts happen inside the detour, and C's reload undoes them.)
 
 Verdicts (each rank): RSS and thread count flat after ``--warmup`` steps (the median of the
 last 3 samples within 2% of the median of the first 3 after warm-up); no step after warm-up
@@ -39,14 +40,15 @@ any fails.
 
 Each sample also records, without a verdict, what tells a leak from the allocator: the
 objects Python's collector tracks (after a collection) and glibc's bytes in use and free
-inside its arenas (``mallinfo2``). The ranks run with ``hostenv``'s environment, but by
+inside its arenas (``mallinfo2``). The ranks run with :func:`harness.worker_env`, but by
 default (``--allocator returning``) with glibc returning freed blocks of 64 KiB and more, so
-that RSS follows what is held. With ``hostenv``'s own settings (``--allocator hostenv``:
+that RSS follows what is held. With the harness's own settings (``--allocator harness``:
 freed memory kept) RSS rose by 1.8% and 3.3% (ranks 0 and 1) after warm-up in a 5000-step
 run, and by 1.0-1.7% in a 2000-step run with a detour every 100 steps in which glibc's bytes
 in use stayed flat and only the free bytes inside its arenas grew: the heap fragmenting
-over checkpoints and relayouts, no leak. The ranks wait for each other (a barrier) after each checkpoint, snapshot
-and sample, so that a step does not absorb how much longer that work took on the other rank.
+over checkpoints and relayouts, no leak. The ranks wait for each other (a barrier) after each
+checkpoint, snapshot and sample, so that a step does not absorb how much longer that work took
+on the other rank.
 Sampling reads nothing of the model or its gradients: a walk over live tensors that called
 ``untyped_storage()`` on an exposed ``p.grad`` would apply a deferred sync update early
 (docs/design.md §3.11) and make the two passes differ.
@@ -71,10 +73,7 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import hostenv  # noqa: E402
+import harness
 
 GROWTH_LIMIT = 0.02  # RSS and threads: at most 2% above the first samples after warm-up
 SLOW_STEP_LIMIT = 10.0  # no step after warm-up slower than this many times the median
@@ -168,7 +167,8 @@ def heap_mib():
 
 def realign() -> None:
     """Wait for the other rank after work outside the steps (checkpoints, snapshots, samples), so
-    that the first step after it does not absorb how much longer that work took on the other rank."""
+    that the first step after it does not absorb how much longer that work took on the other
+    rank."""
     import torch.distributed as dist
 
     dist.barrier()
@@ -184,7 +184,8 @@ def threads() -> int:
 
 
 def stale_k(opt) -> int:
-    """k of the current layout: the layers in stale buckets (``opt.stale_layers`` says "auto" mid-search)."""
+    """k of the current layout: the layers in stale buckets (``opt.stale_layers`` says "auto" mid-
+    search)."""
     return sum(len(b.layers) for b in opt.buckets if b.stale)
 
 
@@ -216,7 +217,8 @@ class Job:
         gc.callbacks.append(self._on_gc)
         self.samples = []
         self.layouts = []  # (loop step, k) at every new bucket layout
-        self.search_checkpoints = []  # (k, path) saved at each new layout before k was final, oldest first
+        # (k, path) saved at each new layout before k was final, oldest first
+        self.search_checkpoints = []
         self._layout_id = None
         self.decided_k = self.decided_step = None  # k once final, and the loop step it became so
         self.detours = []
@@ -374,7 +376,8 @@ class Job:
 
 def digests(prefix: str, value, out=None) -> dict:
     """``value`` (nested dicts, lists, tensors) as {dotted path: a tensor's dtype, shape and the
-    SHA-256 of its bytes, or another value's repr}: two snapshots agree bit for bit where these do."""
+    SHA-256 of its bytes, or another value's repr}: two snapshots agree bit for bit where these
+    do."""
     import torch
 
     out = {} if out is None else out
@@ -503,7 +506,8 @@ def verdicts(result: dict, warmup: int) -> dict:
 def _sample_table(ranks: list) -> list:
     lines = [
         (
-            "| step | k | RSS MiB (rank 0 / 1) | threads (rank 0 / 1) | median step ms (rank 0 / 1) | loss (rank 0) "
+            "| step | k | RSS MiB (rank 0 / 1) | threads (rank 0 / 1) | median step ms (rank 0 / "
+            "1) | loss (rank 0) "
             "| malloc in use MiB (rank 0) | Python objects (rank 0) |"
         ),
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -536,7 +540,8 @@ def _verdict_table(v: dict) -> list:
     steps, rl, eq = v["step_time"]["ranks"], v["relayout"], v["equal_after_relayout"]
     end = " / ".join(f"{x:.1f}" for x in v["rss_flat"]["end"] if x is not None)
     slow = " / ".join(
-        f"{s['ratio']:.1f}x ({s['max_ms']:.0f} ms at step {s['step']}, median {s['median_ms']:.1f} ms)"
+        f"{s['ratio']:.1f}x ({s['max_ms']:.0f} ms at step {s['step']}, median {s['median_ms']:.1f} "
+        "ms)"
         for s in steps
     )
     cpu = " / ".join(f"{s['cpu_ratio']:.1f}x (median {s['cpu_median_ms']:.1f} ms)" for s in steps)
@@ -548,20 +553,26 @@ def _verdict_table(v: dict) -> list:
         "| criterion | measured (rank 0 / 1) | verdict |",
         "| --- | --- | --- |",
         (
-            f"| RSS flat after warm-up (growth <= {100 * GROWTH_LIMIT:.0f}%) | {pct(v['rss_flat']['growth'])} "
+            f"| RSS flat after warm-up (growth <= {100 * GROWTH_LIMIT:.0f}%) | "
+            f"{pct(v['rss_flat']['growth'])} "
             f"({end} MiB at the end) | {ok('rss_flat')} |"
         ),
         (
-            f"| threads flat after warm-up (growth <= {100 * GROWTH_LIMIT:.0f}%) | {pct(v['threads_flat']['growth'])} "
+            f"| threads flat after warm-up (growth <= {100 * GROWTH_LIMIT:.0f}%) | "
+            f"{pct(v['threads_flat']['growth'])} "
             f"| {ok('threads_flat')} |"
         ),
-        f"| no step after warm-up over {SLOW_STEP_LIMIT:.0f}x the median | {slow} | {ok('step_time')} |",
-        f"| (no verdict) the training thread's CPU time per step, slowest against the median | {cpu} | |",
+        f"| no step after warm-up over {SLOW_STEP_LIMIT:.0f}x the median | {slow} | "
+        f"{ok('step_time')} |",
+        "| (no verdict) the training thread's CPU time per step, slowest against the median | "
+        f"{cpu} | |",
         (
-            f"| relayouts after warm-up (k seen: {rl['k_seen']}) | {' / '.join(map(str, rl['after_warmup']))} "
+            f"| relayouts after warm-up (k seen: {rl['k_seen']}) | "
+            f"{' / '.join(map(str, rl['after_warmup']))} "
             f"| {ok('relayout')} |"
         ),
-        f"| detours bit-identical to the run without them | {identical}{first} | {ok('equal_after_relayout')} |",
+        f"| detours bit-identical to the run without them | {identical}{first} | "
+        f"{ok('equal_after_relayout')} |",
     ]
 
 
@@ -573,7 +584,8 @@ def _slowest(v: dict) -> str:
             else f"{s['since_relayout']} after a relayout"
         )
         return (
-            f"{s['ms']:.0f} ms at {s['step']} ({since}; the training thread ran {s['cpu_ms']:.0f} ms of it "
+            f"{s['ms']:.0f} ms at {s['step']} ({since}; the training thread ran {s['cpu_ms']:.0f} "
+            "ms of it "
             f"and was preempted {s['preempted']} times; GC {s['gc_ms']:.0f} ms)"
         )
 
@@ -597,9 +609,11 @@ def report(result: dict, v: dict, command: str, warmup: int) -> str:
     for d in r0["detours"]:
         again = "decided again" if d["decided_after_detour"] else "still undecided"
         lines.append(
-            f"\ndetour at step {d['step']} (iteration {d['iteration']}, k = {d['k']}): loaded iteration "
+            f"\ndetour at step {d['step']} (iteration {d['iteration']}, k = {d['k']}): loaded "
+            "iteration "
             f"{d['other_iteration']} at k = {d['other_k']} ({d['load_other_ms']:.0f} ms), k = "
-            f"{d['k_after_detour']} after it ({again}), back at k = {d['k']} ({d['load_back_ms']:.0f} ms); "
+            f"{d['k_after_detour']} after it ({again}), back at k = {d['k']} "
+            f"({d['load_back_ms']:.0f} ms); "
             f"{d['compared']} values compared, {len(d['differs'])} differ"
         )
     lines.append(f"\nslowest steps after warm-up: {_slowest(v)}")
@@ -611,31 +625,29 @@ def launch(args) -> dict:
     """Run the job under torchrun; the ranks' records. Kills the whole job if it overruns."""
     with tempfile.TemporaryDirectory(prefix="sapipe-soak-") as tmp:
         out = os.path.join(tmp, "result.json")
-        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        cmd = [
-            torchrun,
-            "--standalone",
-            "--nproc_per_node=2",
-            os.path.abspath(__file__),
+        cmd = harness.torchrun(
+            2,
+            __file__,
             "--worker",
             "--result",
             out,
             "--ckpt-dir",
             tmp,
-        ] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in JOB_ARGS]
-        env = hostenv.worker_env(
+            *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in JOB_ARGS],
+        )
+        env = harness.worker_env(
             OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **ALLOCATORS[args.allocator]
         )
-        return hostenv.run_job("soak", cmd, env, args.timeout, out)
+        return harness.run_job("soak", cmd, env, args.timeout, out)
 
 
 # glibc's malloc settings for the ranks. "returning": blocks of 64 KiB and more are mapped
 # alone and unmapped when freed, and the heap is trimmed, so RSS follows what is held (a leak
-# shows, fragmentation does not); "hostenv": the other benchmarks' (hostenv.py: freed memory
-# is kept, so RSS also grows as the heap fragments over checkpoints and relayouts).
+# shows, fragmentation does not); "harness": the other benchmarks' (harness.worker_env: freed
+# memory is kept, so RSS also grows as the heap fragments over checkpoints and relayouts).
 ALLOCATORS = {
     "returning": {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"},
-    "hostenv": {},
+    "harness": {},
 }
 JOB_ARGS = (
     "steps",
@@ -649,14 +661,17 @@ JOB_ARGS = (
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--steps", type=int, default=5000, help="loop steps in all, replays and detours included"
+    p = harness.Parser(
+        __doc__,
+        quick=dict(steps=600, warmup=300, relayout_every=100, sample_every=50),
+        json=True,
+        out=None,
+        out_help="also write the report (or the JSON) to this file",
+        timeout=3600.0,
+        worker=True,
     )
     p.add_argument(
-        "--quick",
-        action="store_true",
-        help="600 steps, warm-up 300, a detour every 100 steps, a sample every 50",
+        "--steps", type=int, default=5000, help="loop steps in all, replays and detours included"
     )
     p.add_argument(
         "--warmup",
@@ -684,32 +699,21 @@ def main(argv=None) -> int:
         default="returning",
         help="glibc malloc settings of the ranks (see ALLOCATORS)",
     )
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the job is killed")
-    p.add_argument(
-        "--json", action="store_true", help="print the samples and verdicts as JSON, not the table"
-    )
-    p.add_argument("--out", help="also write the report (or the JSON) to this file")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--ckpt-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
-    if args.quick:
-        args.steps, args.warmup, args.relayout_every, args.sample_every = 600, 300, 100, 50
-    command = "python benchmarks/soak.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = harness.command(argv)
     result = launch(args)
     v = verdicts(result, args.warmup)
     text = (
-        json.dumps({"command": command.strip(), "verdicts": v, **result})
+        json.dumps({"command": command, "verdicts": v, **result})
         if args.json
-        else report(result, v, command.strip(), args.warmup)
+        else report(result, v, command, args.warmup)
     )
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    harness.emit(text, args.out)
     return 0 if v["passed"] else 1
 
 

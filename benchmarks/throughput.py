@@ -6,14 +6,9 @@ itself is the package ``benchmarks/throughput_bench/`` (its docstring describes 
 the report). ``python benchmarks/throughput.py --help`` lists the options.
 """
 
-import os
 import sys
 
-sys.path.insert(
-    0, os.path.dirname(os.path.abspath(__file__))
-)  # bench_models, hostenv, throughput_bench
-
-from throughput_bench.cli import main  # noqa: E402
+from throughput_bench.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

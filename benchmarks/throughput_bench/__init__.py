@@ -21,22 +21,37 @@ Every job runs, in the same namespace and process group, these modes (each: warm
 ``--steps`` timed steps; per rank the median step time, the job's T = the slowest rank's
 median, spread = interquartile range / median):
 
-| mode | what |
-| --- | --- |
-| ``local`` | each rank trains alone with the plain optimizer: compute only (T_compute) |
-| ``comm`` | one all-reduce of a buffer the size of all gradients, alone (T_comm) |
-| ``ceiling`` | the local step while that buffer is all-reduced on a second process group, started at the top of the step and waited for at its end: perfect overlap (T_ceiling) |
-| ``ddp`` | ``torch.nn.parallel.DistributedDataParallel`` |
-| ``sapipe k=K`` | ``sapipe.DistributedOptimizer(stale_layers=K, compensation="none")`` for each ``--k`` |
-| ``pipesgd`` | sapipe with k = m (all layers stale), ``none`` |
-| ``sapipe k=K deferred``, ``pipesgd deferred`` | the same fixed-k mode, identical but for ``expose_gradients=False`` (sync updates deferred to each layer's next forward instead of ``p.grad`` holding the averaged gradient once backward ends); run next to its twin in the same rounds, so T(exposed) / T(deferred) is what the default costs at that k (``--skip deferred`` leaves them out). They take no part in the oracle k, the summary or the plots |
-| ``sapipe-auto`` | ``stale_layers="auto"`` (skipped with a note while sapipe refuses it) |
-| ``sapipe-<comp>`` | each ``--compensations`` mode at the auto k, or, without auto, at the *oracle* k: the smallest measured k within 3 % of pipesgd |
-| ``horovod`` | ``horovod.torch.DistributedOptimizer`` over Gloo (skipped with a note when not installed; ``make peers``) |
-| ``sapipe-auto-flat`` | on a job whose ranks span several nodes of several ranks (1 < torchrun's ``LOCAL_WORLD_SIZE`` < world; e.g. ``--clusters 2x2``): ``stale_layers="auto"`` with ``hierarchical=False``, one flat all-reduce per bucket, where every other sapipe mode sums node first |
-| ``ceiling-node-first`` | on such a job, ``ceiling`` with the buffer summed as sapipe sums across nodes (``HierarchicalAllReduce``: inside the node, across nodes, inside again): the bound for node-first schedules |
-| ``sapipe-auto-<compression>`` | ``stale_layers="auto"`` with ``compression=`` each ``--compressions`` format (default bf16, int8), judged against the job's *full-precision* ceiling |
-| ``sapipe-auto-<compression>-flat`` | on such a job, ``sapipe-auto-<compression>`` with ``hierarchical=False``: each bucket's compressed sum over all ranks at once, where ``sapipe-auto-<compression>`` compresses only the sum across nodes |
+* ``local``: each rank trains alone with the plain optimizer: compute only (T_compute);
+* ``comm``: one all-reduce of a buffer the size of all gradients, alone (T_comm);
+* ``ceiling``: the local step while that buffer is all-reduced on a second process group,
+  started at the top of the step and waited for at its end: perfect overlap (T_ceiling);
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel``;
+* ``sapipe k=K``: ``sapipe.DistributedOptimizer(stale_layers=K, compensation="none")`` for
+  each ``--k``;
+* ``pipesgd``: sapipe with k = m (all layers stale), ``none``;
+* ``sapipe k=K deferred``, ``pipesgd deferred``: the same fixed-k mode, identical but for
+  ``expose_gradients=False`` (sync updates deferred to each layer's next forward instead of
+  ``p.grad`` holding the averaged gradient once backward ends); run next to its twin in the
+  same rounds, so T(exposed) / T(deferred) is what the default costs at that k (``--skip
+  deferred`` leaves them out). They take no part in the oracle k, the summary or the plots;
+* ``sapipe-auto``: ``stale_layers="auto"`` (skipped with a note while sapipe refuses it);
+* ``sapipe-<comp>``: each ``--compensations`` mode at the auto k, or, without auto, at the
+  *oracle* k: the smallest measured k within 3 % of pipesgd;
+* ``horovod``: ``horovod.torch.DistributedOptimizer`` over Gloo (skipped with a note when
+  not installed; ``make peers``);
+* ``sapipe-auto-flat``: on a job whose ranks span several nodes of several ranks (1 <
+  torchrun's ``LOCAL_WORLD_SIZE`` < world; e.g. ``--clusters 2x2``): ``stale_layers="auto"``
+  with ``hierarchical=False``, one flat all-reduce per bucket, where every other sapipe mode
+  sums node first;
+* ``ceiling-node-first``: on such a job, ``ceiling`` with the buffer summed as sapipe sums
+  across nodes (``HierarchicalAllReduce``: inside the node, across nodes, inside again): the
+  bound for node-first schedules;
+* ``sapipe-auto-<compression>``: ``stale_layers="auto"`` with ``compression=`` each
+  ``--compressions`` format (default bf16, int8), judged against the job's *full-precision*
+  ceiling;
+* ``sapipe-auto-<compression>-flat``: on such a job, ``sapipe-auto-<compression>`` with
+  ``hierarchical=False``: each bucket's compressed sum over all ranks at once, where
+  ``sapipe-auto-<compression>`` compresses only the sum across nodes.
 
 Every mode's optimizer is torch's ``fused=True`` SGD / Adam (``bench_models``), so that the
 baselines step with the fastest update torch has, as their best users would run them; sapipe
@@ -54,22 +69,25 @@ T_ceiling and against full-precision sapipe-auto (:mod:`.compression_report`).
 
 Modules, one job each:
 
-| module | job |
-| --- | --- |
-| :mod:`.cli` | the command line and ``main()`` (worker, sweep or re-render) |
-| :mod:`.rank` | one rank's process groups, barriers and progress events |
-| :mod:`.stats` | step-time statistics (median, IQR, per-round medians, paired ratios) |
-| :mod:`.runners` | one mode each: set up, step, pause between rounds, describe |
-| :mod:`.job` | all modes of one model in one process group, interleaved in rounds; the worker |
-| :mod:`.orchestration` | the sweep: calibration probes and one ``torchrun`` job per model × bandwidth |
-| :mod:`.report` | tables and ``throughput.md`` |
-| :mod:`.compression_report` | the compressed modes against the full-precision ceiling, and their targets |
-| :mod:`.plots` | ``throughput_speedup.png`` and ``throughput_efficiency.png`` |
+* :mod:`.cli`: the command line and ``main()`` (worker, sweep or re-render)
+* :mod:`.rank`: one rank's process groups, barriers and progress events
+* :mod:`.stats`: step-time statistics (median, IQR, per-round medians, paired ratios)
+* :mod:`.runners`: one mode each: set up, step, pause between rounds, describe
+* :mod:`.job`: all modes of one model in one process group, interleaved in rounds; the
+  worker
+* :mod:`.orchestration`: the sweep: calibration probes and one ``torchrun`` job per model ×
+  bandwidth
+* :mod:`.summary`: what the report and the plots read of a job: references, headline,
+  summary rows
+* :mod:`.report`: tables and ``throughput.md``
+* :mod:`.compression_report`: the compressed modes against the full-precision ceiling, and
+  their targets
+* :mod:`.plots`: ``throughput_speedup.png`` and ``throughput_efficiency.png``
 """
 
 import os
 
-#: benchmarks/ (on sys.path: ``bench_models`` and ``hostenv`` are imported from it)
+#: benchmarks/ (on sys.path: ``bench_models`` and ``harness`` are imported from it)
 BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(BENCH_DIR)
 #: the script torchrun runs on every rank

@@ -46,7 +46,8 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--clusters",
         default=None,
-        help="emulated multi-node jobs (sapipe-launch --emulate-cluster NODESxRANKS; needs root), run "
+        help="emulated multi-node jobs (sapipe-launch --emulate-cluster NODESxRANKS; needs root), "
+        "run "
         "for each of --cluster-models after the single-node sweep (default 2x2,4x1; --quick: none; "
         "'' for none)",
     )
@@ -54,7 +55,8 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--inter-node",
         default="1gbit",
-        help="the --clusters jobs' link between nodes, per NIC and direction (within a node: unshaped)",
+        help="the --clusters jobs' link between nodes, per NIC and direction (within a node: "
+        "unshaped)",
     )
 
 
@@ -80,7 +82,8 @@ def _add_mode_options(p: argparse.ArgumentParser) -> None:
         "--compressions",
         default=None,
         help="sapipe compressions run at stale_layers='auto' as modes 'sapipe-auto-<compression>' "
-        "(default bf16,int8; --quick: int8; '' for none), judged against the full-precision ceiling",
+        "(default bf16,int8; --quick: int8; '' for none), judged against the full-precision "
+        "ceiling",
     )
     p.add_argument(
         "--skip",
@@ -156,7 +159,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         "predicted iteration (.predicted.json). Recording costs a little time per layer.",
     )
     # internal (orchestrator -> worker)
-    p.add_argument("--json", default="", help=argparse.SUPPRESS)
+    p.add_argument("--result", default="", help=argparse.SUPPRESS)
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rate", default="", help=argparse.SUPPRESS)
     p.add_argument("--target-ratio", type=float, default=float("nan"), help=argparse.SUPPRESS)

@@ -85,7 +85,8 @@ def format_table(jobs) -> str | None:
     if not table:
         return None
     lines = [
-        "| model | rate | T_comm/T_compute | compression | k | step ms | × full-precision T_ceiling "
+        "| model | rate | T_comm/T_compute | compression | k | step ms | × full-precision "
+        "T_ceiling "
         "| vs full-precision sapipe-auto (k) | per round | waits ms/step |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -93,7 +94,8 @@ def format_table(jobs) -> str | None:
         lines.append(
             f"| {r['model']} | {r['rate']} | {_f(r['ratio'], '.2f')} | {r['compression']} | "
             f"{_f(r['k'], '')} | {_f(r['t'] * 1e3, '.1f')} | {_f(r['of_ceiling'], '.2f')} | "
-            f"{_f(r['vs_auto'], '+.1%')} ({_f(r['k_auto'], '')}) | {_f(r['vs_auto_paired'], '+.1%')} | "
+            f"{_f(r['vs_auto'], '+.1%')} ({_f(r['k_auto'], '')}) | "
+            f"{_f(r['vs_auto_paired'], '+.1%')} | "
             f"{_f(r['wait'] and r['wait'] * 1e3, '.1f')} |"
         )
     return "\n".join(lines) + "\n"
@@ -116,7 +118,8 @@ def format_targets(jobs) -> str | None:
     if link:
         met = [r for r in link if r["of_ceiling"] <= CEILING_TARGETS[r["compression"]]]
         lines.append(
-            f"* **Past the full-precision ceiling where the link is the limit** (T_comm/T_compute ≥ "
+            "* **Past the full-precision ceiling where the link is the limit** (T_comm/T_compute "
+            "≥ "
             f"{LINK_BOUND}; bf16 ≤ 0.80×, int8 ≤ 0.70× T_ceiling): {len(met)}/{len(link)} met. "
             + "; ".join(
                 f"{r['model']} @ {r['rate']} (ratio {r['ratio']:.2f}) {r['compression']} "
@@ -133,7 +136,8 @@ def format_targets(jobs) -> str | None:
         }
         met = [r for r in bound if cost[id(r)] is not None and cost[id(r)] <= COMPUTE_BOUND_COST]
         lines.append(
-            f"* **At most 3 % cost where compute is the limit** (T_comm/T_compute ≤ {COMPUTE_BOUND}; "
+            "* **At most 3 % cost where compute is the limit** (T_comm/T_compute ≤ "
+            f"{COMPUTE_BOUND}; "
             f"against full-precision sapipe-auto, per round): {len(met)}/{len(bound)} met. "
             + "; ".join(
                 f"{r['model']} @ {r['rate']} {r['compression']} {_f(cost[id(r)], '+.1%')}"
@@ -152,9 +156,12 @@ def markdown(jobs) -> list[str]:
     return [
         "## Compression on the wire",
         "",
-        'Each `sapipe-auto-<compression>` mode is `stale_layers="auto"` with `compression=` that format '
-        "(error feedback at its default: on for int8), interleaved in the same rounds as every other mode. "
-        "The yardstick is the *full-precision* ceiling of the same job: overlap alone cannot beat it, fewer "
+        'Each `sapipe-auto-<compression>` mode is `stale_layers="auto"` with `compression=` that '
+        "format "
+        "(error feedback at its default: on for int8), interleaved in the same rounds as every "
+        "other mode. "
+        "The yardstick is the *full-precision* ceiling of the same job: overlap alone cannot beat "
+        "it, fewer "
         "bytes can. Targets (module docstring of `throughput_bench/compression_report.py`):",
         "",
         format_targets(jobs) or "",

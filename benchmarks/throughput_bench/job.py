@@ -16,9 +16,9 @@ from typing import Any
 import bench_models
 
 from .rank import Ctx
-from .report import fixed_k_results
 from .runners import CommRunner, Runner, Skip, TrainRunner
 from .stats import round_medians, stats
+from .summary import fixed_k_results
 
 ORACLE_TOLERANCE = 0.03
 MAX_SETTLE_STEPS = 500  # untimed steps sapipe-auto may take to profile and measure its k
@@ -83,7 +83,8 @@ class Job:
     # ------------------------------------------------------------------ plan
 
     def runners(self, comp_k=None) -> list[Runner]:
-        """First phase (comp_k None): every mode, compensations at auto; else compensations at comp_k."""
+        """First phase (comp_k None): every mode, compensations at auto; else compensations at
+        comp_k."""
         a, skip = self.args, self.args.skip
         first = comp_k is None
         out: list[Runner] = []
@@ -101,7 +102,8 @@ class Job:
                     mode = "pipesgd" if k == self.m else f"sapipe k={k}"
                     out.append(TrainRunner(self, mode, "sapipe", k))
                     if "deferred" not in skip:
-                        # its twin, identical but for p.grad exposure: what the default costs at this k
+                        # its twin, identical but for p.grad exposure: what the default costs at
+                        # this k
                         out.append(
                             TrainRunner(
                                 self,
@@ -412,8 +414,8 @@ def worker(args) -> int:
                 jobs.append(Job(ctx, name).run())
                 if ctx.rank == 0 and not os.environ.get("SAPIPE_BENCH_PROGRESS"):
                     print(format_job(jobs[-1]), flush=True)
-        if ctx.rank == 0 and args.json:
-            with open(args.json, "w") as f:
+        if ctx.rank == 0 and args.result:
+            with open(args.result, "w") as f:
                 json.dump(jobs, f, indent=1)
         ctx.barrier()
     finally:

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 import bench_models
-import hostenv
+import harness
 
 from sapipe.launch import cluster, netns
 
@@ -53,13 +53,8 @@ class Progress:
 
 def worker_argv(args, model: str, json_path: str, extra: list[str]) -> list[str]:
     """The torchrun command of one job (``extra``: --probe, or --rate/--target-ratio)."""
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    return [
-        torchrun if os.path.exists(torchrun) else "torchrun",
-        "--standalone",
-        f"--nproc_per_node={args.nproc}",
-        *bench_argv(args, model, json_path, extra),
-    ]
+    script, *rest = bench_argv(args, model, json_path, extra)
+    return harness.torchrun(args.nproc, script, *rest)
 
 
 def cluster_argv(args, topology: str, model: str, json_path: str, extra: list[str]) -> list[str]:
@@ -113,7 +108,7 @@ def bench_argv(args, model: str, json_path: str, extra: list[str]) -> list[str]:
         str(args.bucket_cap_mb),
         "--timeout",
         str(args.timeout),
-        "--json",
+        "--result",
         json_path,
     ]
     if args.skip:
@@ -132,7 +127,7 @@ def launch(
     """Run one job (in a namespace whose loopback carries ``bits``/s, unless --no-netns, or
     ``cluster``: ``argv`` builds its own emulated nodes); its output goes to ``log``, its
     progress events to ``on_event``."""
-    env = hostenv.worker_env(
+    env = harness.worker_env(
         SAPIPE_BENCH_PROGRESS="1",
         OMP_NUM_THREADS=str(args.threads),
         PYTHONUNBUFFERED="1",

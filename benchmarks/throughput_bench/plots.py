@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import sys
 
-from .report import summary_rows
+from .summary import summary_rows
 
 
 def plot(jobs, out_dir) -> list[str]:
-    """``throughput_speedup.png`` and ``throughput_efficiency.png`` in ``out_dir`` (none without matplotlib)."""
+    """``throughput_speedup.png`` and ``throughput_efficiency.png`` in ``out_dir`` (none without
+    matplotlib)."""
     try:
         import matplotlib
 

@@ -39,7 +39,8 @@ class Ctx:
             if self.backend != "gloo"
             else dist.group.WORLD
         )
-        # The second group that `ceiling` all-reduces on, created once, in the same order on every rank.
+        # The second group that `ceiling` all-reduces on, created once, in the same order on every
+        # rank.
         self.side = dist.new_group(backend=self.backend, timeout=timeout)
 
     def node_first_sum(self):
@@ -93,7 +94,8 @@ class Ctx:
             r = event["result"]
             t = f"{1e3 * r['t']:8.1f} ms" if r.get("t") else "  skipped"
             print(
-                f"[{event['model']}] {event['i']:3d}/{event['n']} round {event['round']}/{event['rounds']} "
+                f"[{event['model']}] {event['i']:3d}/{event['n']} round "
+                f"{event['round']}/{event['rounds']} "
                 f"{r['mode']:<14s} {t}  {r.get('note', '')}",
                 file=sys.stderr,
                 flush=True,

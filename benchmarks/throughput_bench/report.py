@@ -8,7 +8,14 @@ import statistics
 from typing import Any
 
 from . import compression_report
+from .plots import plot
 from .stats import paired_ratio
+from .summary import (
+    derived,
+    is_deferred,
+    result_of,
+    summary_rows,
+)
 
 _OPTIMIZERS = {
     "sgd": "SGD",
@@ -17,61 +24,6 @@ _OPTIMIZERS = {
 
 
 EXPOSURE_TARGET = 1.02  # T(expose_gradients=True) / T(False) at the same k: overlap lost within 2 %
-
-
-def _ref(job, mode):
-    for r in job["results"]:
-        if r["mode"] == mode and r.get("t"):
-            return r
-    return None
-
-
-def is_deferred(r: dict[str, Any]) -> bool:
-    """A ``deferred`` twin: sapipe run with ``expose_gradients=False`` (only the exposure table reads it)."""
-    return r.get("expose_gradients") is False
-
-
-def fixed_k_results(results) -> list[dict[str, Any]]:
-    """The measured ``sapipe k=K`` modes (compensation none, the default ``expose_gradients``),
-    without their ``deferred`` twins."""
-    return [
-        r
-        for r in results
-        if r["mode"].startswith("sapipe k=")
-        and r.get("t")
-        and isinstance(r.get("k"), int)
-        and not is_deferred(r)
-    ]
-
-
-def derived(job) -> dict[str, float | None]:
-    loc, comm, ceil, ddp = (_ref(job, m) for m in ("local", "comm", "ceiling", "ddp"))
-    d = {
-        "t_local": loc and loc["t"],
-        "t_comm": comm and comm["t"],
-        "t_ceiling": ceil and ceil["t"],
-        "t_ddp": ddp and ddp["t"],
-    }
-    d["ratio"] = d["t_comm"] / d["t_local"] if d["t_comm"] and d["t_local"] else None
-    d["possible"] = d["t_ddp"] / d["t_ceiling"] if d["t_ddp"] and d["t_ceiling"] else None
-    return d
-
-
-def headline(job) -> dict[str, Any] | None:
-    """The sapipe result a user would get: auto when it ran, else the oracle-k run."""
-    auto = _ref(job, "sapipe-auto")
-    if auto:
-        return auto
-    k = job.get("oracle_k")
-    for r in job["results"]:
-        if (
-            isinstance(k, int)
-            and r.get("t")
-            and r.get("k") == k
-            and r["mode"] in (f"sapipe k={k}", "pipesgd")
-        ):
-            return r
-    return None
 
 
 def _ms(t):
@@ -87,7 +39,8 @@ def format_job(job) -> str:
         f"### {job['model']} ({job['size']}) — {job['rate']}"
         + (f", T_comm/T_compute = {d['ratio']:.2f}" if d["ratio"] else ""),
         "",
-        f"{job['params'] / 1e6:.2f} M parameters ({job['grad_bytes'] / 2**20:.1f} MiB of gradients), "
+        f"{job['params'] / 1e6:.2f} M parameters ({job['grad_bytes'] / 2**20:.1f} MiB of "
+        "gradients), "
         f"m = {job['m']} layers, largest: "
         + ", ".join(f"#{i} {n} ({s:.0%})" for i, n, s in job["largest_layers"])
         + f". {job['world']} ranks × {job['batch']} samples, {job['device']}, {job['backend']}"
@@ -100,7 +53,8 @@ def format_job(job) -> str:
         if d["possible"]
         else "(references incomplete)",
         "",
-        "| mode | k | κ | step ms (median) | IQR | min ms | waits ms/step | samples/s | × DDP | efficiency |",
+        "| mode | k | κ | step ms (median) | IQR | min ms | waits ms/step | samples/s | × DDP | "
+        "efficiency |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     lines += [_mode_row(r, d, job["world"] * job["batch"]) for r in job["results"]]
@@ -127,7 +81,8 @@ def _mode_row(r, d, samples: int) -> str:
         return f"| {r['mode']} | | | {r.get('note', 'skipped')} | | | | | | |"
     if r["mode"] == "comm":
         return (
-            f"| comm | | | {_ms(r['t'])} | {r['iqr']:.0%} | {_ms(r['min'])} | | | | (one all-reduce of "
+            f"| comm | | | {_ms(r['t'])} | {r['iqr']:.0%} | {_ms(r['min'])} | | | | (one "
+            "all-reduce of "
             f"{r['bytes'] / 2**20:.1f} MiB) |"
         )
     k, kappa = r.get("k"), r.get("kappa")
@@ -140,7 +95,8 @@ def _mode_row(r, d, samples: int) -> str:
     )
     return (
         f"| {r['mode']}{' ⚠' if r.get('note') else ''} | {'' if k is None else k} | "
-        f"{'' if kappa is None else f'{kappa:.2f}'} | {_ms(r['t'])} | {r['iqr']:.0%} | {_ms(r['min'])} | "
+        f"{'' if kappa is None else f'{kappa:.2f}'} | {_ms(r['t'])} | {r['iqr']:.0%} | "
+        f"{_ms(r['min'])} | "
         f"{_ms(r['wait']) if 'wait' in r else ''} | {sps:.1f} | {x} | {eff} |"
     )
 
@@ -148,59 +104,24 @@ def _mode_row(r, d, samples: int) -> str:
 # ----------------------------------------------------------------------------- all jobs
 
 
-def summary_rows(jobs) -> list[dict[str, Any]]:
-    return [_summary_row(job) for job in jobs]
-
-
-def _summary_row(job) -> dict[str, Any]:
-    d = derived(job)
-    h = headline(job)
-    pipe = _ref(job, "pipesgd")
-    row = dict(model=job["model"], rate=job["rate"], rate_bits=job.get("rate_bits"), **d)
-    row["headline"] = h and h["mode"]
-    row["k"] = h and h.get("k")
-    row["kappa"] = h and h.get("kappa")
-    row["speedup"] = d["t_ddp"] / h["t"] if h and d["t_ddp"] else None
-    row["eff"] = d["t_ceiling"] / h["t"] if h and d["t_ceiling"] else None
-    row["pipe_speedup"] = d["t_ddp"] / pipe["t"] if pipe and d["t_ddp"] else None
-    row["vs_pipe"] = h["t"] / pipe["t"] - 1 if h and pipe else None
-    row["vs_pipe_paired"] = paired_ratio(h, pipe) if h and pipe else None
-    row["t"] = h and h["t"]
-    row["wait"] = h and h.get("wait")
-    row["pipe_wait"] = pipe and pipe.get("wait")
-    sap = [
-        r
-        for r in job["results"]
-        if r.get("t")
-        and (r["mode"].startswith("sapipe") or r["mode"] == "pipesgd")
-        and not is_deferred(r)
-    ]
-    row["best_speedup"] = (
-        max((d["t_ddp"] / r["t"] for r in sap), default=None) if d["t_ddp"] else None
-    )
-    hv = _ref(job, "horovod")
-    row["horovod"] = d["t_ddp"] / hv["t"] if hv and d["t_ddp"] else None
-    row["comps"] = {
-        r["mode"]: d["t_ddp"] / r["t"]
-        for r in sap
-        if r.get("compensation") not in (None, "none") and d["t_ddp"]
-    }
-    return row
-
-
 def format_summary(jobs) -> str:
     lines = [
-        "| model | rate | T_comm/T_compute | possible (T_ddp/T_ceil) | sapipe config | k | κ | × DDP | efficiency "
-        "| vs pipesgd | vs pipesgd, per round | waits ms/step (sapipe / pipesgd) | pipesgd × DDP | horovod × DDP |",
+        "| model | rate | T_comm/T_compute | possible (T_ddp/T_ceil) | sapipe config | k | κ | × "
+        "DDP | efficiency "
+        "| vs pipesgd | vs pipesgd, per round | waits ms/step (sapipe / pipesgd) | pipesgd × DDP | "
+        "horovod × DDP |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     f = lambda v, fmt: "–" if v is None else format(v, fmt)  # noqa: E731
     for r in summary_rows(jobs):
         lines.append(
             f"| {r['model']} | {r['rate']} | {f(r['ratio'], '.2f')} | {f(r['possible'], '.2f')} | "
-            f"{r['headline'] or '–'} | {f(r['k'], '')} | {f(r['kappa'], '.2f')} | {f(r['speedup'], '.2f')} | "
-            f"{f(r['eff'], '.2f')} | {f(r['vs_pipe'], '+.1%')} | {f(r['vs_pipe_paired'], '+.1%')} | "
-            f"{_ms(r['wait'])} / {_ms(r['pipe_wait'])} | {f(r['pipe_speedup'], '.2f')} | {f(r['horovod'], '.2f')} |"
+            f"{r['headline'] or '–'} | {f(r['k'], '')} | {f(r['kappa'], '.2f')} | "
+            f"{f(r['speedup'], '.2f')} | "
+            f"{f(r['eff'], '.2f')} | {f(r['vs_pipe'], '+.1%')} | {f(r['vs_pipe_paired'], '+.1%')} "
+            "| "
+            f"{_ms(r['wait'])} / {_ms(r['pipe_wait'])} | {f(r['pipe_speedup'], '.2f')} | "
+            f"{f(r['horovod'], '.2f')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -268,14 +189,15 @@ def _gpt2_target(rows) -> str | None:
 
 def _k0_overhead(jobs) -> str | None:
     over = [
-        _ref(j, "sapipe k=0")["t"] / _ref(j, "ddp")["t"] - 1
+        result_of(j, "sapipe k=0")["t"] / result_of(j, "ddp")["t"] - 1
         for j in jobs
-        if _ref(j, "sapipe k=0") and _ref(j, "ddp")
+        if result_of(j, "sapipe k=0") and result_of(j, "ddp")
     ]
     if not over:
         return None
     return (
-        f"* sapipe k=0 (fully synchronous) vs DDP, step time: median {statistics.median(over):+.1%} "
+        "* sapipe k=0 (fully synchronous) vs DDP, step time: median "
+        f"{statistics.median(over):+.1%} "
         f"(range {min(over):+.1%} … {max(over):+.1%}; positive = sapipe slower). With k = 0 sapipe "
         "communicates what DDP does, so this is its runtime overhead, plus noise."
     )
@@ -294,9 +216,11 @@ def _auto_target(rows) -> str | None:
     missed = [r for r in a if r not in within]
     kappas = [r["kappa"] for r in a if r["kappa"] is not None] or [float("nan")]
     return (
-        f"* **sapipe-auto within 3 % of pipesgd while staling fewer layers** (step time, median over "
+        "* **sapipe-auto within 3 % of pipesgd while staling fewer layers** (step time, median "
+        "over "
         f"rounds of the ratio within a round): within 3 % in "
-        f"{len(within)}/{len(a)} jobs, κ < 1 in {len(fewer)}/{len(a)}, both in {len(both)}/{len(a)} "
+        f"{len(within)}/{len(a)} jobs, κ < 1 in {len(fewer)}/{len(a)}, both in "
+        f"{len(both)}/{len(a)} "
         f"(median κ {statistics.median(kappas):.2f}; "
         f"auto vs pipesgd: "
         + ", ".join(f"{r['model']} {gap[id(r)]:+.0%}" for r in a)
@@ -318,11 +242,14 @@ def _auto_target(rows) -> str | None:
 
 
 def exposure_rows(jobs) -> list[dict[str, Any]]:
-    """Per job and fixed k: the default (``expose_gradients=True``) against its ``deferred`` twin."""
+    """Per job and fixed k: the default (``expose_gradients=True``) against its ``deferred``
+    twin."""
     rows = []
     for job in jobs:
         for twin in job["results"]:
-            base = _ref(job, twin["twin_of"]) if twin.get("twin_of") and twin.get("t") else None
+            base = (
+                result_of(job, twin["twin_of"]) if twin.get("twin_of") and twin.get("t") else None
+            )
             if base is None or not is_deferred(twin) or is_deferred(base):
                 continue
             rows.append(
@@ -350,14 +277,16 @@ def format_exposure(jobs) -> str | None:
         return None
     f = lambda v, fmt: "–" if v is None else format(v, fmt)  # noqa: E731
     lines = [
-        "| model | rate | mode | k | κ | step ms exposed | step ms deferred | T(exposed)/T(deferred) "
+        "| model | rate | mode | k | κ | step ms exposed | step ms deferred | "
+        "T(exposed)/T(deferred) "
         "| per round | waits ms/step (exposed / deferred) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         paired = None if r["paired"] is None else 1 + r["paired"]
         lines.append(
-            f"| {r['model']} | {r['rate']} | {r['mode']} | {f(r['k'], '')} | {f(r['kappa'], '.2f')} | "
+            f"| {r['model']} | {r['rate']} | {r['mode']} | {f(r['k'], '')} | "
+            f"{f(r['kappa'], '.2f')} | "
             f"{_ms(r['t'])} | {_ms(r['t_deferred'])} | {r['ratio']:.3f}"
             f"{' ⚠' if r['ratio'] > EXPOSURE_TARGET else ''} | {f(paired, '.3f')} | "
             f"{_ms(r['wait'])} / {_ms(r['wait_deferred'])} |"
@@ -375,8 +304,10 @@ def exposure_summary(jobs) -> str | None:
     over = [r for r in rows if r["ratio"] > EXPOSURE_TARGET]
     paired = [1 + r["paired"] for r in rows if r["paired"] is not None]
     return (
-        f"* **p.grad exposure costs ≤ 2 % at the same k** (T with `expose_gradients=True`, the default, / T "
-        f"with `False`, its `deferred` twin): median {statistics.median(ratios):.3f}, max {max(ratios):.3f} "
+        "* **p.grad exposure costs ≤ 2 % at the same k** (T with `expose_gradients=True`, the "
+        "default, / T "
+        f"with `False`, its `deferred` twin): median {statistics.median(ratios):.3f}, max "
+        f"{max(ratios):.3f} "
         f"({worst['model']} @ {worst['rate']}, k = {worst['k']}) over {len(rows)} job × k pairs; "
         f"≤ {EXPOSURE_TARGET} in {len(rows) - len(over)}/{len(rows)}"
         + (
@@ -404,8 +335,6 @@ def _wait_evidence(row: dict[str, Any], pipe: bool = False) -> str:
 
 def report(args, jobs, calib, out_dir, meta) -> int:
     """Print every table, draw the plots and write ``throughput.md`` into ``out_dir``."""
-    from .plots import plot
-
     for job in jobs:
         print("\n" + format_job(job))
     print(format_summary(jobs))
@@ -431,8 +360,10 @@ def write_markdown(args, jobs, calib, pngs, out_dir, meta) -> str:
     lines += [
         "## Summary",
         "",
-        'sapipe config = `sapipe-auto` when sapipe supports `stale_layers="auto"`, else the *oracle* k '
-        "(the smallest measured k within 3 % of pipesgd, compensation `none`); vs pipesgd = its step time "
+        'sapipe config = `sapipe-auto` when sapipe supports `stale_layers="auto"`, else the '
+        "*oracle* k "
+        "(the smallest measured k within 3 % of pipesgd, compensation `none`); vs pipesgd = its "
+        "step time "
         "relative to pipesgd's.",
         "",
         format_summary(jobs),
@@ -445,13 +376,19 @@ def write_markdown(args, jobs, calib, pngs, out_dir, meta) -> str:
         lines += [
             "## p.grad exposure cost",
             "",
-            "Each fixed k (`sapipe k=K`, `pipesgd`) also ran as a `deferred` twin, identical but for "
-            "`expose_gradients=False` (the previous timeline: synchronous updates deferred to each layer's "
-            "next forward, so a synchronous all-reduce's tail can also overlap `step()` and the first "
-            "layers' forward), interleaved in the same rounds. T(exposed)/T(deferred) is what the default "
+            "Each fixed k (`sapipe k=K`, `pipesgd`) also ran as a `deferred` twin, identical but "
+            "for "
+            "`expose_gradients=False` (the previous timeline: synchronous updates deferred to each "
+            "layer's "
+            "next forward, so a synchronous all-reduce's tail can also overlap `step()` and the "
+            "first "
+            "layers' forward), interleaved in the same rounds. T(exposed)/T(deferred) is what the "
+            "default "
             "(`p.grad` holds the averaged gradient once backward ends) costs at that k; target ≤ "
-            f"{EXPOSURE_TARGET} (the overlap lost within 2 %). *per round*: the median over rounds of the "
-            "same ratio within each round. The twins take no part in the oracle k, the summary or the plots.",
+            f"{EXPOSURE_TARGET} (the overlap lost within 2 %). *per round*: the median over rounds "
+            "of the "
+            "same ratio within each round. The twins take no part in the oracle k, the summary or "
+            "the plots.",
             "",
             exposure,
         ]
@@ -490,10 +427,14 @@ def _header(args, jobs, meta) -> list[str]:
     ]
     if meta["load"][0][0] > 0.75 * meta["cpus"] or meta["load"][1][0] > 0.75 * meta["cpus"]:
         lines += [
-            f"> **Noisy run.** The host was busy with other work (load average {meta['load'][0][0]:.1f} / "
-            f"{meta['load'][1][0]:.1f} on {meta['cpus']} CPUs), so each rank got a fraction of a core and step "
-            "times vary by up to several × (see the IQR and min columns); ratios between modes, the "
-            "calibrated T_comm/T_compute and the scheduler's own profile are unreliable. Rerun `make bench` "
+            "> **Noisy run.** The host was busy with other work (load average "
+            f"{meta['load'][0][0]:.1f} / "
+            f"{meta['load'][1][0]:.1f} on {meta['cpus']} CPUs), so each rank got a fraction of a "
+            "core and step "
+            "times vary by up to several × (see the IQR and min columns); ratios between modes, "
+            "the "
+            "calibrated T_comm/T_compute and the scheduler's own profile are unreliable. Rerun "
+            "`make bench` "
             "on a quiet machine before drawing conclusions.",
             "",
         ]
@@ -503,14 +444,19 @@ def _header(args, jobs, meta) -> list[str]:
 def _method(args, j0) -> list[str]:
     return [
         f"{j0['world']} ranks per job ({j0['device']}, {j0['backend']}, "
-        f"{j0.get('threads')} thread(s) per rank), all in one fresh network namespace whose loopback is shaped by "
-        "`tc qdisc add dev lo root tbf rate R` (sapipe/launch/netns.py): R is the aggregate rate of all ranks, and "
+        f"{j0.get('threads')} thread(s) per rank), all in one fresh network namespace whose "
+        "loopback is shaped by "
+        "`tc qdisc add dev lo root tbf rate R` (sapipe/launch/netns.py): R is the aggregate rate "
+        "of all ranks, and "
         "a ring all-reduce of S bytes puts 2(n−1)·S bytes through it. Each mode: "
-        f"{j0['warmup']} warm-up steps (auto: untimed until its k is final, then {args.auto_warmup}), then "
+        f"{j0['warmup']} warm-up steps (auto: untimed until its k is final, then "
+        f"{args.auto_warmup}), then "
         f"{j0['steps']} timed steps, split into "
-        f"{j0.get('rounds', 3)} rounds that interleave all modes of the job (alternating order, one extra untimed "
+        f"{j0.get('rounds', 3)} rounds that interleave all modes of the job (alternating order, "
+        "one extra untimed "
         "step per round), so that load drifts hit every mode alike; "
-        "T = the slowest rank's median step time, IQR = its interquartile range / median. Synthetic data.",
+        "T = the slowest rank's median step time, IQR = its interquartile range / median. "
+        "Synthetic data.",
         "",
     ]
 
@@ -522,14 +468,18 @@ def _optimizer_note(jobs) -> list[str]:
     )
     if all(j.get("fused") for j in jobs):
         return [
-            f"**Baselines use fused optimizers.** Every mode's optimizer is {names} with `fused=True`: "
-            "`local`, `ceiling`, DDP and Horovod step with torch's fastest update kernel, as their best "
-            "users would run them, so × DDP measures the overlap, not the update kernel. sapipe wraps "
+            f"**Baselines use fused optimizers.** Every mode's optimizer is {names} with "
+            "`fused=True`: "
+            "`local`, `ceiling`, DDP and Horovod step with torch's fastest update kernel, as their "
+            "best "
+            "users would run them, so × DDP measures the overlap, not the update kernel. sapipe "
+            "wraps "
             "the same optimizer and updates with its own fused kernels.",
             "",
         ]
     return [
-        f"**Baselines use torch's default (unfused) optimizers** ({names}, not `fused=True`): part of "
+        f"**Baselines use torch's default (unfused) optimizers** ({names}, not `fused=True`): part "
+        "of "
         "every × DDP is then sapipe's fused update kernel, not the overlap.",
         "",
     ]
@@ -537,16 +487,21 @@ def _optimizer_note(jobs) -> list[str]:
 
 def _definitions() -> list[str]:
     return [
-        "Definitions (docs/design.md §6): T_compute = `local` (each rank trains alone, no communication); "
-        "T_comm = one all-reduce of all gradients alone; T_ceiling = the local step while a buffer of all "
-        "gradients is all-reduced on a second process group (perfect overlap; on a CPU host the busy link "
+        "Definitions (docs/design.md §6): T_compute = `local` (each rank trains alone, no "
+        "communication); "
+        "T_comm = one all-reduce of all gradients alone; T_ceiling = the local step while a buffer "
+        "of all "
+        "gradients is all-reduced on a second process group (perfect overlap; on a CPU host the "
+        "busy link "
         "costs CPU, so this, not `local`, is the best any overlapping schedule can do). "
         "× DDP = T_ddp / T; efficiency = T_ceiling / T; possible speedup = T_ddp / T_ceiling; "
         "κ = fraction of parameters in the k stale layers. "
-        "vs pipesgd = T / T_pipesgd − 1; *per round*: the median over rounds of the same ratio taken within "
+        "vs pipesgd = T / T_pipesgd − 1; *per round*: the median over rounds of the same ratio "
+        "taken within "
         "each round (both modes timed minutes apart at most, so the host's slower drifts cancel). "
         "waits = the median time per step that sapipe blocked on its all-reduces "
-        "(`DistributedOptimizer.communication_wait`): a slow step with few waits ran slow in compute, "
+        "(`DistributedOptimizer.communication_wait`): a slow step with few waits ran slow in "
+        "compute, "
         "not for the network.",
         "",
     ]

@@ -3,11 +3,28 @@ paused between rounds, described at the end."""
 
 from __future__ import annotations
 
+import argparse
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .job import Job
+from .rank import Ctx
+
+
+class Job(Protocol):
+    """What a runner reads of its job (:class:`job.Job`, which holds the runners)."""
+
+    ctx: Ctx
+    args: argparse.Namespace
+    spec: Any  # bench_models.ModelSpec
+    m: int
+    numel: int
+    elem: int
+    dtype: Any  # torch.dtype
+    notes: list[str]
+
+    def fresh(self) -> tuple[Any, Any]: ...
+
+    def train_step(self, model, opt, i: int) -> None: ...
 
 
 class Skip(Exception):
@@ -235,7 +252,8 @@ class TrainRunner(Runner):
         super().close()
 
     def write_traces(self, folder: str) -> None:
-        """This rank's recorded timeline (and, for auto, the predicted iteration) as Chrome traces."""
+        """This rank's recorded timeline (and, for auto, the predicted iteration) as Chrome
+        traces."""
         os.makedirs(folder, exist_ok=True)
         rate = str(self.job.args.rate or "local").replace("/", "-").replace(" ", "")
         mode = self.mode.replace(" ", "").replace("=", "")
@@ -267,7 +285,8 @@ class CommRunner(Runner):
 
 
 def _start_horovod(ctx, detail: bool):
-    """``horovod.torch``, its Gloo controller started in this torchrun job; Skip when it cannot be."""
+    """``horovod.torch``, its Gloo controller started in this torchrun job; Skip when it cannot
+    be."""
     try:
         import horovod.torch as hvd
     except Exception as exc:  # noqa: BLE001 - any import failure means "not available"

@@ -15,7 +15,7 @@ The workloads on core 0: the same copy, a 512×512 matrix product, and one train
 round. ``--duty F`` has the background pause after each round of its work so that it works
 a share F of the time, as a step's communication does, in bursts. Each cell is the median
 over rounds of the round's median, and the table gives each against ``none``. Usage:
-``OMP_NUM_THREADS=1 python benchmarks/host_contention.py [--duty 0.2]``.
+``OMP_NUM_THREADS=1 python -m benchmarks host_contention [--duty 0.2]``.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import sys
 import time
 from typing import Callable
 
+import _on_path  # noqa: F401  (benchmarks/ on sys.path)
+import harness
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_models import build  # noqa: E402
+from bench_models import build
 
 BACKGROUNDS = ("none", "copy", "matmul", "int8")
 
@@ -102,7 +102,7 @@ def timed(fn: Callable[[], None], calls: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.Parser(__doc__, quick=dict(rounds=1, calls=3))
     parser.add_argument("--model", default="vgg16")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--calls", type=int, default=20, help="timed calls per workload per round")
@@ -153,8 +153,8 @@ def main() -> None:
                     child.kill()
                     child.wait()
     print(
-        f"{args.numel / 1e6:.2f} M values; one thread on core 0, core 1 busy {args.duty:.0%} of the time; "
-        f"ms per call (× alone), median of {args.rounds} rounds of {args.calls} calls\n"
+        f"{args.numel / 1e6:.2f} M values; one thread on core 0, core 1 busy {args.duty:.0%} of "
+        f"the time; ms per call (× alone), median of {args.rounds} rounds of {args.calls} calls\n"
     )
     print("| on core 0 | " + " | ".join(f"core 1: {b}" for b in BACKGROUNDS) + " |")
     print("| --- |" + " ---: |" * len(BACKGROUNDS))

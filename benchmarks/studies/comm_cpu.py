@@ -8,7 +8,7 @@ all others, per mode, so that a step slower than ``local`` can be accounted for.
 
 Run under a launcher, e.g. on a loopback shaped to 2 Gbit/s::
 
-    sapipe-launch --emulate-net 2gbit --nproc-per-node 2 benchmarks/comm_cpu.py \\
+    sapipe-launch --emulate-net 2gbit --nproc-per-node 2 benchmarks/studies/comm_cpu.py \\
         --model gpt2 --modes local,ddp,m,m:bf16,m:int8
 
 ``--peer-batch N`` has every rank but rank 0 train on N samples: with a light peer, rank 0
@@ -25,13 +25,11 @@ uses the model's ``fused=True`` torch optimizer (bench_models).
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import _on_path  # noqa: F401  (benchmarks/ on sys.path)
+import harness
 
 
 def thread_cpu_seconds() -> dict[int, float]:
@@ -49,9 +47,8 @@ def thread_cpu_seconds() -> dict[int, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = harness.Parser(__doc__, quick=dict(modes="local,m", steps=5), size="small")
     p.add_argument("--model", default="gpt2")
-    p.add_argument("--size", default="small")
     p.add_argument("--modes", default="local,ddp,m,m:bf16,m:int8")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument(
@@ -79,8 +76,8 @@ def main() -> None:
     if rank == 0:
         peers = f", the others {args.peer_batch} samples" if args.peer_batch > 0 else ""
         print(
-            f"{args.model}/{args.size}, {dist.get_world_size()} ranks, one thread each, rank 0 {spec.batch_size} "
-            f"samples per step{peers}; {args.steps} steps per mode"
+            f"{args.model}/{args.size}, {dist.get_world_size()} ranks, one thread each, rank 0 "
+            f"{spec.batch_size} samples per step{peers}; {args.steps} steps per mode"
         )
         print(
             "| mode | buckets | step ms | training thread CPU ms/step | other threads CPU ms/step |"
@@ -122,7 +119,8 @@ def main() -> None:
             per = 1e3 / args.steps
             buckets = len(opt.buckets) if hasattr(opt, "buckets") else "–"
             print(
-                f"| {mode} | {buckets} | {elapsed * per:.1f} | {training * per:.1f} | {others * per:.1f} |",
+                f"| {mode} | {buckets} | {elapsed * per:.1f} | {training * per:.1f} "
+                f"| {others * per:.1f} |",
                 flush=True,
             )
         if hasattr(opt, "close"):

@@ -1,6 +1,7 @@
 """Gloo's reduce-scatter against sapipe's CPU one (an all-to-all plus a sum in rank order).
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node W benchmarks/reduce_scatter_cpu.py [--mib 10] [--calls 20]
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node W \\
+        benchmarks/studies/reduce_scatter_cpu.py [--mib 10] [--calls 20]
 
 Times, on rank 0 (mean of ``--calls`` calls after one warm-up, ranks aligned by a barrier),
 ``dist.reduce_scatter_tensor``, :func:`sapipe.comm.worker.reduce_scatter_sum` and, for
@@ -9,13 +10,19 @@ scale, ``dist.all_reduce`` and ``dist.all_gather_into_tensor`` of the same float
 
 from __future__ import annotations
 
-import argparse
 import time
 
+import _on_path  # noqa: F401  (benchmarks/ on sys.path)
+import harness
 import torch
 import torch.distributed as dist
 
-from sapipe.comm.worker import Scratch, all_gather_single, reduce_scatter_single, reduce_scatter_sum
+from sapipe.comm.worker import (
+    Scratch,
+    all_gather_single,
+    reduce_scatter_single,
+    reduce_scatter_sum,
+)
 
 
 def timed(fn, calls: int) -> float:
@@ -29,9 +36,7 @@ def timed(fn, calls: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = harness.Parser(__doc__, quick=dict(mib=1.0, calls=3))
     p.add_argument("--mib", type=float, default=10.0)
     p.add_argument("--calls", type=int, default=20)
     args = p.parse_args()

@@ -8,7 +8,8 @@ batch 1), one process (Gloo), torch's ``fused=True`` SGD alone against the same 
 wrapped by sapipe at k = 0 and k = m. Rounds alternate the two; the cost is the median over
 rounds of (sapipe's median step − torch's), per iteration and per layer.
 
-    python benchmarks/host_overhead.py [--rounds 7] [--steps 40] [--compressions bf16,int8] [--device cuda]
+    python -m benchmarks host_overhead [--rounds 7] [--steps 40] [--compressions bf16,int8]
+        [--device cuda]
 
 The same model in torch's ``DistributedDataParallel`` (its default, and with
 ``gradient_as_bucket_view=True``) is timed the same way, so that sapipe's cost reads against
@@ -22,18 +23,15 @@ the device busy, so a step lasts as long as the host takes to issue it, launches
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import _on_path  # noqa: F401  (benchmarks/ on sys.path)
+import harness
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = harness.Parser(__doc__, quick=dict(rounds=1, steps=8), device=("cpu", "cuda"))
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument(
@@ -41,19 +39,19 @@ def main() -> None:
         default="",
         help="comma-separated formats to add at k = m (bf16,int8,fp16)",
     )
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
         "--no-ddp",
         dest="ddp",
         action="store_false",
-        help="leave out the peer rows: torch's DDP (default, and with gradient_as_bucket_view=True)",
+        help="leave out the peer rows: torch's DDP (default, and with "
+        "gradient_as_bucket_view=True)",
     )
     args = p.parse_args()
     import bench_models
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from compensation_overhead import init_one_rank_group, synchronize
+    from harness import init_one_rank_group, synchronize
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import sapipe
@@ -82,7 +80,8 @@ def main() -> None:
     plain = make()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(
-        f"torch {torch.__version__}, {where}, one thread; {args.rounds} rounds of {args.steps} steps"
+        f"torch {torch.__version__}, {where}, one thread; "
+        f"{args.rounds} rounds of {args.steps} steps"
     )
     print(
         "| wrapper | layers | torch alone ms | wrapper − torch, ms per iteration | per layer, µs |"
@@ -107,7 +106,8 @@ def main() -> None:
             alone.append(a)
         cost = statistics.median(extra)
         print(
-            f"| {label} | {m} | {statistics.median(alone) * 1e3:.2f} | {cost * 1e3:.2f} | {cost / m * 1e6:.1f} |"
+            f"| {label} | {m} | {statistics.median(alone) * 1e3:.2f} | {cost * 1e3:.2f} "
+            f"| {cost / m * 1e6:.1f} |"
         )
         if k is not None:
             opt.close()

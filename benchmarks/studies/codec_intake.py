@@ -1,33 +1,29 @@
-"""What backward's intake and a 16-bit sum's first stage cost, per model: gradients copied into
-the float32 bucket and then encoded (what int8, error feedback and node-first sums still do)
-against gradients cast straight into the outgoing messages (fp16 / bf16 without error
-feedback, docs/design.md §5.9 *Encoded on intake*).
+"""What backward's intake and a 16-bit sum's first stage cost: via the bucket, or cast on intake.
+
+Per model: gradients copied into the float32 bucket and then encoded (what int8, error
+feedback and node-first sums still do) against gradients cast straight into the outgoing
+messages (fp16 / bf16 without error feedback, docs/design.md §5.9 *Encoded on intake*).
 
 Each variant copies every parameter's gradient (one tensor per parameter, as backward hands
 them over) and runs stage 1 (``scatter_messages``: the encode, or only the flags) of one
 bucket holding the whole model over 2 ranks. The two alternate, 40 times each; the medians
 are printed, and their ratio.
 
-    python benchmarks/codec_intake.py [--models vgg16,gpt2,resnet50] [--device cuda]
+    python -m benchmarks codec_intake [--models vgg16,gpt2,resnet50] [--device cuda]
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
 import time
 from typing import Callable
 
+import _on_path  # noqa: F401  (benchmarks/ on sys.path)
+import bench_models
+import harness
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import bench_models  # noqa: E402
-
-from sapipe.compression.codec import BucketCodec, Compression, intake_views  # noqa: E402
+from sapipe.compression.codec import BucketCodec, Compression, intake_views
 
 
 def timed(fn: Callable[[], None], device: torch.device) -> float:
@@ -73,10 +69,10 @@ def compare(params: list[torch.Tensor], kind: str, device: torch.device, rounds:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = harness.Parser(
+        __doc__, quick=dict(models="gpt2", rounds=3), device=("cpu", "cuda"), size="small"
+    )
     p.add_argument("--models", default="vgg16,gpt2,resnet50")
-    p.add_argument("--size", default="small")
-    p.add_argument("--device", default="cpu")
     p.add_argument(
         "--threads", type=int, default=1, help="intra-op threads (the training thread's)"
     )
@@ -85,7 +81,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     print(
-        f"torch {torch.__version__}, {device}, {args.threads} thread(s), medians of {2 * args.rounds} alternating calls"
+        f"torch {torch.__version__}, {device}, {args.threads} thread(s), "
+        f"medians of {2 * args.rounds} alternating calls"
     )
     print("| model | values | format | float32 bucket + encode | cast on intake | ratio |")
     print("| --- | ---: | --- | ---: | ---: | ---: |")
@@ -98,7 +95,8 @@ def main() -> None:
             old, new = compare(params, kind, device, args.rounds)
             numel = sum(q.numel() for q in params)
             print(
-                f"| {name} | {numel / 1e6:.2f} M | {kind} | {old:.3f} ms | {new:.3f} ms | {new / old:.2f} |",
+                f"| {name} | {numel / 1e6:.2f} M | {kind} | {old:.3f} ms | {new:.3f} ms "
+                f"| {new / old:.2f} |",
                 flush=True,
             )
 

@@ -1,39 +1,32 @@
 """What int8's block size does to the ``units`` task: a one-process simulation.
 
 The convergence study's ``units`` task (benchmarks/convergence_tasks.py; RESULTS.md §5)
-trains slightly worse with ``compression="int8"`` and error feedback than uncompressed
-where its ×1 targets' gradients share int8 blocks with gradients about 1000 times larger:
-with blocks of 256 or 128 values, not with sapipe's 64. This replays that task's training, 4 ranks simulated in one process with the same data, seeds
-and batches as the study, and rounds the gradient as sapipe's compressed sum does (each
-rank's gradient plus its residual, split into W shards of whole blocks, rounded per block;
-the sum of each shard plus the server residual, rounded again; docs/design.md §5.9), with
-blocks of each of ``--blocks`` values (sapipe's are 64). The rounding is written out in
-PyTorch here (scale = max|v| / 127, round half to even, clamp to ±127), so that the block
-size can vary; sapipe's own codec is not used.
+trains slightly worse with ``compression="int8"`` and error feedback than uncompressed where
+its ×1 targets' gradients share int8 blocks with gradients about 1000 times larger: with
+blocks of 256 or 128 values, not with sapipe's 64. This replays that task's training, 4
+ranks simulated in one process with the same data, seeds and batches as the study, and
+rounds the gradient as sapipe's compressed sum does (each rank's gradient plus its residual,
+split into W shards of whole blocks, rounded per block; the sum of each shard plus the
+server residual, rounded again; docs/design.md §5.9), with blocks of each of ``--blocks``
+values (sapipe's are 64). The rounding is written out in PyTorch here (scale = max|v| / 127,
+round half to even, clamp to ±127), so that the block size can vary; sapipe's own codec is
+not used.
 
-    python benchmarks/int8_block_size.py [--seeds 3] [--blocks 256,128,64,32]
+    python -m benchmarks int8_block_size [--seeds 3] [--blocks 256,128,64,32]
 
 Prints the test R² (%) per seed: all 16 targets, and the ×1 targets alone.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-
+import _on_path  # noqa: F401  (benchmarks/ on sys.path)
+import harness
 import torch
 import torch.nn.functional as F
+from convergence_tasks import make_units_data, r_squared
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from convergence_tasks import make_units_data, r_squared  # noqa: E402
-
-WORLD, LR, STEPS, BATCH = (
-    4,
-    0.5,
-    300,
-    32,
-)  # the units task's settings (convergence_tasks._units_task)
+# the units task's settings (convergence_tasks._units_task)
+WORLD, LR, STEPS, BATCH = 4, 0.5, 300, 32
 
 
 def rounded(v: torch.Tensor, block: int) -> torch.Tensor:
@@ -104,7 +97,7 @@ def train(seed: int, block: int, data) -> tuple:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = harness.Parser(__doc__, quick=dict(seeds=1, blocks="64"))
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--blocks", default="256,128,64,32", help="int8 block sizes to simulate")
     args = p.parse_args()
@@ -114,9 +107,9 @@ def main() -> None:
     for block in [0] + [int(b) for b in args.blocks.split(",")]:
         results = [train(seed, block, data) for seed in range(args.seeds)]
         label = "uncompressed" if block == 0 else f"int8 + error feedback, blocks of {block}"
-        print(
-            f"| {label} | {' '.join(f'{a:.2f}' for a, _ in results)} | {' '.join(f'{b:.2f}' for _, b in results)} |"
-        )
+        every = " ".join(f"{a:.2f}" for a, _ in results)
+        ones = " ".join(f"{b:.2f}" for _, b in results)
+        print(f"| {label} | {every} | {ones} |")
 
 
 if __name__ == "__main__":

@@ -15,86 +15,94 @@ reads the summed count as the sum is consumed (sapipe.runtime.nonfinite). Two me
    (which waits and load from elsewhere disturb less). CPU: ``--ranks`` Gloo processes;
    ``--device cuda``: one NCCL rank (each step ends with a device synchronisation).
 
-    python benchmarks/nonfinite_cost.py [--model gpt2] [--size small] [--ranks 2] [--rounds 9] [--steps 20]
-    python benchmarks/nonfinite_cost.py --device cuda --size full --ranks 1
+    python -m benchmarks nonfinite_cost [--model gpt2] [--size small] [--ranks 2] [--rounds 9]
+        [--steps 20]
+    python -m benchmarks nonfinite_cost --device cuda --size full --ranks 1
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import socket
 import statistics
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import _on_path  # noqa: F401  (benchmarks/ on sys.path)
+import harness
 
 
-def per_bucket(device: str, sizes) -> None:
+def _timed(fn, reps: int, device) -> float:
+    """Seconds per call of ``fn``: the best of 5 runs of ``reps`` calls, after one."""
+    import torch
+
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    best = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best.append((time.perf_counter() - start) / reps)
+    return min(best)
+
+
+class _Bucket:  # what NonFiniteGradients.arrived reads of a bucket
+    index = 0
+
+    def __init__(self, grads):
+        self.grads = grads
+
+
+def _bucket_row(n: int, dev) -> str:
+    """The per-bucket table's row for a bucket of ``n`` float32 values."""
     import torch
 
     from sapipe.layout.buckets import StalenessBuffer
     from sapipe.runtime.nonfinite import NonFiniteGradients
 
-    dev = torch.device(device)
+    grads = StalenessBuffer(n, torch.float32, dev, 1, flags=8, verdict=True)
+    grads.slots[0].normal_()
+    check = NonFiniteGradients("warn", 0, 2)
+    check.start(dev)
+    bucket = _Bucket(grads)
 
-    def timed(fn, reps):
-        fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        best = []
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            best.append((time.perf_counter() - start) / reps)
-        return min(best)
+    def arrived():
+        check.arrived(bucket, 0, 1)
+        for window in check._windows:  # noqa: SLF001 - each arrival is kept until its check
+            window.arrivals.clear()
 
-    class _Bucket:  # what NonFiniteGradients.arrived reads of a bucket
-        index = 0
+    def one():
+        check.launched(grads, 0, [grads.slots[0]])
+        arrived()
 
-        def __init__(self, grads):
-            self.grads = grads
+    def arrived_alone():
+        grads.verdicts[0] = kept
+        arrived()
+
+    reps = max(3, min(2000, int(2e8 // (n * 4))))
+    cost = _timed(one, reps, dev)
+    check.launched(grads, 0, [grads.slots[0]])
+    kept = grads.verdicts[0]
+    on_arrival = _timed(arrived_alone, reps, dev)
+    div = _timed(lambda: grads.slots[0].div_(1.0), reps, dev)
+    return (
+        f"| {n:,} | {n * 4 / 2**20:.2f} | {cost * 1e6:.1f} | {on_arrival * 1e6:.1f} "
+        f"| {n * 4 / cost / 1e9:.1f} | {div * 1e6:.1f} | {cost / div:.2f} |"
+    )
+
+
+def per_bucket(device: str, sizes) -> None:
+    import torch
 
     print(
-        "| bucket values (float32) | MiB | check µs (launched + arrived) | of which arrived µs | GB/s "
-        "| take_mean's div_ µs | check / div_ |"
+        "| bucket values (float32) | MiB | check µs (launched + arrived) | of which arrived µs "
+        "| GB/s | take_mean's div_ µs | check / div_ |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in sizes:
-        grads = StalenessBuffer(n, torch.float32, dev, 1, flags=8, verdict=True)
-        grads.slots[0].normal_()
-        check = NonFiniteGradients("warn", 0, 2)
-        check.start(dev)
-        bucket = _Bucket(grads)
-
-        def arrived():
-            check.arrived(bucket, 0, 1)
-            for window in check._windows:  # noqa: SLF001 - each arrival is kept until its check
-                window.arrivals.clear()
-
-        def one():
-            check.launched(grads, 0, [grads.slots[0]])
-            arrived()
-
-        def arrived_alone():
-            grads.verdicts[0] = kept
-            arrived()
-
-        reps = max(3, min(2000, int(2e8 // (n * 4))))
-        cost = timed(one, reps)
-        check.launched(grads, 0, [grads.slots[0]])
-        kept = grads.verdicts[0]
-        on_arrival = timed(arrived_alone, reps)
-        div = timed(lambda: grads.slots[0].div_(1.0), reps)
-        print(
-            f"| {n:,} | {n * 4 / 2**20:.2f} | {cost * 1e6:.1f} | {on_arrival * 1e6:.1f} | {n * 4 / cost / 1e9:.1f} "
-            f"| {div * 1e6:.1f} | {cost / div:.2f} |"
-        )
+        print(_bucket_row(n, torch.device(device)))
 
 
 def _job(rank, world, port, args, results) -> None:
@@ -188,8 +196,9 @@ def per_step(args) -> None:
     k = "0" if args.stale == "0" else "m"
     print(
         f"\n{args.model} ({args.size}), {args.ranks} rank(s) on {args.device}, k={k}, "
-        f"compression={args.compression}, torch {torch.__version__}: {len(out['buckets'])} buckets, "
-        f"{values:,} gradient values; {args.rounds} rounds of {args.steps} steps"
+        f"compression={args.compression}, torch {torch.__version__}: "
+        f"{len(out['buckets'])} buckets, {values:,} gradient values; "
+        f"{args.rounds} rounds of {args.steps} steps"
     )
     print(
         f"median step: warn {warn:.2f} ms, ignore {ignore:.2f} ms; warn/ignore − 1 per round: "
@@ -204,10 +213,13 @@ def per_step(args) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p = harness.Parser(
+        __doc__,
+        quick=dict(size="tiny", rounds=2, steps=4, skip_buckets=True),
+        device=("cpu", "cuda"),
+        size="small",
+    )
     p.add_argument("--model", default="gpt2", help="a bench_models family")
-    p.add_argument("--size", default="small")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--stale", choices=("0", "m"), default="0", help="k = 0 or every layer stale")
     p.add_argument("--compression", default=None)
