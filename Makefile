@@ -2,7 +2,8 @@
 #
 #   make venv     create $(VENV) and install torch==2.13.0 (CPU), numpy, pytest and
 #                 sapipe (editable). Idempotent: a stamp file makes re-runs instant.
-#   make test     venv + pytest over tests/
+#   make lint     venv + ruff (lint and format check) and mypy over the public API
+#   make test     venv + lint + pytest over tests/
 #   make demo     venv + examples/demo.py, 2 ranks (Gloo) on a loopback limited to DEMO_NET (200mbit)
 #   make bench    venv + benchmarks/throughput.py: the default throughput sweep under an
 #                 emulated network (needs root or user namespaces; installs iproute2 if tc
@@ -33,7 +34,7 @@ STAMP := $(VENV)/.sapipe-installed
 STAMP_DEPS := setup.py pyproject.toml requirements-dev.txt MANIFEST.in $(wildcard build_backend/*.py) \
               $(wildcard sapipe/__init__.py) $(wildcard csrc/* csrc/*/*)
 
-.PHONY: venv test demo clean distclean bench peers convergence gpu-check
+.PHONY: venv lint test demo clean distclean bench peers convergence gpu-check
 
 venv: $(STAMP)
 
@@ -49,7 +50,13 @@ $(STAMP): $(VPY) $(STAMP_DEPS)
 	$(VPY) -c "import torch; print('torch', torch.__version__)"
 	@touch $@
 
-test: venv
+# ruff's configuration and mypy's list of public modules are in pyproject.toml
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: lint
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests
 
 # The demo's link is a loopback limited to DEMO_NET (sapipe-launch --emulate-net), so that

@@ -350,13 +350,10 @@ class Settings:
         _require(refusal is None, str(refusal))
         _require(
             self.error_feedback is None or isinstance(self.compression, str),
-            f"error_feedback={self.error_feedback!r} goes with a compression name; got "
-            f"compression={self.compression!r}"
-            + (
-                " (give error_feedback to the Compression object)"
-                if self.compression is not None
-                else ""
-            ),
+            f"error_feedback={self.error_feedback!r} needs a compression; got compression=None"
+            if self.compression is None
+            else f"error_feedback={self.error_feedback!r} goes with a compression name; got "
+            f"compression={self.compression!r} (give error_feedback to the Compression object)",
         )
         _require(
             self.auto_budget is None or not self.auto or self.auto_budget >= self.effective_warmup,

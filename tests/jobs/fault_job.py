@@ -1,8 +1,12 @@
-"""sapipe jobs in which one rank fails (used by tests/test_faults.py, the fault matrix).
+"""sapipe jobs in which one rank fails (used by tests/system/test_faults.py, the fault
+matrix).
 
-    python tests/jobs/fault_job.py --case forward --world 2 --fail-rank 1 [--fail-step 4] [--timeout 4]
-    python tests/jobs/fault_job.py --jobs forward:2:1,relayout:3:1,...     # several jobs, one after the other
-    torchrun --nproc-per-node 2 tests/jobs/fault_job.py --worker --case forward ...   # the same job under torchrun
+    python tests/jobs/fault_job.py --case forward --world 2 --fail-rank 1 \
+        [--fail-step 4] [--timeout 4]
+    # several jobs, one after the other
+    python tests/jobs/fault_job.py --jobs forward:2:1,relayout:3:1,...
+    # the same job under torchrun
+    torchrun --nproc-per-node 2 tests/jobs/fault_job.py --worker --case forward ...
 
 Every rank trains a small MLP (4 layers) with ``sapipe.DistributedOptimizer`` on Gloo; rank
 ``--fail-rank`` fails as ``--case`` says:
@@ -16,7 +20,7 @@ Every rank trains a small MLP (4 layers) with ``sapipe.DistributedOptimizer`` on
 * ``relayout``: ``"auto"``; SIGKILLs itself inside the runtime's ``relayout`` at the end of
   warm-up (the peers re-lay their buckets out and train on);
 * ``restart``: ``"auto"`` with the measured search's path pinned (the model's k = 1, then a
-  trial of k = m, as tests/test_auto.py pins it); SIGKILLs itself inside the pipeline
+  trial of k = m, as tests/distributed/test_auto.py pins it); SIGKILLs itself inside the pipeline
   restart of that second trial;
 * ``compressed``: ``compression="int8"``; SIGKILLs itself on the back-end's worker thread in
   the middle of a compressed sum (its all-to-all done, before its all-gather), at
@@ -27,16 +31,17 @@ The other ranks let every exception go uncaught, as a script does: it leaves thr
 handlers (sapipe closes the optimizer) and finalisation.
 
 By default this process imports torch and sapipe once and forks every rank (as
-tests/exit_job.py does: a fresh interpreter per rank costs seconds of imports), then hosts
+benchmarks/exit_stress.py does: a fresh interpreter per rank costs seconds of imports), then hosts
 the job's TCPStore itself, as torchrun's agent does, so that the store outlives every rank
 (``--rank0-store``: rank 0 hosts it, as a plain ``init_process_group`` does, and it dies
 with rank 0).
 It kills every rank still alive ``--deadline`` seconds into a job. ``--jobs`` runs several
 jobs one after the other from the one import. It prints one JSON object, ``{"jobs": [...]}``:
 per job its case, and per rank its exit code (negative: the signal), the wall time it
-exited, whether the deadline killed it, its events and the tail of its output. Events are ``EVENT {json}`` lines a rank prints
-(wall time ``time``): ``failing`` right before it fails, ``raised`` when an exception
-leaves a training iteration (type and message; it then goes on, uncaught), ``done``.
+exited, whether the deadline killed it, its events and the tail of its output. Events are
+``EVENT {json}`` lines a rank prints (wall time ``time``): ``failing`` right before it fails,
+``raised`` when an exception leaves a training iteration (type and message; it then goes on,
+uncaught), ``done``.
 """
 
 from __future__ import annotations
@@ -155,7 +160,7 @@ class Fault:
 
 def pin_the_search() -> None:
     """The measured search's path, pinned: the model's k = 1 (of 4), measured, then k = m
-    (as tests/test_auto.py pins it), so the pipeline restarts at RESTART_STEP."""
+    (as tests/distributed/test_auto.py pins it), so the pipeline restarts at RESTART_STEP."""
     import sapipe.auto.controller as controller
     from sapipe.auto import search as tuner
     from sapipe.schedule import solver
@@ -288,7 +293,8 @@ def parse(argv=None):
     parser.add_argument(
         "--jobs",
         default=None,
-        help="several jobs, one after the other: CASE:WORLD:FAIL_RANK[:FAIL_STEP[:rank0-store]],... "
+        help="several jobs, one after the other: "
+        "CASE:WORLD:FAIL_RANK[:FAIL_STEP[:rank0-store]],... "
         "(instead of --case, --world, --fail-rank, --fail-step, --rank0-store)",
     )
     parser.add_argument("--steps", type=int, default=None, help="default: a few past the failure")
@@ -303,7 +309,8 @@ def parse(argv=None):
 
 
 def job_arguments(args, spec: str = None):
-    """The arguments of one job: ``args`` with ``spec`` in (``CASE:WORLD:FAIL_RANK[:FAIL_STEP[:rank0-store]]``)."""
+    """The arguments of one job: ``args`` with ``spec`` in
+    (``CASE:WORLD:FAIL_RANK[:FAIL_STEP[:rank0-store]]``)."""
     job = argparse.Namespace(**vars(args), spec=spec)
     if spec:
         case, world, fail_rank, *more = spec.split(":")
@@ -323,8 +330,8 @@ def run_job(args) -> dict:
     logdir = tempfile.mkdtemp(prefix="sapipe-faults-")
     pipes = [os.pipe() for _ in range(args.world)]
     pids = {start_rank(rank, args, pipes, logdir): rank for rank in range(args.world)}
-    # The store, created after the forks (no rank holds the server), outlives every rank, as torchrun's agent's
-    # does; dropped before the next job's forks.
+    # The store, created after the forks (no rank holds the server), outlives every rank, as
+    # torchrun's agent's does; dropped before the next job's forks.
     store = (
         None
         if args.rank0_store
