@@ -121,14 +121,14 @@ def model_multiple(mode: dict, world: int) -> float:
 def _category(path: str) -> str:
     """What a tensor found at ``path`` (from the sapipe optimizer) is, by the attributes that lead
     to it."""
-    if ".segments[" in path and ".state" in path:
+    if ".states[" in path:  # the updater's per-segment optimizer state
         return "update scratch" if ".scratch" in path else "optimizer state"
     if path.startswith(("opt.optimizer.state", "opt.state")):
         return "optimizer state"
     if ".codec." in path:
         return "residuals" if "residual" in path else "codec buffers"
     for attribute, category in (
-        (".grads.", "slots"),
+        (".buffer.", "slots"),  # a bucket's StalenessBuffer (sapipe.runtime.gradients)
         (".prev_local", "local"),
         (".local", "local"),
         (".real", "real weights"),
@@ -360,7 +360,7 @@ def measure(spec, name: str, args, device, world: int) -> dict:
                 "numel": b.numel,
                 "params": len(b.params),
                 "stale": b.stale,
-                "wire": [w.numel() for w in b.grads.wire],
+                "wire": [w.numel() for w in opt._runtime.pipeline.gradients(b).buffer.wire],
             }
             for b in opt.buckets
         ]

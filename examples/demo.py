@@ -184,12 +184,12 @@ def setup_sapipe(model, args):
     except (ImportError, AttributeError) as e:
         raise SystemExit(
             f"sapipe mode needs sapipe.DistributedOptimizer ({e}); run with --modes ddp to skip it"
-        )
+        ) from e
     base = torch.optim.Adam(model.parameters(), lr=args.lr)
     opt = DistributedOptimizer(
         base, model, stale_layers=args.stale_layers, compensation=args.compensation
     )
-    # A callable: with "auto", k is known only after the warm-up (and the scheduler's measured search).
+    # A callable: with "auto", k is known only after the warm-up (and the measured search).
     info = lambda: f"{opt.stale_layers}/{opt.num_layers} stale, {args.compensation}"  # noqa: E731
     return model, opt, info
 

@@ -31,8 +31,7 @@ DC_FORMS = ("outer", "diagonal")
 NONFINITE_GRADIENTS = ("warn", "raise", "ignore")
 AUTO = "auto"
 #: With "auto", the job's first iterations are never profiled: they pay one-off costs (the
-#: allocator, caches, connections), and on this project's CPU host they ran 10-60% slower
-#: than the iterations after them, which made the whole profile slow.
+#: allocator, caches, connections) that would make the whole profile slow.
 UNPROFILED_STEPS = 5
 
 

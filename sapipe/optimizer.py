@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from sapipe.layout.buckets import Bucket
 from sapipe.layout.layers import Layer, LayerRecorder
 from sapipe.runtime import ForwardHooks, Runtime
 from sapipe.runtime.buffers import BufferBroadcast
+from sapipe.runtime.progress import Progress
 from sapipe.runtime.shutdown import close_at_exit
 from sapipe.schedule import solver
 from sapipe.state import torch_state
@@ -162,16 +163,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             atexit.register(self._trace_files.write_files)  # holds the events, not the optimizer
         rendezvous.broadcast_from_first_rank(model, group)
         self._recorder: LayerRecorder | None = recorder
-        self._iteration = 0  # completed step() calls
-        self._accumulating = False  # inside no_sync()
+        self._progress = Progress()  # completed step() calls; inside no_sync() or not
         self._closed = False
         self._forward = ForwardHooks(
             self._runtime,
             self.tracer,
             self._spans,
-            lambda: self._iteration + 1,
-            self.auto.profiles if self.auto is not None else lambda _: False,
-            BufferBroadcast.of(settings, model, self._control, lambda: self._accumulating),
+            self._progress,
+            self.auto.profiles if self.auto is not None else None,
+            BufferBroadcast.of(settings, model, self._control, self._progress),
         )
         self._hooks = [
             model.register_forward_pre_hook(self._forward.before_model),
@@ -194,31 +194,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def _k(self) -> int:
-        layout = self._pipeline.layout
-        if layout is not None:
-            return layout.k
+        if self._runtime.laid_out:
+            return self._runtime.layout.k
         k = self.settings.stale_layers
         return k if isinstance(k, int) else 0  # "auto" trains synchronously until it decides
 
     @property
     def num_layers(self) -> int:
         """m: layers (modules owning trainable parameters); exact after the first forward."""
-        if self._pipeline.layout is not None:
-            return len(self._pipeline.layout.layers)
+        if self._runtime.laid_out:
+            return len(self._runtime.layout.layers)
         assert self._recorder is not None
         return self._recorder.max_layers
 
     @property
     def layers(self) -> list[Layer]:
         """The layers in forward-execution order (available after the first forward)."""
-        if self._pipeline.layout is None:
+        if not self._runtime.laid_out:
             raise UsageError("the layer order is known only after the model's first forward")
-        return list(self._pipeline.layout.layers)
+        return list(self._runtime.layout.layers)
 
     @property
     def buckets(self) -> list[Bucket]:
         """Communication buckets in launch order (reverse forward order)."""
-        return list(self._pipeline.buckets)
+        return list(self._runtime.buckets)
 
     @property
     def communication_wait(self) -> float:
@@ -289,18 +288,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise UsageError("step(closure) is not supported; call loss.backward() before step()")
-        if self._pipeline.layout is None:
+        if not self._runtime.laid_out:
             raise UsageError("step() was called before the model's first forward and backward")
         if self._runtime.nothing_to_step():
             return
-        iteration = self._iteration + 1
+        iteration = self._progress.next_iteration
         hyperparams = [self._updater.rule.hyperparams(g) for g in self.param_groups]
-        if iteration == 1:
-            self._pipeline.layout.allocate_state(self._updater.rule)
+        if not self._updater.allocated:
+            self._runtime.allocate()
         self.tracer.record("step_start", iteration=iteration)
         self._runtime.take_gradients(iteration, grad_scaler, self, self._control)
         self._runtime.end_step(iteration, hyperparams)
-        self._iteration = iteration
+        self._progress.completed = iteration
         # What an LR scheduler built on the wrapped optimizer checks to tell that its step()
         # ran (torch.optim.lr_scheduler warns otherwise). torch has no public API for it: its
         # own wrapper of step() sets this attribute; tests/unit/test_torch_internals.py fails
@@ -333,7 +332,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Clip the gradient this step applies, all of ``p.grad`` as one vector, to ``max_norm``;
         return its total norm before clipping (FSDP's convention). Between backward and step();
         equals ``torch.nn.utils.clip_grad_norm_`` over the model's parameters (design §3.11)."""
-        self._runtime.check_exposed(self._iteration + 1, "opt.clip_grad_norm_()")
+        self._runtime.check_exposed(self._progress.next_iteration, "opt.clip_grad_norm_()")
         params = [p for group in self.param_groups for p in group["params"]]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
@@ -345,11 +344,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``for micro in batches[:-1]: with opt.no_sync(): loss(micro).backward()`` then
         ``loss(batches[-1]).backward(); opt.step()``.
         """
-        previous, self._accumulating = self._accumulating, True
+        previous, self._progress.accumulating = self._progress.accumulating, True
         try:
             yield
         finally:
-            self._accumulating = previous
+            self._progress.accumulating = previous
 
     @contextlib.contextmanager
     def real_weights(self) -> Iterator[nn.Module]:
@@ -358,11 +357,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Pending synchronous updates are applied first, so the model is exactly x_t.
         """
         self.synchronize()
-        predicted = self._runtime.swap_in_real_weights()
+        predicted = self._updater.swap_in_real_weights()
         try:
             yield self.model
         finally:
-            self._runtime.swap_back(predicted)
+            self._updater.swap_back(predicted)
 
     def close(self) -> None:
         """Finish cleanly: wait for every collective in flight (the last stale all-reduce is never
@@ -376,7 +375,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._closed = True
         try:
             # raises, after releasing everything, if a wait failed (a dead peer)
-            self._pipeline.close()
+            self._runtime.close()
         finally:
             for hook in self._hooks:
                 hook.remove()
@@ -422,7 +421,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         step counters and the scheduler's k. Save it with ``model.state_dict()``, per rank
         (see :func:`sapipe.save_checkpoint`), between ``step()`` and the next forward.
         """
-        if self._iteration == 0:
+        if self._progress.completed == 0:
             raise UsageError("nothing to checkpoint before the first step()")
         if self._pipeline.in_backward:
             raise UsageError("checkpoint between step() and the next forward, not during backward")
@@ -434,7 +433,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "rank": self._rank,
             "world_size": self._world_size,
             "settings": self._settings_fingerprint(),
-            "iteration": self._iteration,
+            "iteration": self._progress.completed,
             **auto,
             **self._runtime.checkpoint(),
             "param_groups": [
@@ -453,7 +452,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "format" not in state_dict and "param_groups" in state_dict
         ):  # a plain torch.optim state dict
             self._updater.rule = torch_state.load(
-                self.optimizer, state_dict, stepped=self._iteration > 0
+                self.optimizer, state_dict, stepped=self._progress.completed > 0
             )
             return
         state = state_dict
@@ -462,16 +461,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise UsageError(
                 "load a checkpoint between step() and the next forward, not during backward"
             )
-        if self._pipeline.layout is None:
+        if not self._runtime.laid_out:
             self._build_layout(state["order"], k=state["k"])
-        self._runtime.restore(
-            state, state_allocated=self._iteration > 0
-        )  # refuses before changing anything
+        self._runtime.restore(state)  # refuses before changing anything
         if self.auto is not None:
             self.auto.load_state_dict({"decided": state["decided"], "search": state["search"]})
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
-        self._iteration = state["iteration"]
+        self._progress.completed = state["iteration"]
 
     def torch_state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's plain ``state_dict()`` of the real weights, for it under DDP
@@ -479,7 +476,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         updates applied first; stale gradients in flight are not in it). Reverse:
         :meth:`load_state_dict`."""
         self.synchronize()
-        return torch_state.export(self.optimizer, self._updater.rule, self._pipeline.buckets)
+        fused: dict = {}
+        for bucket in self._runtime.buckets:
+            fused.update(self._updater.export_state(bucket))
+        return torch_state.export(self.optimizer, fused)
 
     def _settings_fingerprint(self) -> dict[str, str]:
         return dict(
@@ -492,7 +492,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # eagerly under torch.compile, as the other forward hooks (runtime/forward.py)
     @torch.compiler.disable
     def _after_model_forward(self, module: nn.Module, args, output) -> None:
-        if self._pipeline.layout is None:
+        if not self._runtime.laid_out:
             self._build_layout()
         self._forward.after_model()
 
@@ -518,15 +518,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.auto.start_profiling(layers)
 
     def _on_gradient(self, param: torch.Tensor) -> None:
-        if self._accumulating:
+        if self._progress.accumulating:
             return  # gradient accumulation: p.grad keeps the running sum
-        layout = self._pipeline.layout
-        if layout is None:
+        if not self._runtime.laid_out:
             raise UsageError(
                 "backward ran before the wrapped model's forward; call model(...) "
                 "(the module given to DistributedOptimizer) for the forward pass"
             )
-        iteration = self._iteration + 1
+        layout = self._runtime.layout
+        iteration = self._progress.next_iteration
         self._pipeline.take(param, iteration)
         if self._runtime.exposure is not None:
             self._runtime.exposure.arm(iteration)
@@ -536,4 +536,4 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 DistributedOptimizer.__doc__ = (DistributedOptimizer.__doc__ or "") + config.settings_help(indent=4)
 
-__all__ = ["DistributedOptimizer", "CHECKPOINT_FORMAT"]
+__all__ = ["CHECKPOINT_FORMAT", "DistributedOptimizer"]

@@ -59,7 +59,7 @@ def _bucket_row(n: int, dev) -> str:
     """The per-bucket table's row for a bucket of ``n`` float32 values."""
     import torch
 
-    from sapipe.layout.buckets import StalenessBuffer
+    from sapipe.runtime.gradients import StalenessBuffer
     from sapipe.runtime.nonfinite import NonFiniteGradients
 
     grads = StalenessBuffer(n, torch.float32, dev, 1, flags=8, verdict=True)

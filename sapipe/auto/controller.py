@@ -49,8 +49,8 @@ TRIAL_MAX_ROUNDS = 4
 
 #: The first trial, right after warm-up, leaves this many iterations unmeasured beyond the
 #: ``staleness`` every trial skips: the new layout's one-off costs (fresh buckets and state,
-#: the first stale updates) made the first measured iterations 5-15% slow on this project's
-#: CPU host, which tipped short trials towards staling more layers than needed.
+#: the first stale updates) slow its first iterations, which would tip short trials towards
+#: staling more layers than needed.
 FIRST_TRIAL_HEAD = 2
 
 
@@ -185,7 +185,7 @@ class AutoController:
         sums go node first, the probes timed the two-level sum at full precision, and only the
         bytes across nodes shrink: the model scales both levels (the profiled iterations' β
         bounds it below)."""
-        formats = [b.grads.codec.format for b in buckets]
+        formats = [self._pipeline.gradients(b).buffer.codec.format for b in buckets]
         ring = sum(
             2
             * (f.world - 1)
@@ -497,9 +497,9 @@ class AutoController:
         if saved:
             self.tuner.suggest = self._search_guide()
             self._trial_start = saved["trial_start"]
-            self._trial_times, self._trial_waits = list(saved["times"]), list(saved["waits"])
+            self._trial_times, self._trial_waits = (list(saved["times"]), list(saved["waits"]))
             self.layer_profiles = [solver.LayerProfile(**p) for p in saved["profiles"]] or None
-            self.link, self.sim_options = tuple(saved["link"]), dict(saved["sim_options"])
+            self.link, self.sim_options = (tuple(saved["link"]), dict(saved["sim_options"]))
             self.decision = solver.Decision(**saved["decision"])
             if "profile" in saved:  # absent from checkpoints written before it was kept
                 self.profile = profiler.Profile(**copy.deepcopy(saved["profile"]))
@@ -529,4 +529,4 @@ def _pair_means(values: list[float]) -> list[float]:
     return [statistics.fmean(values[i : i + 2]) for i in range(0, len(values), 2)]
 
 
-__all__ = ["AutoController", "FIRST_TRIAL_HEAD", "Runtime", "STALL_TOLERANCE", "TRIAL_MAX_ROUNDS"]
+__all__ = ["FIRST_TRIAL_HEAD", "STALL_TOLERANCE", "TRIAL_MAX_ROUNDS", "AutoController", "Runtime"]

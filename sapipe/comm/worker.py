@@ -109,8 +109,8 @@ def reduce_scatter_sum(
 ):
     """A reduce-scatter: this rank's 1/W of ``full`` summed over ``group``'s W ranks, into
     ``shard``; its work when ``async_op``. On the CPU it is an all-to-all of the W shards and
-    their sum in rank order (in ``scratch``'s buffer ``name``): Gloo's own reduce-scatter
-    took 2.8× as long for 10 MiB on 2 and 4 ranks (benchmarks/studies/reduce_scatter_cpu.py)."""
+    their sum in rank order (in ``scratch``'s buffer ``name``), faster than Gloo's own
+    reduce-scatter (benchmarks/studies/reduce_scatter_cpu.py)."""
     if full.device.type != "cpu":
         return reduce_scatter_single(
             shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op

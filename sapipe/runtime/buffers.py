@@ -21,32 +21,31 @@ broadcast.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
 
 from sapipe.config import Settings
+from sapipe.runtime.progress import Progress
 
 
 class BufferBroadcast:
     """Rank 0's buffers of ``model`` before the forwards DDP would broadcast them before.
 
-    ``accumulating()`` says whether the optimizer is inside ``no_sync()``.
+    ``progress`` says whether the loop is inside ``no_sync()``.
     """
 
-    def __init__(self, model: nn.Module, control, accumulating: Callable[[], bool]):
+    def __init__(self, model: nn.Module, control, progress: Progress):
         self._modules = list(model.modules())
         self._control = control
-        self._accumulating = accumulating
+        self._progress = progress
         self._due = True  # DDP's require_forward_param_sync starts True
 
     @classmethod
     def of(
-        cls, settings: Settings, model: nn.Module, control, accumulating: Callable[[], bool]
+        cls, settings: Settings, model: nn.Module, control, progress: Progress
     ) -> BufferBroadcast | None:
         """The broadcast ``settings.broadcast_buffers`` asks for, or None."""
-        return cls(model, control, accumulating) if settings.broadcast_buffers else None
+        return cls(model, control, progress) if settings.broadcast_buffers else None
 
     @torch.no_grad()
     def before_forward(self) -> None:
@@ -54,7 +53,7 @@ class BufferBroadcast:
             return
         buffers = self._buffers()
         if buffers:
-            with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):  # noqa: SLF001 - as DDP does
+            with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
                 self._control.broadcast(buffers, "the model's buffers")
 
     def _buffers(self) -> list[torch.Tensor]:
@@ -62,14 +61,14 @@ class BufferBroadcast:
         seen: set[int] = set()
         found = []
         for module in self._modules:
-            for buffer in module._buffers.values():  # noqa: SLF001 - what named_buffers() reads
+            for buffer in module._buffers.values():
                 if buffer is not None and id(buffer) not in seen:
                     seen.add(id(buffer))
                     found.append(buffer)
         return found
 
     def after_forward(self) -> None:
-        self._due = torch.is_grad_enabled() and not self._accumulating()
+        self._due = torch.is_grad_enabled() and not self._progress.accumulating
 
 
 __all__ = ["BufferBroadcast"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from sapipe import comm
@@ -21,9 +20,11 @@ from sapipe.layout.layers import Layer
 from sapipe.optim import compensation
 from sapipe.optim.fused import OptimizerRule
 from sapipe.runtime.exposure import GradientExposure
-from sapipe.runtime.layout import CompressedSums, Layout
+from sapipe.runtime.gradients import CompressedSums, GradientBuffers
+from sapipe.runtime.layout import Layout
 from sapipe.runtime.nonfinite import NonFiniteGradients
 from sapipe.runtime.pipeline import GradientPipeline
+from sapipe.runtime.scaling import LossScaling
 from sapipe.runtime.step_guards import require_scaler_in_step, require_shared_groups
 from sapipe.runtime.updates import Updater
 from sapipe.tracing.tracer import Tracer
@@ -69,68 +70,85 @@ class Runtime:
         self.nonfinite = NonFiniteGradients(
             settings.nonfinite_gradients, dist.get_rank(group), world_size
         )
+        chosen = compensation.resolve(settings.compensation).for_staleness(settings.staleness)
+        buffers = GradientBuffers(
+            settings.staleness,
+            keep_local=chosen.needs_local,
+            keep_prev_local=chosen.needs_prev_local,
+            compression=self.compression,
+            verdicts=self.nonfinite.verdicts,
+        )
         self.pipeline = GradientPipeline(
             settings,
             group,
             world_size,
             tracer,
+            buffers,
             before_reuse=self.apply_deferred,
             topology=self.topology,
             nonfinite=self.nonfinite if self.nonfinite.verdicts else None,
         )
-        self.updater = Updater(
-            rule,
-            compensation.resolve(settings.compensation).for_staleness(settings.staleness),
-            settings,
-            world_size,
-            self.pipeline,
-        )
+        #: the GradScaler's verdicts, agreed over the ranks
+        self.scaling = LossScaling(settings.staleness)
         self.exposure = (
             GradientExposure(
-                self.pipeline, settings.staleness, lambda: self.updater.scaling, self.apply_deferred
+                self.pipeline, settings.staleness, self.scaling, apply_pending=self.apply_deferred
             )
             if settings.expose_gradients
             else None
         )
-        if self.exposure is not None:
-            self.updater.prepared = self.exposure.prepared
+        self.updater = Updater(
+            rule, chosen, settings, world_size, self.pipeline, self.scaling, self.exposure
+        )
+        self._layout: Layout | None = None
         #: a checkpoint was restored since the last forward: that forward applies every pending
         #: update before the model runs, since it cannot know yet whether the model is compiled
         self.restored = False
 
     @property
+    def laid_out(self) -> bool:
+        """Whether the layers are known and laid out (the first forward has run)."""
+        return self._layout is not None
+
+    @property
     def layout(self) -> Layout:
-        assert self.pipeline.layout is not None, "the layout is built at the first forward"
-        return self.pipeline.layout
+        assert self._layout is not None, "the layout is built at the first forward"
+        return self._layout
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self._layout.buckets if self._layout is not None else []
 
     def lay_out(self, layers: list[Layer], k: int) -> None:
         """The first layout, once the layer order is known."""
-        s = self._settings
-        self.pipeline.layout = Layout(
-            layers,
-            k,
-            s.bucket_cap_bytes,
-            self._group_of,
-            s.staleness,
-            self.updater.compensation,
-            self.compression,
-            self.nonfinite.verdicts,
-        )
+        self._use(Layout(layers, k, self._settings.bucket_cap_bytes, self._group_of))
         self.nonfinite.start(layers[0].params[0].device)
+
+    def _use(self, layout: Layout, allocate: bool = False) -> None:
+        """``layout`` becomes the job's: each part moves its per-bucket state over to it (the
+        updater's once it exists, from the first ``step()`` on, or when ``allocate``)."""
+        self.pipeline.lay_out(layout)
+        if allocate or self.updater.allocated:
+            self.updater.lay_out(layout)
+        self._layout = layout
+
+    def allocate(self) -> None:
+        """The first ``step()``: flat weights and optimizer state for the current layout."""
+        self.updater.lay_out(self.layout)
 
     def apply_deferred(self, bucket: Bucket) -> float:
         """The bucket's pending synchronous update, if any; seconds waited for its all-reduce."""
         return self.updater.apply_deferred(bucket)
 
     def synchronize(self) -> None:
-        for bucket in self.pipeline.buckets:
+        for bucket in self.buckets:
             self.apply_deferred(bucket)
 
     def nothing_to_step(self) -> bool:
         """Whether ``step()`` has nothing to sum or apply on this rank: no backward since the
         last one, and no parameter holds a gradient (a step then starts no collective)."""
         return not self.pipeline.in_backward and all(
-            p.grad is None for b in self.pipeline.buckets for p in b.params
+            p.grad is None for b in self.buckets for p in b.params
         )
 
     def take_gradients(self, iteration: int, grad_scaler, optimizer, control) -> None:
@@ -144,16 +162,16 @@ class Runtime:
             self.pipeline.check_gradients_untouched()
             self.pipeline.flush(iteration)
             if grad_scaler is not None:
-                self.updater.agree_on_scaling(iteration, grad_scaler, optimizer, control)
+                self.scaling.agree_on_scaling(iteration, grad_scaler, optimizer, control)
         else:
             self.exposure.expose(iteration)  # done already when backward ended
             if grad_scaler is not None:
                 self.exposure.scaler = grad_scaler
-                self.updater.judge_exposed(
+                self.scaling.judge_exposed(
                     iteration, grad_scaler, optimizer, control, self.exposure.prepared
                 )
             self.exposure.collect()
-        self.nonfinite.check(iteration, grad_scaler is not None, self.updater.scaling, control)
+        self.nonfinite.check(iteration, grad_scaler is not None, self.scaling.verdicts, control)
 
     def check_exposed(self, iteration: int, what: str) -> None:
         """Raise unless ``p.grad`` holds the averaged gradients of ``iteration`` (its backward
@@ -171,11 +189,12 @@ class Runtime:
         now)."""
         pipeline_step = iteration - self.pipeline.origin
         exposure = self.exposure
-        for bucket in self.pipeline.buckets:
+        for bucket in self.buckets:
             if bucket.stale and pipeline_step >= 1:
                 self.updater.stale_update(bucket, pipeline_step, hyperparams, iteration)
+                self.pipeline.gradients(bucket).rotate_local()  # l_t read: it becomes l_{t-1}
             else:
-                bucket.pending_update = (hyperparams, iteration)
+                self.updater.defer(bucket, hyperparams, iteration)
                 if exposure is not None and not exposure.defers(bucket):
                     self.apply_deferred(bucket)
         if exposure is not None:
@@ -193,12 +212,7 @@ class Runtime:
         self.synchronize()  # every pending update uses the old layout's buffers
         if self.exposure is not None:
             self.exposure.reset()  # nothing exposed refers to the new buckets
-        previous = self.layout
-        self.pipeline.layout = previous.relaid(k)
-        self.pipeline.layout.allocate_state(self.updater.rule, previous)
-        for backend in (self.pipeline.sync_comm, self.pipeline.stale_comm):
-            if backend is not None:
-                backend.new_buffers()
+        self._use(self.layout.relaid(k))
 
     def restart(self, k: int, iteration: int, hyperparams: list[dict[str, Any]]) -> None:
         """Back to the synchronous state after ``iteration``, then the pipeline anew with k stale
@@ -209,11 +223,19 @@ class Runtime:
         warm-up, from which the pipeline starts exactly as it did then.
         """
         origin = self.pipeline.origin
-        for bucket in self.pipeline.buckets:
+        for bucket in self.buckets:
             if self.pipeline.in_pipeline(bucket, iteration):
                 self.updater.drain_stale(bucket, iteration - origin, hyperparams, origin)
         self.pipeline.origin = iteration
         self.relayout(k)
+
+    def close(self) -> None:
+        """Wait for what is in flight and release the back-ends (raising the first failure
+        after); the deferred updates are dropped with their gradients."""
+        try:
+            self.pipeline.close()
+        finally:
+            self.updater.discard_pending()
 
     def checkpoint(self) -> dict[str, Any]:
         """The runtime's part of a checkpoint: k, the pipeline's start, the layer order, every
@@ -224,20 +246,26 @@ class Runtime:
             "pipeline_origin": self.pipeline.origin,
             "order": [layer.name for layer in layers if layer.executed],
             "layers": [layer.name for layer in layers],
-            "buckets": [bucket.state_dict() for bucket in self.pipeline.buckets],
-            "scaling": dict(self.updater.scaling),
+            "buckets": [
+                {
+                    "layers": [layer.name for layer in bucket.layers],
+                    "stale": bucket.stale,
+                    **self.pipeline.gradients(bucket).state_dict(),
+                    **self.updater.state_dict(bucket),
+                }
+                for bucket in self.buckets
+            ],
+            "scaling": self.scaling.state_dict(),
         }
 
-    def restore(self, state: dict[str, Any], state_allocated: bool) -> None:
+    def restore(self, state: dict[str, Any]) -> None:
         """What :meth:`checkpoint` saved, into this layout (its layers already in the saved order).
-
-        ``state_allocated``: this job has stepped already, so its optimizer state moves over
-        before the checkpoint's overwrites it (a checkpoint may be loaded mid-training).
-        """
+        Where this job has stepped already, its optimizer state moves over before the
+        checkpoint's overwrites it (a checkpoint may be loaded mid-training)."""
         layout = self._checked_layout(state)
         self.pipeline.origin = state["pipeline_origin"]
-        self.updater.scaling = dict(state["scaling"])
-        self._restore_buckets(layout, state["buckets"], state_allocated)
+        self.scaling.load_state_dict(state["scaling"])
+        self._restore_buckets(layout, state["buckets"])
         self.nonfinite.start(layout.layers[0].params[0].device, next_check=state["iteration"] + 1)
         self.pipeline.end_iteration()
         if self.exposure is not None:
@@ -260,37 +288,17 @@ class Runtime:
                 "the checkpoint's bucket layout differs (bucket_cap_mb or model changed)"
             )
         for bucket, saved in zip(layout.buckets, state["buckets"]):
-            bucket.check_state_dict(saved, self.updater.rule.path)
+            self.updater.check_state_dict(bucket, saved)
+            self.pipeline.check_state_dict(bucket, saved)
         return layout
 
-    def _restore_buckets(
-        self, layout: Layout, saved_buckets: list[dict[str, Any]], state_allocated: bool
-    ) -> None:
-        """A checkpoint's buckets (see ``Bucket.state_dict``) into ``layout``, which becomes the
+    def _restore_buckets(self, layout: Layout, saved_buckets: list[dict[str, Any]]) -> None:
+        """A checkpoint's buckets (see :meth:`checkpoint`) into ``layout``, which becomes the
         job's."""
-        previous = self.layout if state_allocated else None
-        self.pipeline.layout = layout
-        layout.allocate_state(self.updater.rule, previous)
+        self._use(layout, allocate=True)
         for bucket, saved in zip(layout.buckets, saved_buckets):
-            bucket.load_state_dict(saved)
-
-    @torch.no_grad()
-    def swap_in_real_weights(self) -> list[tuple]:
-        """Under weight prediction, put the real weights into the model; what to swap back."""
-        predicted = [
-            (b, b.weights.clone())
-            for b in self.pipeline.buckets
-            if b.real is not None and b.real is not b.weights
-        ]
-        for bucket, _ in predicted:
-            bucket.weights.copy_(bucket.real)
-        return predicted
-
-    @staticmethod
-    @torch.no_grad()
-    def swap_back(predicted: list[tuple]) -> None:
-        for bucket, saved in predicted:
-            bucket.weights.copy_(saved)
+            self.pipeline.gradients(bucket).load_state_dict(saved)
+            self.updater.load_state_dict(bucket, saved)
 
 
 __all__ = ["Runtime"]

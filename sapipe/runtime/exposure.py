@@ -28,9 +28,10 @@ rank's local gradient in ``p.grad``; a change to it then raises at ``step()``.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -39,6 +40,9 @@ from sapipe.errors import UsageError
 from sapipe.layout.buckets import Bucket
 from sapipe.runtime import unused
 from sapipe.runtime.pipeline import GradientPipeline
+
+if TYPE_CHECKING:  # scaling imports this module
+    from sapipe.runtime.scaling import LossScaling
 
 
 @dataclass
@@ -93,12 +97,15 @@ class GradientExposure:
         self,
         pipeline: GradientPipeline,
         staleness: int,
-        scaling: Callable[[], dict[int, tuple[bool, float]]],
+        scaling: LossScaling,
         apply_pending: Callable[[Bucket], float],
     ):
         self._pipeline = pipeline
         self._scaling = scaling  # per iteration (finite, 1 / loss scale), as agreed at its step()
         self._apply_pending = apply_pending  # a bucket's deferred sync update; seconds waited
+        #: step() has run its updates since backward ended: an unsettled p.grad left is that of
+        #: a deferred sync update
+        self._stepped = False
         self._staleness = staleness
         self.scaler = None  # the GradScaler the last step() received: the current loss scale
         self.iteration: int | None = None  # whose gradients p.grad holds
@@ -146,7 +153,7 @@ class GradientExposure:
         pipeline = self._pipeline
         pipeline.flush(iteration)  # buckets with parameters backward did not reach
         self._forget()
-        scaling = self._scaling()
+        scaling = self._scaling.verdicts
         scale = (
             self.scaler.get_scale() if self.scaler is not None else None
         )  # once: a host sync on CUDA
@@ -154,7 +161,8 @@ class GradientExposure:
             slot, source = self._source(bucket, iteration)
             exposed = ExposedGradient(None)
             if source is not None:
-                exposed = ExposedGradient(bucket.grads.slots[slot])
+                buffer = pipeline.gradients(bucket).buffer
+                exposed = ExposedGradient(buffer.slots[slot])
                 exposed.arrival = partial(
                     self._arrive,
                     bucket,
@@ -163,13 +171,14 @@ class GradientExposure:
                     exposed,
                     *self._scaled(source, scaling, scale),
                 )
-                lazy = source == iteration and not bucket.grads.unused_here[slot]
+                lazy = source == iteration and not buffer.unused_here[slot]
                 if not lazy:
                     self.waited += exposed.settle()
                 self.prepared[(bucket.index, slot)] = exposed
             self._point_grads(bucket, exposed)
         self.iteration = iteration
         self.read_before_step = False
+        self._stepped = False
 
     def _source(self, bucket: Bucket, iteration: int) -> tuple[int, int | None]:
         """(the slot this step applies from, the iteration its gradient belongs to; None: no
@@ -180,7 +189,7 @@ class GradientExposure:
         t, s = iteration - pipeline.origin, self._staleness
         if t <= s:
             return 0, None  # the pipeline fills: no stale gradient yet
-        return bucket.grads.index(t - s), iteration - s
+        return pipeline.gradients(bucket).buffer.index(t - s), iteration - s
 
     def _scaled(
         self, source: int, scaling: dict[int, tuple[bool, float]], scale: float | None
@@ -210,7 +219,8 @@ class GradientExposure:
             return waited
         if factor != 1.0:
             mean.mul_(factor)
-        exposed.skip.extend(unused.unused_everywhere(bucket.grads, slot))
+        buffer = self._pipeline.gradients(bucket).buffer
+        exposed.skip.extend(unused.unused_everywhere(buffer, slot))
         return waited
 
     def _touch(self, bucket: Bucket, exposed: ExposedGradient) -> None:
@@ -218,7 +228,7 @@ class GradientExposure:
         deferred update is applied first (the read may be an edit, such as ``zero_()``)."""
         if exposed.settled:
             return
-        if bucket.pending_update is not None:
+        if self._stepped:  # its update was deferred: applied now, then the read
             self.waited += self._apply_pending(bucket)
         else:
             self.read_before_step = True
@@ -263,6 +273,7 @@ class GradientExposure:
         """After ``step()``'s updates: only the deferred ones' gradients stay prepared."""
         for key in [key for key, exposed in self.prepared.items() if exposed.settled]:
             del self.prepared[key]
+        self._stepped = True
 
     def _warn_once(self, param: torch.Tensor) -> None:
         if not self._warned:
@@ -285,4 +296,4 @@ class GradientExposure:
             )
 
 
-__all__ = ["GradientExposure", "ExposedGradient", "PendingGradient"]
+__all__ = ["ExposedGradient", "GradientExposure", "PendingGradient"]

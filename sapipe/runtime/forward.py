@@ -8,7 +8,7 @@ to arrive (docs/design.md §5). The same hooks feed the scheduler's profiler and
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from sapipe.errors import UsageError
 from sapipe.layout.layers import Layer
 from sapipe.runtime.buffers import BufferBroadcast
 from sapipe.runtime.engine import Runtime
+from sapipe.runtime.progress import Progress
 from sapipe.tracing.timeline import BackwardSpans
 from sapipe.tracing.tracer import Tracer
 
@@ -25,8 +26,9 @@ from sapipe.tracing.tracer import Tracer
 class ForwardHooks:
     """The bodies of the model- and layer-level forward hooks the optimizer registers.
 
-    ``next_iteration()`` gives the iteration the forward belongs to; ``profiling(iteration)``
-    whether the scheduler times it; ``buffers``: rank 0's buffers before a forward, or None.
+    ``progress`` gives the iteration the forward belongs to; ``profiling(iteration)`` whether
+    the scheduler times it (None: nothing profiles); ``buffers``: rank 0's buffers before a
+    forward, or None.
     """
 
     def __init__(
@@ -34,15 +36,15 @@ class ForwardHooks:
         runtime: Runtime,
         tracer: Tracer,
         spans: BackwardSpans | None,
-        next_iteration: Callable[[], int],
-        profiling: Callable[[int], bool],
+        progress: Progress,
+        profiling: Callable[[int], bool] | None,
         buffers: BufferBroadcast | None = None,
     ):
         self._runtime = runtime
         self._buffers = buffers
         self._tracer = tracer
         self._spans = spans
-        self._next_iteration = next_iteration
+        self._progress = progress
         self._profiling = profiling
         self.forward_start: float | None = None  # this iteration's first forward began
         #: some layer ran inside a torch.compile'd region, whose pre-hooks apply nothing at run time
@@ -56,16 +58,16 @@ class ForwardHooks:
     # have work at run time (before_layer).
     @torch.compiler.disable
     def before_model(self, module: nn.Module, args) -> None:
-        iteration = self._next_iteration()
+        iteration = self._progress.next_iteration
         if self.forward_start is None:
             self.forward_start = time.perf_counter()
         self._tracer.record("forward_start", iteration=iteration)
         if self._buffers is not None:
             self._buffers.before_forward()
         timer = self._runtime.pipeline.timer
-        if timer is not None and self._profiling(iteration):
+        if timer is not None and self._profiling is not None and self._profiling(iteration):
             timer.begin_iteration()
-        if self._runtime.pipeline.layout is None:
+        if not self._runtime.laid_out:
             return
         clock = self._runtime.pipeline.clock
         start = clock()
@@ -123,7 +125,7 @@ class ForwardHooks:
         def work(module: nn.Module, args) -> None:
             bucket = self._runtime.layout.bucket_of_layer.get(index)
             waited = updated = 0.0
-            if bucket is not None and bucket.pending_update is not None:
+            if bucket is not None and self._runtime.updater.pending(bucket):
                 clock = self._runtime.pipeline.clock
                 start = clock()
                 waited = self._runtime.apply_deferred(bucket)
@@ -136,7 +138,7 @@ class ForwardHooks:
                 timer.layer_forward(index, waited, updated)
             if self._tracer.enabled:
                 self._tracer.record(
-                    "layer_forward_start", layer=layer.name, iteration=self._next_iteration()
+                    "layer_forward_start", layer=layer.name, iteration=self._progress.next_iteration
                 )
 
         compiled_work = torch.compiler.disable(work)  # a graph break, run eagerly
@@ -151,7 +153,7 @@ class ForwardHooks:
     def _check_first_compiled_forward(self) -> None:
         """The first compiled forward ran after the first step: sync updates deferred to it may
         have been missed, and its result computed from weights that lack them."""
-        missed = [b for b in self._runtime.pipeline.buckets if b.pending_update is not None]
+        missed = self._runtime.updater.pending_buckets()
         if missed:
             raise UsageError(
                 f"this forward ran compiled layers (torch.compile) while {len(missed)} synchronous "
@@ -165,7 +167,7 @@ class ForwardHooks:
         @torch.compiler.disable
         def hook(module: nn.Module, args, output) -> None:
             self._tracer.record(
-                "layer_forward_end", layer=layer.name, iteration=self._next_iteration()
+                "layer_forward_end", layer=layer.name, iteration=self._progress.next_iteration
             )
 
         return hook

@@ -47,7 +47,8 @@ import torch
 from torch import Tensor
 
 from sapipe.errors import NonFiniteGradientError
-from sapipe.layout.buckets import Bucket, StalenessBuffer
+from sapipe.layout.buckets import Bucket
+from sapipe.runtime.gradients import StalenessBuffer
 
 Verdict = tuple[
     Tensor, Tensor
@@ -167,12 +168,10 @@ class NonFiniteGradients:
             return
         grads.verdicts[slot] = judge(values, grads.nonfinite[slot])
 
-    def arrived(self, bucket: Bucket, slot: int, iteration: int) -> None:
-        """The sum in ``bucket``'s ``slot``, of ``iteration``, has arrived and is consumed: its
-        count
-        added to the total of the first check every rank is sure to have consumed it by (the next,
-        unless it is of the current iteration)."""
-        grads = bucket.grads
+    def arrived(self, bucket: Bucket, grads: StalenessBuffer, slot: int, iteration: int) -> None:
+        """The sum in ``slot`` of ``bucket``'s buffers ``grads``, of ``iteration``, has arrived and
+        is consumed: its count added to the total of the first check every rank is sure to have
+        consumed it by (the next, unless it is of the current iteration)."""
         mine, grads.verdicts[slot] = grads.verdicts[slot], None
         if mine is None or not self.watching:
             return
@@ -275,4 +274,4 @@ def describe(bad: list[tuple[int, int, str, list[int]]], world: int, mode: str) 
     )
 
 
-__all__ = ["NonFiniteGradients", "Arrival", "Window", "judge", "is_bad", "describe"]
+__all__ = ["Arrival", "NonFiniteGradients", "Window", "describe", "is_bad", "judge"]

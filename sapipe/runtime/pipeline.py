@@ -11,7 +11,7 @@ back-end instances, each with process groups of its own (docs/design.md §5).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -21,6 +21,7 @@ from sapipe.config import Settings
 from sapipe.errors import UsageError
 from sapipe.layout.buckets import Bucket
 from sapipe.runtime import unused
+from sapipe.runtime.gradients import BucketGradients, GradientBuffers, move_residuals
 from sapipe.runtime.layout import Layout
 from sapipe.runtime.nonfinite import NonFiniteGradients
 from sapipe.schedule.profiler import LayerTimer
@@ -29,11 +30,9 @@ from sapipe.tracing.tracer import Tracer
 #: Mean elements per parameter from which backward writes a kept local gradient into both
 #: ``bucket.local`` and the communication slot (a second copy per parameter, its source still in
 #: cache) rather than copying the flat ``local`` into the slot at launch (one call, one more read
-#: of the bucket). Measured on this project's CPU models: a torch copy call costs ~4 µs, the
-#: read it saves ~0.12 ns per float32 element, so the second copy pays from ~32K elements on.
-#: On CUDA it never pays: each copy is a kernel launch, and the flat copy's extra read runs at
-#: device bandwidth (ResNet-50 on an H100, wp1 at k = m: +8.8% / +6.3% per step with the
-#: per-parameter copies, +0.1% / -6.3% with the flat one; benchmarks/RESULTS.md).
+#: of the bucket). On the CPU the second copy pays once the read it saves costs more than a
+#: copy call's fixed cost, from about 32K elements. On CUDA it never pays: each copy is a
+#: kernel launch, and the flat copy's extra read runs at device bandwidth.
 MIRROR_LOCAL_MIN_MEAN_NUMEL = 32768
 
 
@@ -47,8 +46,10 @@ def mirrors_local(bucket: Bucket) -> bool:
 class GradientPipeline:
     """Backward's gradients in, all-reduces out, and the waits for them counted.
 
-    ``before_reuse(bucket)`` is called when a bucket's first gradient of an iteration arrives
-    while the bucket still has a deferred update pending (its buffer is about to be reused).
+    Each bucket's gradient side (:class:`sapipe.runtime.gradients.BucketGradients`, made as
+    ``buffers`` says) is this object's alone: :meth:`lay_out` builds it for a layout.
+    ``before_reuse(bucket)`` is called as a bucket's first gradient of an iteration arrives,
+    before its slot is written: a deferred update still reading the slot is applied then.
     ``nonfinite`` judges each gradient as it is launched and counts the non-finite ones as their
     sums are consumed (:mod:`sapipe.runtime.nonfinite`).
     """
@@ -59,19 +60,22 @@ class GradientPipeline:
         group,
         world_size: int,
         tracer: Tracer,
-        before_reuse: Callable[[Bucket], None],
+        buffers: GradientBuffers,
+        before_reuse: Callable[[Bucket], object],
         topology: Topology | None = None,
         nonfinite: NonFiniteGradients | None = None,
     ):
         self._world_size = world_size
         self._tracer = tracer
+        self._buffers = buffers
         self._before_reuse = before_reuse
         self._nonfinite = nonfinite
         self._topology = topology  # hierarchical sums over these nodes (None: flat)
         self.sync_comm = self._new_comm(settings, group, "sync")
         needs_stale = settings.auto or settings.stale_layers > 0
         self.stale_comm = self._new_comm(settings, group, "stale") if needs_stale else None
-        self.layout: Layout | None = None
+        self.layout: Layout | None = None  # the current one (lay_out)
+        self._gradients: list[BucketGradients] = []  # per bucket of the layout
         self.origin = settings.effective_warmup  # the pipeline starts after this iteration
         self.timer: LayerTimer | None = None  # the scheduler's profiler, while it profiles
         self.waited = 0.0  # seconds this iteration waited for all-reduces so far
@@ -101,10 +105,32 @@ class GradientPipeline:
     def buckets(self) -> list[Bucket]:
         return self.layout.buckets if self.layout is not None else []
 
+    def lay_out(self, layout: Layout) -> None:
+        """Gradient buffers for ``layout``'s buckets, which become the ones backward fills;
+        error-feedback residuals move over from the previous layout's (nothing may be in
+        flight)."""
+        gradients = [self._buffers.build(bucket) for bucket in layout.buckets]
+        if self._gradients and self._buffers.compression is not None:
+            move_residuals(self._gradients, gradients)
+        self.layout, self._gradients = layout, gradients
+        for backend in (self.sync_comm, self.stale_comm):
+            if backend is not None:
+                backend.new_buffers()
+
+    def check_state_dict(self, bucket: Bucket, state: dict) -> None:
+        """Raise, naming why, where a checkpoint's ``state`` of a bucket of the same layers
+        cannot be restored into ``bucket`` laid out anew (residuals of another compression)."""
+        if self._buffers.compression is not None and state.get("codec") is not None:
+            self._buffers.build(bucket).check_state_dict(state)
+
+    def gradients(self, bucket: Bucket) -> BucketGradients:
+        """``bucket``'s gradient side (a bucket of the current layout)."""
+        return self._gradients[bucket.index]
+
     @property
     def in_backward(self) -> bool:
         """Some gradient of the current iteration has arrived (backward has begun)."""
-        return any(b.num_ready for b in self.buckets)
+        return any(g.num_ready for g in self._gradients)
 
     def in_pipeline(self, bucket: Bucket, iteration: int) -> bool:
         """Whether ``bucket``'s gradient of ``iteration`` is stale (consumed ``staleness``
@@ -114,48 +140,48 @@ class GradientPipeline:
     def slot(self, bucket: Bucket, iteration: int) -> int:
         if not self.in_pipeline(bucket, iteration):
             return 0
-        assert bucket.grads is not None
-        return bucket.grads.index(iteration - self.origin)
+        return self._gradients[bucket.index].buffer.index(iteration - self.origin)
 
-    def gradient_targets(self, bucket: Bucket, iteration: int) -> list[torch.Tensor]:
-        """Where backward's gradient of ``bucket`` goes: its communication slot, or, when this
-        rank's own l_t is kept (wp1, wp3), ``bucket.local`` — and then also the slot if the
-        bucket's parameters are large on average (:func:`mirrors_local`); else :meth:`_launch`
-        copies the whole flat ``local`` into the slot in one call."""
-        assert bucket.grads is not None
-        slot = bucket.grads.slots[self.slot(bucket, iteration)]
-        if self._keeps_local(bucket, iteration):
-            return [bucket.local, slot] if mirrors_local(bucket) else [bucket.local]
+    def gradient_targets(self, gradients: BucketGradients, iteration: int) -> list[torch.Tensor]:
+        """Where backward's gradient of a bucket goes: its communication slot, or, when this
+        rank's own l_t is kept (wp1, wp3), ``local`` — and then also the slot if the bucket's
+        parameters are large on average (:func:`mirrors_local`); else :meth:`_launch` copies
+        the whole flat ``local`` into the slot in one call."""
+        bucket = gradients.bucket
+        slot = gradients.buffer.slots[self.slot(bucket, iteration)]
+        if self._keeps_local(gradients, iteration):
+            return [gradients.local, slot] if mirrors_local(bucket) else [gradients.local]
         return [slot]
 
-    def _keeps_local(self, bucket: Bucket, iteration: int) -> bool:
-        """Whether this rank's own l_t of ``bucket`` is kept at full precision (wp1, wp3)."""
-        return self.in_pipeline(bucket, iteration) and bucket.local is not None
+    def _keeps_local(self, gradients: BucketGradients, iteration: int) -> bool:
+        """Whether this rank's own l_t of a bucket is kept at full precision (wp1, wp3)."""
+        return gradients.local is not None and self.in_pipeline(gradients.bucket, iteration)
 
-    def encodes_on_intake(self, bucket: Bucket, iteration: int) -> bool:
-        """Whether backward writes ``bucket``'s gradients straight into its outgoing compressed
+    def encodes_on_intake(self, gradients: BucketGradients, iteration: int) -> bool:
+        """Whether backward writes a bucket's gradients straight into its outgoing compressed
         messages (the codec's ``encodes_on_intake``: fp16/bf16 without error feedback), so that
         stage 1 has no encode left. Where l_t is kept (wp1, wp3), only if backward writes it to
         the slot as well anyway (:func:`mirrors_local`): the messages take the slot's place.
         Else l_t goes to ``local`` alone, and the launch copies it to the slot to be encoded."""
-        codec = bucket.grads.codec if bucket.grads is not None else None
+        codec = gradients.buffer.codec
         return (
             codec is not None
             and codec.encodes_on_intake
-            and (not self._keeps_local(bucket, iteration) or mirrors_local(bucket))
+            and (not self._keeps_local(gradients, iteration) or mirrors_local(gradients.bucket))
         )
 
-    def intake_views(self, bucket: Bucket, iteration: int) -> list[list[object]]:
-        """Per target of backward's gradients of ``bucket``, each parameter's place there (a
+    def intake_views(self, gradients: BucketGradients, iteration: int) -> list[list[object]]:
+        """Per target of backward's gradients of a bucket, each parameter's place there (a
         view shaped like it, or its pieces across messages): the flat buffers of
         :meth:`gradient_targets`, or the outgoing messages (:meth:`encodes_on_intake`), after
         ``local`` where l_t is kept."""
-        if not self.encodes_on_intake(bucket, iteration):
-            return [bucket.param_views(t) for t in self.gradient_targets(bucket, iteration)]
-        messages = bucket.message_views(self.slot(bucket, iteration))
+        bucket = gradients.bucket
+        if not self.encodes_on_intake(gradients, iteration):
+            return [bucket.param_views(t) for t in self.gradient_targets(gradients, iteration)]
+        messages = gradients.message_views(self.slot(bucket, iteration))
         return (
-            [bucket.param_views(bucket.local), messages]
-            if self._keeps_local(bucket, iteration)
+            [bucket.param_views(gradients.local), messages]
+            if self._keeps_local(gradients, iteration)
             else [messages]
         )
 
@@ -166,65 +192,65 @@ class GradientPipeline:
                 return self.take(param, iteration)
         assert self.layout is not None
         bucket, i = self.layout.slot_of[id(param)]
-        if bucket.ready[i]:
+        gradients = self._gradients[bucket.index]
+        if gradients.ready[i]:
             raise UsageError(
                 "a parameter received a second gradient before step(). For gradient "
                 "accumulation, run every backward but the last inside `with opt.no_sync():`"
             )
-        if bucket.num_ready == 0:  # the bucket's first gradient of this iteration
-            if bucket.pending_update is not None:
-                self._before_reuse(bucket)
-            bucket.intake = self.intake_views(bucket, iteration)
+        if gradients.num_ready == 0:  # the bucket's first gradient of this iteration
+            self._before_reuse(bucket)
+            gradients.intake = self.intake_views(gradients, iteration)
         grad = param.grad
-        for views in bucket.intake:  # the 2nd read hits cache
+        for views in gradients.intake:  # the 2nd read hits cache
             views[i].copy_(grad)
-        bucket.ready[i] = True
-        bucket.num_ready += 1
+        gradients.ready[i] = True
+        gradients.num_ready += 1
         if self._keeps_taken:
             # a tensor's version counter, bumped by every in-place op: how autograd itself tells a
             # tensor changed; torch has no public equivalent (tests/unit/test_torch_internals.py)
             self._taken.append((param, grad, grad._version))
         if self.timer is not None:
             self.timer.gradient_released(self.layout.layer_of[id(param)])
-        if bucket.num_ready == len(bucket.params):
+        if gradients.num_ready == len(bucket.params):
             self._launch_ready(iteration)
 
     def _launch_ready(self, iteration: int) -> None:
         """Start the complete buckets, strictly in index order."""
-        buckets = self.buckets
-        while self._next_launch < len(buckets):
-            bucket = buckets[self._next_launch]
-            if bucket.num_ready < len(bucket.params):
+        all_gradients = self._gradients
+        while self._next_launch < len(all_gradients):
+            gradients = all_gradients[self._next_launch]
+            if gradients.num_ready < len(gradients.bucket.params):
                 return
-            self._launch(bucket, iteration)
+            self._launch(gradients, iteration)
             self._next_launch += 1
 
-    def _launch(self, bucket: Bucket, iteration: int) -> None:
-        assert bucket.grads is not None
+    def _launch(self, gradients: BucketGradients, iteration: int) -> None:
+        bucket, buffers = gradients.bucket, gradients.buffer
         slot = self.slot(bucket, iteration)
-        buffer = bucket.grads.slots[slot]
+        buffer = buffers.slots[slot]
         pipelined = self.in_pipeline(bucket, iteration)
-        if pipelined and bucket.local is not None and not mirrors_local(bucket):
-            buffer.copy_(bucket.local)  # backward wrote l_t into local only
+        if pipelined and gradients.local is not None and not mirrors_local(bucket):
+            buffer.copy_(gradients.local)  # backward wrote l_t into local only
         backend = self.stale_comm if pipelined else self.sync_comm
         assert backend is not None
-        missing = bucket.grads.unused_here[slot] = self._missing.pop(bucket.index, [])
-        unused.write_flags(bucket.grads.flags[slot], missing)  # they travel behind the gradient
-        codec = bucket.grads.codec
-        encoded = codec is not None and self.encodes_on_intake(bucket, iteration)
+        missing = buffers.unused_here[slot] = self._missing.pop(bucket.index, [])
+        unused.write_flags(buffers.flags[slot], missing)  # they travel behind the gradient
+        codec = buffers.codec
+        encoded = codec is not None and self.encodes_on_intake(gradients, iteration)
         if self._nonfinite is not None:  # so does this rank's verdict on what it sends
             self._nonfinite.launched(
-                bucket.grads, slot, codec.intake_values(slot) if encoded else [buffer]
+                buffers, slot, codec.intake_values(slot) if encoded else [buffer]
             )
         # Priority: the forward index of the bucket's first layer (needed soonest when lowest).
-        what, priority = f"{bucket.describe()} of iteration {iteration}", bucket.first_layer
+        what, priority = (f"{bucket.describe()} of iteration {iteration}", bucket.first_layer)
         # the gradient's values arrive as their mean, the flags behind them as their sum
         options = {} if codec is None else {"codec": codec.at(slot, encoded=encoded)}
-        bucket.grads.in_flight[slot] = backend.start(
-            bucket.grads.wire[slot], what, priority=priority, values=bucket.numel, **options
+        buffers.in_flight[slot] = backend.start(
+            buffers.wire[slot], what, priority=priority, values=bucket.numel, **options
         )
         if self.timer is not None:
-            self.timer.comm_started(bucket.index, bucket.nbytes, bucket.grads.in_flight[slot])
+            self.timer.comm_started(bucket.index, bucket.nbytes, buffers.in_flight[slot])
 
     @torch.no_grad()
     def flush(self, iteration: int) -> None:
@@ -236,12 +262,13 @@ class GradientPipeline:
         §3.9). Starting them here, in index order, keeps the collective sequence identical on
         every rank.
         """
-        for bucket in self.buckets[self._next_launch :]:
-            if bucket.num_ready == 0 and bucket.pending_update is not None:
+        for gradients in self._gradients[self._next_launch :]:
+            bucket = gradients.bucket
+            if gradients.num_ready == 0:
                 self._before_reuse(bucket)
-            targets = self.intake_views(bucket, iteration)
+            targets = self.intake_views(gradients, iteration)
             for i, p in enumerate(bucket.params):
-                if not bucket.ready[i]:
+                if not gradients.ready[i]:
                     if p.grad is None:
                         self._missing.setdefault(bucket.index, []).append(i)
                     for views in targets:
@@ -249,15 +276,14 @@ class GradientPipeline:
                             views[i].zero_()
                         else:
                             views[i].copy_(p.grad)
-                    bucket.ready[i] = True
-            bucket.num_ready = len(bucket.params)
+                    gradients.ready[i] = True
+            gradients.num_ready = len(bucket.params)
         self._launch_ready(iteration)
 
     def end_iteration(self) -> None:
         """Every bucket empty again, for the next backward."""
-        for bucket in self.buckets:
-            bucket.ready = [False] * len(bucket.params)
-            bucket.num_ready = 0
+        for gradients in self._gradients:
+            gradients.clear()
         self._next_launch = 0
         self._missing.clear()
         self.waited = 0.0
@@ -287,16 +313,16 @@ class GradientPipeline:
     def take_mean(self, bucket: Bucket, slot: int, iteration: int) -> tuple[torch.Tensor, float]:
         """(the gradient of ``iteration`` in ``bucket``'s ``slot`` averaged over the ranks, seconds
         blocked on it); the slot is free after, its flags still counts of ranks."""
-        assert bucket.grads is not None
-        handle, bucket.grads.in_flight[slot] = bucket.grads.in_flight[slot], None
+        buffer = self._gradients[bucket.index].buffer
+        handle, buffer.in_flight[slot] = buffer.in_flight[slot], None
         start = self.clock()
         handle.wait()  # averaged in place (the back-end contract), the flags behind it summed
-        mean = bucket.grads.slots[slot]
+        mean = buffer.slots[slot]
         waited = self.clock() - start
         self.waited += waited
         self.waited_total += waited
         if self._nonfinite is not None:
-            self._nonfinite.arrived(bucket, slot, iteration)  # how many ranks sent NaN or inf
+            self._nonfinite.arrived(bucket, buffer, slot, iteration)  # ranks that sent NaN/inf
         return mean, waited
 
     def clock(self) -> float:
@@ -308,11 +334,10 @@ class GradientPipeline:
     def wait_for_communication(self) -> None:
         """Block until every all-reduce in flight has arrived (each stays pending for its
         consumer)."""
-        for bucket in self.buckets:
-            if bucket.grads is not None:
-                for handle in bucket.grads.in_flight:
-                    if handle is not None:
-                        handle.wait()
+        for gradients in self._gradients:
+            for handle in gradients.buffer.in_flight:
+                if handle is not None:
+                    handle.wait()
 
     def close(self) -> None:
         """Wait for what is in flight (the last stale all-reduces are never consumed), then
@@ -320,16 +345,15 @@ class GradientPipeline:
         bounded by the groups' timeout) abandons that result but not the rest: everything is
         waited for and released, then the first failure is raised."""
         failure: Exception | None = None
-        for bucket in self.buckets:
-            if bucket.grads is not None:
-                for i, handle in enumerate(bucket.grads.in_flight):
-                    bucket.grads.in_flight[i] = None
-                    try:
-                        if handle is not None:
-                            handle.wait()
-                    except Exception as exc:  # noqa: BLE001 - raised below, after the release
-                        failure = failure or exc
-            bucket.pending_update = None
+        for gradients in self._gradients:
+            in_flight = gradients.buffer.in_flight
+            for i, handle in enumerate(in_flight):
+                in_flight[i] = None
+                try:
+                    if handle is not None:
+                        handle.wait()
+                except Exception as exc:  # noqa: BLE001 - raised below, after the release
+                    failure = failure or exc
         for backend in (self.sync_comm, self.stale_comm):
             if backend is not None:
                 backend.close()
@@ -337,4 +361,4 @@ class GradientPipeline:
             raise failure
 
 
-__all__ = ["GradientPipeline", "MIRROR_LOCAL_MIN_MEAN_NUMEL", "mirrors_local"]
+__all__ = ["MIRROR_LOCAL_MIN_MEAN_NUMEL", "GradientPipeline", "mirrors_local"]

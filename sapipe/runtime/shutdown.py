@@ -15,7 +15,7 @@ the process aborts. A group outlives the job's ``dist.destroy_process_group()`` 
 something holds it: a ``DistributedDataParallel`` wrapper (its reducer holds its group), a
 script's own reference, an optimizer that was not closed. A job with no sapipe in it aborts
 the same way (a DDP model kept in a global, a last ``dist.all_reduce`` of a fresh scalar, a
-starved worker: 8 of 10 runs in ``benchmarks/exit_stress.py``'s set-up).
+starved worker; ``benchmarks/exit_stress.py --no-exit-guard`` shows it).
 
 Two ``atexit`` handlers, both run before finalisation, close that window:
 

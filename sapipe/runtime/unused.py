@@ -25,10 +25,16 @@ that share their counters (:func:`pieces`).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from sapipe.layout.buckets import Bucket, Segment, StalenessBuffer
+from sapipe.layout.buckets import Bucket, Segment
+from sapipe.optim.fused import SegmentState
+from sapipe.runtime.gradients import StalenessBuffer
+
+if TYPE_CHECKING:  # updates imports this module
+    from sapipe.runtime.updates import BucketWeights
 
 
 def write_flags(flags: Tensor, missing: Sequence[int]) -> None:
@@ -53,21 +59,20 @@ def skipped_ranges(bucket: Bucket, skip: Sequence[int]) -> list[tuple[int, int]]
     return [(bucket.offsets[i], bucket.offsets[i] + bucket.params[i].numel()) for i in skip]
 
 
-def pieces(bucket: Bucket, skip: Sequence[int] = ()) -> Iterator[Segment]:
-    """What to update in ``bucket``, as segments: its own segments when no parameter is skipped
-    and every parameter of a segment is at the same step (always, unless some parameter was
-    skipped before); else runs of used parameters that share their counters, each with a state
-    whose buffers are views of the segment's. Each run's counters are taken back into the
-    segment once the caller has updated it (iterate to the end)."""
-    if not skip and not any(
-        s.state is not None and s.state.param_counters for s in bucket.segments
-    ):
-        yield from bucket.segments
+def pieces(
+    weights: BucketWeights, skip: Sequence[int] = ()
+) -> Iterator[tuple[Segment, SegmentState]]:
+    """What to update in a bucket, as (segment, its optimizer state): its own segments when no
+    parameter is skipped and every parameter of a segment is at the same step (always, unless
+    some parameter was skipped before); else runs of used parameters that share their counters,
+    each with a state whose buffers are views of the segment's. Each run's counters are taken
+    back into the segment once the caller has updated it (iterate to the end)."""
+    bucket = weights.bucket
+    if not skip and not any(state.param_counters for state in weights.states):
+        yield from weights.segments()
         return
     skipped = set(skip)
-    for segment in bucket.segments:
-        state = segment.state
-        assert state is not None
+    for segment, state in weights.segments():
         members = [
             (i, off - segment.start)
             for i, off in enumerate(bucket.offsets)
@@ -88,10 +93,10 @@ def pieces(bucket: Bucket, skip: Sequence[int] = ()) -> Iterator[Segment]:
             lo = run[0][1]
             hi = lo + sum(lengths)
             part = state.part(lo, hi, (steps, started))
-            yield Segment(segment.group, segment.start + lo, segment.start + hi, lengths, part)
+            yield (Segment(segment.group, segment.start + lo, segment.start + hi, lengths), part)
             for _, rel in run:
                 counters[rel] = (part.steps, part.momentum_started)
         state.settle(counters)
 
 
-__all__ = ["write_flags", "unused_everywhere", "skipped_ranges", "pieces"]
+__all__ = ["pieces", "skipped_ranges", "unused_everywhere", "write_flags"]

@@ -5,9 +5,9 @@
   again (or at ``synchronize()``), so its all-reduce overlaps the rest of backward.
 * A **stale** bucket is updated at ``step()`` of pipeline step t with the averaged gradient
   of t − s, compensated (``dc``) or followed by a weight prediction (``wp1``–``wp3``).
-* With a GradScaler, whether an iteration's gradients are finite is agreed over all ranks;
-  each gradient is unscaled with its own iteration's scale wherever it is consumed, and
-  dropped there if it was not finite (docs/design.md §3).
+* With a GradScaler (sapipe.runtime.scaling), each gradient is unscaled with its own
+  iteration's scale wherever it is consumed, and dropped there if it was not finite
+  (docs/design.md §3).
 """
 
 from __future__ import annotations
@@ -15,21 +15,88 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from sapipe.config import Settings
+from sapipe.errors import ConfigurationError, UnsupportedOptimizerError
 from sapipe.kernels.gradient_spec import GradientSpec
-from sapipe.layout.buckets import Bucket, WeightHistory
+from sapipe.layout.buckets import Bucket, Segment
 from sapipe.optim.compensation import Compensation, StaleStep
-from sapipe.optim.fused import OptimizerRule
+from sapipe.optim.fused import OptimizerRule, SegmentState
 from sapipe.runtime import unused
-from sapipe.runtime.exposure import ExposedGradient
+from sapipe.runtime.exposure import GradientExposure
+from sapipe.runtime.layout import Layout
 from sapipe.runtime.pipeline import GradientPipeline
+from sapipe.runtime.scaling import LossScaling
 
 Hyperparams = list[dict[str, Any]]  # one dict per param group, as the rule reads them
 
 
+class WeightHistory:
+    """The last ``length`` real weights of a bucket, as a ring (for DC's Δx = x_{t-1} − x_{t-1-s}).
+
+    The update kernel that reads the oldest slot (as DC's ``delta_ref``) also writes x_t into
+    it, in the same pass (``hist=``); :meth:`advance` then makes it the newest. Only a step
+    without an update copies (:meth:`push`).
+    """
+
+    def __init__(self, weights: Tensor, length: int):
+        self._ring = [weights.clone() for _ in range(length)]
+        self._oldest = 0
+
+    def state_dict(self) -> dict:
+        return {"ring": [w.clone() for w in self._ring], "oldest": self._oldest}
+
+    def load_state_dict(self, state: dict) -> None:
+        for mine, saved in zip(self._ring, state["ring"]):
+            mine.copy_(saved)
+        self._oldest = state["oldest"]
+
+    def oldest(self) -> Tensor:
+        return self._ring[self._oldest]
+
+    def push(self, weights: Tensor) -> None:
+        """``weights`` joins as the newest; the oldest is dropped."""
+        self._ring[self._oldest].copy_(weights)
+        self.advance()
+
+    def advance(self) -> None:
+        """The oldest slot already holds the newest weights (written by the update kernel)."""
+        self._oldest = (self._oldest + 1) % len(self._ring)
+
+
+class BucketWeights:
+    """One bucket's update side, written only by :class:`Updater`: the flat buffer the model's
+    parameters are views of (``weights``: x, or x̃ under weight prediction), the real weights
+    (``real``: the same tensor unless a compensation predicts), the weight history (DC, wp3),
+    the optimizer state of each segment, and the deferred sync update, if one is pending
+    (its step's hyper-parameters and iteration)."""
+
+    def __init__(self, bucket: Bucket, weights: Tensor, states: list[SegmentState]):
+        self.bucket = bucket
+        self.weights = weights
+        self.real = weights
+        self.history: WeightHistory | None = None
+        self.states = states  # per segment of the bucket
+        self.pending: tuple[Hyperparams, int] | None = None
+
+    def segments(self) -> list[tuple[Segment, SegmentState]]:
+        return list(zip(self.bucket.segments, self.states))
+
+    @property
+    def predicted(self) -> bool:
+        """Whether the model holds predicted weights (x̃ ≠ x's tensor)."""
+        return self.real is not self.weights
+
+
 class Updater:
-    """Applies every update of the runtime, with the optimizer's own rule and state."""
+    """Applies every update of the runtime, with the optimizer's own rule and state.
+
+    It owns each bucket's update side (:class:`BucketWeights`, built by :meth:`lay_out`). It
+    reads the averaged gradients from the ``pipeline``, or, with ``p.grad`` exposed, as the
+    ``exposure`` prepared them, and unscales them with the GradScaler's verdicts
+    (``scaling``).
+    """
 
     def __init__(
         self,
@@ -38,88 +105,150 @@ class Updater:
         settings: Settings,
         world_size: int,
         pipeline: GradientPipeline,
+        scaling: LossScaling,
+        exposure: GradientExposure | None,
     ):
         self.rule = rule
         self.compensation = compensation
         self._settings = settings
         self._world_size = world_size
         self._pipeline = pipeline
-        #: iteration -> (gradients finite on every rank, 1 / loss scale); only with a GradScaler
-        self.scaling: dict[int, tuple[bool, float]] = {}
-        #: with ``p.grad`` exposed: this step's gradients as exposed, by (bucket index, slot)
-        self.prepared: dict[tuple[int, int], ExposedGradient] | None = None
+        self._exposure = exposure
+        self._weights: list[BucketWeights] = []  # per bucket of the layout (empty: none yet)
+        self._scaling = scaling
 
-    # ------------------------------------------------------------------ GradScaler
+    # ------------------------------------------------------------------ per-bucket state
 
-    def agree_on_scaling(self, iteration: int, grad_scaler, optimizer, control) -> None:
-        """Decide over all ranks whether ``iteration``'s gradients are finite; tell the scaler.
+    @property
+    def allocated(self) -> bool:
+        """Whether the weights are flat and the optimizer state made (the first ``step()``)."""
+        return bool(self._weights)
 
-        The scaler's private per-device check is the one it uses itself for optimizers that
-        handle scaling: it records whether this rank's ``p.grad`` holds inf/NaN. No public API
-        serves: ``GradScaler.step`` hands an optimizer with ``_step_supports_amp_scaling`` the
-        decision to make, and the verdict must land in the scaler's own per-optimizer state
-        for ``update()`` to read it. tests/unit/test_torch_internals.py fails if torch changes it.
-        """
-        self._agree(iteration, grad_scaler, grad_scaler._check_inf_per_device(optimizer), control)  # noqa: SLF001
+    def weights(self, bucket: Bucket) -> BucketWeights:
+        """``bucket``'s update side (a bucket of the current layout, once :attr:`allocated`)."""
+        return self._weights[bucket.index]
 
-    def _agree(self, iteration: int, grad_scaler, found: dict[Any, torch.Tensor], control) -> bool:
-        """Whether the gradients are finite on every rank (``found``: this rank's inf flags per
-        device, overwritten with the verdict so every rank's scale evolves alike); recorded."""
-        local = max((float(t.item()) for t in found.values()), default=0.0)
-        (flag,) = control.agree_on_max([local], "non-finite gradients")
-        for tensor in found.values():
-            tensor.fill_(flag)  # scaler.update() backs off on every rank or on none
-        self.scaling[iteration] = (flag == 0.0, 1.0 / grad_scaler.get_scale())
-        self.scaling.pop(iteration - self._settings.staleness - 2, None)
-        return flag == 0.0
+    @torch.no_grad()
+    def lay_out(self, layout: Layout) -> None:
+        """Flatten ``layout``'s weights (parameters become views of each bucket's buffer) and
+        make its optimizer state; every parameter's state moves over from the previous
+        layout's, if there was one. The previous layout's deferred updates are dropped: a
+        relayout applies them first, a restore replaces them with the checkpoint's."""
+        moved = _state_places(self._weights)
+        self._weights = []
+        for bucket in layout.buckets:
+            flat = bucket.flatten_weights()
+            states = []
+            for segment in bucket.segments:
+                params = bucket.segment_params(segment)
+                state = self.rule.new_state(segment.of(flat), params)
+                for p, offset in params:
+                    if id(p) in moved:
+                        old, old_offset = moved[id(p)]
+                        state.move_from(old, old_offset, offset, p.numel())
+                states.append(state)
+            self._weights.append(BucketWeights(bucket, flat, states))
 
-    def judge_exposed(
-        self,
-        iteration: int,
-        grad_scaler,
-        optimizer,
-        control,
-        prepared: dict[tuple[int, int], ExposedGradient],
-    ) -> None:
-        """With ``p.grad`` exposed (docs/design.md §3.11): the step is skipped when the gradient it
-        applies is not finite, as GradScaler decides for any optimizer. ``p.grad`` is unscaled
-        here unless the script did it (``scaler.unscale_(opt)``, e.g. before clipping)."""
-        # the scaler's record of this optimizer (its unscale stage, its inf flags per device):
-        # private, the state GradScaler.update() reads; no public API exposes it
-        # (tests/unit/test_torch_internals.py)
-        per_optimizer = grad_scaler._per_optimizer_states[id(optimizer)]  # noqa: SLF001
-        if per_optimizer["stage"].name == "READY":
-            grad_scaler.unscale_(optimizer)
-        found = per_optimizer["found_inf_per_device"]
-        if not found:  # no p.grad at all this step (every layer stale while the pipeline fills)
-            device = optimizer.param_groups[0]["params"][0].device
-            found[device] = torch.zeros((), dtype=torch.float32, device=device)
-        if not self._agree(iteration, grad_scaler, found, control):
-            for exposed in prepared.values():
-                exposed.grad = None  # nothing of this step is applied
+    def defer(self, bucket: Bucket, hyperparams: Hyperparams, iteration: int) -> None:
+        """Record ``bucket``'s sync update of ``iteration``, to apply before it is next needed."""
+        self._weights[bucket.index].pending = (hyperparams, iteration)
+
+    def pending(self, bucket: Bucket) -> bool:
+        """Whether ``bucket`` has a deferred sync update not yet applied."""
+        return bool(self._weights) and self._weights[bucket.index].pending is not None
+
+    def pending_buckets(self) -> list[Bucket]:
+        return [w.bucket for w in self._weights if w.pending is not None]
+
+    def discard_pending(self) -> None:
+        """Forget the deferred updates (the job is closing: their gradients are abandoned)."""
+        for weights in self._weights:
+            weights.pending = None
+
+    @torch.no_grad()
+    def swap_in_real_weights(self) -> list[tuple[BucketWeights, Tensor]]:
+        """Under weight prediction, put the real weights into the model; what to swap back."""
+        predicted = [(w, w.weights.clone()) for w in self._weights if w.predicted]
+        for weights, _ in predicted:
+            weights.weights.copy_(weights.real)
+        return predicted
+
+    @staticmethod
+    @torch.no_grad()
+    def swap_back(predicted: list[tuple[BucketWeights, Tensor]]) -> None:
+        for weights, saved in predicted:
+            weights.weights.copy_(saved)
+
+    def state_dict(self, bucket: Bucket) -> dict:
+        """``bucket``'s update side, for a checkpoint."""
+        w = self._weights[bucket.index]
+        return {
+            "segments": [state.state_dict() for state in w.states],
+            "segment_bounds": [[seg.start, seg.end] for seg in bucket.segments],
+            "real": w.real.clone() if w.predicted else None,
+            "history": None if w.history is None else w.history.state_dict(),
+            "pending_update": w.pending,
+        }
+
+    def check_state_dict(self, bucket: Bucket, state: dict) -> None:
+        """Raise, naming why, where a checkpoint's ``state`` of a bucket of the same layers
+        cannot be restored into ``bucket``: other param groups, state kept by the other
+        update path."""
+        bounds = [[seg.start, seg.end] for seg in bucket.segments]
+        saved_bounds = state.get("segment_bounds")  # older checkpoints lack it
+        if len(state["segments"]) != len(bounds) or (
+            saved_bounds is not None and [list(b) for b in saved_bounds] != bounds
+        ):
+            raise ConfigurationError(
+                f"the checkpoint's {bucket.describe()} splits into other param groups "
+                "than this job's (the optimizer's param groups changed)"
+            )
+        path = self.rule.path
+        for saved in state["segments"]:
+            if ("buffers" in saved) != (path == "fused"):
+                kept = "fused" if "buffers" in saved else "generic"
+                raise UnsupportedOptimizerError(
+                    f"the checkpoint's optimizer state was kept by the {kept} "
+                    f"update path; this job takes the {path} one"
+                )
+
+    def load_state_dict(self, bucket: Bucket, state: dict) -> None:
+        w = self._weights[bucket.index]
+        for mine, saved in zip(w.states, state["segments"]):
+            mine.load_state_dict(saved)
+        if state["real"] is not None:
+            w.real = state["real"].clone()
+        if state["history"] is not None:
+            w.history = WeightHistory(w.real, len(state["history"]["ring"]))
+            w.history.load_state_dict(state["history"])
+        w.pending = state["pending_update"]
+
+    def export_state(self, bucket: Bucket) -> dict:
+        """``bucket``'s optimizer state per parameter, as ``torch.optim`` keeps it."""
+        table: dict = {}
+        if self._weights:
+            for segment, state in self._weights[bucket.index].segments():
+                table.update(self.rule.export_state(state, bucket.segment_params(segment)))
+        return table
 
     def _gradient(
         self, bucket: Bucket, slot: int, iteration: int
     ) -> tuple[torch.Tensor | None, list[int], float]:
         """(the averaged, unscaled gradient of ``iteration`` in ``slot`` or None, the parameters it
         leaves alone, seconds waited): as ``p.grad`` exposed it, or as it arrives."""
-        exposed = (
-            self.prepared.pop((bucket.index, slot), None) if self.prepared is not None else None
-        )
+        exposure = self._exposure
+        exposed = exposure.prepared.pop((bucket.index, slot), None) if exposure else None
         if exposed is not None:
             waited = exposed.settle()  # its all-reduce, if nothing read p.grad before
             return exposed.grad, exposed.skip, waited
         mean, waited = self._pipeline.take_mean(bucket, slot, iteration)
         grad = self._unscale(mean, iteration)
-        return (
-            grad,
-            (unused.unused_everywhere(bucket.grads, slot) if grad is not None else []),
-            waited,
-        )
+        buffer = self._pipeline.gradients(bucket).buffer
+        return (grad, (unused.unused_everywhere(buffer, slot) if grad is not None else []), waited)
 
     def _unscale(self, grad: torch.Tensor, iteration: int) -> torch.Tensor | None:
         """The averaged gradient of ``iteration`` unscaled; None if it was not finite."""
-        finite, inverse_scale = self.scaling.get(iteration, (True, 1.0))
+        finite, inverse_scale = self._scaling.of(iteration)
         if not finite:
             return None
         return grad if inverse_scale == 1.0 else grad.mul_(inverse_scale)
@@ -132,17 +261,19 @@ class Updater:
 
         Returns the seconds spent waiting for its all-reduce (a stall, for the profiler).
         """
-        pending, bucket.pending_update = bucket.pending_update, None
+        if not self._weights:
+            return 0.0
+        w = self._weights[bucket.index]
+        pending, w.pending = w.pending, None
         if pending is None:
             return 0.0
         hyperparams, iteration = pending
-        assert bucket.weights is not None
         grad, skip, waited = self._gradient(bucket, 0, iteration)
         if grad is not None:  # else a step GradScaler skipped
-            for segment in unused.pieces(bucket, skip):
+            for segment, state in unused.pieces(w, skip):
                 self.rule.update(
-                    segment.of(bucket.weights),
-                    segment.state,
+                    segment.of(w.weights),
+                    state,
                     hyperparams[segment.group],
                     GradientSpec.plain(segment.of(grad)),
                 )
@@ -164,44 +295,42 @@ class Updater:
     ) -> None:
         """``step()`` of pipeline step t (user iteration ``iteration``) for a stale bucket."""
         comp, s = self.compensation, self._settings.staleness
-        assert bucket.grads is not None and bucket.weights is not None
+        w = self._weights[bucket.index]
         if t == 1:  # the pipeline starts: real weights and history begin at x_0
-            bucket.real = bucket.weights.clone() if comp.predicts else bucket.weights
+            w.real = w.weights.clone() if comp.predicts else w.weights
             if comp.history_length:
-                bucket.history = WeightHistory(bucket.real, comp.history_length)
+                w.history = WeightHistory(w.real, comp.history_length)
+        buffer = self._pipeline.gradients(bucket).buffer
         grad, skip = (
-            self._gradient(bucket, bucket.grads.index(t - s), iteration - s)[:2]
-            if t > s
-            else (None, [])
+            self._gradient(bucket, buffer.index(t - s), iteration - s)[:2] if t > s else (None, [])
         )
-        view = self._stale_view(bucket, grad, iteration)
+        view = self._stale_view(w, grad, iteration)
         hyperparams = self.stale_hyperparams(hyperparams, t)
         # x̃_{t+1} = OPT_peek(x_t, g̃); recipes only describe, so g̃ can be known up front
         predictor = comp.prediction_gradient(view) if comp.predicts else None
         if grad is not None:
-            self._real_update(bucket, view, hyperparams, predictor, skip)
+            self._real_update(w, view, hyperparams, predictor, skip)
         else:
-            self._no_update(bucket, hyperparams, predictor)
+            self._no_update(w, hyperparams, predictor)
         if comp.predicts and predictor is None:
-            bucket.weights.copy_(bucket.real)  # no prediction: x̃_{t+1} = x_t
-        if comp.needs_prev_local:
-            bucket.local, bucket.prev_local = bucket.prev_local, bucket.local
+            w.weights.copy_(w.real)  # no prediction: x̃_{t+1} = x_t
 
-    def _stale_view(self, bucket: Bucket, grad: torch.Tensor | None, iteration: int) -> StaleStep:
+    def _stale_view(self, w: BucketWeights, grad: torch.Tensor | None, iteration: int) -> StaleStep:
         """What the compensation sees at this step: ĝ, x, this rank's l_t and l_{t−1}, Δx's
         reference."""
-        local, prev_local = bucket.local, bucket.prev_local
-        if local is not None and self.scaling:
-            finite, inverse_scale = self.scaling.get(iteration, (True, 1.0))
+        gradients = self._pipeline.gradients(w.bucket)
+        local, prev_local = gradients.local, gradients.prev_local
+        if local is not None and self._scaling.verdicts:
+            finite, inverse_scale = self._scaling.of(iteration)
             local = local.mul_(inverse_scale) if self._usable(local, finite) else None
             if prev_local is not None and not self._usable(
-                prev_local, self.scaling.get(iteration - 1, (True, 1.0))[0]
+                prev_local, self._scaling.of(iteration - 1)[0]
             ):
                 prev_local = None
-        history, settings = bucket.history, self._settings
+        history, settings = w.history, self._settings
         return StaleStep(
             g=grad,
-            x=bucket.real,
+            x=w.real,
             local=local,
             prev_local=prev_local,
             x_oldest=history.oldest() if history else None,
@@ -219,77 +348,89 @@ class Updater:
         )
 
     def _real_update(
-        self, bucket: Bucket, view: StaleStep, hyperparams: Hyperparams, predictor, skip: list[int]
+        self,
+        w: BucketWeights,
+        view: StaleStep,
+        hyperparams: Hyperparams,
+        predictor,
+        skip: list[int],
     ) -> None:
         """x_t = OPT(x_{t-1}, ĝ) in one pass over memory with what else this step writes: x_t
         into the history's oldest slot (the Δx reference it reads), and the prediction from
         the freshly updated weights and state. The ``skip`` parameters (no rank used them in
         ĝ's iteration) keep x_t = x_{t-1}, their state, and no prediction: x̃_{t+1} = x_t."""
         recipe = self.compensation.real_gradient(view)
-        history = bucket.history
-        for lo, hi in unused.skipped_ranges(bucket, skip):
+        history = w.history
+        for lo, hi in unused.skipped_ranges(w.bucket, skip):
             if history is not None:
-                history.oldest()[lo:hi].copy_(bucket.real[lo:hi])
+                history.oldest()[lo:hi].copy_(w.real[lo:hi])
             if predictor is not None:
-                bucket.weights[lo:hi].copy_(bucket.real[lo:hi])
-        for segment in unused.pieces(bucket, skip):
+                w.weights[lo:hi].copy_(w.real[lo:hi])
+        for segment, state in unused.pieces(w, skip):
             spec = recipe.slice(segment.start, segment.end, segment.lengths)
             if history is not None:
                 spec = spec.with_history(segment.of(history.oldest()))
             if predictor is None:
-                self.rule.update(
-                    segment.of(bucket.real), segment.state, hyperparams[segment.group], spec
-                )
+                self.rule.update(segment.of(w.real), state, hyperparams[segment.group], spec)
             else:
                 self.rule.update_and_peek(
-                    segment.of(bucket.real),
-                    segment.state,
+                    segment.of(w.real),
+                    state,
                     hyperparams[segment.group],
                     spec,
                     predictor.slice(segment.start, segment.end, segment.lengths),
-                    out=segment.of(bucket.weights),
+                    out=segment.of(w.weights),
                 )
         if history is not None:
             history.advance()  # x_t is in the oldest slot: it becomes the newest
 
-    def _no_update(self, bucket: Bucket, hyperparams: Hyperparams, predictor) -> None:
+    def _no_update(self, w: BucketWeights, hyperparams: Hyperparams, predictor) -> None:
         """A step without a gradient yet (t ≤ s): only a prediction (wp1/wp2 at t = 1), and x_t =
         x_{t-1}."""
         if predictor is not None:
             assert not predictor.delta_is_step
-            for segment in unused.pieces(bucket):
+            for segment, state in unused.pieces(w):
                 self.rule.peek(
-                    segment.of(bucket.real),
-                    segment.state,
+                    segment.of(w.real),
+                    state,
                     hyperparams[segment.group],
                     predictor.slice(segment.start, segment.end, segment.lengths),
-                    out=segment.of(bucket.weights),
+                    out=segment.of(w.weights),
                 )
-        if bucket.history is not None:
-            bucket.history.push(bucket.real)  # x_t = x_{t-1} joins; the oldest is dropped
+        if w.history is not None:
+            w.history.push(w.real)  # x_t = x_{t-1} joins; the oldest is dropped
 
     @torch.no_grad()
     def drain_stale(self, bucket: Bucket, t: int, hyperparams: Hyperparams, origin: int) -> None:
         """Apply ``bucket``'s stale gradients still in flight after pipeline step t, oldest first,
         as plain updates (no compensation: its correction assumes a next step that will not
         come); the model then holds the real weights. Used when the pipeline restarts."""
-        assert bucket.grads is not None and bucket.real is not None and bucket.weights is not None
+        w = self._weights[bucket.index]
+        buffer = self._pipeline.gradients(bucket).buffer
         hyperparams = self.stale_hyperparams(hyperparams, t)
         for j in range(max(t - self._settings.staleness + 1, 1), t + 1):
-            grad, skip, _ = self._gradient(bucket, bucket.grads.index(j), origin + j)
+            grad, skip, _ = self._gradient(bucket, buffer.index(j), origin + j)
             if grad is None:
                 continue
-            for segment in unused.pieces(bucket, skip):
+            for segment, state in unused.pieces(w, skip):
                 self.rule.update(
-                    segment.of(bucket.real),
-                    segment.state,
+                    segment.of(w.real),
+                    state,
                     hyperparams[segment.group],
                     GradientSpec.plain(segment.of(grad)),
                 )
-        if bucket.real is not bucket.weights:
-            bucket.weights.copy_(
-                bucket.real
-            )  # the parameters are views of weights: re-laid out next
+        if w.predicted:
+            w.weights.copy_(w.real)  # the parameters are views of weights: re-laid out next
 
 
-__all__ = ["Updater", "Hyperparams"]
+def _state_places(weights: list[BucketWeights]) -> dict[int, tuple[SegmentState, int]]:
+    """id(param) -> (its segment's optimizer state, its offset in that segment)."""
+    places: dict[int, tuple[SegmentState, int]] = {}
+    for w in weights:
+        for segment, state in w.segments():
+            for p, offset in w.bucket.segment_params(segment):
+                places[id(p)] = (state, offset)
+    return places
+
+
+__all__ = ["BucketWeights", "Hyperparams", "Updater", "WeightHistory"]

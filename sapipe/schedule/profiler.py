@@ -27,12 +27,12 @@ Everything below is measured during the profiled warm-up iterations, which run w
   The all-reduces of the profiled iterations are timed too, from issue to completion (the
   back-end's completion future, where it has one); their busy time per iteration gives
   the *observed* β, the link as the training job actually gets it (rank skew, Gloo's
-  threads and copies competing with step() and the next batch for the CPU: all in). On
-  this project's 2-core host it was 1.2–1.6× the isolated β at full loopback speed and
-  equal to it on a rate-limited link. The slower of the two is used.
+  threads and copies competing with step() and the next batch for the CPU: all in). On a
+  host with few cores it exceeds the isolated β at full loopback speed; on a rate-limited
+  link the two agree. The slower of the two is used.
 * **Compute slow-down σ while the link is busy** is not measured here: one profiled
-  sample per rank proved too noisy to use on this project's 2-core CPU host (the slow-down
-  arrives in bursts of several ms, a core handed to a communication thread, not evenly).
+  sample per rank is too noisy to use on a CPU host with few cores (the slow-down arrives
+  in bursts of several ms, a core handed to a communication thread, not evenly).
   :attr:`Profile.slowdown` is 0; the runtime fits σ to the measured search's trials
   instead (:func:`sapipe.auto.search.fit_slowdown`), for its final predictions. Given a
   σ, :meth:`LayerTimer.medians` takes the slow-down out of samples that overlapped the

@@ -15,26 +15,21 @@ the same optimizer would hold under DDP, loadable into it there.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from sapipe.errors import UsageError
-from sapipe.layout.buckets import Bucket
 from sapipe.optim.fused import OptimizerRule
 from sapipe.optim.generic import rule_for
 
 
-def export(
-    optimizer: torch.optim.Optimizer, rule: OptimizerRule, buckets: Sequence[Bucket]
-) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with the state the fused segments hold put back per parameter."""
+def export(optimizer: torch.optim.Optimizer, fused: Mapping[Any, dict]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with ``fused``, the state the fused segments hold, put back per
+    parameter."""
     table = defaultdict(dict, optimizer.state)  # the generic path's, and untrained parameters'
-    for bucket in buckets:
-        for segment in bucket.segments:
-            if segment.state is not None:
-                table.update(rule.export_state(segment.state, bucket.segment_params(segment)))
+    table.update(fused)
     live, optimizer.state = optimizer.state, table
     try:
         return optimizer.state_dict()

@@ -205,7 +205,10 @@ def _auto_on_horovod(rank, world_size):
             loss_fn_for("tied")(model(x), y).backward()
             opt.step()
             if rank == 0:
-                kept += [torch.zeros(bucket.grads.wire[0].numel()) for bucket in opt.buckets]
+                kept += [
+                    torch.zeros(opt._runtime.pipeline.gradients(bucket).buffer.wire[0].numel())
+                    for bucket in opt.buckets
+                ]
             if opt.stale_layers != "auto" and step > 40:
                 break
         opt.synchronize()

@@ -284,7 +284,7 @@ def _with_a_poisoned_step(rank, world_size, node_first):
             scaler.step(opt)
             scaler.update()
         opt.synchronize()
-        codecs = [b.grads.codec for b in opt.buckets]
+        codecs = [opt._runtime.pipeline.gradients(b).buffer.codec for b in opt.buckets]
         finite = all(torch.isfinite(r).all().item() for c in codecs for r in _residuals(c))
         with opt.real_weights():
             real = named_weights(model)
@@ -324,7 +324,9 @@ def _residuals_by_parameter(opt, model):
     """Each parameter's slice of its bucket's int8 worker residual, by name."""
     names = {id(p): n for n, p in model.named_parameters()}
     return {
-        names[id(p)]: bucket.grads.codec.residual[offset : offset + p.numel()].clone()
+        names[id(p)]: opt._runtime.pipeline.gradients(bucket)
+        .buffer.codec.residual[offset : offset + p.numel()]
+        .clone()
         for bucket in opt.buckets
         for p, offset in zip(bucket.params, bucket.offsets)
     }

@@ -184,7 +184,10 @@ def _train(
         for b in opt.buckets
         if any(layer.name == ("0" if k else "4") for layer in b.layers)
     )
-    wires = [b.grads.wire[0].numel() - b.numel - len(b.params) for b in opt.buckets]
+    wires = [
+        opt._runtime.pipeline.gradients(b).buffer.wire[0].numel() - b.numel - len(b.params)
+        for b in opt.buckets
+    ]
     opt.close()
     return {
         "reports": reports,

@@ -131,14 +131,17 @@ def _buffers(rank, world_size, mode):
         opt.step()
         ptrs = set()
         for b in opt.buckets:
-            ptrs |= {s.data_ptr() for s in b.grads.slots}
-            ptrs |= {
-                t.data_ptr() for t in (b.local, b.prev_local, b.weights, b.real) if t is not None
-            }
+            ptrs |= {s.data_ptr() for s in opt._runtime.pipeline.gradients(b).buffer.slots}
+            gradients, weights = opt._runtime.pipeline.gradients(b), opt._runtime.updater.weights(b)
+            kept = (gradients.local, gradients.prev_local, weights.weights, weights.real)
+            ptrs |= {t.data_ptr() for t in kept if t is not None}
             ptrs |= {p.data_ptr() for p in b.params}
         seen.append(ptrs)
     stale = [b for b in opt.buckets if b.stale]
-    return {"ptr_sets": [sorted(s) for s in seen], "depths": [b.grads.depth for b in stale]}
+    return {
+        "ptr_sets": [sorted(s) for s in seen],
+        "depths": [opt._runtime.pipeline.gradients(b).buffer.depth for b in stale],
+    }
 
 
 def test_staleness_buffer_allocated_once():
@@ -165,10 +168,18 @@ def _close(rank, world_size):
     batches = make_batches("tied", 4, world_size)
     train_steps(model, opt, batches, rank, loss_fn=loss_fn_for("tied"))
     x, y = batches[-1][rank]
-    in_flight = sum(h is not None for b in opt.buckets for h in b.grads.in_flight)
+    in_flight = sum(
+        h is not None
+        for b in opt.buckets
+        for h in opt._runtime.pipeline.gradients(b).buffer.in_flight
+    )
     opt.close()
     opt.close()  # idempotent
-    after = sum(h is not None for b in opt.buckets for h in b.grads.in_flight)
+    after = sum(
+        h is not None
+        for b in opt.buckets
+        for h in opt._runtime.pipeline.gradients(b).buffer.in_flight
+    )
     before = [p.detach().clone() for p in model.parameters()]
     loss_fn_for("tied")(model(x), y).backward()  # hooks are gone: no sapipe work, no error
     unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -194,7 +205,11 @@ def _wait_for_communication(rank, world_size):
     start = time.perf_counter()
     opt.wait_for_communication()
     blocked = time.perf_counter() - start
-    pending = sum(h is not None for b in opt.buckets for h in b.grads.in_flight)
+    pending = sum(
+        h is not None
+        for b in opt.buckets
+        for h in opt._runtime.pipeline.gradients(b).buffer.in_flight
+    )
     opt.close()
     return {"blocked": blocked, "pending": pending}
 

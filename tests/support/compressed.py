@@ -71,7 +71,10 @@ def train_one(rank, world_size, config, options=None, device="cpu"):
         "real": real,
         "held": held,
         "buckets": bucket_layouts(opt, model),
-        "partitions": [len(getattr(b.grads.codec, "parts", [None])) for b in opt.buckets],
+        "partitions": [
+            len(getattr(opt._runtime.pipeline.gradients(b).buffer.codec, "parts", [None]))
+            for b in opt.buckets
+        ],
     }
     opt.close()
     return out

@@ -927,7 +927,11 @@ def test_local_gradient_copy_paths_agree(mode, compression, monkeypatch):
             with opt.real_weights():
                 results.append(
                     [p.detach().clone() for p in model.parameters()]
-                    + [b.local.clone() for b in opt.buckets if b.local is not None]
+                    + [
+                        g.local.clone()
+                        for g in map(opt._runtime.pipeline.gradients, opt.buckets)
+                        if g.local is not None
+                    ]
                 )
             opt.close()
         assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
