@@ -307,6 +307,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         setattr(self.optimizer, "_opt_called", True)  # noqa: B010 - not an attribute of Optimizer's type
         if self.auto is not None:
             self.auto.end_step(iteration, hyperparams, self._forward.forward_start)
+            # a compiled model is profiled layer by layer in eager iterations
+            self._forward.run_eagerly(self.auto.profiles(iteration + 1))
         self._pipeline.end_iteration()
         self._forward.forward_start = None
         self.tracer.record("step_end", iteration=iteration)
@@ -373,6 +375,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
+        self._forward.run_eagerly(False)
         try:
             # raises, after releasing everything, if a wait failed (a dead peer)
             self._runtime.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,6 +52,7 @@ class ForwardHooks:
         self.compiled = False
         self._compiled_before = False  # as the current forward began
         self._root_wait = self._root_update = 0.0  # deferred work before the first layer
+        self._eager: Any = None  # the "force_eager" stance while it is set (run_eagerly)
 
     # Under torch.compile (docs/design.md §5.8) dynamo would trace these hooks into the model's
     # graph and guard on sapipe's counters (a recompile every step): the model-level hooks run
@@ -113,14 +115,13 @@ class ForwardHooks:
         index = layer.index
 
         def hook(module: nn.Module, args) -> None:
-            if not torch.compiler.is_compiling():
-                work(
-                    module, args
-                )  # eager: no dynamo wrapper, a hook runs for every layer every step
+            if torch.compiler.is_compiling():
+                # dynamo traces this branch alone, with no guard on the module or on sapipe's
+                # state: the compiled forward goes on through the layer. The flag is a side
+                # effect dynamo replays each time the compiled code runs.
+                self.compiled = True
                 return
-            self.compiled = True  # a side effect dynamo replays each time the compiled code runs
-            if self._layer_work():
-                compiled_work(module, args)  # else the compiled graph goes on through this layer
+            work(module, args)  # eager: every layer, every step
 
         def work(module: nn.Module, args) -> None:
             bucket = self._runtime.layout.bucket_of_layer.get(index)
@@ -141,14 +142,17 @@ class ForwardHooks:
                     "layer_forward_start", layer=layer.name, iteration=self._progress.next_iteration
                 )
 
-        compiled_work = torch.compiler.disable(work)  # a graph break, run eagerly
         return hook
 
-    def _layer_work(self) -> bool:
-        """Whether a compiled forward must run the per-layer pre-hooks (a graph break at each):
-        for the profiler's timing or trace events. Deferred sync updates need not: once a
-        compiled forward was seen, ``before_model`` applies them all."""
-        return self._runtime.pipeline.timer is not None or self._tracer.enabled
+    def run_eagerly(self, eager: bool) -> None:
+        """Whether the forwards (and backwards) from now on run eagerly, not compiled: while the
+        scheduler profiles a compiled model layer by layer, which a compiled forward does not
+        time (torch.compile's stance ``"force_eager"`` for that long, process-wide)."""
+        if eager and self.compiled and self._eager is None:
+            self._eager = torch.compiler.set_stance("force_eager")
+        elif not eager and self._eager is not None:
+            self._eager.__exit__(None, None, None)  # the stance before it
+            self._eager = None
 
     def _check_first_compiled_forward(self) -> None:
         """The first compiled forward ran after the first step: sync updates deferred to it may
@@ -164,8 +168,9 @@ class ForwardHooks:
             )
 
     def after_layer(self, layer: Layer) -> Callable[[nn.Module, tuple, object], None]:
-        @torch.compiler.disable
         def hook(module: nn.Module, args, output) -> None:
+            if torch.compiler.is_compiling():
+                return  # a compiled forward records its ends only (before_model, after_model)
             self._tracer.record(
                 "layer_forward_end", layer=layer.name, iteration=self._progress.next_iteration
             )
