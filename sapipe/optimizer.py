@@ -270,9 +270,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         True  # GradScaler hands itself to step() instead of unscaling p.grad
     )
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None, grad_scaler: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None, grad_scaler: Any = None) -> Any:  # type: ignore[override]
         """End the iteration: stale layers update now, sync layers before their next forward.
+
+        With a ``closure`` (as ``torch.optim`` defines it, and as Lightning calls it), the
+        closure runs first, with gradients enabled: it computes the loss and calls
+        ``backward()`` (after ``zero_grad()``, if it wants one), and its loss is returned. The
+        step is then the same as after a loop's own forward and backward. The closure is
+        evaluated once: optimizers that evaluate it several times per step (LBFGS) are refused
+        at construction.
 
         With ``torch.amp.GradScaler``, call ``scaler.step(opt)`` as usual: the scaler passes
         itself here. Whether this iteration's gradients are finite is decided over *all*
@@ -286,8 +292,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         step does (DDP's sends nothing): one rank's extra step leaves every rank's collectives in
         line.
         """
+        loss = None
         if closure is not None:
-            raise UsageError("step(closure) is not supported; call loss.backward() before step()")
+            with torch.enable_grad():
+                loss = closure()
+        self._step(grad_scaler)
+        return loss
+
+    @torch.no_grad()
+    def _step(self, grad_scaler: Any) -> None:
         if not self._runtime.laid_out:
             raise UsageError("step() was called before the model's first forward and backward")
         if self._runtime.nothing_to_step():
