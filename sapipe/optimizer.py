@@ -270,7 +270,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         True  # GradScaler hands itself to step() instead of unscaling p.grad
     )
 
-    def step(self, closure: Callable[[], Any] | None = None, grad_scaler: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None, grad_scaler: Any = None) -> Any:
         """End the iteration: stale layers update now, sync layers before their next forward.
 
         With a ``closure`` (as ``torch.optim`` defines it, and as Lightning calls it), the
