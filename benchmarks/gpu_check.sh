@@ -11,13 +11,14 @@
 # full-size models. Logs and tables go to $GPU_OUT (default gpu-results/); the last lines
 # printed are the summaries.
 #
-#   GPU_OUT=/some/dir PYTHON=python3 bash benchmarks/gpu_check.sh [quick|compression]
+#   GPU_OUT=/some/dir PYTHON=python3 bash benchmarks/gpu_check.sh [quick|compression|compiled]
 #
 # `quick` skips the compensation-overhead run (the longest part, ~4 min on an H100).
 # `compression` runs only what the compression needs checked: the build, the codec's CUDA
 # kernels and compressed end-to-end tests, the codec's bandwidth, what a compression costs a
 # compute-bound step, the 16-bit intake (benchmarks/studies/codec_intake.py) and sapipe's host
-# time compressed.
+# time compressed. `compiled` runs the build, the compiled path (benchmarks/compiled.py) and
+# sapipe's host time per iteration.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -55,6 +56,20 @@ compression_cost() {
   $PY benchmarks/studies/host_overhead.py --device cuda --compressions bf16,int8 >"$OUT/host_overhead.md" 2>&1 || status=1
   tail -8 "$OUT/host_overhead.md"
 }
+# The compiled path: eager and compiled sapipe beside compiled DDP, with graphs and breaks
+# (benchmarks/compiled.py); run by the full check and by `compiled`.
+compiled_path() {
+  echo "== the compiled path (GPT small, bf16 autocast, inductor, one NCCL rank)"
+  $PY benchmarks/compiled.py --device cuda --rounds 3 >"$OUT/compiled.md" 2>&1 || status=1
+  tail -10 "$OUT/compiled.md"
+}
+if [ "${1:-}" = compiled ]; then
+  compiled_path
+  echo "== sapipe's host time per iteration, and DDP's (107 tiny layers, one NCCL rank)"
+  $PY benchmarks/studies/host_overhead.py --device cuda >"$OUT/host_overhead.md" 2>&1 || status=1
+  tail -8 "$OUT/host_overhead.md"
+  exit $status
+fi
 if [ "${1:-}" = compression ]; then
   echo "== the codec's bandwidth"
   $PY benchmarks/kernels.py --device cuda --only codec >"$OUT/kernels_codec.md" 2>&1 || status=1
@@ -77,6 +92,7 @@ $PY benchmarks/gpu_profiles.py --out "$OUT/profiles" >"$OUT/profiles.log" 2>&1 |
 tail -10 "$OUT/profiles.log"
 
 compression_cost
+compiled_path
 
 if [ "${1:-}" != quick ]; then
   echo "== compensation overhead (full-size models, one NCCL rank)"
