@@ -10,12 +10,11 @@ a script's folder first on ``sys.path``, so the scripts in ``benchmarks/`` impor
 **The environment.** glibc's malloc serves large blocks (a layer's activations, its
 gradients) with mmap and returns them on free, and it raises that threshold only as it sees
 such blocks freed. A CPU training step therefore page-faults its big tensors afresh for an
-unpredictable number of iterations, or for good. Measured on this project's 2-core host (one
-process, one thread, ``small`` models): vgg16 36 → 28 ms per step and gpt2 60 → 57 ms once
-the threshold is fixed, and the job's early iterations stop running at a different speed
-from its later ones. Fixing the threshold (which also turns off glibc's adjustment) and not
-trimming the heap makes every mode, and every phase of a job, run on the same allocator
-footing -- what PyTorch's CPU performance guides get by preloading jemalloc or tcmalloc.
+unpredictable number of iterations, or for good, and a job's early iterations run at a
+different speed from its later ones. Fixing the threshold (which also turns off glibc's
+adjustment) and not trimming the heap makes every mode, and every phase of a job, run on
+the same allocator footing -- what PyTorch's CPU performance guides get by preloading
+jemalloc or tcmalloc.
 sapipe itself sets nothing: this is the benchmarks' host hygiene, not the library's business.
 """
 

@@ -193,9 +193,9 @@ def fit_slowdown(
     """The σ of ``grid`` whose predictions ``predict(k, σ)`` best match the measured trials
     (least squares of log(predicted / measured); the smallest σ on a tie, 0 without trials).
 
-    On this project's CPU host a busy link slowed compute anywhere from not at all (a
-    rate-limited link) to nearly serialising it (full-speed loopback, where the "link" is
-    the same two cores); a single profiled iteration could not tell, a trial of ten can.
+    How much a busy link slows compute ranges from not at all (a rate-limited link) to
+    nearly serialising it (a full-speed loopback on few cores, where the "link" is the same
+    cores); a single profiled iteration cannot tell, a trial of ten can.
     """
     usable = [t for t in trials if t.iteration_time > 0 and math.isfinite(t.iteration_time)]
     if not usable:
