@@ -5,7 +5,11 @@ predicted weights, and each rank keeps its own local gradients. ``path`` may con
 ``{rank}``; otherwise ``.rank<r>`` is inserted before the extension when there are
 several ranks. Works with ``torchrun --max-restarts``: on restart, construct the model and
 optimizer as usual, then resume; :class:`Checkpointer` numbers checkpoints by step,
-keeps the last two, and resumes every rank from the same step.
+keeps the last two, and resumes every rank from the same step. A restart with another
+number of ranks (``torchrun --nnodes MIN:MAX``) resumes too, from the real weights and the
+optimizer state (:meth:`DistributedOptimizer.load_state_dict` says what it does instead of
+resuming bit-exactly); with ``{rank}`` in ``path`` the files are named alike at any world
+size.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from sapipe.optimizer import DistributedOptimizer
 from sapipe.tracing.timeline import per_rank_path
 
 
-def _path(path: str, optimizer: DistributedOptimizer) -> str:
-    return per_rank_path(path, optimizer.rank, optimizer.world_size)
+def _path(path: str, optimizer: DistributedOptimizer, rank: int | None = None) -> str:
+    """The file of ``rank`` (default: this one's) of ``path``."""
+    return per_rank_path(path, optimizer.rank if rank is None else rank, optimizer.world_size)
 
 
 def save_checkpoint(
@@ -49,11 +54,17 @@ def checkpoint_exists(path: str, optimizer: DistributedOptimizer) -> bool:
     return os.path.exists(_path(path, optimizer))
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: DistributedOptimizer) -> dict[str, Any]:
-    """Restore what :func:`save_checkpoint` wrote for this rank; returns its ``extra``."""
-    state = torch.load(_path(path, optimizer), map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
+def load_checkpoint(
+    path: str, model: nn.Module, optimizer: DistributedOptimizer, rank: int | None = None
+) -> dict[str, Any]:
+    """Restore what :func:`save_checkpoint` wrote for this rank (or for ``rank``: a rank
+    that a job of another world size did not have resumes from another rank's checkpoint);
+    returns its ``extra``."""
+    state = torch.load(_path(path, optimizer, rank), map_location="cpu", weights_only=False)
+    # the model first: the optimizer's state then decides what the model holds (the predicted
+    # weights, or, resumed at another world size, the weights after the pipeline's restart)
     model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
     return state["extra"]
 
 
@@ -116,15 +127,35 @@ class Checkpointer:
         return written
 
     def resume(self) -> tuple[int, dict[str, Any]]:
-        """Load the newest step every rank has; ``(step, extra)``, or ``(0, {})`` if there is
-        none."""
+        """Load the newest complete step; ``(step, extra)``, or ``(0, {})`` if there is none.
+
+        A step is complete when every rank of the job that wrote it saved it (its world size
+        is read from rank 0's file): a step a rank died before saving is passed over. After
+        an elastic restart (another number of ranks), each rank loads its own file of that
+        step if the writing job had its rank, else rank 0's (see
+        :meth:`DistributedOptimizer.load_state_dict`)."""
         mine = set(self.steps())
         everyone: list[Any] = [None] * self.optimizer.world_size
         dist.all_gather_object(everyone, mine, group=self.optimizer.process_group)
-        common = set.intersection(*everyone)
-        if not common:
-            return 0, {}
-        step = max(common)
-        extra = load_checkpoint(self.path.replace("{step}", str(step)), self.model, self.optimizer)
-        extra.pop("sapipe_step", None)
-        return step, extra
+        for step in sorted(everyone[0], reverse=True):  # rank 0 saves every step
+            writers = self._writers(step)
+            if all(step in steps for steps in everyone[:writers]):
+                extra = load_checkpoint(
+                    self.path.replace("{step}", str(step)),
+                    self.model,
+                    self.optimizer,
+                    rank=None if self.optimizer.rank < writers else 0,
+                )
+                extra.pop("sapipe_step", None)
+                return step, extra
+        return 0, {}
+
+    def _writers(self, step: int) -> int:
+        """The world size of the job that saved ``step`` (rank 0's file, memory-mapped)."""
+        state = torch.load(
+            _path(self.path.replace("{step}", str(step)), self.optimizer, rank=0),
+            map_location="cpu",
+            weights_only=False,
+            mmap=True,
+        )
+        return int(state["optimizer"]["world_size"])

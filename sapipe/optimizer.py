@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -47,7 +48,7 @@ from sapipe.runtime.progress import Progress
 from sapipe.runtime.shutdown import close_at_exit
 from sapipe.schedule import solver
 from sapipe.state import torch_state
-from sapipe.state.resume import CHECKPOINT_FORMAT, check_resumable
+from sapipe.state.resume import CHECKPOINT_FORMAT, check_resumable, resized
 from sapipe.tracing.timeline import BackwardSpans, TraceFiles, trace_argument
 from sapipe.tracing.tracer import Tracer
 
@@ -460,9 +461,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (this rank's) into a freshly constructed optimizer.
 
-        Refuses, naming the difference, a checkpoint of another world size, rank or
-        configuration. Load before the first forward of the resumed job (or any time
-        between ``step()`` and the next forward).
+        Refuses, naming the difference, a checkpoint of another rank or configuration. A
+        checkpoint of a job of another world size (an elastic restart) is continued from the
+        real weights and the optimizer state: the averaged stale gradients in flight are applied
+        as plain updates and the pipeline starts anew, with a warning. Load before the first
+        forward of the resumed job (or any time between ``step()`` and the next forward).
         """
         if (
             "format" not in state_dict and "param_groups" in state_dict
@@ -472,7 +475,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
             return
         state = state_dict
-        check_resumable(state, self._rank, self._world_size, self._settings_fingerprint())
+        other_world = check_resumable(
+            state, self._rank, self._world_size, self._settings_fingerprint()
+        )
+        if other_world:
+            state = resized(state)
         if self._pipeline.in_backward:
             raise UsageError(
                 "load a checkpoint between step() and the next forward, not during backward"
@@ -485,6 +492,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
         self._progress.completed = state["iteration"]
+        if other_world:
+            self._restart_for(state["world_size"])
+
+    def _restart_for(self, saved_world: int) -> None:
+        """After loading a checkpoint of ``saved_world`` ranks into this job of another size:
+        the averaged stale gradients in flight are applied as plain updates, the real weights
+        put in the model, and the pipeline starts anew from here (a pipeline restart,
+        docs/design.md §3.7), before the next forward."""
+        iteration = self._progress.completed
+        hyperparams = [self._updater.rule.hyperparams(g) for g in self.param_groups]
+        # at the next forward (or synchronize()): the script may load the model's weights
+        # after this, and the restart must start from them
+        self._runtime.restart_before_next_forward(iteration, hyperparams)
+        warnings.warn(
+            f"sapipe: resumed a checkpoint of a job of {saved_world} ranks on {self._world_size}: "
+            f"the stale gradients in flight at iteration {iteration} were applied as plain "
+            "updates and the pipeline starts anew, as at the end of warm-up; this rank's "
+            "error-feedback residuals were dropped",
+            stacklevel=3,
+        )
 
     def torch_state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's plain ``state_dict()`` of the real weights, for it under DDP

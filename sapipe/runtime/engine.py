@@ -101,6 +101,8 @@ class Runtime:
             rule, chosen, settings, world_size, self.pipeline, self.scaling, self.exposure
         )
         self._layout: Layout | None = None
+        #: (iteration, hyper-parameters) of a restart a resized resume owes (synchronize)
+        self._restart_owed: tuple[int, list[dict[str, Any]]] | None = None
         #: a checkpoint was restored since the last forward: that forward applies every pending
         #: update before the model runs, since it cannot know yet whether the model is compiled
         self.restored = False
@@ -141,8 +143,25 @@ class Runtime:
         return self.updater.apply_deferred(bucket)
 
     def synchronize(self) -> None:
+        """Every pending update applied (a restart owed to a resized resume first)."""
+        self.settle_restart()
         for bucket in self.buckets:
             self.apply_deferred(bucket)
+
+    def settle_restart(self) -> None:
+        """The restart a resized resume owes, if any (:meth:`restart_before_next_forward`)."""
+        if self._restart_owed is not None:
+            iteration, hyperparams = self._restart_owed
+            self._restart_owed = None
+            self.restart(self.layout.k, iteration, hyperparams)
+
+    def restart_before_next_forward(
+        self, iteration: int, hyperparams: list[dict[str, Any]]
+    ) -> None:
+        """A checkpoint of another world size was restored: the pipeline restarts after
+        ``iteration`` (:meth:`restart`) before the next forward or :meth:`synchronize`, once
+        the script has loaded the model's weights too, in whichever order."""
+        self._restart_owed = (iteration, hyperparams)
 
     def nothing_to_step(self) -> bool:
         """Whether ``step()`` has nothing to sum or apply on this rank: no backward since the

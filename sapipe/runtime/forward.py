@@ -71,6 +71,7 @@ class ForwardHooks:
             timer.begin_iteration()
         if not self._runtime.laid_out:
             return
+        self._runtime.settle_restart()  # a resized resume's, now that the model is loaded
         clock = self._runtime.pipeline.clock
         start = clock()
         # A compiled forward runs no per-layer hook (before_layer): every pending update now. So

@@ -1,8 +1,11 @@
 """What a sapipe checkpoint is, and whether this job can continue one.
 
-A checkpoint is per rank: it holds stale gradients and (under weight prediction) per-rank
-predictions, which cannot be re-partitioned, so it resumes only on the same rank of a job
-with the same world size and the same settings (docs/design.md §5).
+A checkpoint is per rank: it holds the averaged stale gradients in flight, this rank's own
+gradients and (under weight prediction) its predicted weights. It resumes bit-exactly on the
+same rank of a job with the same world size and the same settings (docs/design.md §5.7). A
+job of another world size (torchrun's elastic restarts) resumes from any rank's checkpoint:
+the averaged gradients in flight are applied as plain updates and the pipeline starts anew,
+as a pipeline restart does (§3.7), and this rank's residuals are dropped (:func:`resized`).
 """
 
 from __future__ import annotations
@@ -15,16 +18,13 @@ from sapipe.errors import ConfigurationError
 CHECKPOINT_FORMAT = "sapipe-checkpoint/2"  # /2: pipeline restarts and the search for k
 
 
-def check_resumable(state: Any, rank: int, world_size: int, fingerprint: dict[str, str]) -> None:
-    """Refuse, naming the difference, a checkpoint this rank cannot continue."""
+def check_resumable(state: Any, rank: int, world_size: int, fingerprint: dict[str, str]) -> bool:
+    """Refuse, naming the difference, a checkpoint this rank cannot continue; whether it was
+    written by a job of another world size (an elastic restart: :func:`resized`)."""
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ConfigurationError(f"not a sapipe checkpoint (expected format {CHECKPOINT_FORMAT!r})")
-    if state["world_size"] != world_size:
-        raise ConfigurationError(
-            f"the checkpoint was written by a job of {state['world_size']} ranks; this job has "
-            f"{world_size}. Stale gradients and per-rank predictions cannot be re-partitioned"
-        )
-    if state["rank"] != rank:
+    other_world = state["world_size"] != world_size
+    if not other_world and state["rank"] != rank:
         raise ConfigurationError(f"rank {rank} was given rank {state['rank']}'s checkpoint")
     differences = config.mismatches([_as_acting(state["settings"]), fingerprint])
     if differences:
@@ -35,6 +35,17 @@ def check_resumable(state: Any, rank: int, world_size: int, fingerprint: dict[st
                 for d in differences
             )
         )
+    return other_world
+
+
+def resized(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint of another world size, made loadable here: its error-feedback residuals
+    (this rank's own rounding errors, kept per shard of the old world's sums) are dropped.
+    The rest is the same on every rank of a data-parallel job (the real weights, the
+    optimizer state, the averaged gradients in flight) or is used up when the pipeline
+    restarts (this rank's own gradients)."""
+    buckets = [dict(bucket, codec=None) for bucket in state["buckets"]]
+    return dict(state, buckets=buckets)
 
 
 def _as_acting(saved: dict[str, str]) -> dict[str, str]:
@@ -45,4 +56,4 @@ def _as_acting(saved: dict[str, str]) -> dict[str, str]:
     return dict(saved, error_feedback=repr(saved["compression"] == repr("int8")))
 
 
-__all__ = ["CHECKPOINT_FORMAT", "check_resumable"]
+__all__ = ["CHECKPOINT_FORMAT", "check_resumable", "resized"]

@@ -123,7 +123,7 @@ def test_resume_is_bit_identical(resumed_runs, index):
                 assert np.array_equal(got, value), f"rank {rank} {view} {name} differs"
 
 
-def _wrong_world(rank, world_size, path):
+def _other_world(rank, world_size, path):
     model, opt, sched = _setup("sgd", 3, "none", 1, 0, seed=0)
     try:
         sapipe.load_checkpoint(path, model, opt)
@@ -248,9 +248,10 @@ def test_mismatched_checkpoint_is_refused(resumed_runs):
     path = str(tmp / "case0-{rank}.pt")  # written with CASES[0] = sgd, k=3, none
     messages = run_ranks(_other_config, world_size=2, args=(path,))
     assert all("stale_layers" in m and "compensation" in m for m in messages), messages
-    # A 1-rank job finds rank 0's file but the world size differs.
-    message = run_ranks(_wrong_world, world_size=1, args=(str(tmp / "case0-0.pt"),))[0]
-    assert "2 ranks" in message and "has 1" in message, message
+    # A 1-rank job resumes rank 0's file of the 2-rank job: an elastic restart
+    # (tests/distributed/test_elastic.py holds what it does).
+    message = run_ranks(_other_world, world_size=1, args=(str(tmp / "case0-0.pt"),))[0]
+    assert message == "loaded", message
 
 
 def _checkpointer(rank, world_size, directory):
