@@ -6,6 +6,7 @@ synchronous, and staleness compensation (``dc``, ``wp1``-``wp3``) keeps accuracy
 """
 
 from sapipe.checkpoint import Checkpointer, checkpoint_exists, load_checkpoint, save_checkpoint
+from sapipe.ddp_hook import StaleHook, stale_hook
 from sapipe.errors import (
     CommunicationError,
     ConfigurationError,
@@ -26,6 +27,8 @@ __all__ = [
     "load_checkpoint",
     "checkpoint_exists",
     "Checkpointer",
+    "StaleHook",
+    "stale_hook",
     "COMPENSATION_MODES",
     "SapipeError",
     "ConfigurationError",

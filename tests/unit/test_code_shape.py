@@ -24,6 +24,7 @@ LAYERS = [
     "auto",
     "optimizer",
     "checkpoint",
+    "ddp_hook",
     "launch",
     "__init__",
 ]
