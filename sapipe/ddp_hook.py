@@ -20,6 +20,10 @@ is averaged synchronously and its stale parameters get their previous averages, 
 current slices averaged apart for the next iteration. The previous averages are kept per
 parameter, because DDP rebuilds its buckets after the first iteration. The state is
 checkpointable (:meth:`StaleHook.state_dict`), unlike torch's own hooks' states.
+
+``compression="fp16"`` or ``"bf16"`` (or ``FP16()``, ``BF16()``) sends and sums every bucket
+in 16 bits, as DDP's ``fp16_compress_hook`` / ``bf16_compress_hook`` do, stale or not; int8
+and error feedback are the optimizer path's (``DistributedOptimizer(compression=...)``).
 """
 
 # no `from __future__ import annotations`: DDP's register_comm_hook checks the hook's
@@ -30,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from sapipe.compression.codec import Compression
 from sapipe.errors import ConfigurationError, UsageError
 from sapipe.layout.layers import owning_modules
 
@@ -38,7 +43,13 @@ class StaleHook:
     """The state of :func:`stale_hook`: which parameters are stale, the averages of their
     last iteration's gradients, and those of the current one in flight."""
 
-    def __init__(self, ddp: nn.Module, stale_layers: int, process_group: Any = None):
+    def __init__(
+        self,
+        ddp: nn.Module,
+        stale_layers: int,
+        process_group: Any = None,
+        compression: str | Compression | None = None,
+    ):
         module = getattr(ddp, "module", ddp)
         params = {id(p): p for p in module.parameters() if p.requires_grad}
         layers = owning_modules(module, set(params))
@@ -47,6 +58,16 @@ class StaleHook:
                 f"stale_layers must be an int from 0 to the model's {len(layers)} layers "
                 f"(modules that directly own trainable parameters); got {stale_layers!r}"
             )
+        chosen = Compression.of(compression)
+        if chosen is not None and not chosen.casts_on_intake:
+            raise ConfigurationError(
+                f"StaleHook's compression must be a cast to 16 bits (fp16, bf16, without error "
+                f"feedback); got {compression!r} (int8 and error feedback are the optimizer "
+                "path's: sapipe.DistributedOptimizer(compression=...))"
+            )
+        #: the dtype gradients travel and are summed in (None: their own), as DDP's
+        #: fp16_compress_hook and bf16_compress_hook send them
+        self.wire_dtype = None if chosen is None else chosen.value_dtype
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.stale_layers = stale_layers
@@ -92,9 +113,27 @@ class StaleHook:
 
     def _launch(self, params: list[nn.Parameter], buffer: Tensor) -> None:
         """Average a copy of this iteration's ``buffer`` in the background."""
-        averaged = buffer.div(self.world_size)  # DDP reuses its buffer: a copy, divided
+        averaged = self._on_wire(buffer, copy=True)  # DDP reuses its buffer: a copy
         work = dist.all_reduce(averaged, group=self.process_group, async_op=True)
         self._launched.append((params, averaged, work))
+
+    def _on_wire(self, buffer: Tensor, copy: bool = False) -> Tensor:
+        """``buffer`` divided by the world size, in the wire's dtype (a new tensor where it
+        casts, or where ``copy``; else ``buffer`` itself)."""
+        if self.wire_dtype is not None and self.wire_dtype != buffer.dtype:
+            return buffer.to(self.wire_dtype).div_(self.world_size)
+        return buffer.div(self.world_size) if copy else buffer.div_(self.world_size)
+
+    def _average(self, buffer: Tensor) -> torch.futures.Future[Tensor]:
+        """``buffer`` averaged over the ranks in place (through the wire's dtype)."""
+        wire = self._on_wire(buffer)
+        work = dist.all_reduce(wire, group=self.process_group, async_op=True)
+
+        def arrived(fut: torch.futures.Future) -> Tensor:
+            value = fut.value()[0]
+            return buffer if value is buffer else buffer.copy_(value)
+
+        return work.get_future().then(arrived)
 
     def _end_iteration(self) -> None:
         """DDP's last bucket of an iteration: what was launched becomes the next one's
@@ -141,9 +180,7 @@ def stale_hook(state: StaleHook, bucket: dist.GradBucket) -> torch.futures.Futur
         result.set_result(state._previous_of(params, buffer))
         state._launch(params, buffer)
     elif not any(stale):
-        buffer.div_(state.world_size)
-        work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
-        result = work.get_future().then(lambda fut: fut.value()[0])
+        result = state._average(buffer)
     else:
         previous = state._previous_of(params, buffer)
         slices, offset = [], 0
@@ -155,16 +192,14 @@ def stale_hook(state: StaleHook, bucket: dist.GradBucket) -> torch.futures.Futur
             [p for p, is_stale in zip(params, stale) if is_stale],
             torch.cat([buffer[lo : lo + n] for lo, n in slices]),
         )
-        buffer.div_(state.world_size)
-        work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
 
         def mixed(fut: torch.futures.Future) -> torch.Tensor:
-            averaged = fut.value()[0]
+            averaged = fut.value()
             for lo, n in slices:
                 averaged[lo : lo + n].copy_(previous[lo : lo + n])
             return averaged
 
-        result = work.get_future().then(mixed)
+        result = state._average(buffer).then(mixed)
     if bucket.is_last():
         state._end_iteration()
     return result

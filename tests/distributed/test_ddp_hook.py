@@ -10,10 +10,10 @@ sapipe.stale_hook)`` (sapipe/ddp_hook.py), on 2 Gloo ranks.
 * its state saved mid-run and loaded into a fresh job continues bit-identically.
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: DDP checks a hook's annotations as objects
 import pytest
 import torch
+import torch.distributed as dist
 from support.dist_utils import run_ranks
 from support.models import loss_fn_for, make_batches, make_model
 from support.training import named_weights
@@ -22,7 +22,8 @@ STEPS = 8
 K = 2  # of the MLP's 3 Linear layers
 
 
-def _ddp(k, optimizer="adamw", bucket_cap_mb=0.0001):
+def _ddp(k, optimizer="adamw", bucket_cap_mb=0.0001, compression=None):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import sapipe
@@ -30,7 +31,16 @@ def _ddp(k, optimizer="adamw", bucket_cap_mb=0.0001):
     model = make_model("mlp", seed=0)
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)  # tiny: a bucket per parameter
     if k is not None:
-        ddp.register_comm_hook(sapipe.StaleHook(ddp, stale_layers=k), sapipe.stale_hook)
+        state = sapipe.StaleHook(ddp, stale_layers=k, compression=compression)
+        ddp.register_comm_hook(state, sapipe.stale_hook)
+    elif compression is not None:  # torch's own hook: the peer of the same compression
+        # (its public bf16 hook insists on NCCL; the cast-and-sum it wraps is the same for both)
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[compression]
+
+        def cast_and_sum(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            return default_hooks._compress_hook(dtype, state, bucket)
+
+        ddp.register_comm_hook(None, cast_and_sum)
     if optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     else:
@@ -45,11 +55,11 @@ def _train(ddp, opt, rank, batches):
         opt.step()
 
 
-def _plain_vs_hooked(rank, world_size, optimizer, k, bucket_cap_mb=0.0001):
+def _plain_vs_hooked(rank, world_size, optimizer, k, bucket_cap_mb=0.0001, compression=None):
     batches = make_batches("mlp", STEPS, world_size)
     out = {}
     for name, hook_k in (("plain", None), ("hooked", k)):
-        model, ddp, opt = _ddp(hook_k, optimizer, bucket_cap_mb)
+        model, ddp, opt = _ddp(hook_k, optimizer, bucket_cap_mb, compression)
         _train(ddp, opt, rank, batches)
         out[name] = named_weights(model)
     return out
@@ -73,10 +83,29 @@ def _optimizer_path(rank, world_size, k):
     return weights
 
 
-def test_no_stale_layers_is_plain_ddp():
-    for result in run_ranks(_plain_vs_hooked, world_size=2, args=("adamw", 0)):
+@pytest.mark.parametrize("compression", [None, "fp16", "bf16"])
+def test_no_stale_layers_is_plain_ddp(compression):
+    """With a compression, plain DDP is DDP with torch's own hook of that compression."""
+    args = ("adamw", 0, 0.0001, compression)
+    for result in run_ranks(_plain_vs_hooked, world_size=2, args=args):
         for name, value in result["plain"].items():
             assert abs(result["hooked"][name] - value).max() <= 1e-6, name
+
+
+def _int8(rank, world_size):
+    import sapipe
+
+    _, ddp, _ = _ddp(None)
+    try:
+        sapipe.StaleHook(ddp, stale_layers=1, compression="int8")
+    except sapipe.ConfigurationError as exc:
+        return str(exc)
+    return None
+
+
+def test_int8_is_refused_naming_the_optimizer_path():
+    for message in run_ranks(_int8, world_size=2):
+        assert message is not None and "DistributedOptimizer(compression=...)" in message
 
 
 @pytest.mark.parametrize(
