@@ -86,9 +86,6 @@ class StaleHook:
         self._launched: list[tuple[list[nn.Parameter], Tensor, Any]] = []
         self._waiting: list[tuple[list[nn.Parameter], Tensor, Any]] = []
 
-    def _is_stale(self, params: list[nn.Parameter]) -> bool:
-        return bool(params) and all(id(p) in self._names for p in params)
-
     def _settle(self) -> None:
         """The last iteration's averages, waited for, as each parameter's previous gradient."""
         for params, averaged, work in self._waiting:
@@ -173,7 +170,7 @@ def stale_hook(state: StaleHook, bucket: dist.GradBucket) -> torch.futures.Futur
     then replaced by their previous averages."""
     params = list(bucket.parameters())
     buffer = bucket.buffer()
-    stale = [state._is_stale([p]) for p in params]
+    stale = [id(p) in state._names for p in params]
     result: torch.futures.Future[torch.Tensor]
     if all(stale):
         result = torch.futures.Future()

@@ -27,7 +27,7 @@ The rounding, which every implementation follows op for op (csrc/codec/codec.h):
 
 Each call dispatches on the tensors' device to the compiled kernels (``sapipe._C`` on CPU,
 ``sapipe._C_cuda`` on CUDA; float32/float64 gradients) and otherwise runs the ``reference_*``
-function, in pure PyTorch. ``tests/test_codec_kernels.py`` holds the two to the same bits.
+function, in pure PyTorch. ``tests/unit/test_codec_kernels.py`` holds the two to the same bits.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ kernels (``sapipe._C_cuda``: float16/bfloat16/float32/float64) when built, else 
 reference. The reference also runs for anything the kernels do not take (non-contiguous
 or mixed-device/dtype tensors, tensors that require grad while grad mode is on). A missing
 extension is reported by one warning (sapipe/kernels/_ext.py); ``SAPIPE_DISABLE_EXT=1`` forces the
-reference. Kernels and references are compared on random inputs in tests/test_kernels.py.
+reference. Kernels and references are compared on random inputs in tests/unit/test_kernels.py.
 
 Fused entry points take the gradient the update consumes as a
 :class:`~sapipe.kernels.gradient_spec.GradientSpec`

@@ -90,7 +90,7 @@ restarts (--max-restarts=N, N > 0):
   rendezvous store, restarted workers can read the dead attempt's Gloo/NCCL addresses and
   fail to connect (pytorch/pytorch#135712). Resume in the script with
   sapipe.checkpoint_exists() / sapipe.load_checkpoint() (or sapipe.Checkpointer; an example:
-  tests/restart_job.py in sapipe's repository).
+  tests/jobs/restart_job.py in sapipe's repository).
 
 examples:
   # 8 GPUs on one machine

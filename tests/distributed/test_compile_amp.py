@@ -7,7 +7,7 @@ layer order, buffers) and each parameter's post-accumulate-grad hook, which auto
 * **compile** — the model compiled after wrapping it (``torch.compile(model)``), the
   compiled module passed in (``DistributedOptimizer(opt, torch.compile(model))``) and
   ``model.compile()`` all train exactly as eager sapipe: in float64 they match the float64
-  reference of docs/design.md §3 (``tests/reference.py``) to rtol 1e-9 at k = 0 and k > 0
+  reference of docs/design.md §3 (``tests/support/reference.py``) to rtol 1e-9 at k = 0 and k > 0
   (``none``, ``wp1``, ``dc``), and in float32 at k = 0 they equal DDP + ``torch.compile``
   to 1e-6 (the tolerance of ``test_ddp.py``: both run the same float32 graph, only the
   order of the optimizer's float32 operations may differ; observed 3e-8).
@@ -28,7 +28,7 @@ layer order, buffers) and each parameter's post-accumulate-grad hook, which auto
 
 The compile tests use ``backend="aot_eager"`` (AOTAutograd's forward and backward graphs,
 no code generation: fast, and it is what decides how hooks and gradients behave); one test
-uses inductor and skips where inductor cannot compile. ``tests/test_amp.py`` covers the
+uses inductor and skips where inductor cannot compile. ``tests/distributed/test_amp.py`` covers the
 GradScaler's rules (skipped steps, agreement over ranks) without autocast.
 """
 

@@ -1,6 +1,6 @@
 """Hierarchical sums (sapipe/comm/hierarchical.py): the topology, when they are chosen, and
 4 Gloo ranks told they sit on 2 nodes (torchrun's GROUP_RANK), which must train as the float64
-reference does, flat or hierarchical. tests/test_emulated_cluster.py runs them across real
+reference does, flat or hierarchical. tests/system/test_emulated_cluster.py runs them across real
 (emulated) nodes."""
 
 from __future__ import annotations

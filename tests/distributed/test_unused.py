@@ -7,7 +7,7 @@
   layer order must be rank 0's), ``never`` never runs. Against
   ``DistributedDataParallel(find_unused_parameters=True)`` at k = 0 (float32, 1e-6; also
   with a gradient accumulated inside ``no_sync()`` only, which DDP counts as used) and
-  against the float64 reference (tests/reference.py, same rule) at k > 0 for every mode;
+  against the float64 reference (tests/support/reference.py, same rule) at k > 0 for every mode;
   a checkpoint taken with skipped gradients in flight resumes bit-identically.
 * **broadcast_buffers.** A BatchNorm model with different data per rank, evaluation
   forwards under ``no_grad`` and ``no_sync()`` micro-batches in between (DDP broadcasts

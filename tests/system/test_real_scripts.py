@@ -527,7 +527,7 @@ def test_custom_optimizer_with_dc_matches_reference():
 
 
 # The nanoGPT-style loop (accumulation under no_sync(), GradScaler, scaler.unscale_ +
-# clip_grad_norm_, an LR set by hand each iteration) is tests/test_clipping.py::
+# clip_grad_norm_, an LR set by hand each iteration) is tests/distributed/test_clipping.py::
 # test_nanogpt_style_loop_equals_ddp.
 
 
