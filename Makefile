@@ -1,7 +1,9 @@
 # sapipe developer tasks. Every target sets up what it needs by itself.
 #
-#   make venv     create $(VENV) and install torch==2.13.0 (CPU), numpy, pytest and
-#                 sapipe (editable). Idempotent: a stamp file makes re-runs instant.
+#   make venv     create $(VENV) and install torch==2.13.0 (CPU), numpy, pytest, the
+#                 frameworks sapipe integrates with (requirements-integrations.txt, under
+#                 constraints.txt: torch stays pinned) and sapipe (editable). Idempotent: a
+#                 stamp file makes re-runs instant.
 #   make lint     venv + ruff (lint and format check) and mypy over the public API
 #   make test     venv + lint + pytest over tests/
 #   make demo     venv + examples/demo.py, 2 ranks (Gloo) on a loopback limited to DEMO_NET (200mbit)
@@ -16,7 +18,6 @@
 
 PYTHON ?= python3
 VENV   ?= .venv
-TORCH_VERSION ?= 2.13.0
 NPROC  ?= 2
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
@@ -31,7 +32,7 @@ STAMP := $(VENV)/.sapipe-installed
 # Re-install when packaging changes, when the package first appears
 # (sapipe/__init__.py decides what the editable finder maps), or when csrc/ changes
 # (once the extension is built by setup.py).
-STAMP_DEPS := setup.py pyproject.toml requirements-dev.txt MANIFEST.in $(wildcard build_backend/*.py) \
+STAMP_DEPS := setup.py pyproject.toml requirements-dev.txt requirements-integrations.txt constraints.txt MANIFEST.in $(wildcard build_backend/*.py) \
               $(wildcard sapipe/__init__.py) $(wildcard csrc/* csrc/*/*)
 
 .PHONY: venv lint test demo clean distclean bench peers convergence gpu-check
@@ -41,11 +42,13 @@ venv: $(STAMP)
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
 
-# torch is installed FIRST and pinned, so pip never resolves `torch` itself
-# (that would download CUDA wheels); setup.py's `torch>=2.1` is then satisfied.
+# torch is installed FIRST, pinned by constraints.txt, which every later install honours, so
+# pip never resolves `torch` itself (that would download CUDA wheels); setup.py's `torch>=2.1`
+# is then satisfied.
 $(STAMP): $(VPY) $(STAMP_DEPS)
-	$(VPIP) install -q "torch==$(TORCH_VERSION)"
-	$(VPIP) install -q -r requirements-dev.txt
+	$(VPIP) install -q -c constraints.txt torch
+	$(VPIP) install -q -c constraints.txt -r requirements-dev.txt
+	$(VPIP) install -q -c constraints.txt -r requirements-integrations.txt
 	$(VPIP) install -q --no-build-isolation -e .
 	$(VPY) -c "import torch; print('torch', torch.__version__)"
 	@touch $@

@@ -15,11 +15,14 @@ from sapipe.errors import (
     UnsupportedOptimizerError,
     UsageError,
 )
+from sapipe.integrations import register_with_frameworks
 from sapipe.kernels import ops
 from sapipe.optim.compensation import MODES as COMPENSATION_MODES
 from sapipe.optimizer import DistributedOptimizer
 
 __version__ = "0.1.0"
+
+register_with_frameworks()  # Trainer(strategy="sapipe") (sapipe/integrations/__init__.py)
 
 __all__ = [
     "DistributedOptimizer",

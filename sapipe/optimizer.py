@@ -187,6 +187,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ public API
 
     @property
+    def laid_out(self) -> bool:
+        """Whether the layers are known (the model's first forward has run, or a checkpoint
+        was loaded): before, there is nothing pending and no weight is predicted."""
+        return self._runtime.laid_out
+
+    @property
+    def has_stepped(self) -> bool:
+        """Whether ``step()`` has run (:meth:`state_dict` needs one)."""
+        return self._progress.completed > 0
+
+    @property
     def stale_layers(self) -> int | str:
         """k: the leading layers (forward order) on stale gradients; "auto" until decided."""
         if self.auto is not None and not self.auto.decided:
@@ -378,6 +389,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             yield self.model
         finally:
             self._updater.swap_back(predicted)
+
+    def finish(self) -> None:
+        """End training and leave the model as training made it, then :meth:`close`: every
+        pending synchronous update applied, and under weight prediction the real weights (not
+        the predicted ones) put in the model for good. The stale gradients still in flight are
+        not applied, as with :meth:`close`. For framework integrations and scripts that keep
+        using the model after training (evaluation, export). Collective; idempotent."""
+        if self._closed:
+            return
+        if self._runtime.laid_out:
+            self.synchronize()
+            self._updater.swap_in_real_weights()  # kept: the model holds x from now on
+        self.close()
 
     def close(self) -> None:
         """Finish cleanly: wait for every collective in flight (the last stale all-reduce is never

@@ -255,6 +255,8 @@ class Runtime:
             self.pipeline.close()
         finally:
             self.updater.discard_pending()
+            if self.exposure is not None:  # a p.grad read later waits for nothing
+                self.exposure.reset()
 
     def checkpoint(self) -> dict[str, Any]:
         """The runtime's part of a checkpoint: k, the pipeline's start, the layer order, every

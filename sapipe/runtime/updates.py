@@ -186,6 +186,9 @@ class Updater:
             "segments": [state.state_dict() for state in w.states],
             "segment_bounds": [[seg.start, seg.end] for seg in bucket.segments],
             "real": w.real.clone() if w.predicted else None,
+            # the predicted weights the model holds (this rank's own under wp1/wp3): restored
+            # over the model's, which frameworks save and load as the real ones
+            "predicted": w.weights.clone() if w.predicted else None,
             "history": None if w.history is None else w.history.state_dict(),
             "pending_update": w.pending,
         }
@@ -218,6 +221,8 @@ class Updater:
             mine.load_state_dict(saved)
         if state["real"] is not None:
             w.real = state["real"].clone()
+        if state.get("predicted") is not None and w.predicted:
+            w.weights.copy_(state["predicted"])
         if state["history"] is not None:
             w.history = WeightHistory(w.real, len(state["history"]["ring"]))
             w.history.load_state_dict(state["history"])
