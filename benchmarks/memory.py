@@ -30,14 +30,14 @@ more (``MALLOC_MMAP_THRESHOLD_``; the other benchmarks keep them, :mod:`harness`
 CUDA, ``torch.cuda.max_memory_allocated`` over the mode less its start.
 
 The *model* column is the multiple of G each mode is expected to hold, from its buffers:
-slots (1 per sync bucket, s + 1 per stale one), ``local`` (wp1, wp3), ``prev_local``
-(wp3), real weights (wp1-3), s + 1 history copies (dc), one gradient fewer where ``p.grad``
-is a view of a slot (``expose_gradients=True``), and for a compression the codec: per slot
-3 W + 1 messages of 1/W of the bucket (outgoing, received, gathered, this rank's sum) at the
-format's bytes per value (bf16 2, int8 1 + 4/64 of scale), and with error feedback the
-residual (1) and the residual of this rank's shard of the sums (1/W). Flags, padding and
-headers are small and not modelled; a measured extra more than 2% of G off the model is
-marked ``!``.
+slots (1 per sync bucket, s + 1 per stale one), ``local`` (wp1, wp3), ``prev_local`` (wp3),
+real weights (wp1-3, t2), T2's velocity, s + 1 history copies (dc), one gradient fewer where
+``p.grad`` is a view of a slot (``expose_gradients=True``), and for a compression the codec:
+per slot 3 W + 1 messages of 1/W of the bucket (outgoing, received, gathered, this rank's
+sum) at the format's bytes per value (bf16 2, int8 1 + 4/64 of scale), and with error
+feedback the residual (1) and the residual of this rank's shard of the sums (1/W). Flags,
+padding and headers are small and not modelled; a measured extra more than 2% of G off the
+model is marked ``!``.
 
     python benchmarks/memory.py              # gpt2, resnet50 (small), every mode (~3 min)
     python benchmarks/memory.py --models gpt2 --modes ddp,k0,km-none --out memory.md
@@ -70,6 +70,7 @@ MODES = {
     "km-wp1": {"k": "m", "compensation": "wp1"},
     "km-wp2": {"k": "m", "compensation": "wp2"},
     "km-wp3": {"k": "m", "compensation": "wp3"},
+    "km-t2": {"k": "m", "compensation": "t2"},
     "km-none-s2": {"k": "m", "staleness": 2},
     "km-dc-s2": {"k": "m", "compensation": "dc", "staleness": 2},
     "km-none-bf16": {"k": "m", "compression": "bf16"},
@@ -83,6 +84,7 @@ CATEGORIES = (
     "local",
     "real weights",
     "history",
+    "velocity",
     "codec buffers",
     "residuals",
     "DDP buckets",
@@ -106,7 +108,8 @@ def model_multiple(mode: dict, world: int) -> float:
         held += (
             (comp in ("wp1", "wp3"))
             + (comp == "wp3")
-            + comp.startswith("wp")
+            + (comp.startswith("wp") or comp == "t2")  # real weights
+            + (comp == "t2")  # T2's velocity
             + (s + 1) * (comp == "dc")
         )
     kind = mode.get("compression")
@@ -133,6 +136,7 @@ def _category(path: str) -> str:
         (".local", "local"),
         (".real", "real weights"),
         (".history.", "history"),
+        (".velocity", "velocity"),
     ):
         if attribute in path:
             return category

@@ -175,8 +175,9 @@ class Settings:
         "none",
         _compensation,
         'the stale layers\' compensation: a registered name, ``"none"``, ``"dc"``, ``"wp1"``, '
-        '``"wp2"`` or ``"wp3"``, or a :class:`sapipe.optim.compensation.Compensation` (one of your '
-        "own: a subclass).",
+        '``"wp2"``, ``"wp3"`` or ``"t2"`` (PipeMare\'s velocity extrapolation), or a '
+        ":class:`sapipe.optim.compensation.Compensation` (``ExtrapolateVelocity(decay=D)``, or "
+        "one of your own: a subclass).",
     )
     dc_lambda: float = _setting(
         0.2,

@@ -16,6 +16,7 @@ optimizer rule.
 | wp1  | g_{t-1} | l_t | SAPipe-WP option 1 (Alg. 3) |
 | wp2  | g_{t-1} | g_{t-1} | option 2 |
 | wp3  | g_{t-1} | DC_λ(g_{t-1} − l_{t-1}/n, x_t − x_{t-1}) + l_t/n | option 3 |
+| t2   | g_{t-s} | — : x̃_{t+1} = x_t + s·δ_t, δ an EMA of x_t − x_{t-1} | PipeMare T2 (§3.2) |
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ class Compensation:
     * :meth:`real_gradient`: ĝ, the gradient the real update of a stale layer applies;
     * :meth:`prediction_gradient`: g̃, for weight prediction x̃ = OPT_peek(x, g̃) (or None).
 
+    A compensation that ``extrapolates`` predicts without the optimizer: x̃_{t+1} = x_t +
+    s·δ_t, with δ an exponential moving average of the real weights' change at rate
+    :attr:`velocity_decay` (PipeMare's T2, :class:`ExtrapolateVelocity`).
+
     The runtime binds a copy of it to the job's staleness (:meth:`for_staleness`); every rank
     must give an equal compensation (the same class, ``name`` and attributes).
     """
@@ -74,6 +79,7 @@ class Compensation:
     needs_local = False  # keeps this rank's own gradient l_t in a flat buffer
     needs_prev_local = False  # ... and l_{t-1}
     history_length = 0  # past real weights kept (the newest is x_{t-1} during step t)
+    extrapolates = False  # x̃ = x + s·δ (a velocity kept per stale weight), not OPT_peek
     max_staleness: int | None = None  # None: any staleness
     staleness = 1  # s, set by for_staleness()
 
@@ -112,6 +118,12 @@ class Compensation:
     def prediction_gradient(self, step: StaleStep) -> GradientSpec | None:
         """g̃ for x̃_{t+1} = OPT_peek(x_t, g̃), or None for x̃_{t+1} = x_t."""
         return None
+
+    @property
+    def velocity_decay(self) -> float:
+        """γ of the velocity δ_t = γ·δ_{t-1} + (1 − γ)·(x_t − x_{t-1}), where it
+        :attr:`extrapolates`."""
+        raise NotImplementedError
 
 
 class DelayCompensation(Compensation):
@@ -182,6 +194,41 @@ class PredictMixed(Compensation):
         )
 
 
+class ExtrapolateVelocity(Compensation):
+    """``"t2"``: PipeMare's discrepancy correction (T2, §3.2), as a weight prediction.
+
+    ĝ = g_{t-s}, as ``"none"``. The forward of a stale layer runs on its real weights
+    extrapolated by their recent velocity to where its gradient will be applied, s steps
+    later: x̃_{t+1} = x_t + s·δ_t, δ_t = γ·δ_{t-1} + (1 − γ)·(x_t − x_{t-1}), δ_0 = 0, with
+    γ = D^{1/s} (PipeMare's per-stage decay, D = ``decay``). One axpy per step and one
+    buffer per stale weight; no optimizer peek, so it suits any optimizer, the generic
+    update path included, and any staleness.
+
+    ``ExtrapolateVelocity(decay=D)`` sets D in (0, 1); ``"t2"`` is D = 0.1.
+    """
+
+    name = "t2"
+    predicts = True
+    extrapolates = True
+    decay = 0.1  # D
+
+    def __init__(self, decay: float | None = None):
+        if decay is not None:
+            if not (isinstance(decay, (int, float)) and 0.0 < decay < 1.0):
+                raise ConfigurationError(
+                    f"ExtrapolateVelocity(decay=...) takes D in (0, 1); got {decay!r}"
+                )
+            if decay != type(self).decay:  # the default's instances stay equal to "t2"
+                self.decay = float(decay)
+
+    def __repr__(self) -> str:
+        return f"ExtrapolateVelocity(decay={self.decay})"
+
+    @property
+    def velocity_decay(self) -> float:
+        return self.decay ** (1.0 / self.staleness)
+
+
 #: names ``compensation=`` accepts, and the strategy each stands for (:func:`register_compensation`)
 MODES: dict[str, type[Compensation]] = {
     cls.name: cls
@@ -191,6 +238,7 @@ MODES: dict[str, type[Compensation]] = {
         PredictFromLocal,
         PredictFromSynchronised,
         PredictMixed,
+        ExtrapolateVelocity,
     )
 }
 
@@ -218,6 +266,7 @@ __all__ = [
     "MODES",
     "Compensation",
     "DelayCompensation",
+    "ExtrapolateVelocity",
     "PredictFromLocal",
     "PredictFromSynchronised",
     "PredictMixed",

@@ -4,7 +4,8 @@
   step's hyper-parameters and applied just before the bucket's first layer runs forward
   again (or at ``synchronize()``), so its all-reduce overlaps the rest of backward.
 * A **stale** bucket is updated at ``step()`` of pipeline step t with the averaged gradient
-  of t − s, compensated (``dc``) or followed by a weight prediction (``wp1``–``wp3``).
+  of t − s, compensated (``dc``) or followed by a weight prediction (``wp1``–``wp3`` by the
+  optimizer's peek, ``t2`` by extrapolating the weights' velocity).
 * With a GradScaler (sapipe.runtime.scaling), each gradient is unscaled with its own
   iteration's scale wherever it is consumed, and dropped there if it was not finite
   (docs/design.md §3).
@@ -77,6 +78,7 @@ class BucketWeights:
         self.weights = weights
         self.real = weights
         self.history: WeightHistory | None = None
+        self.velocity: Tensor | None = None  # δ, where the compensation extrapolates (t2)
         self.states = states  # per segment of the bucket
         self.pending: tuple[Hyperparams, int] | None = None
 
@@ -190,6 +192,7 @@ class Updater:
             # over the model's, which frameworks save and load as the real ones
             "predicted": w.weights.clone() if w.predicted else None,
             "history": None if w.history is None else w.history.state_dict(),
+            "velocity": None if w.velocity is None else w.velocity.clone(),
             "pending_update": w.pending,
         }
 
@@ -226,6 +229,8 @@ class Updater:
         if state["history"] is not None:
             w.history = WeightHistory(w.real, len(state["history"]["ring"]))
             w.history.load_state_dict(state["history"])
+        if state.get("velocity") is not None:
+            w.velocity = state["velocity"].clone()
         w.pending = state["pending_update"]
 
     def export_state(self, bucket: Bucket) -> dict:
@@ -305,6 +310,8 @@ class Updater:
             w.real = w.weights.clone() if comp.predicts else w.weights
             if comp.history_length:
                 w.history = WeightHistory(w.real, comp.history_length)
+            if comp.extrapolates:
+                w.velocity = torch.zeros_like(w.real)  # δ_0 = 0
         buffer = self._pipeline.gradients(bucket).buffer
         grad, skip = (
             self._gradient(bucket, buffer.index(t - s), iteration - s)[:2] if t > s else (None, [])
@@ -313,12 +320,25 @@ class Updater:
         hyperparams = self.stale_hyperparams(hyperparams, t)
         # x̃_{t+1} = OPT_peek(x_t, g̃); recipes only describe, so g̃ can be known up front
         predictor = comp.prediction_gradient(view) if comp.predicts else None
+        if comp.extrapolates:  # x̃_t served its forward: the buffer keeps x_{t-1} meanwhile
+            w.weights.copy_(w.real)
         if grad is not None:
             self._real_update(w, view, hyperparams, predictor, skip)
         else:
             self._no_update(w, hyperparams, predictor)
-        if comp.predicts and predictor is None:
+        if comp.extrapolates:
+            self._extrapolate(w)
+        elif comp.predicts and predictor is None:
             w.weights.copy_(w.real)  # no prediction: x̃_{t+1} = x_t
+
+    def _extrapolate(self, w: BucketWeights) -> None:
+        """PipeMare T2: δ_t = γ·δ_{t-1} + (1 − γ)·(x_t − x_{t-1}), then x̃_{t+1} = x_t + s·δ_t,
+        with ``w.weights`` holding x_{t-1} on entry (stale_update) and x̃_{t+1} on return."""
+        assert w.velocity is not None
+        gamma = self.compensation.velocity_decay
+        change = w.weights.sub_(w.real)  # x_{t-1} − x_t
+        w.velocity.mul_(gamma).sub_(change, alpha=1.0 - gamma)
+        torch.add(w.real, w.velocity, alpha=float(self._settings.staleness), out=w.weights)
 
     def _stale_view(self, w: BucketWeights, grad: torch.Tensor | None, iteration: int) -> StaleStep:
         """What the compensation sees at this step: ĝ, x, this rank's l_t and l_{t−1}, Δx's

@@ -32,6 +32,7 @@ CASES = [
     ("adam", 0, "none", 1, 0, "bf16"),
     # stale buckets whose gradients backward casts into the messages
     ("sgd", 4, "wp2", 1, 0, "fp16"),
+    ("adam", 4, "t2", 2, 1),  # T2's velocity in the checkpoint
 ]
 INT8_CASE = 7
 

@@ -56,6 +56,8 @@ CONFIGS = [
     (3, "wp2", "outer", 1, 0, 0),
     (3, "wp3", "outer", 1, 0, 0),
     (M, "wp3", "diagonal", 1, 0, 0),
+    (3, "t2", "outer", 1, 0, 0),
+    (M, "t2", "outer", 2, 2, 0),
     (2, "none", "outer", 1, 3, 0),
     (3, "dc", "outer", 1, 2, 0),
     (3, "wp1", "outer", 1, 2, 0),

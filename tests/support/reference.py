@@ -371,7 +371,8 @@ def _to64(obj):
 # The simulation
 # ----------------------------------------------------------------------------------------
 
-_MODES = ("none", "dc", "wp1", "wp2", "wp3")
+_MODES = ("none", "dc", "wp1", "wp2", "wp3", "t2")
+T2_DECAY = 0.1  # D of compensation="t2" (PipeMare's discrepancy-correction decay)
 
 
 def run_reference(
@@ -398,8 +399,8 @@ def run_reference(
         raise ValueError(f"dc_form must be 'outer' or 'diagonal', got {dc_form!r}")
     if staleness < 1:
         raise ValueError("staleness must be >= 1")
-    if staleness > 1 and compensation not in ("none", "dc"):
-        raise ValueError("staleness > 1 is only defined for 'none' and 'dc'")
+    if staleness > 1 and compensation not in ("none", "dc", "t2"):
+        raise ValueError("staleness > 1 is only defined for 'none', 'dc' and 't2'")
     s, W, K = staleness, warmup_steps, lr_ramp_steps
     wp = compensation.startswith("wp")
 
@@ -460,6 +461,7 @@ def run_reference(
     G: dict[int, Tensors] = {}  # G[t]: g_t of S params
     L: dict[int, list[Tensors]] = {}  # L[t][r]: l_t^r of S params
     pred: list[Tensors] | None = None  # x̃ for S, per rank (None = hold real weights)
+    velocity: Tensors = {}  # t2: δ_t of S
 
     res = ReferenceResult(
         real=[], held=[], order=order, stale_names=all_stale, layer_params=layer_params
@@ -510,6 +512,7 @@ def run_reference(
             t = it - W  # pipeline step
             if t == 1:
                 X.append(cur(S))  # x_0: pipeline start
+                velocity = {nm: torch.zeros_like(x[nm]) for nm in S}  # δ_0 = 0
 
             # -- 1b. clipping: the gradient this step applies, sync g_t and stale g_{t-s}, as one
             g_sync = {nm: g[nm] for nm in N}
@@ -542,12 +545,20 @@ def run_reference(
                         else dc_correct(g_old[nm], x_prev[nm] - x_back[nm], dc_lambda, dc_form)
                         for nm in S
                     }
-                else:  # none, wp1, wp2, wp3: the real update uses g_{t-1}
+                else:  # none, wp1, wp2, wp3, t2: the real update uses g_{t-s}
                     g_hat = g_old
                 _step(opt_S, [x[nm] for nm in S], [g_hat[nm] for nm in S])
             X.append(cur(S))  # X[t] = x_t (= x_{t-1} when no update)
 
-            # -- 4. weight prediction for the next iteration: x̃_{t+1} = OPT_peek(x_t, g̃) --
+            # -- 4a. PipeMare T2: x̃_{t+1} = x_t + s·δ_t, δ_t = γδ_{t-1} + (1-γ)(x_t - x_{t-1}),
+            #        γ = D^{1/s}; the same on every rank
+            if compensation == "t2" and opt_S is not None:
+                gamma = T2_DECAY ** (1.0 / s)
+                for nm in S:
+                    velocity[nm] = gamma * velocity[nm] + (1 - gamma) * (X[t][nm] - X[t - 1][nm])
+                pred = [{nm: X[t][nm] + s * velocity[nm] for nm in S} for _ in range(n)]
+
+            # -- 4b. weight prediction for the next iteration: x̃_{t+1} = OPT_peek(x_t, g̃) --
             if wp and opt_S is not None:
                 pred = []
                 for r in range(n):

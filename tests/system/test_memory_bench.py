@@ -18,7 +18,7 @@ import sys
 
 from support.paths import BENCHMARKS
 
-MODES = "ddp,ddp-view,k0,k0-noexpose,km-none,km-none-noexpose,km-wp3"
+MODES = "ddp,ddp-view,k0,k0-noexpose,km-none,km-none-noexpose,km-wp3,km-t2"
 
 
 def _extra(counts, grad_bytes):
@@ -130,3 +130,13 @@ def test_the_accounting_matches_its_formula():
         and wp3["local"] == 2 * g
         and wp3["real weights"] == g
     )
+
+    # t2 at k = m: two slots, the real weights and their velocity
+    t2 = rows["km-t2"]["between"]
+    assert (
+        _check_slots(rows["km-t2"], n, p, depth=2)
+        and t2["real weights"] == g
+        and t2["velocity"] == g
+        and "local" not in t2
+    )
+    assert extra("km-t2") == km_slots - g + 2 * g
