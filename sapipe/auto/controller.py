@@ -289,6 +289,14 @@ class AutoController:
                 else ""
             )
             log.info("%s%s", self.decision.summary(), tuned)
+            if self.decision.advice is not None:
+                log.warning("sapipe: %s", self.decision.advice)
+
+    @property
+    def advice(self) -> str | None:
+        """Once k is decided: what to do where even k = m cannot hide the link (elastic
+        averaging, with a period from the profile), else None."""
+        return self.decision.advice if self.decided and self.decision is not None else None
 
     # ------------------------------------------------------------------ the measured search
 

@@ -136,6 +136,28 @@ class Decision:
     stalls: dict[int, float] = field(default_factory=dict)  # every simulated k -> its stall
 
     @property
+    def averaging_period(self) -> int | None:
+        """Where even k = m stalls: the period τ of elastic averaging
+        (``sapipe.ElasticAveraging``) whose τ iterations of compute hide one all-reduce of
+        the model, with a quarter to spare; None where the link is not the limit."""
+        if not self.comm_bound or self.compute_time <= 0:
+            return None
+        return max(2, math.ceil(1.25 * self.comm_time / self.compute_time))
+
+    @property
+    def advice(self) -> str | None:
+        """What to do where no k hides the link (None: nothing)."""
+        period = self.averaging_period
+        if period is None:
+            return None
+        return (
+            f"no k hides this link: one all-reduce takes {self.comm_time / self.compute_time:.2g}x "
+            f"an iteration's compute. Periodic averaging hides it behind {period} local steps: "
+            f"sapipe.ElasticAveraging(optimizer, model, period={period}) in place of "
+            "DistributedOptimizer (docs/guide.md, links too slow for any k)"
+        )
+
+    @property
     def throughput(self) -> float:
         """Predicted iterations per second at the chosen k."""
         return 1.0 / self.iteration_time if self.iteration_time > 0 else math.inf
@@ -153,7 +175,7 @@ class Decision:
                 f"sapipe schedule: COMMUNICATION-BOUND (comm {_ms(self.comm_time)} vs compute "
                 f"{_ms(self.compute_time)} per iteration; even all {self.m} layers stale stall): "
                 f"k={self.k} (kappa={self.kappa:.1%}), predicted {_ms(self.iteration_time)}/iter "
-                f"= {self.throughput:.3g} it/s, limited by communication; {tail}"
+                f"= {self.throughput:.3g} it/s, limited by communication; {tail}; {self.advice}"
             )
         return (
             f"sapipe schedule: k={self.k} of {self.m} layers stale (kappa={self.kappa:.1%}), "

@@ -83,3 +83,33 @@ def _closure_raises(rank, world_size):
 def test_an_exception_in_the_closure_reaches_the_caller():
     for message in run_ranks(_closure_raises, world_size=2):
         assert message == "the user's closure failed"
+
+
+def _backward_twice(rank, world_size):
+    import sapipe
+
+    model = make_model("tied", seed=0)
+    opt = sapipe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    loss_fn = loss_fn_for("tied")
+    (x, y) = make_batches("tied", 1, world_size)[0][rank]
+
+    def closure():
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward(retain_graph=True)
+        loss.backward()  # a second gradient for every parameter before the step
+        return loss
+
+    try:
+        opt.step(closure)
+    except sapipe.UsageError as exc:
+        return str(exc)
+    finally:
+        opt.close()
+    return None
+
+
+def test_a_closure_that_calls_backward_twice_is_refused_on_every_rank():
+    for message in run_ranks(_backward_twice, world_size=2):
+        assert message is not None and "second gradient before step()" in message, message
+        assert "no_sync" in message

@@ -203,6 +203,20 @@ def test_communication_bound():
     assert d.iteration_time_sync > d.iteration_time
     assert "COMMUNICATION-BOUND" in d.summary()
     assert closed_form_k(profiles) is None
+    # the advice: elastic averaging with τ steps of compute for one all-reduce, 25% to spare
+    ratio = d.comm_time / d.compute_time
+    assert ratio > 1.5 and d.averaging_period == max(2, math.ceil(1.25 * ratio))
+    assert f"ElasticAveraging(optimizer, model, period={d.averaging_period})" in d.summary()
+    assert (
+        choose_k(
+            *random_profiles(rng, 10, 1e-6)[:1],
+            bucket_cap_bytes=4096,
+            alpha=0.0,
+            beta=1e-12,
+            bytes_per_layer=nbytes,
+        ).advice
+        is None
+    )
 
 
 def test_stale_traffic_overlaps_next_iteration():
