@@ -6,7 +6,7 @@ Trains each task of ``convergence_tasks.py`` with 4 ranks (Gloo, CPU) in these m
 * ``pipesgd``  k = m, compensation ``none``: every layer one step stale (Pipe-SGD)
 * ``none``     sapipe's partial staleness alone (the fixed k below, no compensation), a
   reference column: how much of the gap the compensation closes
-* ``dc``, ``wp1``, ``wp2``, ``wp3``: sapipe with the fixed k (default ``--k half``:
+* ``dc``, ``wp1``, ``wp2``, ``wp3``, ``t2``: sapipe with the fixed k (default ``--k half``:
   k = m // 2, the first half of the layers in forward order) and that compensation,
   λ = 0.2 (the library default) for ``dc`` and ``wp3``
 
@@ -57,8 +57,8 @@ import harness
 HERE = Path(harness.BENCH_DIR)
 REPO = Path(harness.REPO)
 
-MAIN_MODES = ["sync", "pipesgd", "none", "dc", "wp1", "wp2", "wp3"]
-SAPIPE_MODES = ["dc", "wp1", "wp2", "wp3"]
+MAIN_MODES = ["sync", "pipesgd", "none", "dc", "wp1", "wp2", "wp3", "t2"]
+SAPIPE_MODES = ["dc", "wp1", "wp2", "wp3", "t2"]
 STUDIES = ("all", "main", "compression")
 MAIN_COLORS = dict(
     sync="black",
@@ -68,6 +68,7 @@ MAIN_COLORS = dict(
     wp1="tab:green",
     wp2="tab:olive",
     wp3="tab:purple",
+    t2="tab:brown",
 )
 # sync, the uncompressed best mode, then COMPRESSED_VARIANTS in order
 COMPRESSION_COLORS = ["black", "tab:green", "tab:blue", "tab:orange", "tab:red"]
