@@ -46,6 +46,11 @@ REFUSED: dict[str, str] = {
         "its step() scales updates by the gradient norm over all parameters (apex); sapipe "
         "updates each bucket on its own, at its own time"
     ),
+    "ElasticAveraging": (
+        "sapipe.ElasticAveraging averages models, not gradients (each rank steps on its own "
+        "gradient), so there is no gradient all-reduce for stale layers to hide; use one or "
+        "the other, each wrapping the plain torch optimizer"
+    ),
 }
 #: modules of optimizers that communicate in step() themselves (ZeroRedundancyOptimizer, Horovod's,
 #: ...)
