@@ -7,6 +7,7 @@ synchronous, and staleness compensation (``dc``, ``wp1``-``wp3``) keeps accuracy
 
 from sapipe.checkpoint import Checkpointer, checkpoint_exists, load_checkpoint, save_checkpoint
 from sapipe.ddp_hook import StaleHook, stale_hook
+from sapipe.elastic import ElasticAveraging
 from sapipe.errors import (
     CommunicationError,
     ConfigurationError,
@@ -26,6 +27,7 @@ register_with_frameworks()  # Trainer(strategy="sapipe") (sapipe/integrations/__
 
 __all__ = [
     "DistributedOptimizer",
+    "ElasticAveraging",
     "save_checkpoint",
     "load_checkpoint",
     "checkpoint_exists",

@@ -136,7 +136,7 @@ def _stale_layers(name: str, value: Any) -> int | str:
     return value
 
 
-def parse_timeout(name: str, value: None | Real | timedelta) -> timedelta | None:
+def parse_timeout(name: str, value: None | float | Real | timedelta) -> timedelta | None:
     """``None`` (inherit the process group's), seconds > 0, or a positive timedelta."""
     if value is None:
         return None

@@ -25,6 +25,7 @@ LAYERS = [
     "optimizer",
     "checkpoint",
     "ddp_hook",
+    "elastic",
     "integrations",
     "launch",
     "__init__",
