@@ -79,7 +79,7 @@ bench: venv
 	@command -v tc >/dev/null && command -v unshare >/dev/null || \
 	  { echo "installing iproute2 (tc) and util-linux (unshare)"; \
 	    apt-get update -qq && apt-get install -y -qq iproute2 util-linux; }
-	@$(VPY) -c "import matplotlib" 2>/dev/null || $(VPIP) install -q -r benchmarks/requirements.txt
+	@$(VPY) -c "import matplotlib" 2>/dev/null || $(VPIP) install -q -c constraints.txt -r benchmarks/requirements.txt
 	$(VPY) benchmarks/throughput.py $(BENCH_ARGS)
 
 # Convergence benchmark: 3 tasks x (sync, pipesgd, dc, wp1-3) x 3 seeds, 4 ranks (Gloo),
@@ -88,7 +88,7 @@ bench: venv
 # Options: CONVERGENCE_ARGS="--quick" (smoke run, < 2 min), "--k auto", "--study compression"
 # (the compression study alone, ~8 min; writes results/convergence_compression.md).
 convergence: venv
-	$(VPIP) install -q -r benchmarks/requirements.txt
+	$(VPIP) install -q -c constraints.txt -r benchmarks/requirements.txt
 	OMP_NUM_THREADS=1 $(VPY) benchmarks/convergence.py $(CONVERGENCE_ARGS)
 
 # Horovod from the PyPI sdist, CPU-only with Gloo. Its CMake pins C++14 but torch 2.x
