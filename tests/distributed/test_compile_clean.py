@@ -22,7 +22,8 @@ from support.zoo import make_zoo_model, module_types, zoo_batch, zoo_loss
 
 pytestmark = pytest.mark.slow  # every configuration compiles its model on two ranks
 
-STEPS = 28  # "auto": 5 unprofiled + profiled warm-up, decision, a trial of k = m, the final k
+AUTO_STEPS = 28  # "auto": 5 unprofiled + profiled warm-up, decision, a trial of k = m, the final k
+STEPS = 8  # a fixed k: the pipeline's start, its first stale updates and predictions, and more
 BACKEND = "aot_eager"  # AOTAutograd's graphs without code generation
 
 
@@ -52,9 +53,10 @@ def _pin_the_search(k: int) -> None:
 
 
 def _train(rank, name, options, compile_as):
-    """Train ``name`` for STEPS under sapipe; (weights, graphs compiled after each step, graph
-    breaks at the end). ``compile_as``: None (eager), "wrapped" (compiled with fullgraph=True,
-    then given to sapipe) or "after" (given to sapipe, then compiled)."""
+    """Train ``name`` for STEPS (AUTO_STEPS with "auto") under sapipe; (weights, graphs
+    compiled after each step, graph breaks at the end). ``compile_as``: None (eager),
+    "wrapped" (compiled with fullgraph=True, then given to sapipe) or "after" (given to
+    sapipe, then compiled)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -71,7 +73,7 @@ def _train(rank, name, options, compile_as):
         opt = sapipe.DistributedOptimizer(base, model, **options)
         forward = torch.compile(model, backend=BACKEND) if compile_as == "after" else model
     graphs = []
-    for step in range(STEPS):
+    for step in range(AUTO_STEPS if options["stale_layers"] == "auto" else STEPS):
         x, y = zoo_batch(name, rank, step)
         zoo_loss(name, forward(x), y).backward()
         opt.step()
@@ -105,7 +107,7 @@ def _job(rank, world_size, name, configs):
 
 
 def _configs(full: bool):
-    modes = ("none", "dc", "wp1", "wp2", "wp3") if full else ("wp3",)
+    modes = ("none", "dc", "wp1", "wp2", "wp3", "t2") if full else ("wp3",)
     configs = [({"stale_layers": "half", "compensation": mode}, "wrapped") for mode in modes]
     if full:
         configs += [
