@@ -59,7 +59,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from typing import Any
 
 import harness
@@ -338,32 +337,8 @@ def _finish(result: dict[str, Any], out: str, rank: int, opt=None) -> None:
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     """Fork the two ranks, host their store, wait; rank 0's result."""
-    import torch.distributed as dist
-
     out = tempfile.mkdtemp(prefix="sapipe-elastic-")
-    read_end, write_end = os.pipe()
-    pids = []
-    for rank in range(2):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                port = int.from_bytes(os.read(read_end, 4), "little")
-                rank_main(rank, port, job, out)
-                code = 0
-            except BaseException:  # noqa: BLE001 - said, then the exit status says it
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        pids.append(pid)
-    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
-    for _ in pids:
-        os.write(write_end, store.port.to_bytes(4, "little"))
-    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-    del store
-    gc.collect()
+    codes = harness.fork_ranks(rank_main, job, out)
     if any(codes):
         raise RuntimeError(f"job {job} failed (exit codes {codes})")
     with open(os.path.join(out, "rank0.json")) as f:

@@ -198,6 +198,40 @@ def run_job(name: str, cmd: list[str], env: dict[str, str], timeout: float, resu
         return json.load(f)
 
 
+def fork_ranks(rank_main, *args: Any, world_size: int = 2) -> list[int]:
+    """Fork ``world_size`` ranks that run ``rank_main(rank, port, *args)``, host their
+    ``TCPStore`` here (created after the forks, so no rank holds it), wait for them; their exit
+    codes (0 where ``rank_main`` returned, 1 where it raised, its traceback printed)."""
+    import gc
+    import traceback
+
+    import torch.distributed as dist
+
+    read_end, write_end = os.pipe()
+    pids = []
+    for rank in range(world_size):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                rank_main(rank, int.from_bytes(os.read(read_end, 4), "little"), *args)
+                code = 0
+            except BaseException:  # noqa: BLE001 - said, then the exit status says it
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    store = dist.TCPStore("127.0.0.1", 0, world_size, True, wait_for_workers=False)
+    for _ in pids:
+        os.write(write_end, store.port.to_bytes(4, "little"))
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    del store
+    gc.collect()
+    return codes
+
+
 def synchronize(device) -> None:
     """Wait for the device's queued work (a no-op on CPU), so a host clock times it."""
     import torch

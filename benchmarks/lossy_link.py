@@ -40,7 +40,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 import harness
 
@@ -216,32 +215,8 @@ def rank_main(rank: int, port: int, steps: int, outdir: str) -> None:
 
 def run_job(steps: int, outdir: str) -> float:
     """Fork the two ranks, host their store, wait; the job's wall time."""
-    import torch.distributed as dist
-
     start = time.monotonic()
-    read_end, write_end = os.pipe()
-    pids = []
-    for rank in range(2):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                rank_main(rank, int.from_bytes(os.read(read_end, 4), "little"), steps, outdir)
-                code = 0
-            except BaseException:  # noqa: BLE001 - said, then the exit status says it
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        pids.append(pid)
-    # after the forks: no rank holds it
-    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
-    for _ in pids:
-        os.write(write_end, store.port.to_bytes(4, "little"))
-    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-    del store
-    gc.collect()
+    codes = harness.fork_ranks(rank_main, steps, outdir)
     if any(codes):
         raise SystemExit(f"lossy_link: a rank failed (exit codes {codes})")
     return time.monotonic() - start

@@ -21,7 +21,7 @@ from unittest import mock
 
 import numpy as np
 import torch
-from support.dist_utils import assert_close_dicts, run_ranks
+from support.dist_utils import as_torchrun, assert_close_dicts, run_ranks
 from support.models import loss_fn_for, make_batches, make_model
 from support.training import held_and_real, named_weights
 
@@ -34,12 +34,7 @@ SETTINGS = dict(bucket_cap_mb=0.0008)  # several buckets on the small model
 def _accelerator(rank, world_size, **kwargs):
     """A fresh multi-process CPU ``Accelerator`` on the rank's Gloo group (Accelerate's
     singletons reset, so that each run in a rank function can configure its own)."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    as_torchrun(rank, world_size)
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 

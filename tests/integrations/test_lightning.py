@@ -19,7 +19,7 @@ import os
 
 import pytest
 import torch
-from support.dist_utils import run_ranks
+from support.dist_utils import as_torchrun, run_ranks
 
 pytest.importorskip("lightning")
 
@@ -82,17 +82,6 @@ def _module_class():
     return Regression
 
 
-def _environment(rank: int, world_size: int) -> None:
-    """What torchrun sets, which Lightning reads (the Gloo group is already up)."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        NODE_RANK="0",
-    )
-
-
 def _fit(
     rank,
     world_size,
@@ -107,7 +96,7 @@ def _fit(
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    _environment(rank, world_size)
+    as_torchrun(rank, world_size)
     x, y = _data(world_size)
     module = _module_class()()
     trainer = pl.Trainer(
@@ -330,7 +319,7 @@ def _refused(rank, world_size, case):
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    _environment(rank, world_size)
+    as_torchrun(rank, world_size)
     x, y = _data(world_size)
     trainer = pl.Trainer(
         accelerator="cpu",

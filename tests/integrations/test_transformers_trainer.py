@@ -23,7 +23,7 @@ import os
 import numpy as np
 import torch
 import torch.nn.functional as F
-from support.dist_utils import assert_close_dicts, run_ranks
+from support.dist_utils import as_torchrun, assert_close_dicts, run_ranks
 from support.training import named_weights
 from support.zoo import FeedForward, LayerNorm
 from torch import nn
@@ -79,12 +79,7 @@ def _model():
 
 
 def _environment(rank, world_size):
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    as_torchrun(rank, world_size)
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=False)

@@ -82,6 +82,18 @@ def _context():
     return ctx
 
 
+def as_torchrun(rank: int, world_size: int) -> None:
+    """Set what torchrun sets for a rank (one node), which the frameworks read to find the
+    job they are in; their process group is then the one already initialised here."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        NODE_RANK="0",
+    )
+
+
 def run_ranks(
     fn: Callable,
     world_size: int = 2,
