@@ -77,8 +77,10 @@ KILLS = [
     # a stale one (in step()): whichever their timing reaches first
     ("relayout", 3, 1, " all-reduce of ", {8, 9}),
     # after the restart to k = m every layer is stale: the survivor trains iteration 13 on, and
-    # fails at the stale wait in 14's step(), unless its drain in 12's restart failed already
-    ("restart", 2, 1, "all-reduce of stale bucket", {12, 13, 14}),
+    # fails at the stale wait in 14's step(), unless its restart in 12 failed already: the
+    # drain of a stale bucket, or the wait for 12's sync all-reduce, which the killed rank may
+    # have left unfinished
+    ("restart", 2, 1, " all-reduce of ", {12, 13, 14}),
     ("compressed", 2, 1, "compressed sum of", {4, 5}),  # the sync or the stale back-end's worker
 ]
 
