@@ -48,9 +48,10 @@ def _long_description():
 # is absent (one warning). The sdist carries every csrc file (MANIFEST.in).
 # ---------------------------------------------------------------------------
 #: csrc/ and its folders: shared headers and bindings at the top, cpu/ (the update kernels),
-#: codec/ (the compression codec's CPU and CUDA kernels), cuda/ (the CUDA update kernels).
+#: codec/ (the compression codec's CPU and CUDA kernels), cuda/ (the CUDA update kernels),
+#: runtime/ (the gradient intake's autograd hooks, in sapipe._C for every device).
 #: Every folder is on the include path, so a source includes any header by its file name.
-CSRC_DIRS = ["csrc", "csrc/cpu", "csrc/codec", "csrc/cuda"]
+CSRC_DIRS = ["csrc", "csrc/cpu", "csrc/codec", "csrc/cuda", "csrc/runtime"]
 
 
 def _csrc(pattern):

@@ -178,7 +178,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             model.register_forward_pre_hook(self._forward.before_model),
             model.register_forward_hook(self._after_model_forward),
         ]
-        self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
+        exposure = self._runtime.exposure
+        self._pipeline.hook(  # sapipe.runtime.intake: in C++ where the kernels are built
+            params,
+            self._on_gradient,
+            iteration=lambda: self._progress.next_iteration,
+            backward_began=exposure.arm if exposure is not None else None,
+            per_gradient=self._spans is not None,
+        )
         recorder.start()
         close_at_exit(self)  # a job that never calls close() still exits cleanly (design §5.4)
         # an uncaught exception on this rank is named to its peers (sapipe/comm/failures.py)
@@ -338,6 +345,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._forward.forward_start = None
         self.tracer.record("step_end", iteration=iteration)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``. With ``set_to_none=False`` the gradients stay
+        the views of sapipe's buckets that ``p.grad`` shows, zeroed, and backward accumulates
+        into them in place, with no copy (DDP's ``gradient_as_bucket_view``); a synchronous
+        layer's deferred update is applied first, since zeroing overwrites the gradient it
+        applies."""
+        if not set_to_none and self._runtime.exposure is not None:
+            self._runtime.exposure.settle_pending()
+        super().zero_grad(set_to_none)
+
     @torch.no_grad()
     def synchronize(self) -> None:
         """Apply every pending (deferred) synchronous update now.
@@ -371,11 +388,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``for micro in batches[:-1]: with opt.no_sync(): loss(micro).backward()`` then
         ``loss(batches[-1]).backward(); opt.step()``.
         """
+        intake = self._pipeline.intake
+        assert intake is not None
         previous, self._progress.accumulating = self._progress.accumulating, True
+        intake.paused = True  # its hooks do nothing: p.grad accumulates
         try:
             yield
         finally:
-            self._progress.accumulating = previous
+            self._progress.accumulating = intake.paused = previous
 
     @contextlib.contextmanager
     def real_weights(self) -> Iterator[nn.Module]:
@@ -421,6 +441,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
+            self._pipeline.unhook()
             if self._recorder is not None:
                 self._recorder.finish()
                 self._recorder = None

@@ -17,8 +17,11 @@ the peer's own (``--no-ddp`` leaves it out).
 
 ``--compressions`` adds k = m with each wire format (``compression=``): the codec's host cost
 per bucket (its passes, the two collectives and the worker thread's hand-over), one rank.
-``--device cuda`` runs the same on a GPU (one NCCL rank): its kernels are too small to keep
-the device busy, so a step lasts as long as the host takes to issue it, launches included.
+``--keep-grads`` zeroes gradients in place (``zero_grad(set_to_none=False)``) rather than
+dropping them: autograd then accumulates into the views ``p.grad`` already is (sapipe's exposed
+slot, DDP's bucket with ``gradient_as_bucket_view=True``), and neither copies a gradient.
+``--device cuda`` runs the same on a GPU (one NCCL rank): its kernels are too small to keep the
+device busy, so a step lasts as long as the host takes to issue it, launches included.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ def main() -> None:
         help="leave out the peer rows: torch's DDP (default, and with "
         "gradient_as_bucket_view=True)",
     )
+    p.add_argument(
+        "--keep-grads",
+        action="store_true",
+        help="zero_grad(set_to_none=False): gradients accumulate into the views p.grad holds",
+    )
     args = p.parse_args()
     import bench_models
     import torch
@@ -71,7 +79,7 @@ def main() -> None:
         times = []
         for _ in range(args.steps):
             start = time.perf_counter()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=not args.keep_grads)
             F.cross_entropy(model(x), y).backward()
             opt.step()
             times.append(time.perf_counter() - start)
@@ -82,6 +90,7 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {where}, one thread; "
         f"{args.rounds} rounds of {args.steps} steps"
+        + (", zero_grad(set_to_none=False)" if args.keep_grads else "")
     )
     print(
         "| wrapper | layers | torch alone ms | wrapper − torch, ms per iteration | per layer, µs |"

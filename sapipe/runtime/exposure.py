@@ -121,17 +121,24 @@ class GradientExposure:
         self._given: list[tuple[torch.Tensor, Tensor | None, ExposedGradient, int]] = []
         self._armed = False
         self._warned = False
+        #: per flat slot whose p.grad may be pending, id -> (the slot, its parameters' views as
+        #: PendingGradient), made once: every step exposes the same objects
+        self._pending_views: dict[int, tuple[Tensor, list[PendingGradient]]] = {}
+        #: id of a flat slot -> what its pending views show now (touched through it)
+        self._current: dict[int, ExposedGradient] = {}
 
     def reset(self) -> None:
         """Forget what was exposed (a checkpoint was loaded, or the layout changed)."""
         self.iteration = None
         self._forget()
+        self._pending_views.clear()  # the old layout's slots
 
     def _forget(self) -> None:
         for exposed in self.prepared.values():
             exposed.arrival = None  # a later read of an old p.grad waits for nothing
         self.prepared.clear()
         self._given.clear()
+        self._current.clear()
 
     def arm(self, iteration: int) -> None:
         """Called as backward hands over a gradient: expose once this backward pass ends."""
@@ -223,10 +230,12 @@ class GradientExposure:
         exposed.skip.extend(unused.unused_everywhere(buffer, slot))
         return waited
 
-    def _touch(self, bucket: Bucket, exposed: ExposedGradient) -> None:
-        """A ``p.grad`` of ``bucket`` is read: its gradient must be there. After ``step()`` its
-        deferred update is applied first (the read may be an edit, such as ``zero_()``)."""
-        if exposed.settled:
+    def _touch(self, bucket: Bucket, key: int) -> None:
+        """A ``p.grad`` of ``bucket`` over the flat slot ``key`` (its id) is read: its gradient
+        must be there. After ``step()`` its deferred update is applied first (the read may be an
+        edit, such as ``zero_()``)."""
+        exposed = self._current.get(key)
+        if exposed is None or exposed.settled:
             return
         if self._stepped:  # its update was deferred: applied now, then the read
             self.waited += self._apply_pending(bucket)
@@ -235,18 +244,51 @@ class GradientExposure:
             self.waited += exposed.settle()
 
     def _point_grads(self, bucket: Bucket, exposed: ExposedGradient) -> None:
-        skip = set(exposed.skip)
-        touch = partial(self._touch, bucket, exposed)
-        views = bucket.param_views(exposed.grad) if exposed.grad is not None else None
+        flat = exposed.grad
+        views: list[Tensor] | list[PendingGradient] | None = None
+        if flat is not None:
+            views = bucket.param_views(flat) if exposed.settled else self._pending(bucket, flat)
+            self._current[id(flat)] = exposed
+        skip = exposed.skip
+        given = self._given
         for i, param in enumerate(bucket.params):
-            view = None
-            if views is not None and i not in skip:
-                view = views[i]
-                if not exposed.settled:
-                    view = torch.Tensor._make_subclass(PendingGradient, view, False)
-                    view._sapipe_touch = touch
+            view = views[i] if views is not None and not (skip and i in skip) else None
             param.grad = view
-            self._given.append((param, view, exposed, i))
+            given.append((param, view, exposed, i))
+
+    @torch.no_grad()
+    def settle_pending(self) -> None:
+        """Before ``zero_grad(set_to_none=False)``: every ``p.grad`` still a
+        :class:`PendingGradient` becomes the plain view of its mean, once its bucket is settled
+        as the in-place edit would settle it (the deferred update applied first, after
+        ``step()``). The zeroing is then one foreach call, not one touch per gradient."""
+        buckets = self._pipeline.buckets
+        for (index, _), exposed in list(self.prepared.items()):
+            flat = exposed.grad
+            if exposed.settled or flat is None:
+                continue
+            bucket = buckets[index]
+            self._touch(bucket, id(flat))
+            made = self._pending_views.get(id(flat))
+            if made is None or made[0] is not flat:
+                continue
+            for param, pending, plain in zip(bucket.params, made[1], bucket.param_views(flat)):
+                if param.grad is pending:
+                    param.grad = plain
+
+    def _pending(self, bucket: Bucket, flat: Tensor) -> list[PendingGradient]:
+        """``bucket``'s parameters' views of ``flat`` as :class:`PendingGradient`, made once."""
+        made = self._pending_views.get(id(flat))
+        if made is not None and made[0] is flat:
+            return made[1]
+        touch = partial(self._touch, bucket, id(flat))
+        views = []
+        for view in bucket.param_views(flat):
+            pending = torch.Tensor._make_subclass(PendingGradient, view, False)
+            pending._sapipe_touch = touch
+            views.append(pending)
+        self._pending_views[id(flat)] = (flat, views)
+        return views
 
     @torch.no_grad()
     def collect(self) -> None:

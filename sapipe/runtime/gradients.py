@@ -2,9 +2,10 @@
 
 Per bucket of a layout (:class:`BucketGradients`): the slots backward writes into and their
 collectives carry (:class:`StalenessBuffer`), this rank's own gradient where a compensation
-keeps it (``local``, ``prev_local``), which gradients of the current iteration have arrived,
-and where each goes (``intake``). The update side reads what it needs (the arrived means,
-``local``) through the pipeline and never writes here.
+keeps it (``local``, ``prev_local``), and where each gradient of the current iteration goes
+(``intake``; which have arrived, the intake's hooks know: sapipe.runtime.intake). The update
+side reads what it needs (the arrived means, ``local``) through the pipeline and never writes
+here.
 """
 
 from __future__ import annotations
@@ -164,8 +165,6 @@ class BucketGradients:
         self.buffer = buffer
         self.local = local  # this rank's gradient of the current iteration (wp1, wp3)
         self.prev_local = prev_local  # ... of the previous iteration (wp3)
-        self.ready = [False] * len(bucket.params)  # which gradients of this iteration arrived
-        self.num_ready = 0
         #: per target, each parameter's place there (a view, or its pieces across compressed
         #: messages) for this iteration's gradients, set by its first one
         self.intake: list[list[object]] = []
@@ -189,11 +188,6 @@ class BucketGradients:
         """l_t becomes l_{t-1} (wp3), once a stale step has read both."""
         if self.prev_local is not None:
             self.local, self.prev_local = self.prev_local, self.local
-
-    def clear(self) -> None:
-        """Empty for the next backward."""
-        self.ready = [False] * len(self.bucket.params)
-        self.num_ready = 0
 
     def state_dict(self) -> dict:
         """This side's part of a bucket's checkpoint; in-flight collectives are waited for and

@@ -1,17 +1,19 @@
 """Gradient intake and communication: backward's gradients into buckets, buckets onto the wire.
 
 Every trainable parameter's gradient is copied into its bucket's slot as soon as backward
-produces it; a full bucket starts its all-reduce, strictly in bucket order, so every rank
-issues the same collectives in the same sequence whatever order its hooks fire in. Stale
-buckets rotate through ``staleness + 1`` slots (a gradient of iteration t is consumed at
-t + s while newer ones fill the other slots); sync and stale traffic run on separate
-back-end instances, each with process groups of its own (docs/design.md §5).
+produces it (by the intake's hooks, sapipe.runtime.intake: in C++ with no Python call per
+parameter, or here in :meth:`GradientPipeline.take`); a full bucket starts its all-reduce,
+strictly in bucket order, so every rank issues the same collectives in the same sequence
+whatever order its hooks fire in. Stale buckets rotate through ``staleness + 1`` slots (a
+gradient of iteration t is consumed at t + s while newer ones fill the other slots); sync and
+stale traffic run on separate back-end instances, each with process groups of its own
+(docs/design.md §5).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -22,6 +24,7 @@ from sapipe.errors import UsageError
 from sapipe.layout.buckets import Bucket
 from sapipe.runtime import unused
 from sapipe.runtime.gradients import BucketGradients, GradientBuffers, move_residuals
+from sapipe.runtime.intake import Intake, hook_parameters
 from sapipe.runtime.layout import Layout
 from sapipe.runtime.nonfinite import NonFiniteGradients
 from sapipe.schedule.profiler import LayerTimer
@@ -76,6 +79,12 @@ class GradientPipeline:
         self.stale_comm = self._new_comm(settings, group, "stale") if needs_stale else None
         self.layout: Layout | None = None  # the current one (lay_out)
         self._gradients: list[BucketGradients] = []  # per bucket of the layout
+        #: the hooks backward hands gradients to, and which have arrived (None: not hooked yet)
+        self.intake: Intake | None = None
+        self._hooked: list[torch.Tensor] = []  # the parameters hooked, in the intake's order
+        self._iteration: Callable[[], int] = lambda: 0
+        self._backward_began: Callable[[int], None] | None = None
+        self._per_gradient = False
         self.origin = settings.effective_warmup  # the pipeline starts after this iteration
         self.timer: LayerTimer | None = None  # the scheduler's profiler, while it profiles
         self.waited = 0.0  # seconds this iteration waited for all-reduces so far
@@ -105,6 +114,67 @@ class GradientPipeline:
     def buckets(self) -> list[Bucket]:
         return self.layout.buckets if self.layout is not None else []
 
+    def hook(
+        self,
+        params: Sequence[torch.Tensor],
+        on_slow: Callable[[torch.Tensor], None],
+        iteration: Callable[[], int],
+        backward_began: Callable[[int], None] | None = None,
+        per_gradient: bool = False,
+    ) -> None:
+        """Hook ``params`` for the optimizer's life (sapipe.runtime.intake).
+
+        ``on_slow(param)`` takes a gradient in Python (it calls :meth:`take`); ``iteration()``
+        gives the iteration backward's gradients belong to; ``backward_began(iteration)`` is
+        called as gradients of an iteration arrive; ``per_gradient``: the caller needs every
+        gradient through ``on_slow`` (tracing records each).
+        """
+        self._hooked = list(params)
+        self._iteration = iteration
+        self._backward_began = backward_began
+        self._per_gradient = per_gradient
+        self.intake = hook_parameters(params, on_slow, self._first_of_bucket, self._complete)
+        self._lay_out_intake()
+
+    def unhook(self) -> None:
+        """Remove the intake's hooks (``close()``); backward then hands sapipe nothing."""
+        if self.intake is not None:
+            self.intake.remove()
+
+    def _lay_out_intake(self) -> None:
+        if self.intake is None:
+            return
+        bucket_of, position = [-1] * len(self._hooked), [0] * len(self._hooked)
+        if self.layout is not None:
+            for j, param in enumerate(self._hooked):
+                place = self.layout.slot_of.get(id(param))
+                if place is not None:
+                    bucket_of[j], position[j] = place[0].index, place[1]
+        self.intake.lay_out(bucket_of, position, [len(b.params) for b in self.buckets])
+
+    def _first_of_bucket(self, index: int) -> list[list[torch.Tensor]] | None:
+        """The intake's call as bucket ``index``'s first gradient of the iteration arrives: the
+        views each gradient is copied into (per target), once what still reads the slot is
+        applied; None where this bucket's gradients go through :meth:`take` this iteration."""
+        if self.timer is not None or self._keeps_taken or self._per_gradient:
+            return None  # per-gradient work: the profiler's times, the taken gradients, tracing
+        iteration = self._iteration()
+        gradients = self._gradients[index]
+        if self.encodes_on_intake(gradients, iteration) and any(
+            not isinstance(view, torch.Tensor)
+            for view in gradients.message_views(self.slot(gradients.bucket, iteration))
+        ):
+            return None  # a gradient spans messages (SpanningGradient)
+        self._before_reuse(gradients.bucket)
+        gradients.intake = self.intake_views(gradients, iteration)
+        if self._backward_began is not None:
+            self._backward_began(iteration)
+        return gradients.intake  # type: ignore[return-value]  # tensors, checked above
+
+    def _complete(self, index: int) -> None:
+        """The intake's call once bucket ``index`` holds every gradient of the iteration."""
+        self._launch_ready(self._iteration())
+
     def lay_out(self, layout: Layout) -> None:
         """Gradient buffers for ``layout``'s buckets, which become the ones backward fills;
         error-feedback residuals move over from the previous layout's (nothing may be in
@@ -113,6 +183,7 @@ class GradientPipeline:
         if self._gradients and self._buffers.compression is not None:
             move_residuals(self._gradients, gradients)
         self.layout, self._gradients = layout, gradients
+        self._lay_out_intake()
         for backend in (self.sync_comm, self.stale_comm):
             if backend is not None:
                 backend.new_buffers()
@@ -130,7 +201,7 @@ class GradientPipeline:
     @property
     def in_backward(self) -> bool:
         """Some gradient of the current iteration has arrived (backward has begun)."""
-        return any(g.num_ready for g in self._gradients)
+        return self.intake is not None and self.intake.any_ready()
 
     def in_pipeline(self, bucket: Bucket, iteration: int) -> bool:
         """Whether ``bucket``'s gradient of ``iteration`` is stale (consumed ``staleness``
@@ -191,36 +262,38 @@ class GradientPipeline:
             with torch.no_grad():
                 return self.take(param, iteration)
         assert self.layout is not None
+        intake = self.intake
+        assert intake is not None
         bucket, i = self.layout.slot_of[id(param)]
         gradients = self._gradients[bucket.index]
-        if gradients.ready[i]:
+        if intake.is_ready(bucket.index, i):
             raise UsageError(
                 "a parameter received a second gradient before step(). For gradient "
                 "accumulation, run every backward but the last inside `with opt.no_sync():`"
             )
-        if gradients.num_ready == 0:  # the bucket's first gradient of this iteration
+        if intake.num_ready(bucket.index) == 0:  # the bucket's first gradient of this iteration
             self._before_reuse(bucket)
             gradients.intake = self.intake_views(gradients, iteration)
         grad = param.grad
         for views in gradients.intake:  # the 2nd read hits cache
             views[i].copy_(grad)
-        gradients.ready[i] = True
-        gradients.num_ready += 1
+        num_ready = intake.mark(bucket.index, i)
         if self._keeps_taken:
             # a tensor's version counter, bumped by every in-place op: how autograd itself tells a
             # tensor changed; torch has no public equivalent (tests/unit/test_torch_internals.py)
             self._taken.append((param, grad, grad._version))
         if self.timer is not None:
             self.timer.gradient_released(self.layout.layer_of[id(param)])
-        if gradients.num_ready == len(bucket.params):
+        if num_ready == len(bucket.params):
             self._launch_ready(iteration)
 
     def _launch_ready(self, iteration: int) -> None:
         """Start the complete buckets, strictly in index order."""
-        all_gradients = self._gradients
+        all_gradients, intake = self._gradients, self.intake
+        assert intake is not None
         while self._next_launch < len(all_gradients):
             gradients = all_gradients[self._next_launch]
-            if gradients.num_ready < len(gradients.bucket.params):
+            if intake.num_ready(self._next_launch) < len(gradients.bucket.params):
                 return
             self._launch(gradients, iteration)
             self._next_launch += 1
@@ -262,13 +335,15 @@ class GradientPipeline:
         §3.9). Starting them here, in index order, keeps the collective sequence identical on
         every rank.
         """
+        intake = self.intake
+        assert intake is not None
         for gradients in self._gradients[self._next_launch :]:
             bucket = gradients.bucket
-            if gradients.num_ready == 0:
+            if intake.num_ready(bucket.index) == 0:
                 self._before_reuse(bucket)
             targets = self.intake_views(gradients, iteration)
             for i, p in enumerate(bucket.params):
-                if not gradients.ready[i]:
+                if not intake.is_ready(bucket.index, i):
                     if p.grad is None:
                         self._missing.setdefault(bucket.index, []).append(i)
                     for views in targets:
@@ -276,14 +351,13 @@ class GradientPipeline:
                             views[i].zero_()
                         else:
                             views[i].copy_(p.grad)
-                    gradients.ready[i] = True
-            gradients.num_ready = len(bucket.params)
+                    intake.mark(bucket.index, i)
         self._launch_ready(iteration)
 
     def end_iteration(self) -> None:
         """Every bucket empty again, for the next backward."""
-        for gradients in self._gradients:
-            gradients.clear()
+        if self.intake is not None:
+            self.intake.clear()
         self._next_launch = 0
         self._missing.clear()
         self.waited = 0.0

@@ -32,6 +32,9 @@ def _distributed(kind: str):
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_mode_matches_reference(kind, config):
     per_rank = _distributed(kind)
+    # gradients taken by the C++ hooks where the kernels are built (sapipe.runtime.intake)
+    built = per_rank[0][0]["compiled_kernels"]
+    assert per_rank[0][0]["intake"] == ("GradientIntake" if built else "PythonIntake")
     check_against_reference(kind, config, [per_rank[r][CONFIGS.index(config)] for r in range(2)])
 
 
@@ -53,4 +56,5 @@ def test_the_pytorch_kernels_match_the_reference_too(kind, config):
     assert not any(per_rank[r][0]["compiled_kernels"] for r in range(2)), (
         "the ranks did not see SAPIPE_DISABLE_EXT"
     )
+    assert per_rank[0][0]["intake"] == "PythonIntake"
     check_against_reference(kind, config, [per_rank[r][CONFIGS.index(config)] for r in range(2)])

@@ -103,6 +103,7 @@ def train(rank: int, world_size: int, kind: str, configs, options=None, device: 
                 "held": held,
                 "buckets": len(opt.buckets),
                 "compiled_kernels": sapipe.kernels._ext.cpu is not None,
+                "intake": type(opt._pipeline.intake).__name__,
             }
         )
         opt.close()
