@@ -55,6 +55,9 @@ compression_cost() {
   echo "== sapipe's host time per iteration, and DDP's (107 tiny layers, one NCCL rank: the step is the host's)"
   $PY benchmarks/studies/host_overhead.py --device cuda --compressions bf16,int8 >"$OUT/host_overhead.md" 2>&1 || status=1
   tail -8 "$OUT/host_overhead.md"
+  echo "== the same, zero_grad(set_to_none=False): gradients accumulate into the buckets' views"
+  $PY benchmarks/studies/host_overhead.py --device cuda --keep-grads >"$OUT/host_overhead_keep.md" 2>&1 || status=1
+  tail -6 "$OUT/host_overhead_keep.md"
 }
 # The compiled path: eager and compiled sapipe beside compiled DDP, with graphs and breaks
 # (benchmarks/compiled.py); run by the full check and by `compiled`.
