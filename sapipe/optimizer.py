@@ -547,9 +547,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         docs/design.md §3.7), before the next forward."""
         iteration = self._progress.completed
         hyperparams = [self._updater.rule.hyperparams(g) for g in self.param_groups]
+        # "auto" mid-search: the trials timed the other job; k is the best they measured
+        k = self.auto.end_search_for_resize(iteration) if self.auto is not None else None
         # at the next forward (or synchronize()): the script may load the model's weights
         # after this, and the restart must start from them
-        self._runtime.restart_before_next_forward(iteration, hyperparams)
+        self._runtime.restart_before_next_forward(iteration, hyperparams, k)
         warnings.warn(
             f"sapipe: resumed a checkpoint of a job of {saved_world} ranks on {self._world_size}: "
             f"the stale gradients in flight at iteration {iteration} were applied as plain "

@@ -370,6 +370,29 @@ class AutoController:
             self._runtime.restart(self.tuner.trial, iteration, hyperparams)
             self._begin_trial(iteration)
 
+    def end_search_for_resize(self, iteration: int) -> int | None:
+        """A checkpoint of a job of another world size was loaded mid-search: its trials timed
+        that job's iterations, not this one's, so the search ends with the best k they measured
+        (:meth:`Tuner.stop <sapipe.auto.search.Tuner.stop>`), decided after ``iteration``. The k
+        the pipeline restarts at; None where no search was running."""
+        tuner = self.tuner
+        if self.decided or tuner is None or tuner.trial is None:
+            return None
+        tuner.stop()
+        assert tuner.final is not None
+        self.sim_options["slowdown"] = search.fit_slowdown(
+            tuner.trials,
+            lambda k, sigma: self.predict(k, sigma, record_events=False).iteration_time,
+        )
+        self.decision = solver.choose_k(
+            self.layer_profiles,
+            tolerance=STALL_TOLERANCE,
+            only_k=tuner.final,
+            **self.simulator_arguments(),
+        )
+        self._finish(iteration)
+        return tuner.final
+
     def _may_extend(self, iteration: int) -> bool:
         """Whether the current trial may run ``tune_steps`` more iterations. Within a budget,
         the first trial never does (a doubtful verdict on k₁'s waits is settled by measuring

@@ -14,15 +14,19 @@ The search, over measured iteration times T(k) (the slowest rank's, robust to ou
 2. Else try k = m (everything stale, all communication hidden if anything hides it). If it
    is not faster than k₁ by more than the tolerance, keep k₁: staling more layers would
    cost accuracy for nothing.
-3. Else search between them for the smallest k with T(k) within the tolerance of T(m).
-   Each probe is one trial; a k is never measured twice. The probe is the bracket's
+3. Else search between them for the smallest k with T(k) within the tolerance of the best
+   time measured, T_best (T(m), or a probe's where one measured faster: on a noisy host
+   staling every layer need not measure fastest, and the k chosen is then the smallest
+   within the tolerance of the fastest k seen, not of T(m)). A probe judged too slow stays
+   so, since T_best only falls; one that sets a new T_best is within it. Each probe is one
+   trial; a k is never measured twice. The probe is the bracket's
    midpoint (a bisection) or, where the caller gives ``suggest``, the k its model points
    at: the simulator calibrated on the trials so far usually lands on the answer at once,
    and a search with an iteration budget (``auto_budget``) has room for only one or two
    probes. A suggestion at the bracket's good end ends the search there.
 
 A search out of budget ends (:meth:`stop`) with the best k measured so far: the good end of
-the bracket (k = m, or a probe within the tolerance of it), else the model's k.
+the bracket (k = m, or a probe within the tolerance of T_best), else the model's k.
 
 This class only decides; the optimizer runs the trials (restarting the pipeline at each
 new k) and feeds in measurements that every rank agrees on, so every rank walks the same
@@ -116,7 +120,7 @@ class Tuner:
             self._lo, self._hi = self.first_k, self.m
         else:
             last = self.trials[-1]
-            if last.iteration_time <= got[self.m].iteration_time * (1.0 + self.tolerance):
+            if last.iteration_time <= self.best_time * (1.0 + self.tolerance):
                 self._hi = last.k
             else:
                 self._lo = last.k
@@ -128,10 +132,16 @@ class Tuner:
         probe = max(self._lo + 1, probe)
         return self._finish(self._hi) if probe >= self._hi else probe
 
+    @property
+    def best_time(self) -> float:
+        """T_best: the fastest iteration time measured so far (inf before any trial)."""
+        return min((t.iteration_time for t in self.trials), default=math.inf)
+
     def margin(self, iteration_time: float, waits: float) -> float:
         """How far, as a fraction of ``iteration_time``, a measurement of ``trial`` lies from
         the threshold its verdict turns on (k₁'s waits against the tolerance, T(m) against
-        T(k₁), a probe against T(m)): a trial noisier than this has not settled its verdict."""
+        T(k₁), a probe against T_best): a trial noisier than this has not settled its
+        verdict."""
         if self.trial is None:
             raise SapipeError("the search is over; nothing to judge")
         if not self.trials:
@@ -139,7 +149,7 @@ class Tuner:
         if self.trial == self.m and len(self.trials) == 1:
             threshold = self.trials[0].iteration_time * (1.0 - self.tolerance)
         else:
-            threshold = self.measured[self.m].iteration_time * (1.0 + self.tolerance)
+            threshold = self.best_time * (1.0 + self.tolerance)
         return abs(iteration_time - threshold) / iteration_time
 
     def stop(self) -> None:

@@ -101,8 +101,9 @@ class Runtime:
             rule, chosen, settings, world_size, self.pipeline, self.scaling, self.exposure
         )
         self._layout: Layout | None = None
-        #: (iteration, hyper-parameters) of a restart a resized resume owes (synchronize)
-        self._restart_owed: tuple[int, list[dict[str, Any]]] | None = None
+        #: (iteration, hyper-parameters, k: None for the current one) of a restart a resized
+        #: resume owes (synchronize)
+        self._restart_owed: tuple[int, list[dict[str, Any]], int | None] | None = None
         #: a checkpoint was restored since the last forward: that forward applies every pending
         #: update before the model runs, since it cannot know yet whether the model is compiled
         self.restored = False
@@ -151,17 +152,18 @@ class Runtime:
     def settle_restart(self) -> None:
         """The restart a resized resume owes, if any (:meth:`restart_before_next_forward`)."""
         if self._restart_owed is not None:
-            iteration, hyperparams = self._restart_owed
+            iteration, hyperparams, k = self._restart_owed
             self._restart_owed = None
-            self.restart(self.layout.k, iteration, hyperparams)
+            self.restart(self.layout.k if k is None else k, iteration, hyperparams)
 
     def restart_before_next_forward(
-        self, iteration: int, hyperparams: list[dict[str, Any]]
+        self, iteration: int, hyperparams: list[dict[str, Any]], k: int | None = None
     ) -> None:
         """A checkpoint of another world size was restored: the pipeline restarts after
-        ``iteration`` (:meth:`restart`) before the next forward or :meth:`synchronize`, once
-        the script has loaded the model's weights too, in whichever order."""
-        self._restart_owed = (iteration, hyperparams)
+        ``iteration`` (:meth:`restart`), with ``k`` stale layers (None: as many as now), before
+        the next forward or :meth:`synchronize`, once the script has loaded the model's
+        weights too, in whichever order."""
+        self._restart_owed = (iteration, hyperparams, k)
 
     def nothing_to_step(self) -> bool:
         """Whether ``step()`` has nothing to sum or apply on this rank: no backward since the

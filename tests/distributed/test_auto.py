@@ -317,6 +317,84 @@ def test_a_checkpoint_during_the_search_resumes_it(rank_checkpoint):
         assert_close_dicts(resumed, uninterrupted, rtol=0, atol=0, what=f"rank {rank}")
 
 
+def _search_resized(rank, world_size, path, resume):
+    """The scripted search (3, then 7, then 5) saved by a 3-rank job in the middle of its
+    second trial (k = 7), and that checkpoint resumed by a 2-rank job."""
+    import warnings
+
+    import sapipe
+    from sapipe.auto import search as tuner
+    from sapipe.schedule import solver
+
+    real_choose = solver.choose_k
+    solver.choose_k = lambda *a, **kw: dataclasses.replace(
+        real_choose(*a, **kw),
+        k=kw["only_k"] if kw.get("only_k") is not None else 3,
+        comm_bound=False,
+    )
+    _ScriptedTuner.path = (7, 5)
+    tuner.Tuner = _ScriptedTuner
+    sapipe.auto.controller.TRIAL_MAX_ROUNDS = 1
+    split = PROFILE_STEPS + UNPROFILED_STEPS + FIRST_TRIAL_HEAD + 4
+    batches = make_batches("tied", split + 6, world_size)
+    model = make_model("tied", seed=0)
+    opt = sapipe.DistributedOptimizer(
+        OPTIMIZERS["adam"](model.parameters()),
+        model,
+        stale_layers="auto",
+        profile_steps=PROFILE_STEPS,
+        bucket_cap_mb=0.0008,
+        timeout=60,
+        tune_steps=2,
+    )
+    checkpoints = sapipe.Checkpointer(path, model, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start = checkpoints.resume()[0] if resume else 0
+    losses = []
+    for t in range(start, split if not resume else split + 6):
+        x, y = batches[t][rank]
+        opt.zero_grad()
+        loss = loss_fn_for("tied")(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    if not resume:
+        checkpoints.save(split)
+    result = {
+        "start": start,
+        "searching": opt.auto.tuner is not None and opt.auto.tuner.trial is not None,
+        "decided": opt.auto.decided,
+        "stale_layers": opt.stale_layers,
+        "layout_k": opt._runtime.layout.k,
+        "warnings": [str(w.message) for w in caught if "sapipe" in str(w.message)],
+        "finite": all(torch.isfinite(torch.tensor(losses))),
+    }
+    opt.close()
+    return result
+
+
+def test_a_resized_resume_mid_search_ends_the_search_with_the_best_k_measured(tmp_path):
+    """The 3-rank job's trials timed its own iterations: the 2-rank job resuming it mid-search
+    ends the search as a spent budget would (the scripted tuner's ``stop``: the last k
+    measured, 3) and restarts the pipeline at that k, rather than finishing the trial at k = 7
+    with times from two jobs."""
+    path = str(tmp_path / "ckpt-{rank}-{step}.pt")
+    saved = run_ranks(_search_resized, world_size=3, args=(path, False))
+    assert all(r["searching"] and r["layout_k"] == 7 for r in saved), saved
+    resumed = run_ranks(_search_resized, world_size=2, args=(path, True))
+    for r in resumed:
+        assert r["start"] == PROFILE_STEPS + UNPROFILED_STEPS + FIRST_TRIAL_HEAD + 4
+        assert any("of 3 ranks on 2" in w for w in r["warnings"]), r["warnings"]
+        assert (r["decided"], r["searching"], r["stale_layers"], r["layout_k"]) == (
+            True,
+            False,
+            3,
+            3,
+        ), r
+        assert r["finite"]
+
+
 def _warmup_checkpoint_into_a_decided_job(rank, world_size, path):
     """A checkpoint of the warm-up loaded into a live job that has decided since."""
     import sapipe

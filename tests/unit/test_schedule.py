@@ -826,6 +826,40 @@ def test_tuner_finds_the_smallest_k_as_fast_as_all_stale(seed):
     assert len({t.k for t in tuner.trials}) == len(tuner.trials)  # no k measured twice
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_on_noisy_times_the_search_keeps_the_smallest_k_within_the_tolerance_of_the_best(seed):
+    """Times that fall with k up to a floor, each measured with ±4% of noise (a noisy host, where
+    k = m need not measure fastest): the k chosen is within the tolerance of the fastest time
+    measured, and no smaller k measured past k₁ is."""
+    rng = np.random.default_rng(100 + seed)
+    m = int(rng.integers(4, 60))
+    floor_at = int(rng.integers(1, m))
+    times = [
+        float(20.0 * (1 + 0.5 * max(floor_at - k, 0) / floor_at) * rng.uniform(0.96, 1.04))
+        for k in range(m + 1)
+    ]
+    first_k, tol = 0, 0.03
+    tuner = _search(times, first_k, tol, waits={0: 5.0})
+    measured = tuner.measured
+    if tuner.final == first_k:
+        assert times[m] >= times[first_k] * (1 - tol)
+        return
+    best = min(t.iteration_time for t in tuner.trials)
+    assert measured[tuner.final].iteration_time <= best * (1 + tol)
+    assert all(
+        t.iteration_time > best * (1 + tol) for t in tuner.trials if first_k < t.k < tuner.final
+    )
+
+
+def test_a_probe_faster_than_all_stale_becomes_the_reference():
+    """k = m measured 5% slower than k = 4: k = 2, within 3% of T(m) but 8% slower than k = 4,
+    is not chosen; k = 4 is."""
+    times = [30.0, 25.0, 21.6, 21.0, 20.0, 20.6, 20.8, 20.9, 21.0]
+    tuner = _search(times, 0, 0.03, waits={0: 5.0})
+    assert [t.k for t in tuner.trials] == [0, 8, 4, 2, 3]
+    assert tuner.final == 4
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_a_guided_search_finds_the_same_k_in_fewer_trials(seed):
     """A suggestion that is right ends the search with one probe (or none, when it points at
