@@ -76,6 +76,25 @@ class _ScriptedTuner:
         return tuner
 
 
+def _pin_search(k: int, path: tuple[int, ...], comm_bound: bool = False) -> None:
+    """In this rank's process: the solver's k pinned to ``k`` (its input is timing), the
+    measured search scripted to walk ``path`` (:class:`_ScriptedTuner`), trials of exactly
+    ``tune_steps`` (restarts at known iterations)."""
+    import sapipe
+    from sapipe.auto import search as tuner
+    from sapipe.schedule import solver
+
+    real_choose = solver.choose_k
+    solver.choose_k = lambda *a, **kw: dataclasses.replace(
+        real_choose(*a, **kw),
+        k=kw["only_k"] if kw.get("only_k") is not None else k,
+        comm_bound=comm_bound,
+    )
+    _ScriptedTuner.path = path
+    tuner.Tuner = _ScriptedTuner
+    sapipe.auto.controller.TRIAL_MAX_ROUNDS = 1
+
+
 def _pinned(
     rank,
     world_size,
@@ -90,19 +109,8 @@ def _pinned(
     comm_bound=False,
 ):
     import sapipe
-    from sapipe.auto import search as tuner
-    from sapipe.schedule import solver
 
-    real_choose = solver.choose_k
-    solver.choose_k = lambda *a, **kw: dataclasses.replace(
-        real_choose(*a, **kw),
-        k=kw["only_k"] if kw.get("only_k") is not None else k,
-        comm_bound=comm_bound,
-    )
-    _ScriptedTuner.path = path
-    tuner.Tuner = _ScriptedTuner
-    # trials of exactly tune_steps: restarts at known iterations
-    sapipe.auto.controller.TRIAL_MAX_ROUNDS = 1
+    _pin_search(k, path, comm_bound)
     model = make_model("tied", seed=rank, dtype=torch.float64)
     opt = sapipe.DistributedOptimizer(
         OPTIMIZERS[kind](model.parameters()),
@@ -237,18 +245,8 @@ def _search_resumed(rank, world_size, path, split, steps=18):
     """The scripted search (3, then 7, then 5), uninterrupted vs checkpointed at ``split`` and
     resumed."""
     import sapipe
-    from sapipe.auto import search as tuner
-    from sapipe.schedule import solver
 
-    real_choose = solver.choose_k
-    solver.choose_k = lambda *a, **kw: dataclasses.replace(
-        real_choose(*a, **kw),
-        k=kw["only_k"] if kw.get("only_k") is not None else 3,
-        comm_bound=False,
-    )
-    _ScriptedTuner.path = (7, 5)
-    tuner.Tuner = _ScriptedTuner
-    sapipe.auto.controller.TRIAL_MAX_ROUNDS = 1
+    _pin_search(3, (7, 5))
     batches = make_batches("tied", steps, world_size, dtype=torch.float64)
 
     def new(seed):
@@ -323,18 +321,8 @@ def _search_resized(rank, world_size, path, resume):
     import warnings
 
     import sapipe
-    from sapipe.auto import search as tuner
-    from sapipe.schedule import solver
 
-    real_choose = solver.choose_k
-    solver.choose_k = lambda *a, **kw: dataclasses.replace(
-        real_choose(*a, **kw),
-        k=kw["only_k"] if kw.get("only_k") is not None else 3,
-        comm_bound=False,
-    )
-    _ScriptedTuner.path = (7, 5)
-    tuner.Tuner = _ScriptedTuner
-    sapipe.auto.controller.TRIAL_MAX_ROUNDS = 1
+    _pin_search(3, (7, 5))
     split = PROFILE_STEPS + UNPROFILED_STEPS + FIRST_TRIAL_HEAD + 4
     batches = make_batches("tied", split + 6, world_size)
     model = make_model("tied", seed=0)
@@ -351,14 +339,8 @@ def _search_resized(rank, world_size, path, resume):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         start = checkpoints.resume()[0] if resume else 0
-    losses = []
-    for t in range(start, split if not resume else split + 6):
-        x, y = batches[t][rank]
-        opt.zero_grad()
-        loss = loss_fn_for("tied")(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    end = split + 6 if resume else split
+    train_steps(model, opt, batches, rank, range(start, end), loss_fn=loss_fn_for("tied"))
     if not resume:
         checkpoints.save(split)
     result = {
@@ -368,7 +350,7 @@ def _search_resized(rank, world_size, path, resume):
         "stale_layers": opt.stale_layers,
         "layout_k": opt._runtime.layout.k,
         "warnings": [str(w.message) for w in caught if "sapipe" in str(w.message)],
-        "finite": all(torch.isfinite(torch.tensor(losses))),
+        "finite": all(torch.isfinite(p).all() for p in model.parameters()),
     }
     opt.close()
     return result
