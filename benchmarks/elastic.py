@@ -31,8 +31,8 @@ windows) of what each mode trains for: DDP's and sapipe's model, elastic averagi
 
 * ``ddp`` — ``DistributedDataParallel``;
 * ``sapipe`` — ``sapipe.DistributedOptimizer(stale_layers="auto")``;
-* ``ea4``, ``ea16`` — ``sapipe.ElasticAveraging(period=4 or 16)``, α = 0.9/n (β = 0.9),
-  each sum overlapped with the next period;
+* ``ea2``, ``ea3``, ``ea4``, ``ea16`` — ``sapipe.ElasticAveraging(period=2, 3, 4 or 16)``,
+  α = 0.9/n (β = 0.9), each sum overlapped with the next period;
 * ``ea4-sync`` — the same as ``ea4`` but each sum waited for at once (``overlap=False``):
   the same trajectory (so the same loss), the cost of not overlapping;
 * ``ea4-beta1`` — ``ea4`` with α = 1/n = 0.5 (β = 1: the centre becomes the ranks' mean at
@@ -72,6 +72,8 @@ EVAL_WINDOWS = 128
 MODES = (
     "ddp",
     "sapipe",
+    "ea2",
+    "ea3",
     "ea4",
     "ea16",
     "ea4-sync",
