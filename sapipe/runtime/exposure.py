@@ -144,7 +144,23 @@ class GradientExposure:
         """Called as backward hands over a gradient: expose once this backward pass ends."""
         if not self._armed and self.iteration != iteration:
             self._armed = True
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.expose(iteration))
+            self._at_end_of_backward(iteration)
+
+    def _at_end_of_backward(self, iteration: int) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: self._backward_ended(iteration)
+        )
+
+    def _backward_ended(self, iteration: int) -> None:
+        """The backward pass that armed the exposure ended. Where it was a reentrant one, run
+        inside a node of an outer backward (activation checkpointing with
+        ``use_reentrant=True``), the outer one goes on and may hand over more gradients: the
+        exposure waits for the end of the outer one, armed again once that node is done."""
+        outer = torch._C._current_autograd_node()
+        if outer is None:
+            self.expose(iteration)
+        else:
+            outer.register_hook(lambda *_: self._at_end_of_backward(iteration))
 
     @torch.no_grad()
     def expose(self, iteration: int) -> None:
