@@ -121,11 +121,9 @@ class GradientExposure:
         self._given: list[tuple[torch.Tensor, Tensor | None, ExposedGradient, int]] = []
         self._armed = False
         self._warned = False
-        #: per flat slot whose p.grad may be pending, id -> (the slot, its parameters' views as
+        #: (bucket index, slot) -> (the slot's flat buffer, its parameters' views as
         #: PendingGradient), made once: every step exposes the same objects
-        self._pending_views: dict[int, tuple[Tensor, list[PendingGradient]]] = {}
-        #: id of a flat slot -> what its pending views show now (touched through it)
-        self._current: dict[int, ExposedGradient] = {}
+        self._pending_views: dict[tuple[int, int], tuple[Tensor, list[PendingGradient]]] = {}
 
     def reset(self) -> None:
         """Forget what was exposed (a checkpoint was loaded, or the layout changed)."""
@@ -138,7 +136,6 @@ class GradientExposure:
             exposed.arrival = None  # a later read of an old p.grad waits for nothing
         self.prepared.clear()
         self._given.clear()
-        self._current.clear()
 
     def arm(self, iteration: int) -> None:
         """Called as backward hands over a gradient: expose once this backward pass ends."""
@@ -198,7 +195,7 @@ class GradientExposure:
                 if not lazy:
                     self.waited += exposed.settle()
                 self.prepared[(bucket.index, slot)] = exposed
-            self._point_grads(bucket, exposed)
+            self._point_grads(bucket, slot, exposed)
         self.iteration = iteration
         self.read_before_step = False
         self._stepped = False
@@ -246,11 +243,11 @@ class GradientExposure:
         exposed.skip.extend(unused.unused_everywhere(buffer, slot))
         return waited
 
-    def _touch(self, bucket: Bucket, key: int) -> None:
-        """A ``p.grad`` of ``bucket`` over the flat slot ``key`` (its id) is read: its gradient
-        must be there. After ``step()`` its deferred update is applied first (the read may be an
-        edit, such as ``zero_()``)."""
-        exposed = self._current.get(key)
+    def _touch(self, bucket: Bucket, slot: int) -> None:
+        """A ``p.grad`` of ``bucket`` over ``slot`` is read: its gradient must be there (unless it
+        was consumed or forgotten already). After ``step()`` its deferred update is applied first
+        (the read may be an edit, such as ``zero_()``)."""
+        exposed = self.prepared.get((bucket.index, slot))
         if exposed is None or exposed.settled:
             return
         if self._stepped:  # its update was deferred: applied now, then the read
@@ -259,12 +256,13 @@ class GradientExposure:
             self.read_before_step = True
             self.waited += exposed.settle()
 
-    def _point_grads(self, bucket: Bucket, exposed: ExposedGradient) -> None:
+    def _point_grads(self, bucket: Bucket, slot: int, exposed: ExposedGradient) -> None:
         flat = exposed.grad
         views: list[Tensor] | list[PendingGradient] | None = None
         if flat is not None:
-            views = bucket.param_views(flat) if exposed.settled else self._pending(bucket, flat)
-            self._current[id(flat)] = exposed
+            views = (
+                bucket.param_views(flat) if exposed.settled else self._pending(bucket, slot, flat)
+            )
         skip = exposed.skip
         given = self._given
         for i, param in enumerate(bucket.params):
@@ -279,31 +277,33 @@ class GradientExposure:
         as the in-place edit would settle it (the deferred update applied first, after
         ``step()``). The zeroing is then one foreach call, not one touch per gradient."""
         buckets = self._pipeline.buckets
-        for (index, _), exposed in list(self.prepared.items()):
+        for (index, slot), exposed in list(self.prepared.items()):
             flat = exposed.grad
             if exposed.settled or flat is None:
                 continue
             bucket = buckets[index]
-            self._touch(bucket, id(flat))
-            made = self._pending_views.get(id(flat))
+            self._touch(bucket, slot)
+            made = self._pending_views.get((index, slot))
             if made is None or made[0] is not flat:
                 continue
             for param, pending, plain in zip(bucket.params, made[1], bucket.param_views(flat)):
                 if param.grad is pending:
                     param.grad = plain
 
-    def _pending(self, bucket: Bucket, flat: Tensor) -> list[PendingGradient]:
-        """``bucket``'s parameters' views of ``flat`` as :class:`PendingGradient`, made once."""
-        made = self._pending_views.get(id(flat))
+    def _pending(self, bucket: Bucket, slot: int, flat: Tensor) -> list[PendingGradient]:
+        """``bucket``'s parameters' views of ``flat``, its ``slot``, as :class:`PendingGradient`,
+        made once."""
+        key = (bucket.index, slot)
+        made = self._pending_views.get(key)
         if made is not None and made[0] is flat:
             return made[1]
-        touch = partial(self._touch, bucket, id(flat))
+        touch = partial(self._touch, bucket, slot)
         views = []
         for view in bucket.param_views(flat):
             pending = torch.Tensor._make_subclass(PendingGradient, view, False)
             pending._sapipe_touch = touch
             views.append(pending)
-        self._pending_views[id(flat)] = (flat, views)
+        self._pending_views[key] = (flat, views)
         return views
 
     @torch.no_grad()

@@ -165,11 +165,16 @@ class GradientPipeline:
             for view in gradients.message_views(self.slot(gradients.bucket, iteration))
         ):
             return None  # a gradient spans messages (SpanningGradient)
-        self._before_reuse(gradients.bucket)
-        gradients.intake = self.intake_views(gradients, iteration)
+        self._begin_bucket(gradients, iteration)
         if self._backward_began is not None:
             self._backward_began(iteration)
         return gradients.intake  # type: ignore[return-value]  # tensors, checked above
+
+    def _begin_bucket(self, gradients: BucketGradients, iteration: int) -> None:
+        """A bucket's first gradient of ``iteration`` is here: what still reads its slot is
+        applied, and where each gradient goes is set (``gradients.intake``)."""
+        self._before_reuse(gradients.bucket)
+        gradients.intake = self.intake_views(gradients, iteration)
 
     def _complete(self, index: int) -> None:
         """The intake's call once bucket ``index`` holds every gradient of the iteration."""
@@ -272,8 +277,7 @@ class GradientPipeline:
                 "accumulation, run every backward but the last inside `with opt.no_sync():`"
             )
         if intake.num_ready(bucket.index) == 0:  # the bucket's first gradient of this iteration
-            self._before_reuse(bucket)
-            gradients.intake = self.intake_views(gradients, iteration)
+            self._begin_bucket(gradients, iteration)
         grad = param.grad
         for views in gradients.intake:  # the 2nd read hits cache
             views[i].copy_(grad)
