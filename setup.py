@@ -47,9 +47,10 @@ def _long_description():
 # silently installing no kernels. sapipe/kernels/ops.py falls back to pure PyTorch when an extension
 # is absent (one warning). The sdist carries every csrc file (MANIFEST.in).
 # ---------------------------------------------------------------------------
-#: csrc/ and its folders: shared headers and bindings at the top, cpu/ (the update kernels),
-#: codec/ (the compression codec's CPU and CUDA kernels), cuda/ (the CUDA update kernels),
-#: runtime/ (the gradient intake's autograd hooks, in sapipe._C for every device).
+#: csrc/ and its folders: shared headers, the operator schemas (library.cpp) and sapipe._C's
+#: Python module at the top; cpu/ (the CPU update kernels and their registration), codec/ (the
+#: compression codec's CPU and CUDA kernels), cuda/ (the CUDA update kernels and sapipe._C_cuda,
+#: which registers them), runtime/ (the gradient intake's autograd hooks, in sapipe._C).
 #: Every folder is on the include path, so a source includes any header by its file name.
 CSRC_DIRS = ["csrc", "csrc/cpu", "csrc/codec", "csrc/cuda", "csrc/runtime"]
 
@@ -73,7 +74,7 @@ def _no_torch(why):
         def run(self):
             raise SystemExit(message)
 
-    cuda_only = {"csrc/cuda/cuda_bindings.cpp"}
+    cuda_only = {"csrc/cuda/cuda_library.cpp"}
     ext = Extension("sapipe._C", [s for s in _csrc("*.cpp") if s not in cuda_only])
     return [ext], {"build_ext": NoTorchBuildExt}
 
@@ -92,7 +93,7 @@ def _extensions():
     if sys.platform.startswith("linux"):
         cxx.append("-fopenmp")
         link.append("-fopenmp")
-    cuda_only = {"csrc/cuda/cuda_bindings.cpp"}
+    cuda_only = {"csrc/cuda/cuda_library.cpp"}
     exts = [
         cpp_extension.CppExtension(
             "sapipe._C",

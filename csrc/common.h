@@ -30,8 +30,9 @@ using OptTensor = std::optional<at::Tensor>;
 
 enum DcForm : int64_t { kNoDc = 0, kDiagonal = 1, kOuter = 2 };
 
-// The C++ side of sapipe.gradient_spec.GradientSpec: bound to Python as `GradSpec`
-// (bindings.h) and built in one place, sapipe/ops.py's `_native`.
+// The C++ side of sapipe.kernels.gradient_spec.GradientSpec: the operators take its fields as
+// flat arguments (csrc/library.cpp; built in one place, sapipe/kernels/ops.py's `_spec_args`)
+// and update_ops.h gathers them here.
 struct GradSpec {
   at::Tensor grad;
   OptTensor prev_local;  // subtracted as prev_local / n (before DC)
@@ -58,8 +59,8 @@ struct GradSpec {
 //   step_dots  float64 [S]: <peek.grad - peek.prev_local/n, x_t - x_{t-1}> per tensor
 //              (tensors: peek.offsets), the outer DC form's dot products for a peek that runs
 //              as a second call (its coefficient needs every element's step first).
-// The Python bindings (bindings.h) build them from the update's GradSpec (its hist) and the
-// peek's GradSpec (its dots: the step_dots target).
+// The operators (update_ops.h) build them from the update's hist and the peek's arguments
+// (peek_dots: the step_dots target).
 struct UpdateExtras {
   OptTensor hist;
   OptTensor peek_out;

@@ -16,7 +16,7 @@ int kind_of(const at::Tensor& values) {
   switch (values.scalar_type()) {
     case at::kHalf: return kCodecFp16;
     case at::kBFloat16: return kCodecBf16;
-    default: return kCodecInt8;  // the bindings admit int8 and the two 16-bit types only
+    default: return kCodecInt8;  // the operators admit int8 and the two 16-bit types only
   }
 }
 

@@ -16,7 +16,7 @@ int kind_of(const at::Tensor& values) {
   switch (values.scalar_type()) {
     case at::kHalf: return sapipe_codec::kFp16;
     case at::kBFloat16: return sapipe_codec::kBf16;
-    default: return sapipe_codec::kInt8;  // the bindings admit int8 and the two 16-bit types only
+    default: return sapipe_codec::kInt8;  // the operators admit int8 and the two 16-bit types only
   }
 }
 

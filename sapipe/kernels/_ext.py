@@ -1,11 +1,13 @@
 """Loads sapipe's compiled kernels (csrc/), when they were built.
 
-* ``sapipe._C``      -- C++ CPU kernels (built by ``pip install --no-build-isolation -e .``).
-* ``sapipe._C_cuda`` -- CUDA kernels (built only where torch has CUDA).
+* ``sapipe._C``      -- registers the ``torch.ops.sapipe`` operators (csrc/library.cpp) and
+  their CPU kernels; holds the gradient intake (built by ``pip install --no-build-isolation -e .``).
+* ``sapipe._C_cuda`` -- registers the operators' CUDA kernels (built only where torch has CUDA).
 
-:func:`module_for` gives the module that handles tensors on a device, or None; the first
-time a kernel needs a module that is absent, ONE warning says the pure-PyTorch path runs
-instead. ``SAPIPE_DISABLE_EXT=1`` in the environment disables both modules (no warning).
+Callers do not choose a module: they call ``torch.ops.sapipe.*`` and the dispatcher picks
+the kernel by device. :func:`compiled_for` says whether one is registered for a device; the
+first time a kernel is wanted for a device that has none, ONE warning says the pure-PyTorch
+path runs instead. ``SAPIPE_DISABLE_EXT=1`` in the environment disables both modules (no warning).
 ``SAPIPE_CPU_ISA=base|avx2|avx512`` caps the CPU kernels' instruction set
 (csrc/cpu/cpu_dispatch.cpp);
 another value is ignored, with a warning.
@@ -41,7 +43,14 @@ def _load(name: str) -> ModuleType | None:
 
 
 cpu = _load("_C")
-cuda = _load("_C_cuda")
+# _C_cuda registers kernels for the operators _C declares
+cuda = _load("_C_cuda") if cpu is not None else None
+if cpu is None and "_C_cuda" not in errors:
+    errors["_C_cuda"] = "needs sapipe._C, which declares the operators"
+if cpu is not None:
+    from sapipe.kernels import library as _library  # noqa: F401  (the fake kernels)
+
+_MODULE_OF_DEVICE = {"cpu": "_C", "cuda": "_C_cuda"}
 
 CPU_ISAS = ("base", "avx2", "avx512")  # what SAPIPE_CPU_ISA may cap the CPU kernels at
 _isa_cap = os.environ.get("SAPIPE_CPU_ISA", "")
@@ -54,15 +63,26 @@ if _isa_cap and _isa_cap not in CPU_ISAS:
     )
 
 
-def module_for(device: torch.device) -> ModuleType | None:
-    """The compiled module for tensors on ``device`` (None: use pure PyTorch)."""
-    if device.type == "cpu":
-        mod, name = cpu, "_C"
-    elif device.type == "cuda":
-        mod, name = cuda, "_C_cuda"
-    else:
-        return None
-    if mod is None and not DISABLED and not _warned.get(name):
+def _registered(device_type: str) -> bool:
+    if cpu is None:
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key("sapipe::sgd", device_type.upper())
+
+
+_HAS_KERNELS = {kind: _registered(kind) for kind in _MODULE_OF_DEVICE}
+
+
+def has_kernels(device_type: str) -> bool:
+    """Whether the sapipe operators have compiled kernels for ``device_type`` here."""
+    return _HAS_KERNELS.get(device_type, False)
+
+
+def compiled_for(device: torch.device) -> bool:
+    """Whether ``torch.ops.sapipe`` runs compiled kernels for tensors on ``device`` (False:
+    use pure PyTorch; the first miss for a device warns once)."""
+    ok = has_kernels(device.type)
+    name = _MODULE_OF_DEVICE.get(device.type)
+    if not ok and name is not None and not DISABLED and not _warned.get(name):
         _warned[name] = True
         warnings.warn(
             f"sapipe: compiled {device.type.upper()} kernels (sapipe.{name}) are not available "
@@ -73,4 +93,4 @@ def module_for(device: torch.device) -> ModuleType | None:
             RuntimeWarning,
             stacklevel=3,
         )
-    return mod
+    return ok

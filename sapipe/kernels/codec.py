@@ -25,9 +25,10 @@ The rounding, which every implementation follows op for op (csrc/codec/codec.h):
   travels as scale NaN and q = 0: all of it decodes to NaN; so does one whose scale is beyond
   float32's range (float64 gradients).
 
-Each call dispatches on the tensors' device to the compiled kernels (``sapipe._C`` on CPU,
-``sapipe._C_cuda`` on CUDA; float32/float64 gradients) and otherwise runs the ``reference_*``
-function, in pure PyTorch. ``tests/unit/test_codec_kernels.py`` holds the two to the same bits.
+Each call runs the ``torch.ops.sapipe.codec_*`` operator, whose kernel the dispatcher picks
+by device (``sapipe._C`` registers the CPU one, ``sapipe._C_cuda`` the CUDA one; float32/float64
+gradients), and otherwise the ``reference_*`` function, in pure PyTorch.
+``tests/unit/test_codec_kernels.py`` holds the two to the same bits.
 """
 
 from __future__ import annotations
@@ -41,12 +42,9 @@ BLOCK = 64  # int8 values per scale (csrc/codec/codec.h kCodecBlock)
 _KERNEL_DTYPES = (torch.float32, torch.float64)
 
 
-def _module(device: torch.device, dtype: torch.dtype):
-    """The compiled module that takes gradients of ``dtype`` on ``device``, or None."""
-    if dtype not in _KERNEL_DTYPES:
-        return None
-    mod = _ext.module_for(device)
-    return mod if mod is not None and hasattr(mod, "codec_encode") else None
+def _compiled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the compiled operators take gradients of ``dtype`` on ``device``."""
+    return dtype in _KERNEL_DTYPES and _ext.compiled_for(device)
 
 
 def encode(
@@ -57,9 +55,8 @@ def encode(
     divide: float = 1.0,
 ) -> None:
     """``values`` (and ``scales``) <- ``src`` (+ ``residual``) compressed; ``residual`` updated."""
-    mod = _module(src.device, src.dtype)
-    if mod is not None:
-        mod.codec_encode(src, residual, values, scales, float(divide))
+    if _compiled(src.device, src.dtype):
+        torch.ops.sapipe.codec_encode.default(src, residual, values, scales, float(divide))
     else:
         reference_encode(src, residual, values, scales, divide)
 
@@ -74,18 +71,18 @@ def sum_encode(
     dtype: torch.dtype,
 ) -> None:
     """``out_values`` [1, S] <- the sum of the received rows (+ ``residual``) compressed."""
-    mod = _module(values.device, dtype)
-    if mod is not None:
-        mod.codec_sum_encode(values, scales, residual, out_values, out_scales, float(divide), dtype)
+    if _compiled(values.device, dtype):
+        torch.ops.sapipe.codec_sum_encode.default(
+            values, scales, residual, out_values, out_scales, float(divide), dtype
+        )
     else:
         reference_sum_encode(values, scales, residual, out_values, out_scales, divide, dtype)
 
 
 def decode(values: Tensor, scales: Tensor | None, out: Tensor, multiply: float = 1.0) -> None:
     """``out`` <- the rows decoded, row j filling ``out[j*S : (j+1)*S]``."""
-    mod = _module(out.device, out.dtype)
-    if mod is not None:
-        mod.codec_decode(values, scales, out, float(multiply))
+    if _compiled(out.device, out.dtype):
+        torch.ops.sapipe.codec_decode.default(values, scales, out, float(multiply))
     else:
         reference_decode(values, scales, out, multiply)
 

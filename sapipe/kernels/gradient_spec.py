@@ -11,7 +11,8 @@ element by element while they stream the weights and optimizer state: one pass o
 per segment, no temporaries. It travels unchanged from the compensation strategies
 (sapipe/optim/compensation.py, whole buckets) through :meth:`GradientSpec.slice` (one segment) and
 the optimizer rule (sapipe/optim/fused.py) to the kernels, where it becomes the C++ struct
-``GradSpec`` (csrc/common.h) in one place (``ops._native``).
+``GradSpec`` (csrc/common.h) from the operators' flat arguments, built in one place
+(``ops._spec_args``).
 """
 
 from __future__ import annotations

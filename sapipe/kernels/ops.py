@@ -6,9 +6,10 @@ follow the exact operation sequence of ``torch.optim``'s single-tensor SGD/Adam 
 synchronous layers reproduce ``torch.optim`` (and hence DDP) to rounding.
 
 The public names (``delay_compensate``, ``sgd``, ``adam`` and the fused entry points
-``compose_gradient``, ``dc_dots``, ``sgd_fused``, ``adam_fused``) dispatch per call on the
-tensors' device: to the fused C++ kernels (``sapipe._C``: CPU, float32/float64) or CUDA
-kernels (``sapipe._C_cuda``: float16/bfloat16/float32/float64) when built, else to the
+``compose_gradient``, ``dc_dots``, ``sgd_fused``, ``adam_fused``) call the
+``torch.ops.sapipe`` operators (csrc/library.cpp), whose kernel the dispatcher picks by the
+tensors' device: fused C++ (registered by ``sapipe._C``: CPU, float32/float64) or CUDA
+(``sapipe._C_cuda``: float16/bfloat16/float32/float64), when built; else they run the
 reference. The reference also runs for anything the kernels do not take (non-contiguous
 or mixed-device/dtype tensors, tensors that require grad while grad mode is on). A missing
 extension is reported by one warning (sapipe/kernels/_ext.py); ``SAPIPE_DISABLE_EXT=1`` forces the
@@ -39,7 +40,9 @@ compensation costs no extra pass over the weights for it (docs/design.md §5):
   tensor) and a second call, given those dots, peeks.
 
 Whether the extras go together is checked once, by :func:`_check_update`, for the kernels
-and the reference alike; the compiled modules check only what their kernels dereference.
+and the reference alike; the operators check only what their kernels dereference. The
+operators have fake implementations (sapipe/kernels/library.py), so ``torch.compile`` traces
+a call to them without a graph break.
 """
 
 from __future__ import annotations
@@ -110,12 +113,11 @@ def backend(device=None) -> str:
     extension is built, else CPU).
     """
     if device is None:
-        if _ext.cuda is not None and torch.cuda.is_available():
+        if _ext.has_kernels("cuda") and torch.cuda.is_available():
             return "cuda-ext"
-        return "cpu-ext" if _ext.cpu is not None else "torch"
+        return "cpu-ext" if _ext.has_kernels("cpu") else "torch"
     kind = torch.device(device).type
-    mod = {"cpu": _ext.cpu, "cuda": _ext.cuda}.get(kind)
-    return f"{kind}-ext" if mod is not None else "torch"
+    return f"{kind}-ext" if _ext.has_kernels(kind) else "torch"
 
 
 def kernel_unavailable(device, dtype: torch.dtype) -> str | None:
@@ -124,35 +126,39 @@ def kernel_unavailable(device, dtype: torch.dtype) -> str | None:
     name = {"cpu": "_C", "cuda": "_C_cuda"}.get(kind)
     if name is None:
         return f"no compiled kernels for {kind} tensors"
-    if getattr(_ext, kind) is None:
+    if not _ext.has_kernels(kind):
         return f"sapipe.{name} is not built ({_ext.errors.get(name, 'not built')})"
     if dtype not in _EXT_DTYPES[kind]:
         return f"sapipe.{name} does not take {dtype}"
     return None
 
 
-def _module(*tensors: Tensor | None):
-    """The compiled module that takes these tensors (all alike and contiguous), or None."""
+def _compiled(*tensors: Tensor | None) -> bool:
+    """Whether the compiled operators take these tensors (all alike and contiguous).
+
+    Called once per segment per update, so it compares devices by their flags and index
+    rather than building a ``torch.device`` per tensor.
+    """
     t0 = tensors[0]
     assert t0 is not None
-    if t0.dtype not in _EXT_DTYPES.get(t0.device.type, ()):
-        return None
-    mod = _ext.module_for(t0.device)
-    if mod is None:
-        return None
+    device = t0.device
+    if t0.dtype not in _EXT_DTYPES.get(device.type, ()) or not _ext.compiled_for(device):
+        return False
+    dtype, numel, on_cpu, index = t0.dtype, t0.numel(), t0.is_cpu, t0.get_device()
     grad_mode = torch.is_grad_enabled()
     for t in tensors:
         if t is None:
             continue
-        if (
-            t.device != t0.device
-            or t.dtype != t0.dtype
-            or t.numel() != t0.numel()
-            or not t.is_contiguous()
-            or (grad_mode and t.requires_grad)
+        if not (
+            t.is_contiguous()
+            and t.dtype == dtype
+            and t.numel() == numel
+            and (t.is_cpu if on_cpu else (t.is_cuda and t.get_device() == index))
         ):
-            return None
-    return mod
+            return False
+        if grad_mode and t.requires_grad:
+            return False
+    return True
 
 
 _OFFSETS: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
@@ -218,15 +224,13 @@ def _check_update(spec: GradientSpec, peek: GradientSpec | None, out: Tensor | N
         )
 
 
-def _native(mod, spec: GradientSpec | None):
-    """``spec`` as ``mod.GradSpec`` (csrc/common.h), None as None: the one place it is built."""
-    if spec is None:
-        return None
+def _spec_args(spec: GradientSpec) -> tuple:
+    """``spec`` as the operators' flat spec arguments (csrc/library.cpp's SPEC): the one place
+    they are built."""
     code = _FORMS[spec.form] if spec.compensates else _NO_DC
-    # the outer form reads dots; a peek's (Δ = the update's step) are written by the update
-    dots = spec.dots if code == _OUTER or spec.delta_is_step else None
-    offsets = _offsets(spec.lengths, spec.grad) if code == _OUTER or dots is not None else None
-    return mod.GradSpec(
+    dots = spec.dots if code == _OUTER else None
+    offsets = _offsets(spec.lengths, spec.grad) if code == _OUTER else None
+    return (
         spec.grad,
         spec.prev_local,
         float(spec.world_size),
@@ -238,23 +242,49 @@ def _native(mod, spec: GradientSpec | None):
         float(spec.lam),
         offsets,
         dots,
-        spec.hist,
     )
 
 
-def _update_module(spec: GradientSpec, peek: GradientSpec | None, out: Tensor | None, *state):
-    """The compiled module for an update (after :func:`_check_update`), or None: the reference."""
+_NO_PEEK = (None, None, 1.0, None, 1.0, _NO_DC, 0.0, None, None)
+
+
+def _peek_args(peek: GradientSpec | None, like: Tensor) -> tuple:
+    """A fused peek as the operators' peek arguments (csrc/library.cpp's PEEK, then peek_dots):
+    its Δ is the update's step, so it has no delta; the step's dot products it asks for are
+    written by the update."""
+    if peek is None:
+        return _NO_PEEK
+    code = _FORMS[peek.form] if peek.compensates else _NO_DC
+    offsets = _offsets(peek.lengths, like) if peek.dots is not None else None
+    return (
+        peek.grad,
+        peek.prev_local,
+        float(peek.world_size),
+        peek.local,
+        1.0 / peek.world_size,
+        code,
+        float(peek.lam),
+        offsets,
+        peek.dots,
+    )
+
+
+def _updates_compiled(
+    spec: GradientSpec, peek: GradientSpec | None, out: Tensor | None, *state
+) -> bool:
+    """Whether an update (after :func:`_check_update`) runs the compiled operator."""
     _check_update(spec, peek, out)
     peek_tensors = peek.flat_tensors() if peek is not None else ()
-    mod = _module(*spec.flat_tensors(), out, *state, *peek_tensors)
-    if mod is None or not _dots_ok(spec.dots, spec.grad):
-        return None
-    return mod if peek is None or _dots_ok(peek.dots, spec.grad) else None
+    if not _compiled(*spec.flat_tensors(), out, *state, *peek_tensors):
+        return False
+    if not _dots_ok(spec.dots, spec.grad):
+        return False
+    return peek is None or _dots_ok(peek.dots, spec.grad)
 
 
-def _sgd_native(mod, hp: SGDHyperParams):
+def _sgd_args(hp: SGDHyperParams) -> tuple:
     """The kernel's scalars (``damp1`` = 1 − dampening, as the reference computes it)."""
-    return mod.SgdHyper(
+    return (
         float(hp.lr),
         float(hp.momentum),
         float(1 - hp.dampening),
@@ -265,7 +295,7 @@ def _sgd_native(mod, hp: SGDHyperParams):
     )
 
 
-def _adam_native(mod, hp: AdamHyperParams):
+def _adam_args(hp: AdamHyperParams) -> tuple:
     """The kernel's scalars, exactly as the reference computes them (Python doubles); the
     fused peek's bias correction is that of ``step + 1``."""
     lr, beta1, beta2, step = hp.lr, hp.beta1, hp.beta2, hp.step
@@ -274,7 +304,7 @@ def _adam_native(mod, hp: AdamHyperParams):
     step_size = lr / bias_correction1
     peek_step_size = lr / (1 - beta1 ** (step + 1))
     peek_bc2_sqrt = (1 - beta2 ** (step + 1)) ** 0.5
-    return mod.AdamHyper(
+    return (
         float(-step_size),
         float(bias_correction2**0.5),
         float(1 - beta1),
@@ -367,19 +397,20 @@ def dc_dots(spec: GradientSpec) -> Tensor:
     """
     if spec.delta is None:
         raise ConfigurationError("dc_dots needs delta")
-    mod = _module(*spec.flat_tensors())
-    if mod is None:
+    if not _compiled(*spec.flat_tensors()):
         return reference_dc_dots(spec)
-    return mod.dc_dots(_native(mod, spec if spec.form == "outer" else spec.replace(form="outer")))
+    offsets = _offsets(spec.lengths, spec.grad)
+    return torch.ops.sapipe.dc_dots.default(
+        spec.grad, spec.prev_local, float(spec.world_size), spec.delta, spec.delta_ref, offsets
+    )
 
 
 def compose_gradient(spec: GradientSpec, out: Tensor) -> Tensor:
     """out = DC_λ(grad − prev_local/n, delta − delta_ref) + local/n (``out`` may alias inputs)."""
     _check_update(spec, None, out)
-    mod = _module(*spec.flat_tensors(), out)
-    if mod is None or not _dots_ok(spec.dots, spec.grad):
+    if not _compiled(*spec.flat_tensors(), out) or not _dots_ok(spec.dots, spec.grad):
         return reference_compose_gradient(spec, out)
-    mod.compose(_native(mod, spec), out)
+    torch.ops.sapipe.compose.default(*_spec_args(spec), out)
     return out
 
 
@@ -400,10 +431,17 @@ def sgd_fused(
     step's dot products into ``peek.dots`` (module doc).
     """
     buf = momentum_buffer if hp.momentum != 0 else None
-    mod = _update_module(spec, peek, out, param, buf)
-    if mod is None:
+    if not _updates_compiled(spec, peek, out, param, buf):
         return reference_sgd_fused(param, momentum_buffer, hp, spec, peek=peek, out=out)
-    mod.sgd(param, buf, _sgd_native(mod, hp), _native(mod, spec), _native(mod, peek), out)
+    torch.ops.sapipe.sgd.default(
+        param,
+        buf,
+        *_sgd_args(hp),
+        *_spec_args(spec),
+        spec.hist,
+        *_peek_args(peek, spec.grad),
+        out,
+    )
 
 
 def adam_fused(
@@ -418,16 +456,16 @@ def adam_fused(
 ) -> None:
     """:func:`adam` on the composed gradient g̃ of ``spec``, in one kernel; ``out`` and
     ``peek`` as for :func:`sgd_fused` (the peek's bias correction is that of ``step + 1``)."""
-    mod = _update_module(spec, peek, out, param, exp_avg, exp_avg_sq)
-    if mod is None:
+    if not _updates_compiled(spec, peek, out, param, exp_avg, exp_avg_sq):
         return reference_adam_fused(param, exp_avg, exp_avg_sq, hp, spec, peek=peek, out=out)
-    mod.adam(
+    torch.ops.sapipe.adam.default(
         param,
         exp_avg,
         exp_avg_sq,
-        _adam_native(mod, hp),
-        _native(mod, spec),
-        _native(mod, peek),
+        *_adam_args(hp),
+        *_spec_args(spec),
+        spec.hist,
+        *_peek_args(peek, spec.grad),
         out,
     )
 

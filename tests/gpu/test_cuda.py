@@ -85,8 +85,7 @@ def _compressed_on_cuda(rank: int, world_size: int, configs):
     from sapipe.kernels import _ext
     from sapipe.kernels import codec as codec_kernels
 
-    module = codec_kernels._module(torch.device("cuda"), torch.float64)
-    assert module is not None, _ext.errors.get("_C_cuda")
+    assert codec_kernels._compiled(torch.device("cuda"), torch.float64), _ext.errors.get("_C_cuda")
     return compressed.train(rank, world_size, configs, device="cuda")
 
 

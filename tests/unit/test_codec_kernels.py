@@ -27,13 +27,13 @@ from support.paths import job_env
 from sapipe.kernels import _ext
 from sapipe.kernels import codec as ck
 
-CUDA_OK = torch.cuda.is_available() and _ext.cuda is not None and hasattr(_ext.cuda, "codec_encode")
+CUDA_OK = torch.cuda.is_available() and _ext.has_kernels("cuda")
 DEVICES = ["cpu", cuda_param("cuda", ok=CUDA_OK)]
 
 
 @pytest.fixture(autouse=True)
 def _kernels_required():
-    if _ext.cpu is None or not hasattr(_ext.cpu, "codec_encode"):
+    if not _ext.has_kernels("cpu"):
         pytest.skip(f"sapipe._C not built with the codec ({_ext.errors.get('_C')})")
 
 
@@ -319,21 +319,24 @@ def test_a_16_bit_overflow_travels_as_inf_and_keeps_its_residual(fn):
 BAD_CALLS = """
 import torch
 from support.codec import messages
-from sapipe.kernels import _ext
+import sapipe.kernels
 src = torch.randn(512)
 _, values, scales = messages("int8", 2, 256, "cpu")
 _, values16, _ = messages("fp16", 2, 256, "cpu")
 calls = [
-    ("scales", lambda: _ext.cpu.codec_encode(src, None, values, None, 1.0)),
-    ("cannot hold", lambda: _ext.cpu.codec_encode(torch.randn(600), None, values, scales, 1.0)),
-    ("residual", lambda: _ext.cpu.codec_encode(src, torch.zeros(10), values, scales, 1.0)),
+    ("scales", lambda: torch.ops.sapipe.codec_encode(src, None, values, None, 1.0)),
+    (
+        "cannot hold",
+        lambda: torch.ops.sapipe.codec_encode(torch.randn(600), None, values, scales, 1.0),
+    ),
+    ("residual", lambda: torch.ops.sapipe.codec_encode(src, torch.zeros(10), values, scales, 1.0)),
     (
         "int8, float16 or bfloat16",
-        lambda: _ext.cpu.codec_encode(src, None, torch.zeros(2, 256), scales, 1.0),
+        lambda: torch.ops.sapipe.codec_encode(src, None, torch.zeros(2, 256), scales, 1.0),
     ),
     (
         "float32 or float64",
-        lambda: _ext.cpu.codec_decode(
+        lambda: torch.ops.sapipe.codec_decode(
             values16, None, torch.zeros(512, dtype=torch.float16), 1.0
         ),
     ),

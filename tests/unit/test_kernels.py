@@ -61,9 +61,9 @@ def thin(grid, n, keep=3):
 
 
 def _require(device):
-    if device == "cpu" and _ext.cpu is None:
+    if device == "cpu" and not _ext.has_kernels("cpu"):
         pytest.skip(f"CPU extension not built: {_ext.errors.get('_C')}")
-    if device == "cuda" and _ext.cuda is None:
+    if device == "cuda" and not _ext.has_kernels("cuda"):
         pytest.skip(f"CUDA extension not built: {_ext.errors.get('_C_cuda')}")
 
 
@@ -168,13 +168,13 @@ def test_cpu_extension_loaded():
 
 def test_backend_names():
     assert ops.backend() in ("cpu-ext", "cuda-ext", "torch")
-    assert ops.backend("cpu") == ("cpu-ext" if _ext.cpu is not None else "torch")
-    assert ops.backend("cuda") == ("cuda-ext" if _ext.cuda is not None else "torch")
+    assert ops.backend("cpu") == ("cpu-ext" if _ext.has_kernels("cpu") else "torch")
+    assert ops.backend("cuda") == ("cuda-ext" if _ext.has_kernels("cuda") else "torch")
     assert ops.backend(torch.device("meta")) == "torch"
 
 
 def test_one_warning_when_extension_missing(monkeypatch):
-    monkeypatch.setattr(_ext, "cpu", None)
+    monkeypatch.setattr(_ext, "_HAS_KERNELS", {"cpu": False, "cuda": False})
     monkeypatch.setattr(_ext, "DISABLED", False)
     monkeypatch.setattr(_ext, "_warned", {})
     gen = torch.Generator().manual_seed(0)
@@ -1215,7 +1215,7 @@ CODEC(double)
 def test_nvcc_compiles_cuda_sources(tmp_path):
     """csrc/cuda/kernels.cuh (all four dtypes) and csrc/codec/codec.cuh standalone,
     csrc/cuda/cuda_ops.cu and csrc/codec/cuda_codec.cu against torch's headers, and the CUDA
-    module's bindings with the host compiler, run side by side.
+    module's operator registrations with the host compiler, run side by side.
 
     A CPU-only torch wheel ships c10/cuda headers but not the build-generated
     c10/cuda/impl/cuda_cmake_macros.h; a one-line stand-in is supplied for it then.
@@ -1276,14 +1276,14 @@ def test_nvcc_compiles_cuda_sources(tmp_path):
             "-o",
             str(tmp_path / "cuda_codec.o"),
         ],
-        "cuda_bindings.cpp (host)": [
+        "cuda_library.cpp (host)": [
             cxx,
             "-fsyntax-only",
             "-std=c++20",
             *incs,
             f"-I{sysconfig.get_paths()['include']}",
             "-DTORCH_EXTENSION_NAME=_C_cuda",
-            os.path.join(CSRC, "cuda", "cuda_bindings.cpp"),
+            os.path.join(CSRC, "cuda", "cuda_library.cpp"),
         ],
     }
     procs = {
