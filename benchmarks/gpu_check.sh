@@ -80,7 +80,7 @@ if [ "${1:-}" = compression ]; then
   cat "$OUT/kernels_codec.md"
   exit $status
 fi
-$PY -m pytest -q -rs tests/unit/test_kernels.py -k cuda >"$OUT/tests_kernels.log" 2>&1 || status=1
+$PY -m pytest -q -rs tests/unit/test_kernels.py tests/unit/test_library.py -k cuda >"$OUT/tests_kernels.log" 2>&1 || status=1
 tail -1 "$OUT/tests_kernels.log"
 $PY -m pytest -q -rs tests/gpu/test_cuda.py -k "not compressed and not profile" >"$OUT/tests_modes.log" 2>&1 || status=1
 tail -1 "$OUT/tests_modes.log"
