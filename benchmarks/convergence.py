@@ -9,6 +9,8 @@ Trains each task of ``convergence_tasks.py`` with 4 ranks (Gloo, CPU) in these m
 * ``dc``, ``wp1``, ``wp2``, ``wp3``, ``t2``: sapipe with the fixed k (default ``--k half``:
   k = m // 2, the first half of the layers in forward order) and that compensation,
   λ = 0.2 (the library default) for ``dc`` and ``wp3``
+* ``auto``     the same k, ``compensation="auto"``: each stale bucket's prediction chosen
+  online among none / wp1 / wp2 / wp3 (docs/design.md §3.14)
 
 plus a λ sweep of ``dc`` and ``wp3`` on the task where staleness hurts (``--sweep-task``),
 and the compression study: each task's best mode (``Task.best_mode``) also runs with
@@ -57,8 +59,8 @@ import harness
 HERE = Path(harness.BENCH_DIR)
 REPO = Path(harness.REPO)
 
-MAIN_MODES = ["sync", "pipesgd", "none", "dc", "wp1", "wp2", "wp3", "t2"]
-SAPIPE_MODES = ["dc", "wp1", "wp2", "wp3", "t2"]
+MAIN_MODES = ["sync", "pipesgd", "none", "dc", "wp1", "wp2", "wp3", "t2", "auto"]
+SAPIPE_MODES = ["dc", "wp1", "wp2", "wp3", "t2", "auto"]
 STUDIES = ("all", "main", "compression")
 MAIN_COLORS = dict(
     sync="black",
@@ -69,6 +71,7 @@ MAIN_COLORS = dict(
     wp2="tab:olive",
     wp3="tab:purple",
     t2="tab:brown",
+    auto="tab:cyan",
 )
 # sync, the uncompressed best mode, then COMPRESSED_VARIANTS in order
 COMPRESSION_COLORS = ["black", "tab:green", "tab:blue", "tab:orange", "tab:red"]
@@ -262,6 +265,7 @@ def worker(args) -> None:
                 f"layer count mismatch: sapipe found {opt.num_layers}, benchmark counted {m}"
             )
         k_used = opt.stale_layers
+        choice = opt.compensation_choice  # compensation="auto": what it chose, and why
         # Training loss averaged over ranks, per step (one collective, after training).
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, losses)
@@ -286,13 +290,20 @@ def worker(args) -> None:
                 train_s=train_time,
                 wall_s=time.perf_counter() - wall0,
                 loadavg=[load0, os.getloadavg()[0]],
+                compensation_choice=choice,
             )
             record["runs"].append(run)
             print(
                 f"[{task.name} seed={args.seed}] {spec['name']:<14} k={k_used}/{m} "
                 f"{steps} steps  final {task.metric} {final['metric']:.3f}  "
                 f"train loss {sum(mean_loss[-10:]) / 10:.4f}  train {train_time:.1f}s  "
-                f"load {load0:.1f}",
+                f"load {load0:.1f}"
+                + (
+                    "  chose "
+                    + ", ".join(f"{b}: {v['choice']}" for b, v in choice["buckets"].items())
+                    if choice
+                    else ""
+                ),
                 flush=True,
             )
         del opt, base, model
@@ -667,10 +678,13 @@ def _intro_lines(by_task: dict[str, list[dict]], manifest: dict, k_arg: str) -> 
     ]
 
 
-def _best_sapipe_mode(recs: list[dict], stats: dict[str, tuple]) -> str | None:
-    """The compensation mode with the best finite mean final metric (None if none ran)."""
+def _best_sapipe_mode(
+    recs: list[dict], stats: dict[str, tuple], modes: list[str] = SAPIPE_MODES
+) -> str | None:
+    """The compensation mode of ``modes`` with the best finite mean final metric (None if none
+    ran)."""
     sign = 1 if recs[0]["higher_is_better"] else -1
-    finite = [m for m in SAPIPE_MODES if _runs(recs, m) and math.isfinite(stats[m][0])]
+    finite = [m for m in modes if _runs(recs, m) and math.isfinite(stats[m][0])]
     return max(finite, key=lambda m: sign * stats[m][0]) if finite else None
 
 
@@ -741,6 +755,10 @@ def _main_table_lines(by_task: dict[str, list[dict]], tasks: list[str]) -> tuple
             v["beats_pipe"] = (not math.isfinite(pipe[0])) or _better(meta)(
                 v["best_stats"][0], pipe[0]
             )
+        fixed = _best_sapipe_mode(recs, stats, [m for m in SAPIPE_MODES if m != "auto"])
+        if fixed is not None and _runs(recs, "auto"):
+            v["best_fixed"] = fixed
+            v["auto_within"] = _within_one_std(meta, stats["auto"][:2], stats[fixed][:2])
         verdicts.append(v)
     n_seeds = sorted({len(by_task[t]) for t in tasks})
     lines += [
@@ -806,6 +824,11 @@ def _targets_lines(
             )
             if v["hurt"]:
                 line += f", {'better' if v['beats_pipe'] else '**not better**'} than Pipe-SGD"
+        if v.get("best_fixed"):
+            line += (
+                f"; `auto` {'within' if v['auto_within'] else '**NOT within**'} one std of the "
+                f"best fixed option `{v['best_fixed']}`"
+            )
         lines.append(line + ".")
     met = any(v["hurt"] for v in verdicts) and all(
         v.get("within", False) and (v.get("beats_pipe", True) or not v["hurt"]) for v in verdicts

@@ -175,9 +175,11 @@ class Settings:
         "none",
         _compensation,
         'the stale layers\' compensation: a registered name, ``"none"``, ``"dc"``, ``"wp1"``, '
-        '``"wp2"``, ``"wp3"`` or ``"t2"`` (PipeMare\'s velocity extrapolation), or a '
-        ":class:`sapipe.optim.compensation.Compensation` (``ExtrapolateVelocity(decay=D)``, or "
-        "one of your own: a subclass).",
+        '``"wp2"``, ``"wp3"``, ``"t2"`` (PipeMare\'s velocity extrapolation) or ``"auto"`` (each '
+        "stale bucket's weight prediction chosen online by how well it predicts the next "
+        "weights: ``opt.compensation_choice``), or a "
+        ":class:`sapipe.optim.compensation.Compensation` (``ExtrapolateVelocity(decay=D)``, "
+        "``ChooseOnline(candidates=..., probe_steps=...)``, or one of your own: a subclass).",
     )
     dc_lambda: float = _setting(
         0.2,

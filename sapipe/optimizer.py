@@ -255,6 +255,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         made."""
         return self.auto.decision if self.auto is not None else None
 
+    @property
+    def compensation_choice(self) -> dict[str, Any] | None:
+        """With ``compensation="auto"``: whether the probe has decided and, per stale bucket
+        (named by its layers), the prediction it runs and each candidate's summed squared
+        prediction error relative to ``none``'s (below 1: it predicted the next real weights
+        better than the current ones did). None for a fixed compensation."""
+        choice = self._runtime.updater.choice
+        if choice is None:
+            return None
+        names = {
+            bucket.index: "+".join(layer.name for layer in bucket.layers)
+            for bucket in (self._runtime.buckets if self._runtime.laid_out else [])
+        }
+        return choice.report(names)
+
     def save_profile(self, path: str) -> None:
         """With ``stale_layers="auto"``, once k is decided: write what the scheduler measured and
         chose
@@ -330,7 +345,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._runtime.allocate()
         self.tracer.record("step_start", iteration=iteration)
         self._runtime.take_gradients(iteration, grad_scaler, self, self._control)
-        self._runtime.end_step(iteration, hyperparams)
+        self._runtime.end_step(iteration, hyperparams, self._control)
         self._progress.completed = iteration
         # What an LR scheduler built on the wrapped optimizer checks to tell that its step()
         # ran (torch.optim.lr_scheduler warns otherwise). torch has no public API for it: its

@@ -276,13 +276,20 @@ class ControlChannel:
 
     def agree_on_max(self, values: list[float], what: str) -> list[float]:
         """The maximum over ranks of each of ``values`` (float64); ``what`` names it in errors."""
+        return self._all_reduce(values, dist.ReduceOp.MAX, "max", what)
+
+    def agree_on_sum(self, values: list[float], what: str) -> list[float]:
+        """The sum over ranks of each of ``values`` (float64); ``what`` names it in errors."""
+        return self._all_reduce(values, dist.ReduceOp.SUM, "sum", what)
+
+    def _all_reduce(self, values: list[float], op, name: str, what: str) -> list[float]:
         group = self._open_group(f"agreeing on {what}")
         tensor = _scratch(
-            self._scratch, ("max", len(values)), len(values), torch.float64, self._device
+            self._scratch, (name, len(values)), len(values), torch.float64, self._device
         )
         tensor.copy_(torch.tensor(values, dtype=torch.float64))
         with failure_named(f"agreeing on {what}"):
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(tensor, op=op, group=group)
         return tensor.cpu().tolist()
 
     def from_first_rank(self, value: Any, what: str) -> Any:

@@ -17,6 +17,7 @@ optimizer rule.
 | wp2  | g_{t-1} | g_{t-1} | option 2 |
 | wp3  | g_{t-1} | DC_λ(g_{t-1} − l_{t-1}/n, x_t − x_{t-1}) + l_t/n | option 3 |
 | t2   | g_{t-s} | — : x̃_{t+1} = x_t + s·δ_t, δ an EMA of x_t − x_{t-1} | PipeMare T2 (§3.2) |
+| auto | g_{t-1} | per bucket, that of none/wp1/wp2/wp3 nearest the real x_{t+1} | §3.14 |
 """
 
 from __future__ import annotations
@@ -229,6 +230,71 @@ class ExtrapolateVelocity(Compensation):
         return self.decay ** (1.0 / self.staleness)
 
 
+class ChooseOnline(Compensation):
+    """``"auto"``: each stale bucket's weight prediction chosen online (docs/design.md §3.14).
+
+    At staleness 1, ``none``, ``wp1``, ``wp2`` and ``wp3`` apply the same real update
+    (ĝ = g_{t-1}); they differ only in the weights x̃_{t+1} the next forward runs on. For
+    ``probe_steps`` steps after the stale layers are laid out, every stale bucket runs the
+    last candidate's prediction (``wp3`` by default) while each candidate's x̃_{t+1} is also
+    computed on the side and, once the real x_{t+1} exists, scored by ‖x̃_{t+1} − x_{t+1}‖².
+    The ranks then add
+    their scores, and each bucket keeps the candidate with the smallest sum (``none``, which
+    predicts x_t, is the baseline the others must beat). Switching is safe at any step: the
+    real weights and optimizer state do not depend on the choice.
+
+    ``ChooseOnline(candidates=("none", "wp1", "wp3"), probe_steps=40)`` narrows or lengthens
+    the probe. ``dc`` (another ĝ, a weight history) and ``t2`` are not candidates.
+    """
+
+    name = "auto"
+    predicts = True
+    needs_local = True  # wp1 and wp3 read l_t
+    needs_prev_local = True  # wp3 reads l_{t-1}
+    max_staleness = 1
+    candidates: tuple[str, ...] = ("none", "wp1", "wp2", "wp3")
+    probe_steps = 20
+
+    def __init__(self, candidates: tuple[str, ...] | None = None, probe_steps: int | None = None):
+        allowed = ("none", "wp1", "wp2", "wp3")
+        if candidates is not None:
+            if (
+                not isinstance(candidates, (tuple, list))
+                or not candidates
+                or any(c not in allowed for c in candidates)
+                or len(set(candidates)) != len(candidates)
+            ):
+                raise ConfigurationError(
+                    f"ChooseOnline(candidates=...) takes distinct names of {allowed}; "
+                    f"got {candidates!r}"
+                )
+            if tuple(candidates) != type(self).candidates:
+                self.candidates = tuple(candidates)
+        if probe_steps is not None:
+            if isinstance(probe_steps, bool) or not isinstance(probe_steps, int) or probe_steps < 2:
+                raise ConfigurationError(
+                    f"ChooseOnline(probe_steps=...) takes an int ≥ 2; got {probe_steps!r}"
+                )
+            if probe_steps != type(self).probe_steps:
+                self.probe_steps = probe_steps
+
+    def __repr__(self) -> str:
+        return f"ChooseOnline(candidates={self.candidates!r}, probe_steps={self.probe_steps})"
+
+    @property
+    def during_probe(self) -> str:
+        """The prediction every stale bucket runs until the probe decides: the last candidate."""
+        return self.candidates[-1]
+
+    def candidate(self, name: str) -> Compensation:
+        """The compensation ``name`` stands for, bound to this job's staleness."""
+        return MODES[name]().for_staleness(self.staleness)
+
+    def prediction_gradient(self, step):
+        """g̃ of the prediction the probe runs (the runtime asks per bucket once it has chosen)."""
+        return self.candidate(self.during_probe).prediction_gradient(step)
+
+
 #: names ``compensation=`` accepts, and the strategy each stands for (:func:`register_compensation`)
 MODES: dict[str, type[Compensation]] = {
     cls.name: cls
@@ -239,6 +305,7 @@ MODES: dict[str, type[Compensation]] = {
         PredictFromSynchronised,
         PredictMixed,
         ExtrapolateVelocity,
+        ChooseOnline,
     )
 }
 
@@ -264,6 +331,7 @@ def resolve(compensation: str | Compensation) -> Compensation:
 
 __all__ = [
     "MODES",
+    "ChooseOnline",
     "Compensation",
     "DelayCompensation",
     "ExtrapolateVelocity",

@@ -204,10 +204,10 @@ class Runtime:
             )
         self.exposure.check_exposed(iteration, what)
 
-    def end_step(self, iteration: int, hyperparams: list[dict[str, Any]]) -> None:
+    def end_step(self, iteration: int, hyperparams: list[dict[str, Any]], control=None) -> None:
         """``step()``'s updates: stale buckets now; sync buckets deferred to their next forward,
         unless the script read their exposed ``p.grad`` (its all-reduce has arrived: applied
-        now)."""
+        now). With ``compensation="auto"``, the probe's agreement over ``control`` when due."""
         pipeline_step = iteration - self.pipeline.origin
         exposure = self.exposure
         for bucket in self.buckets:
@@ -220,6 +220,9 @@ class Runtime:
                     self.apply_deferred(bucket)
         if exposure is not None:
             exposure.end_step()
+        choice = self.updater.choice
+        if choice is not None and control is not None and pipeline_step >= 1:
+            choice.end_step(control)
 
     @property
     def syncs_at_step(self) -> bool:
@@ -279,6 +282,11 @@ class Runtime:
                 for bucket in self.buckets
             ],
             "scaling": self.scaling.state_dict(),
+            **(
+                {"prediction_choice": self.updater.choice.state_dict()}
+                if self.updater.choice is not None
+                else {}
+            ),
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -289,6 +297,8 @@ class Runtime:
         self.pipeline.origin = state["pipeline_origin"]
         self.scaling.load_state_dict(state["scaling"])
         self._restore_buckets(layout, state["buckets"])
+        if self.updater.choice is not None and "prediction_choice" in state:
+            self.updater.choice.load_state_dict(state["prediction_choice"])
         self.nonfinite.start(layout.layers[0].params[0].device, next_check=state["iteration"] + 1)
         self.pipeline.end_iteration()
         if self.exposure is not None:

@@ -22,12 +22,13 @@ from sapipe.config import Settings
 from sapipe.errors import ConfigurationError, UnsupportedOptimizerError
 from sapipe.kernels.gradient_spec import GradientSpec
 from sapipe.layout.buckets import Bucket, Segment
-from sapipe.optim.compensation import Compensation, StaleStep
+from sapipe.optim.compensation import ChooseOnline, Compensation, StaleStep
 from sapipe.optim.fused import OptimizerRule, SegmentState
 from sapipe.runtime import unused
 from sapipe.runtime.exposure import GradientExposure
 from sapipe.runtime.layout import Layout
 from sapipe.runtime.pipeline import GradientPipeline
+from sapipe.runtime.prediction_choice import PredictionChoice
 from sapipe.runtime.scaling import LossScaling
 
 Hyperparams = list[dict[str, Any]]  # one dict per param group, as the rule reads them
@@ -118,6 +119,10 @@ class Updater:
         self._exposure = exposure
         self._weights: list[BucketWeights] = []  # per bucket of the layout (empty: none yet)
         self._scaling = scaling
+        #: compensation="auto": the probe and each stale bucket's chosen prediction
+        self.choice = (
+            PredictionChoice(compensation) if isinstance(compensation, ChooseOnline) else None
+        )
 
     # ------------------------------------------------------------------ per-bucket state
 
@@ -138,6 +143,8 @@ class Updater:
         relayout applies them first, a restore replaces them with the checkpoint's."""
         moved = _state_places(self._weights)
         self._weights = []
+        if self.choice is not None:
+            self.choice.reset()
         for bucket in layout.buckets:
             flat = bucket.flatten_weights()
             states = []
@@ -319,17 +326,35 @@ class Updater:
         view = self._stale_view(w, grad, iteration)
         hyperparams = self.stale_hyperparams(hyperparams, t)
         # x̃_{t+1} = OPT_peek(x_t, g̃); recipes only describe, so g̃ can be known up front
-        predictor = comp.prediction_gradient(view) if comp.predicts else None
+        predicting = comp if self.choice is None else self.choice.compensation_for(bucket.index)
+        predictor = predicting.prediction_gradient(view) if comp.predicts else None
         if comp.extrapolates:  # x̃_t served its forward: the buffer keeps x_{t-1} meanwhile
             w.weights.copy_(w.real)
         if grad is not None:
             self._real_update(w, view, hyperparams, predictor, skip)
+            if self.choice is not None:
+                self.choice.observe(bucket.index, w.real, view, self._peek_into(w, hyperparams))
         else:
             self._no_update(w, hyperparams, predictor)
         if comp.extrapolates:
             self._extrapolate(w)
         elif comp.predicts and predictor is None:
             w.weights.copy_(w.real)  # no prediction: x̃_{t+1} = x_t
+
+    def _peek_into(self, w: BucketWeights, hyperparams: Hyperparams):
+        """OPT_peek of ``w``'s bucket from its real weights and state: (g̃, out) → x̃ in out."""
+
+        def peek(spec: GradientSpec, out: torch.Tensor) -> None:
+            for segment, state in unused.pieces(w):
+                self.rule.peek(
+                    segment.of(w.real),
+                    state,
+                    hyperparams[segment.group],
+                    spec.slice(segment.start, segment.end, segment.lengths),
+                    out=segment.of(out),
+                )
+
+        return peek
 
     def _extrapolate(self, w: BucketWeights) -> None:
         """PipeMare T2: δ_t = γ·δ_{t-1} + (1 − γ)·(x_t − x_{t-1}), then x̃_{t+1} = x_t + s·δ_t,
@@ -414,14 +439,7 @@ class Updater:
         x_{t-1}."""
         if predictor is not None:
             assert not predictor.delta_is_step
-            for segment, state in unused.pieces(w):
-                self.rule.peek(
-                    segment.of(w.real),
-                    state,
-                    hyperparams[segment.group],
-                    predictor.slice(segment.start, segment.end, segment.lengths),
-                    out=segment.of(w.weights),
-                )
+            self._peek_into(w, hyperparams)(predictor, w.weights)
         if w.history is not None:
             w.history.push(w.real)  # x_t = x_{t-1} joins; the oldest is dropped
 

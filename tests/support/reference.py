@@ -75,6 +75,8 @@ class ReferenceResult:
     layer_params: dict[str, list[str]] = field(default_factory=dict)  # layer -> its param names
     global_grads: list[Tensors] = field(default_factory=list)  # g for each iteration
     local_grads: list[list[Tensors]] = field(default_factory=list)  # l per iteration per rank
+    auto_scores: dict[str, float] = field(default_factory=dict)  # "auto": Σ‖x̃ − x‖² each
+    auto_choice: str | None = None  # "auto": the candidate chosen
 
 
 # ----------------------------------------------------------------------------------------
@@ -371,7 +373,8 @@ def _to64(obj):
 # The simulation
 # ----------------------------------------------------------------------------------------
 
-_MODES = ("none", "dc", "wp1", "wp2", "wp3", "t2")
+_MODES = ("none", "dc", "wp1", "wp2", "wp3", "t2", "auto")
+AUTO_CANDIDATES = ("none", "wp1", "wp2", "wp3")  # compensation="auto"'s default candidates
 T2_DECAY = 0.1  # D of compensation="t2" (PipeMare's discrepancy-correction decay)
 
 
@@ -392,7 +395,13 @@ def run_reference(
     restarts: Sequence[tuple[int, int]] = (),
     clip: Callable[[Tensors], Tensors] | None = None,
     reduce: Callable[[list[Tensors]], Tensors] | None = None,
+    probe_steps: int = 20,
+    candidates: Sequence[str] = AUTO_CANDIDATES,
 ) -> ReferenceResult:
+    """``compensation="auto"`` (design §3.14): every candidate's x̃_{t+1} from pipeline step
+    t = 3 on, scored at t + 1 by the squared distance to x_{t+1} summed over ranks; after step
+    ``probe_steps`` + 2 the stale set runs the candidate with the smallest score (the last
+    candidate until then). ``res.auto_scores`` holds the scores, ``res.auto_choice`` the pick."""
     if compensation not in _MODES:
         raise ValueError(f"compensation must be one of {_MODES}, got {compensation!r}")
     if dc_form not in ("outer", "diagonal"):
@@ -402,7 +411,8 @@ def run_reference(
     if staleness > 1 and compensation not in ("none", "dc", "t2"):
         raise ValueError("staleness > 1 is only defined for 'none', 'dc' and 't2'")
     s, W, K = staleness, warmup_steps, lr_ramp_steps
-    wp = compensation.startswith("wp")
+    auto = compensation == "auto"
+    wp = compensation.startswith("wp") or auto
 
     # ---- float64 model copy; canonical parameter names -------------------------------
     net = copy.deepcopy(model).to(torch.float64)
@@ -466,6 +476,45 @@ def run_reference(
     res = ReferenceResult(
         real=[], held=[], order=order, stale_names=all_stale, layer_params=layer_params
     )
+    auto_guesses: dict[str, list[Tensors]] | None = None  # x̃_t of each candidate, per rank
+    if auto:
+        res.auto_scores = {c: 0.0 for c in candidates}
+
+    def prediction(mode: str, t: int, r: int):
+        """g̃ of ``mode`` at pipeline step t for rank r (None: x̃_{t+1} = x_t)."""
+        if mode == "none":
+            return None
+        if mode == "wp1":
+            return L[t][r]
+        if t == 1:  # wp2 / wp3 without g_{t-1}: x̃_2 = x_1
+            return None
+        if mode == "wp2":
+            return G[t - 1]
+        return {  # wp3
+            nm: None
+            if G[t - 1][nm] is None
+            # skipped: no prediction
+            else dc_correct(
+                G[t - 1][nm] - L[t - 1][r][nm] / n,
+                X[t][nm] - X[t - 1][nm],
+                dc_lambda,
+                dc_form,
+            )
+            + L[t][r][nm] / n
+            for nm in S
+        }
+
+    def peeked(g_tilde, t: int) -> Tensors:
+        if g_tilde is None:
+            return cur(S)
+        skipped = {nm for nm in S if t > s and G[t - s][nm] is None}
+        out = opt_peek(
+            optimizer_factory,
+            opt_S,
+            [x[nm] for nm in S],
+            [None if nm in skipped else g_tilde[nm] for nm in S],
+        )
+        return dict(zip(S, out))
 
     for it in range(1, len(batches) + 1):
         # -- 1. every rank: forward/backward at the weights its model holds ---------------
@@ -558,41 +607,29 @@ def run_reference(
                     velocity[nm] = gamma * velocity[nm] + (1 - gamma) * (X[t][nm] - X[t - 1][nm])
                 pred = [{nm: X[t][nm] + s * velocity[nm] for nm in S} for _ in range(n)]
 
+            # -- 4a'. compensation="auto": score last step's guesses, guess x_{t+1}, decide ---
+            mode = compensation
+            if auto and opt_S is not None:
+                if t > s and res.auto_choice is None:
+                    if auto_guesses is not None:
+                        for c in candidates:
+                            res.auto_scores[c] += sum(
+                                float(((auto_guesses[c][r][nm] - X[t][nm]) ** 2).sum())
+                                for r in range(n)
+                                for nm in S
+                            )
+                    auto_guesses = (
+                        {c: [peeked(prediction(c, t, r), t) for r in range(n)] for c in candidates}
+                        if t > s + 1
+                        else None
+                    )
+                mode = res.auto_choice or candidates[-1]
+                if t == probe_steps + 2:
+                    res.auto_choice = min(candidates, key=lambda c: res.auto_scores[c])
+
             # -- 4b. weight prediction for the next iteration: x̃_{t+1} = OPT_peek(x_t, g̃) --
             if wp and opt_S is not None:
-                pred = []
-                for r in range(n):
-                    if compensation == "wp1":
-                        g_tilde = L[t][r]
-                    elif t == 1:  # wp2 / wp3 without g_{t-1}: x̃_2 = x_1
-                        g_tilde = None
-                    elif compensation == "wp2":
-                        g_tilde = G[t - 1]
-                    else:  # wp3
-                        g_tilde = {
-                            nm: None
-                            if G[t - 1][nm] is None
-                            # skipped: no prediction
-                            else dc_correct(
-                                G[t - 1][nm] - L[t - 1][r][nm] / n,
-                                X[t][nm] - X[t - 1][nm],
-                                dc_lambda,
-                                dc_form,
-                            )
-                            + L[t][r][nm] / n
-                            for nm in S
-                        }
-                    if g_tilde is None:
-                        pred.append(cur(S))
-                    else:
-                        skipped = {nm for nm in S if t > s and G[t - s][nm] is None}
-                        peeked = opt_peek(
-                            optimizer_factory,
-                            opt_S,
-                            [x[nm] for nm in S],
-                            [None if nm in skipped else g_tilde[nm] for nm in S],
-                        )
-                        pred.append(dict(zip(S, peeked)))
+                pred = [peeked(prediction(mode, t, r), t) for r in range(n)]
 
         # -- restart: drain the stale gradients in flight, then a new pipeline ------------
         if it in restart_at:
