@@ -20,6 +20,8 @@ import torch
 from support.dist_utils import run_ranks
 from support.zoo import make_zoo_model, module_types, zoo_batch, zoo_loss
 
+from sapipe.optim.compensation import ChooseOnline
+
 pytestmark = pytest.mark.slow  # every configuration compiles its model on two ranks
 
 AUTO_STEPS = 28  # "auto": 5 unprofiled + profiled warm-up, decision, a trial of k = m, the final k
@@ -114,6 +116,8 @@ def _configs(full: bool):
             ({"stale_layers": 0}, "wrapped"),
             ({"stale_layers": "all", "compensation": "wp1"}, "wrapped"),
             ({"stale_layers": "half", "compensation": "wp3"}, "after"),
+            # "auto": probes 3 scored steps, decides at step 5, runs its choice after
+            ({"stale_layers": "half", "compensation": ChooseOnline(probe_steps=3)}, "wrapped"),
         ]
     configs.append(({"stale_layers": "auto", "compensation": "wp3", "tune_steps": 4}, "wrapped"))
     return configs
