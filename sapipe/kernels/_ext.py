@@ -50,7 +50,8 @@ if cpu is None and "_C_cuda" not in errors:
 if cpu is not None:
     from sapipe.kernels import library as _library  # noqa: F401  (the fake kernels)
 
-_MODULE_OF_DEVICE = {"cpu": "_C", "cuda": "_C_cuda"}
+#: the module that registers each device type's kernels
+MODULE_OF_DEVICE = {"cpu": "_C", "cuda": "_C_cuda"}
 
 CPU_ISAS = ("base", "avx2", "avx512")  # what SAPIPE_CPU_ISA may cap the CPU kernels at
 _isa_cap = os.environ.get("SAPIPE_CPU_ISA", "")
@@ -69,7 +70,7 @@ def _registered(device_type: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("sapipe::sgd", device_type.upper())
 
 
-_HAS_KERNELS = {kind: _registered(kind) for kind in _MODULE_OF_DEVICE}
+_HAS_KERNELS = {kind: _registered(kind) for kind in MODULE_OF_DEVICE}
 
 
 def has_kernels(device_type: str) -> bool:
@@ -81,7 +82,7 @@ def compiled_for(device: torch.device) -> bool:
     """Whether ``torch.ops.sapipe`` runs compiled kernels for tensors on ``device`` (False:
     use pure PyTorch; the first miss for a device warns once)."""
     ok = has_kernels(device.type)
-    name = _MODULE_OF_DEVICE.get(device.type)
+    name = MODULE_OF_DEVICE.get(device.type)
     if not ok and name is not None and not DISABLED and not _warned.get(name):
         _warned[name] = True
         warnings.warn(

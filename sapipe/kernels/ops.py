@@ -123,7 +123,7 @@ def backend(device=None) -> str:
 def kernel_unavailable(device, dtype: torch.dtype) -> str | None:
     """Why tensors of ``dtype`` on ``device`` would run the pure-PyTorch path (None: compiled)."""
     kind = torch.device(device).type
-    name = {"cpu": "_C", "cuda": "_C_cuda"}.get(kind)
+    name = _ext.MODULE_OF_DEVICE.get(kind)
     if name is None:
         return f"no compiled kernels for {kind} tensors"
     if not _ext.has_kernels(kind):

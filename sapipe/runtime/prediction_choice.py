@@ -77,9 +77,7 @@ class PredictionChoice:
     @torch.no_grad()
     def observe(self, bucket: int, real: Tensor, view: StaleStep, peek: Peek) -> None:
         """After ``bucket``'s real update of this step (``real`` = x_t): score the predictions of
-        the last step against x_t, then predict x_{t+1} with every candidate."""
-        if self.decided:
-            return
+        the last step against x_t, then predict x_{t+1} with every candidate (while probing)."""
         probe = self._probes.get(bucket)
         if probe is None:
             probe = self._probes[bucket] = _BucketProbe(real, self.policy.candidates)

@@ -332,7 +332,7 @@ class Updater:
             w.weights.copy_(w.real)
         if grad is not None:
             self._real_update(w, view, hyperparams, predictor, skip)
-            if self.choice is not None:
+            if self.choice is not None and not self.choice.decided:
                 self.choice.observe(bucket.index, w.real, view, self._peek_into(w, hyperparams))
         else:
             self._no_update(w, hyperparams, predictor)
